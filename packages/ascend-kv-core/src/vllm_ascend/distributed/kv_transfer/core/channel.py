@@ -1,0 +1,190 @@
+# SPDX-License-Identifier: Apache-2.0
+"""ZeroMQ request/reply endpoints that speak the :mod:`.wire` format.
+
+:class:`RpcServer` serves a ROUTER socket on a daemon thread: each request is
+decoded, handed to a handler, and answered. Garbage, oversize frames,
+unknown message types and handler exceptions are answered with an
+:class:`~.wire.ErrorReply` (or dropped by ZeroMQ when over the size limit);
+the thread keeps serving. :class:`RpcClient` sends one request at a time
+with a timeout and survives a peer that never answers.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any, Generic
+
+import zmq
+
+from .errors import PeerTimeoutError, RemoteError, WireFormatError
+from .wire import Codec, ErrorReply, M, Message, Ping, Pong
+
+logger = logging.getLogger(__name__)
+
+Handler = Callable[[Any], Message]
+
+
+def tcp_endpoint(host: str, port: int) -> str:
+    """``tcp://host:port`` with IPv6 hosts bracketed."""
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"tcp://{host}:{port}"
+
+
+class RpcServer(Generic[M]):
+    """A ROUTER socket answering requests on a daemon thread.
+
+    Args:
+        endpoint: ``tcp://host:port`` (port 0 picks a free port) or ``ipc://path``.
+            Bind to a configured interface, never to ``*`` by default.
+        codec: the protocol spoken on this socket.
+        handler: called with each decoded request, returns the reply. Exceptions
+            become an ``ErrorReply(code="internal")``.
+        name: thread name, for logs.
+    """
+
+    def __init__(self, endpoint: str, codec: Codec[M], handler: Handler, *, name: str = "rpc",
+                 context: zmq.Context[Any] | None = None, poll_interval_ms: int = 100) -> None:
+        self.codec = codec
+        self.handler = handler
+        self.name = name
+        self._ctx = context or zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        # Frames above the limit are dropped by libzmq before they reach Python.
+        self._sock.setsockopt(zmq.MAXMSGSIZE, codec.max_size + 1024)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.endpoint = self._bind(endpoint)
+        self._poll_ms = poll_interval_ms
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.stats = {"requests": 0, "bad_messages": 0, "handler_errors": 0}
+
+    def _bind(self, endpoint: str) -> str:
+        if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
+            base = endpoint[: -len(":0")]
+            port = self._sock.bind_to_random_port(base)
+            return f"{base}:{port}"
+        self._sock.bind(endpoint)
+        return self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    @property
+    def port(self) -> int:
+        """TCP port the socket is bound to."""
+        return int(self.endpoint.rsplit(":", 1)[1])
+
+    def start(self) -> RpcServer[M]:
+        """Start serving on a daemon thread; returns ``self``."""
+        self._thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """Stop the thread and close the socket."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        if self._thread is None or not self._thread.is_alive():
+            self._sock.close(0)
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            try:
+                if not poller.poll(self._poll_ms):
+                    continue
+                frames = self._sock.recv_multipart(copy=False)
+            except zmq.ZMQError as exc:
+                if self._stop.is_set():
+                    break
+                logger.warning("%s: receive failed: %s", self.name, exc)
+                continue
+            if len(frames) < 2:
+                continue
+            envelope = [f.bytes for f in frames[:-1]]
+            reply = self._answer(frames[-1].buffer)
+            try:
+                self._sock.send_multipart([*envelope, self.codec.encode(reply)])
+            except (zmq.ZMQError, WireFormatError) as exc:
+                logger.warning("%s: reply failed: %s", self.name, exc)
+
+    def _answer(self, payload: memoryview) -> Message:
+        self.stats["requests"] += 1
+        try:
+            request = self.codec.decode(payload)
+        except WireFormatError as exc:
+            self.stats["bad_messages"] += 1
+            logger.warning("%s: rejected a malformed request: %s", self.name, exc)
+            return ErrorReply(code="bad_message", message=str(exc))
+        if isinstance(request, Ping):
+            return Pong(name=self.name)
+        try:
+            return self.handler(request)
+        except Exception as exc:  # the server outlives any one bad request
+            self.stats["handler_errors"] += 1
+            logger.exception("%s: handler failed on %s", self.name, type(request).__name__)
+            return ErrorReply(code="internal", message=f"{type(exc).__name__}: {exc}")
+
+
+class RpcClient(Generic[M]):
+    """Send requests to one :class:`RpcServer` and wait for the replies.
+
+    Thread-safe (one request at a time). A request that times out does not
+    wedge the socket: it uses ``REQ_RELAXED`` and ``REQ_CORRELATE``, so the
+    next request goes out and a late reply to the old one is discarded.
+    """
+
+    def __init__(self, endpoint: str, codec: Codec[M], *, timeout_s: float = 10.0,
+                 context: zmq.Context[Any] | None = None) -> None:
+        self.endpoint = endpoint
+        self.codec = codec
+        self.timeout_s = timeout_s
+        self._ctx = context or zmq.Context.instance()
+        self._lock = threading.Lock()
+        self._sock = self._make_socket()
+
+    def _make_socket(self) -> zmq.Socket[Any]:
+        sock = self._ctx.socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.REQ_RELAXED, 1)
+        sock.setsockopt(zmq.REQ_CORRELATE, 1)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.codec.max_size + 1024)
+        sock.connect(self.endpoint)
+        return sock
+
+    def call(self, request: Message, *, timeout_s: float | None = None) -> M:
+        """Send ``request`` and return the decoded reply.
+
+        Raises:
+            PeerTimeoutError: no reply within the timeout.
+            RemoteError: the peer answered with an :class:`ErrorReply`.
+            WireFormatError: the reply was not a valid message.
+        """
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        payload = self.codec.encode(request)
+        with self._lock:
+            try:
+                self._sock.send(payload, copy=False)
+                if not self._sock.poll(int(timeout * 1000), zmq.POLLIN):
+                    raise PeerTimeoutError(
+                        f"{self.endpoint} did not answer {type(request).__name__} "
+                        f"within {timeout:.1f}s")
+                data = self._sock.recv(copy=False)
+            except zmq.ZMQError as exc:
+                # A socket in a bad state is replaced rather than reused.
+                self._sock.close(0)
+                self._sock = self._make_socket()
+                raise PeerTimeoutError(f"{self.endpoint}: {exc}") from exc
+        reply: M = self.codec.decode(data.buffer)
+        if isinstance(reply, ErrorReply):
+            raise RemoteError(f"{self.endpoint} rejected {type(request).__name__}: "
+                              f"{reply.message}", code=reply.code)
+        return reply
+
+    def close(self) -> None:
+        """Close the socket."""
+        with self._lock:
+            self._sock.close(0)

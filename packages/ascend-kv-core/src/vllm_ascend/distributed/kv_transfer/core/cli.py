@@ -1,0 +1,146 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``vllm-ascend-kv``: the project's command line.
+
+Core provides ``version`` and ``config``; every installed package can add
+subcommands through the ``vllm_ascend_kv.cli`` entry-point group. An entry
+point names a callable ``add_commands(subparsers)`` that adds parsers whose
+``func`` default is called with the parsed arguments and returns an exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from importlib import metadata
+
+from .__about__ import __version__
+
+logger = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "vllm_ascend_kv.cli"
+#: Entry points adding ``vllm-ascend-kv bench <name>`` subcommands.
+BENCH_ENTRY_POINT_GROUP = "vllm_ascend_kv.bench"
+
+#: Configuration sections the ``config`` command can describe: name -> "module:Class".
+CONFIG_SECTIONS = {
+    "MooncakeConnectorV1": "vllm_ascend.distributed.kv_transfer.core.config.p2p:MooncakeP2PConfig",
+    "MooncakeLayerwiseConnector":
+        "vllm_ascend.distributed.kv_transfer.core.config.p2p:MooncakeLayerwiseConfig",
+}
+
+DISTRIBUTIONS = ("ascend-kv-core", "ascend-kv-p2p", "ascend-kv-pool", "ascend-cpu-offload",
+                 "ascend-dist-utils", "ascend-kernels", "vllm-ascend-distributed")
+
+
+def _load(path: str) -> object:
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def config_sections() -> dict[str, str]:
+    """Known configuration sections, including those other packages add."""
+    sections = dict(CONFIG_SECTIONS)
+    for ep in metadata.entry_points(group="vllm_ascend_kv.config"):
+        sections[ep.name] = ep.value
+    return sections
+
+
+def _cmd_version(args: argparse.Namespace) -> int:
+    rows = []
+    for dist in DISTRIBUTIONS:
+        try:
+            rows.append((dist, metadata.version(dist)))
+        except metadata.PackageNotFoundError:
+            rows.append((dist, "-"))
+    try:
+        import vllm
+
+        rows.append(("vllm", getattr(vllm, "__version__", "?")))
+    except ImportError:
+        rows.append(("vllm", "not installed"))
+    if args.json:
+        print(json.dumps(dict(rows), indent=2))
+    else:
+        width = max(len(r[0]) for r in rows)
+        for name, ver in rows:
+            print(f"{name:<{width}}  {ver}")
+    return 0
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    sections = config_sections()
+    names = [args.connector] if args.connector else sorted(sections)
+    out: dict[str, list[dict[str, object]]] = {}
+    for name in names:
+        if name not in sections:
+            print(f"unknown connector {name!r}; known: {', '.join(sorted(sections))}",
+                  file=sys.stderr)
+            return 2
+        cls = _load(sections[name])
+        out[name] = [d.__dict__ for d in cls.describe()]  # type: ignore[attr-defined]
+    if args.json:
+        print(json.dumps(out, indent=2, default=str))
+        return 0
+    for name, docs in out.items():
+        print(f"{name} (kv_connector_extra_config)")
+        for d in docs:
+            print(f"  {d['key']}: {d['type']} = {d['default']}")
+            print(f"      {d['doc']}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full parser, with the subcommands of every installed package."""
+    parser = argparse.ArgumentParser(
+        prog="vllm-ascend-kv",
+        description="Tools of vllm-ascend-distributed: versions, configuration reference, "
+                    "and the subcommands of the installed packages (bench, doctor, ...).")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("version", help="versions of the installed packages and of vLLM")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_cmd_version)
+
+    p = sub.add_parser("config", help="every kv_connector_extra_config key: type, default, "
+                                      "meaning")
+    p.add_argument("connector", nargs="?", help="connector name (default: all)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_cmd_config)
+
+    bench = sub.add_parser("bench", help="benchmarks: each path against its raw baseline, "
+                                         "measured in the same run")
+    bench_sub = bench.add_subparsers(dest="bench", metavar="BENCHMARK")
+    bench.set_defaults(func=lambda _a: (bench.print_help(), 2)[1])
+    _add_plugins(BENCH_ENTRY_POINT_GROUP, bench_sub)
+    _add_plugins(ENTRY_POINT_GROUP, sub)
+    return parser
+
+
+def _add_plugins(group: str, sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    for ep in sorted(metadata.entry_points(group=group), key=lambda e: e.name):
+        try:
+            ep.load()(sub)
+        except Exception as exc:  # one broken plugin must not take the CLI down
+            logger.warning("%s %s unavailable: %s", group, ep.name, exc)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``vllm-ascend-kv``."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``kv_connector_extra_config`` of the P/D connectors (``ascend-kv-p2p``).
+
+The keys of vLLM-Ascend (``prefill``/``decode`` with ``tp_size``, ``dp_size``,
+``pp_size``, ``pp_layer_partition``; ``tls_config`` for the layerwise
+metaserver) keep their meaning; the lease, deadline and protocol keys are ours.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from ..errors import ConfigError
+from .base import ConfigSection, option
+
+
+@dataclass(frozen=True)
+class ParallelSpec(ConfigSection):
+    """Parallel layout of one side (prefill or decode) of a P/D deployment."""
+
+    tp_size: int = option(1, doc="Tensor-parallel size of the instance.", minimum=1)
+    dp_size: int = option(1, doc="Data-parallel size of the instance.", minimum=1)
+    pp_size: int = option(1, doc="Pipeline-parallel size of the instance.", minimum=1)
+    pp_layer_partition: list[int] | None = option(
+        None, doc="Layers per pipeline stage, e.g. '20,20' or [20, 20]; default: even split.")
+
+    def validate(self, source: str) -> None:
+        part = self.pp_layer_partition
+        if part is not None:
+            if len(part) != self.pp_size:
+                raise ConfigError(
+                    f"{source}: pp_layer_partition {part} has {len(part)} entries but pp_size is "
+                    f"{self.pp_size}", key=f"{source}.pp_layer_partition", value=part, source=source)
+            if any(n <= 0 for n in part):
+                raise ConfigError(f"{source}: pp_layer_partition {part} must be positive",
+                                  key=f"{source}.pp_layer_partition", value=part, source=source)
+
+
+@dataclass(frozen=True)
+class TLSConfig(ConfigSection):
+    """TLS for the HTTP calls to the proxy's metaserver (layerwise connector)."""
+
+    ssl_enable: bool = option(False, doc="Use HTTPS for the metaserver call.")
+    ssl_keyfile: str | None = option(None, doc="Client private key (PEM).")
+    ssl_certfile: str | None = option(None, doc="Client certificate (PEM).")
+    ssl_ca_certs: str | None = option(None, doc="CA bundle used to verify the metaserver.")
+    ssl_keyfile_password: str | None = option(None, doc="Password of the private key.")
+
+
+@dataclass(frozen=True)
+class MooncakeP2PConfig(ConfigSection):
+    """Extra config of ``MooncakeConnectorV1`` (decode pulls)."""
+
+    # Keys that upstream configs carry but nothing reads, accepted without a warning.
+    passthrough_keys: ClassVar[frozenset[str]] = frozenset({"use_ascend_direct"})
+
+    prefill: ParallelSpec = option(default_factory=ParallelSpec,
+                                   doc="Parallel layout of the prefill (P) instances.")
+    decode: ParallelSpec = option(default_factory=ParallelSpec,
+                                  doc="Parallel layout of the decode (D) instances.")
+    protocol: str | None = option(
+        None, choices=("tcp", "rdma", "ascend"),
+        doc="Mooncake transport; default: 'ascend' on NPU, 'rdma' on CUDA, 'tcp' on CPU.")
+    device_name: str = option("", doc="RDMA device name(s) handed to the transfer engine.")
+    lease_ttl_s: float = option(
+        30.0, minimum=0.1,
+        doc="How long P holds a request's blocks for D without hearing from it; D renews the "
+            "lease while it waits, a lapsed lease frees the blocks.")
+    load_timeout_s: float = option(
+        120.0, minimum=0.1,
+        doc="Deadline for D to receive a request's KV; afterwards the request fails or is "
+            "recomputed per vLLM's kv_load_failure_policy.")
+    handshake_timeout_s: float = option(
+        10.0, minimum=0.1, doc="Timeout of one side-channel request to the peer.")
+    num_recv_workers: int = option(4, minimum=1, doc="Threads on D that pull KV from P instances.")
+
+    def validate(self, source: str) -> None:
+        if self.decode.pp_size != 1:
+            raise ConfigError(f"{source}: decode.pp_size must be 1 (pipeline parallel decode is "
+                              f"not supported), got {self.decode.pp_size}",
+                              key=f"{source}.decode.pp_size", value=self.decode.pp_size,
+                              source=source)
+
+
+@dataclass(frozen=True)
+class MooncakeLayerwiseConfig(MooncakeP2PConfig):
+    """Extra config of ``MooncakeLayerwiseConnector`` (prefill pushes per layer)."""
+
+    tls_config: TLSConfig = option(default_factory=TLSConfig,
+                                   doc="TLS for the HTTP call to the proxy's metaserver.")
+    metaserver_timeout_s: float = option(5.0, minimum=0.1,
+                                         doc="Timeout of one POST to the metaserver.")
+    metaserver_retries: int = option(3, minimum=0, doc="Retries of a failed metaserver POST.")

@@ -1,0 +1,262 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The Mooncake transfer engine, one per process.
+
+:func:`get_transfer_engine` creates the engine lazily and thread-safely the
+first time a connector (or the pool's Mooncake backend) needs it, with the
+protocol of the device (``ascend`` on NPU, ``rdma`` on CUDA, ``tcp`` on CPU)
+unless overridden. Memory is registered once even when asked twice (the
+P/D connector and the pool backend may both register the KV cache). Batches
+are coalesced (adjacent ranges merged) and chunked (the engine rejects
+batches of thousands of descriptors), and a negative return code becomes a
+:class:`~vllm_ascend.distributed.kv_transfer.core.errors.TransferError` that
+says what failed and with whom.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ipaddress
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import TransferError
+from .vllm_compat import optional_dependency
+
+logger = logging.getLogger(__name__)
+
+#: Descriptors per engine call; larger batches overflow the TCP lane queue.
+DEFAULT_MAX_BATCH = 512
+PROTOCOL_ENV = "VLLM_ASCEND_KV_PROTOCOL"
+
+
+@dataclass
+class TransferStats:
+    """Counters of one engine (monotonic)."""
+
+    reads: int = 0
+    writes: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    failures: int = 0
+    seconds: float = 0.0
+
+
+def coalesce(local: Sequence[int], remote: Sequence[int],
+             lengths: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
+    """Merge ranges adjacent on both sides (sorted by local address).
+
+    ``(0, 100, 16), (16, 116, 16)`` becomes ``(0, 100, 32)``.
+    """
+    if not (len(local) == len(remote) == len(lengths)):
+        raise ValueError(f"range lists differ in length: {len(local)} local, {len(remote)} "
+                         f"remote, {len(lengths)} lengths")
+    order = sorted(range(len(local)), key=lambda i: (local[i], remote[i]))
+    out_l: list[int] = []
+    out_r: list[int] = []
+    out_n: list[int] = []
+    for i in order:
+        length = lengths[i]
+        if length <= 0:
+            if length < 0:
+                raise ValueError(f"negative transfer length {length}")
+            continue
+        if out_l and out_l[-1] + out_n[-1] == local[i] and out_r[-1] + out_n[-1] == remote[i]:
+            out_n[-1] += length
+        else:
+            out_l.append(local[i])
+            out_r.append(remote[i])
+            out_n.append(length)
+    return out_l, out_r, out_n
+
+
+class MooncakeTransferEngine:
+    """A thin, checked wrapper of ``mooncake.engine.TransferEngine``.
+
+    Args:
+        hostname: address advertised to peers (also the TCP bind address).
+        protocol: ``tcp``, ``rdma`` or ``ascend``.
+        device_name: RDMA device name(s), empty for auto.
+        metadata_server: ``P2PHANDSHAKE`` (default) or an HTTP metadata URL.
+        max_batch: descriptors per engine call.
+    """
+
+    def __init__(self, hostname: str, protocol: str, *, device_name: str = "",
+                 metadata_server: str = "P2PHANDSHAKE", max_batch: int = DEFAULT_MAX_BATCH) -> None:
+        module = optional_dependency(
+            "mooncake.engine", extra="cpu", package="ascend-kv-core",
+            feature="the Mooncake transfer engine (use the [cuda] or [npu] extra on those "
+                    "platforms)")
+        if _is_ip(hostname):
+            # Mooncake binds its TCP transport here and advertises it; without it the
+            # engine may advertise (and listen on) another interface.
+            os.environ.setdefault("MC_TCP_BIND_ADDRESS", hostname)
+        self.hostname = hostname
+        self.protocol = protocol
+        self.device_name = device_name
+        self.max_batch = max_batch
+        self._engine = module.TransferEngine()
+        rc = self._engine.initialize(hostname, metadata_server, protocol, device_name)
+        if rc != 0:
+            raise TransferError(
+                f"Mooncake transfer engine failed to start on {hostname} with protocol "
+                f"{protocol!r} (metadata {metadata_server!r}): rc={rc}", op="initialize", rc=rc)
+        self.rpc_port = int(self._engine.get_rpc_port())
+        self._lock = threading.Lock()
+        self._ranges: list[tuple[int, int]] = []  # sorted (start, end) of registered memory
+        self.stats = TransferStats()
+        logger.info("Mooncake transfer engine up: %s protocol=%s", self.session_id, protocol)
+
+    # ------------------------------------------------------------ identity
+    @property
+    def session_id(self) -> str:
+        """``host:rpc_port``, the name peers use to reach this engine."""
+        return f"{self.hostname}:{self.rpc_port}"
+
+    @property
+    def raw(self) -> Any:
+        """The underlying ``mooncake.engine.TransferEngine``."""
+        return self._engine
+
+    # ------------------------------------------------------------ memory
+    def register_memory(self, addr: int, length: int) -> bool:
+        """Register ``[addr, addr + length)``; returns False when already registered.
+
+        Raises:
+            TransferError: the engine refused the registration.
+        """
+        if length <= 0:
+            raise ValueError(f"cannot register {length} bytes at {addr:#x}")
+        with self._lock:
+            if self._covered(addr, addr + length):
+                return False
+            rc = self._engine.register_memory(addr, length)
+            if rc != 0:
+                raise TransferError(f"registering {length} bytes at {addr:#x} failed: rc={rc}",
+                                    op="register", rc=rc)
+            bisect.insort(self._ranges, (addr, addr + length))
+            return True
+
+    def unregister_memory(self, addr: int) -> bool:
+        """Unregister the range starting at ``addr``; False if none starts there."""
+        with self._lock:
+            for i, (start, _end) in enumerate(self._ranges):
+                if start == addr:
+                    rc = self._engine.unregister_memory(addr)
+                    if rc != 0:
+                        raise TransferError(f"unregistering {addr:#x} failed: rc={rc}",
+                                            op="unregister", rc=rc)
+                    del self._ranges[i]
+                    return True
+            return False
+
+    @property
+    def registered_bytes(self) -> int:
+        """Total bytes currently registered (for leak checks)."""
+        with self._lock:
+            return sum(end - start for start, end in self._ranges)
+
+    def _covered(self, start: int, end: int) -> bool:
+        i = bisect.bisect_right(self._ranges, (start, float("inf"))) - 1
+        return i >= 0 and self._ranges[i][0] <= start and end <= self._ranges[i][1]
+
+    # ------------------------------------------------------------ transfers
+    def read(self, peer: str, local: Sequence[int], remote: Sequence[int],
+             lengths: Sequence[int]) -> int:
+        """Read remote ranges of ``peer`` (``host:rpc_port``) into local memory; returns bytes."""
+        return self._batch("read", peer, local, remote, lengths)
+
+    def write(self, peer: str, local: Sequence[int], remote: Sequence[int],
+              lengths: Sequence[int]) -> int:
+        """Write local ranges into ``peer``'s memory; returns bytes."""
+        return self._batch("write", peer, local, remote, lengths)
+
+    def _batch(self, op: str, peer: str, local: Sequence[int], remote: Sequence[int],
+               lengths: Sequence[int]) -> int:
+        loc, rem, lens = coalesce(local, remote, lengths)
+        if not loc:
+            return 0
+        call = (self._engine.batch_transfer_sync_read if op == "read"
+                else self._engine.batch_transfer_sync_write)
+        start = time.perf_counter()
+        total = 0
+        for i in range(0, len(loc), self.max_batch):
+            chunk = slice(i, i + self.max_batch)
+            rc = call(peer, loc[chunk], rem[chunk], lens[chunk])
+            if rc < 0:
+                self.stats.failures += 1
+                nbytes = sum(lens[chunk])
+                raise TransferError(
+                    f"{op} of {len(loc[chunk])} ranges ({nbytes} bytes) "
+                    f"{'from' if op == 'read' else 'to'} {peer} failed: rc={rc} (peer dead, "
+                    "unreachable, or the remote memory is not registered)",
+                    op=op, peer=peer, rc=rc)
+            total += sum(lens[chunk])
+        elapsed = time.perf_counter() - start
+        if op == "read":
+            self.stats.reads += 1
+            self.stats.bytes_read += total
+        else:
+            self.stats.writes += 1
+            self.stats.bytes_written += total
+        self.stats.seconds += elapsed
+        return total
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False
+
+
+_lock = threading.Lock()
+_engine: MooncakeTransferEngine | None = None
+
+
+def default_protocol() -> str:
+    """``VLLM_ASCEND_KV_PROTOCOL`` if set, else the device's protocol."""
+    forced = os.environ.get(PROTOCOL_ENV, "").strip().lower()
+    if forced:
+        return forced
+    from .device import get_device
+
+    return get_device().default_protocol
+
+
+def get_transfer_engine(hostname: str | None = None, protocol: str | None = None, *,
+                        device_name: str = "",
+                        metadata_server: str = "P2PHANDSHAKE") -> MooncakeTransferEngine:
+    """The process's transfer engine, created on first use.
+
+    Later calls return the same engine; asking for a different protocol or
+    host than the running engine uses is logged and ignored (one engine a
+    process: registered memory and connections are shared).
+    """
+    global _engine
+    with _lock:
+        if _engine is None:
+            from .net import get_host_ip
+
+            _engine = MooncakeTransferEngine(hostname or get_host_ip(),
+                                             protocol or default_protocol(),
+                                             device_name=device_name,
+                                             metadata_server=metadata_server)
+        else:
+            if protocol and protocol != _engine.protocol:
+                logger.warning("transfer engine already runs protocol %r; request for %r ignored",
+                               _engine.protocol, protocol)
+            if hostname and hostname != _engine.hostname:
+                logger.warning("transfer engine already runs on %s; request for %s ignored",
+                               _engine.hostname, hostname)
+        return _engine
+
+
+def peek_transfer_engine() -> MooncakeTransferEngine | None:
+    """The engine if one was created, without creating it."""
+    return _engine

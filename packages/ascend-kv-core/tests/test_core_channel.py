@@ -1,0 +1,118 @@
+# SPDX-License-Identifier: Apache-2.0
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+import zmq
+
+from vllm_ascend.distributed.kv_transfer.core.channel import RpcClient, RpcServer, tcp_endpoint
+from vllm_ascend.distributed.kv_transfer.core.errors import PeerTimeoutError, RemoteError
+from vllm_ascend.distributed.kv_transfer.core.wire import Ack, Codec, ErrorReply, Message, Ping, Pong
+
+
+class Echo(Message):
+    text: str
+
+
+class Fail(Message):
+    pass
+
+
+class Slow(Message):
+    seconds: float
+
+
+CODEC: Codec[Message] = Codec([Echo, Fail, Slow], max_size=1 << 20)
+
+
+def handler(msg: Message) -> Message:
+    if isinstance(msg, Echo):
+        return Echo(text=msg.text.upper())
+    if isinstance(msg, Slow):
+        time.sleep(msg.seconds)
+        return Ack()
+    raise RuntimeError("handler exploded")
+
+
+@pytest.fixture
+def server() -> RpcServer[Message]:
+    srv = RpcServer(tcp_endpoint("127.0.0.1", 0), CODEC, handler, name="test-rpc").start()
+    yield srv
+    srv.stop()
+
+
+def test_request_reply_and_ping(server: RpcServer[Message]) -> None:
+    client = RpcClient(server.endpoint, CODEC, timeout_s=5)
+    assert client.call(Echo(text="abc")) == Echo(text="ABC")
+    assert isinstance(client.call(Ping()), Pong)
+    client.close()
+
+
+def test_handler_exception_is_an_error_reply_and_server_lives(server: RpcServer[Message]) -> None:
+    client = RpcClient(server.endpoint, CODEC, timeout_s=5)
+    with pytest.raises(RemoteError, match="handler exploded") as info:
+        client.call(Fail())
+    assert info.value.code == "internal"
+    assert client.call(Echo(text="ok")) == Echo(text="OK")
+
+
+def test_garbage_from_a_zmq_peer_gets_an_error_reply(server: RpcServer[Message]) -> None:
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.endpoint)
+    for junk in (b"", b"\x00" * 10, b"VAKV\x01\xff\xff", b"GET / HTTP/1.1\r\n\r\n"):
+        sock.send_multipart([b"", junk])
+        assert sock.poll(5000)
+        frames = sock.recv_multipart()
+        reply = CODEC.decode(frames[-1])
+        assert isinstance(reply, ErrorReply) and reply.code == "bad_message"
+    sock.close()
+    assert server.stats["bad_messages"] == 4
+    assert RpcClient(server.endpoint, CODEC).call(Echo(text="still")) == Echo(text="STILL")
+
+
+def test_raw_tcp_garbage_does_not_kill_the_server(server: RpcServer[Message]) -> None:
+    for junk in (b"\xff" * 64, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", bytes(range(256)) * 40):
+        with socket.create_connection(("127.0.0.1", server.port), timeout=2) as s:
+            s.sendall(junk)
+            time.sleep(0.05)
+    assert RpcClient(server.endpoint, CODEC).call(Echo(text="alive")) == Echo(text="ALIVE")
+
+
+def test_oversize_message_is_dropped_not_buffered(server: RpcServer[Message]) -> None:
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.endpoint)
+    sock.send_multipart([b"", b"VAKV\x01" + b"x" * (4 << 20)])
+    assert not sock.poll(500)  # libzmq disconnects the peer; nothing reaches the handler
+    sock.close()
+    assert RpcClient(server.endpoint, CODEC).call(Echo(text="a")) == Echo(text="A")
+
+
+def test_timeout_then_next_call_works(server: RpcServer[Message]) -> None:
+    client = RpcClient(server.endpoint, CODEC, timeout_s=0.2)
+    with pytest.raises(PeerTimeoutError, match="did not answer Slow"):
+        client.call(Slow(seconds=0.6))
+    time.sleep(0.6)
+    assert client.call(Echo(text="b"), timeout_s=5) == Echo(text="B")
+
+
+def test_dead_peer_times_out_fast() -> None:
+    client = RpcClient(tcp_endpoint("127.0.0.1", 1), CODEC, timeout_s=0.3)
+    start = time.monotonic()
+    with pytest.raises(PeerTimeoutError):
+        client.call(Echo(text="x"))
+    assert time.monotonic() - start < 2
+
+
+def test_binds_the_given_interface_only(server: RpcServer[Message]) -> None:
+    assert server.endpoint.startswith("tcp://127.0.0.1:")
+    # nothing listens on the wildcard address for that port from another interface's view
+    host_ips = {ai[4][0] for ai in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)}
+    for ip in host_ips - {"127.0.0.1"}:
+        with pytest.raises(OSError):
+            socket.create_connection((ip, server.port), timeout=0.5).close()

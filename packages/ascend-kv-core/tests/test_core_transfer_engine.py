@@ -1,0 +1,83 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The transfer-engine wrapper with the real Mooncake engine over TCP on loopback."""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import time
+from typing import Any
+
+import pytest
+import torch
+from ascend_kv_testing.peers import get_or_die, transfer_engine_target
+
+from vllm_ascend.distributed.kv_transfer.core.errors import TransferError
+from vllm_ascend.distributed.kv_transfer.core.transfer_engine import coalesce, get_transfer_engine
+
+pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine-non-cuda "
+                    "(the [cpu] extra), installed by `nox -s tests-ascend-kv-core`")
+
+SIZE = 64 << 20
+
+
+def test_coalesce_merges_only_ranges_adjacent_on_both_sides() -> None:
+    loc, rem, n = coalesce([0, 16, 48, 32], [100, 116, 200, 132], [16, 16, 8, 16])
+    assert (loc, rem, n) == ([0, 48], [100, 200], [48, 8])
+    assert coalesce([], [], []) == ([], [], [])
+    with pytest.raises(ValueError, match="differ in length"):
+        coalesce([1], [], [])
+    with pytest.raises(ValueError, match="negative"):
+        coalesce([1], [2], [-1])
+
+
+@pytest.fixture(scope="module")
+def peer() -> Any:
+    ctx = mp.get_context("spawn")
+    q_out, q_in = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=transfer_engine_target, args=(q_out, q_in, SIZE), daemon=True)
+    proc.start()
+    info = get_or_die(q_out, proc, 120)
+    yield proc, q_out, q_in, info
+    q_in.put("bye")
+    proc.join(10)
+    if proc.is_alive():
+        proc.kill()
+
+
+def test_64mib_read_and_write_arrive_intact(peer: Any) -> None:
+    proc, q_out, q_in, (session, src_addr, dst_addr, digest) = peer
+    te = get_transfer_engine("127.0.0.1", "tcp")
+    local = torch.zeros(SIZE, dtype=torch.uint8)
+    assert te.register_memory(local.data_ptr(), SIZE)
+    assert not te.register_memory(local.data_ptr(), SIZE)  # once, even when asked twice
+    assert not te.register_memory(local.data_ptr() + 4096, 4096)  # inside a registered range
+    # read in 1 MiB blocks, in shuffled order: coalescing must keep every byte in place
+    block = 1 << 20
+    order = torch.randperm(SIZE // block).tolist()
+    start = time.perf_counter()
+    moved = te.read(session, [local.data_ptr() + i * block for i in order],
+                    [src_addr + i * block for i in order], [block] * len(order))
+    elapsed = time.perf_counter() - start
+    assert moved == SIZE
+    assert hashlib.sha256(local.numpy().tobytes()).hexdigest() == digest
+    # and write it back into the peer's second buffer
+    assert te.write(session, [local.data_ptr()], [dst_addr], [SIZE]) == SIZE
+    q_in.put("written")
+    assert get_or_die(q_out, proc, 60) == digest
+    assert te.stats.bytes_read == SIZE and elapsed > 0
+    assert te.unregister_memory(local.data_ptr())
+    assert not te.unregister_memory(local.data_ptr())
+
+
+def test_singleton_and_dead_peer_is_a_fast_clear_error() -> None:
+    te = get_transfer_engine("127.0.0.1", "tcp")
+    assert get_transfer_engine() is te
+    buf = torch.zeros(4096, dtype=torch.uint8)
+    te.register_memory(buf.data_ptr(), 4096)
+    start = time.monotonic()
+    with pytest.raises(TransferError, match="127.0.0.1:1") as info:
+        te.read("127.0.0.1:1", [buf.data_ptr()], [0x1000], [4096])
+    assert info.value.rc < 0 and info.value.op == "read"
+    assert time.monotonic() - start < 10
+    te.unregister_memory(buf.data_ptr())

@@ -1,0 +1,66 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A tiny random-weight Llama and a small tokenizer, made locally (no downloads)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+#: Shape of the default tiny model: 2 layers, 2 KV heads of 64 (fast on 2 CPU cores).
+TINY_LLAMA = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                  max_position_embeddings=4096, initializer_range=0.08)
+
+
+def make_tiny_llama(path: Path, *, seed: int = 0, dtype: str = "float32", **overrides: object) -> Path:
+    """Save a random ``LlamaForCausalLM`` to ``path`` (idempotent) and return ``path``.
+
+    ``initializer_range=0.08`` keeps greedy outputs varied (with 0.02 they
+    collapse into one repeated token, which makes token checks weak).
+    """
+    path = Path(path)
+    marker = path / "config.json"
+    spec = {**TINY_LLAMA, **overrides, "seed": seed, "dtype": dtype}
+    stamp = path / ".spec.json"
+    if marker.exists() and stamp.exists() and json.loads(stamp.read_text()) == spec:
+        return path
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(**{**TINY_LLAMA, **overrides})
+    model = LlamaForCausalLM(cfg).to(getattr(torch, dtype))
+    model.save_pretrained(path)
+    stamp.write_text(json.dumps(spec))
+    return path
+
+
+_CORPUS = """KV cache transfer moves attention keys and values between instances.
+Prefill computes the prompt; decode generates one token at a time.
+A pool keeps prefix blocks so that a repeated prompt skips its prefill.
+The quick brown fox jumps over the lazy dog, again and again, in many sentences.
+Ascend NPUs, CUDA GPUs and CPUs all run the same connector code behind a device layer.
+"""
+
+
+def make_tokenizer(path: Path, *, vocab_size: int = 1024) -> Path:
+    """Train a small byte-level BPE tokenizer on a built-in corpus and save it in ``path``.
+
+    The result loads with ``transformers.AutoTokenizer`` (and so with ``vllm serve``).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    path = Path(path)
+    if (path / "tokenizer.json").exists():
+        return path
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator([_CORPUS] * 50, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(path)
+    return path

