@@ -1,0 +1,232 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Real vLLM CPU engines for tests, each in its own spawned process.
+
+Two engines cannot share one Python process (vLLM keeps global state), so an
+:class:`EngineProcess` runs ``vllm.LLM`` in a child started with the ``spawn``
+method and drives it over a pipe. Between commands the child keeps stepping
+the engine, so a prefill instance holding blocks for a decode instance keeps
+serving the connector's side of the exchange (vLLM only polls connectors
+inside ``step()``).
+
+Prompts are token ids (no tokenizer); sampling is greedy, so two runs of the
+same model and prompt give the same tokens, which is what the tests compare.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: Environment of every engine child (loopback only, small KV cache, in-process engine core).
+ENGINE_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_HOST_IP": "127.0.0.1",
+    "VLLM_ASCEND_KV_HOST": "127.0.0.1",
+    "MC_TCP_BIND_ADDRESS": "127.0.0.1",
+    "MOONCAKE_REQUESTER_LOCAL_HOSTNAME": "127.0.0.1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "VLLM_NO_USAGE_STATS": "1",
+    "HF_HUB_OFFLINE": "1",
+}
+
+
+def engine_kwargs(model: str | Path, **overrides: Any) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.LLM`` for a fast, deterministic CPU engine."""
+    kw: dict[str, Any] = dict(
+        model=str(model), skip_tokenizer_init=True, dtype="float32", max_model_len=2048,
+        enforce_eager=True, max_num_seqs=8, seed=0, block_size=32,
+        enable_prefix_caching=True,
+    )
+    kw.update(overrides)
+    return kw
+
+
+@dataclass
+class GenResult:
+    """What one request produced."""
+
+    request_id: str
+    token_ids: list[int]
+    prompt_len: int
+    num_cached_tokens: int | None
+    kv_transfer_params: dict[str, Any] | None
+    finish_reason: str | None
+    error: str | None = None
+
+
+@dataclass
+class _Cmd:
+    op: str
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+def _child(conn: Any, llm_kwargs: dict[str, Any], env: dict[str, str],
+           pre_import: list[str]) -> None:
+    os.environ.update(env)
+    try:
+        import importlib
+
+        for mod in pre_import:
+            importlib.import_module(mod)
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        llm = LLM(**llm_kwargs)
+    except Exception:
+        conn.send(("error", traceback.format_exc()))
+        return
+    conn.send(("ready", None))
+    engine = llm.llm_engine
+    while True:
+        if not conn.poll(0.005):
+            try:
+                if engine.has_unfinished_requests() or _has_pending_work(engine):
+                    engine.step()
+            except Exception:
+                conn.send(("error", traceback.format_exc()))
+                return
+            continue
+        cmd: _Cmd = conn.recv()
+        try:
+            if cmd.op == "close":
+                conn.send(("ok", None))
+                return
+            if cmd.op == "generate":
+                params = []
+                for kvp in cmd.args["kv_params"]:
+                    extra = {"kv_transfer_params": kvp} if kvp is not None else None
+                    params.append(SamplingParams(max_tokens=cmd.args["max_tokens"], temperature=0.0,
+                                                 ignore_eos=True, detokenize=False,
+                                                 extra_args=extra))
+                prompts = [TokensPrompt(prompt_token_ids=p) for p in cmd.args["prompts"]]
+                outs = llm.generate(prompts, params, use_tqdm=False)
+                res = [GenResult(request_id=o.request_id, token_ids=list(o.outputs[0].token_ids),
+                                 prompt_len=len(o.prompt_token_ids or []),
+                                 num_cached_tokens=o.num_cached_tokens,
+                                 kv_transfer_params=o.kv_transfer_params,
+                                 finish_reason=o.outputs[0].finish_reason) for o in outs]
+                conn.send(("ok", res))
+            elif cmd.op == "call":
+                # run a function "module:attr" inside the engine process, with the LLM
+                import importlib
+
+                mod, _, attr = cmd.args["fn"].partition(":")
+                fn = getattr(importlib.import_module(mod), attr)
+                conn.send(("ok", fn(llm, **cmd.args.get("kwargs", {}))))
+            elif cmd.op == "reset_prefix_cache":
+                conn.send(("ok", llm.reset_prefix_cache()))
+            elif cmd.op == "idle":
+                deadline = time.monotonic() + cmd.args["timeout"]
+                while time.monotonic() < deadline and (engine.has_unfinished_requests()
+                                                       or _has_pending_work(engine)):
+                    engine.step()
+                conn.send(("ok", not (engine.has_unfinished_requests()
+                                      or _has_pending_work(engine))))
+            else:
+                conn.send(("error", f"unknown op {cmd.op}"))
+        except Exception:
+            conn.send(("error", traceback.format_exc()))
+
+
+def _has_pending_work(engine: Any) -> bool:
+    """True while the scheduler still holds finished requests' blocks for a connector."""
+    try:
+        sched = engine.engine_core.engine_core.scheduler
+    except AttributeError:
+        return False
+    return bool(getattr(sched, "requests", None)) or bool(getattr(sched, "finished_req_ids", None))
+
+
+class EngineProcess:
+    """A ``vllm.LLM`` in a spawned child process.
+
+    Args:
+        model: model directory.
+        kv_transfer_config: the ``kv_transfer_config`` dict, or ``None``.
+        env: extra environment of the child.
+        pre_import: modules imported in the child before the engine starts
+            (e.g. a package whose ``register()`` must run).
+        startup_timeout: seconds to wait for the engine.
+        **llm_overrides: passed to :func:`engine_kwargs`.
+    """
+
+    def __init__(self, model: str | Path, kv_transfer_config: dict[str, Any] | None = None, *,
+                 env: dict[str, str] | None = None, pre_import: list[str] | None = None,
+                 startup_timeout: float = 300.0, **llm_overrides: Any) -> None:
+        kwargs = engine_kwargs(model, **llm_overrides)
+        if kv_transfer_config is not None:
+            kwargs["kv_transfer_config"] = kv_transfer_config
+        ctx = mp.get_context("spawn")
+        self._conn, child_conn = ctx.Pipe()
+        self.proc = ctx.Process(target=_child,
+                                args=(child_conn, kwargs, {**ENGINE_ENV, **(env or {})},
+                                      pre_import or []), daemon=True)
+        self.proc.start()
+        status, payload = self._recv(startup_timeout)
+        if status != "ready":
+            self.kill()
+            raise RuntimeError(f"engine failed to start:\n{payload}")
+
+    def _recv(self, timeout: float) -> tuple[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._conn.poll(0.1):
+                return self._conn.recv()
+            if not self.proc.is_alive():
+                return "error", f"engine process died with exit code {self.proc.exitcode}"
+        return "error", f"no answer from the engine within {timeout}s"
+
+    def _call(self, op: str, timeout: float = 600.0, **args: Any) -> Any:
+        self._conn.send(_Cmd(op, args))
+        status, payload = self._recv(timeout)
+        if status != "ok":
+            raise RuntimeError(f"engine {op} failed:\n{payload}")
+        return payload
+
+    def generate(self, prompts: list[list[int]], *, max_tokens: int = 8,
+                 kv_params: list[dict[str, Any] | None] | None = None,
+                 timeout: float = 600.0) -> list[GenResult]:
+        """Greedy generation of ``max_tokens`` tokens for each prompt (token ids)."""
+        kv = kv_params if kv_params is not None else [None] * len(prompts)
+        return self._call("generate", timeout, prompts=prompts, max_tokens=max_tokens, kv_params=kv)
+
+    def call(self, fn: str, timeout: float = 120.0, **kwargs: Any) -> Any:
+        """Run ``fn(llm, **kwargs)`` (``"module:function"``) in the child and return its result."""
+        return self._call("call", timeout, fn=fn, kwargs=kwargs)
+
+    def wait_idle(self, timeout: float = 60.0) -> bool:
+        """Step until no request or held block is left; True when idle."""
+        return bool(self._call("idle", timeout + 10, timeout=timeout))
+
+    def reset_prefix_cache(self) -> Any:
+        """Drop the engine's own prefix cache (the connector's storage is not touched)."""
+        return self._call("reset_prefix_cache")
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the engine and its process."""
+        if self.proc.is_alive():
+            try:
+                self._conn.send(_Cmd("close"))
+                self._recv(timeout)
+            except (BrokenPipeError, EOFError, OSError):
+                pass
+            self.proc.join(timeout)
+        self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL the engine process (fault tests)."""
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(10)
+
+    def __enter__(self) -> EngineProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
