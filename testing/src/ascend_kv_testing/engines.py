@@ -182,9 +182,9 @@ class EngineProcess:
                 return "error", f"engine process died with exit code {self.proc.exitcode}"
         return "error", f"no answer from the engine within {timeout}s"
 
-    def _call(self, op: str, timeout: float = 600.0, **args: Any) -> Any:
+    def _call(self, op: str, call_timeout: float = 600.0, **args: Any) -> Any:
         self._conn.send(_Cmd(op, args))
-        status, payload = self._recv(timeout)
+        status, payload = self._recv(call_timeout)
         if status != "ok":
             raise RuntimeError(f"engine {op} failed:\n{payload}")
         return payload

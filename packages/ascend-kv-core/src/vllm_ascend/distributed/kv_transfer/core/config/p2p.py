@@ -19,7 +19,10 @@ from .base import ConfigSection, option
 class ParallelSpec(ConfigSection):
     """Parallel layout of one side (prefill or decode) of a P/D deployment."""
 
-    tp_size: int = option(1, doc="Tensor-parallel size of the instance.", minimum=1)
+    tp_size: int | None = option(
+        None, minimum=1,
+        doc="Tensor-parallel size of the instance; when set, each instance checks its own "
+            "size at start-up and D checks P's at the handshake.")
     dp_size: int = option(1, doc="Data-parallel size of the instance.", minimum=1)
     pp_size: int = option(1, doc="Pipeline-parallel size of the instance.", minimum=1)
     pp_layer_partition: list[int] | None = option(

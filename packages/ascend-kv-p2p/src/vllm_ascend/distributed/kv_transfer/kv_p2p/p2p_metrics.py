@@ -1,0 +1,26 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Metrics of the P/D connectors (Prometheus names ``vllm:ascend_kv_p2p_*``)."""
+
+from __future__ import annotations
+
+from vllm_ascend.distributed.kv_transfer.core.metrics import BYTE_BUCKETS, MetricSpec
+
+P2P_METRICS = [
+    MetricSpec("p2p_transfer_bytes", "counter", "KV bytes moved between P and D."),
+    MetricSpec("p2p_transfer_seconds", "histogram", "Time of one request's KV transfer."),
+    MetricSpec("p2p_transfer_request_bytes", "histogram", "KV bytes of one request's transfer.",
+               buckets=BYTE_BUCKETS),
+    MetricSpec("p2p_requests_loaded", "counter", "Requests whose KV D received from P."),
+    MetricSpec("p2p_requests_served", "counter", "Requests whose KV P handed to D (Done)."),
+    MetricSpec("p2p_failures", "counter", "KV loads that failed, by cause.", labels=("cause",)),
+    MetricSpec("p2p_expired_leases", "counter", "Requests whose blocks P freed because D's "
+               "lease lapsed."),
+    MetricSpec("p2p_load_deadlines", "counter", "D requests that hit their load deadline."),
+    MetricSpec("p2p_late_completions", "counter", "Done messages for requests already freed."),
+    MetricSpec("p2p_held_requests", "gauge", "Requests whose blocks P holds for D."),
+    MetricSpec("p2p_pending_loads", "gauge", "Requests D is loading from P."),
+    MetricSpec("p2p_virtual_requests", "counter", "Virtual (do_virtual) requests completed "
+               "without a transfer."),
+    MetricSpec("p2p_layer_transfer_seconds", "histogram", "Time of one layer's push (layerwise)."),
+    MetricSpec("p2p_failed_posts", "counter", "Metaserver posts that failed (layerwise)."),
+]

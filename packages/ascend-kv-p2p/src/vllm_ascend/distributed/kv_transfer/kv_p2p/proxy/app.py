@@ -1,0 +1,322 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The proxy's FastAPI application.
+
+Pull mode (``MooncakeConnectorV1``): a request goes to a P instance with
+``max_tokens=1`` and ``kv_transfer_params={"do_remote_decode": true}``; P's
+answer carries the params D needs; the original request then goes to a D
+instance with those params, and D's answer (streamed or not) is the client's.
+Each client request gets one unique id, sent to P and D as ``X-Request-Id``.
+A P or D that cannot be reached is marked unhealthy and the next one is
+tried; when none answers, the client gets a 503 naming what failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from .balancer import Instance, Pool, Policy
+
+logger = logging.getLogger(__name__)
+
+#: Keys the proxy puts in P's ``kv_transfer_params`` (the upstream proxy's request).
+PREFILL_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+@dataclass
+class ProxyConfig:
+    """Settings of one proxy."""
+
+    prefill: list[str]
+    decode: list[str]
+    policy: Policy = "round_robin"
+    timeout_s: float = 600.0
+    health_interval_s: float = 5.0
+    mode: str = "pull"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class ProxyError(Exception):
+    """An answer the proxy gives the client itself (status, message)."""
+
+    def __init__(self, status: int, message: str, kind: str = "proxy_error") -> None:
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+
+
+def error_response(status: int, message: str, kind: str) -> JSONResponse:
+    """An OpenAI-style error body."""
+    return JSONResponse(status_code=status,
+                        content={"error": {"message": message, "type": kind, "code": status}})
+
+
+class Metrics:
+    """The proxy's own Prometheus metrics (``vllm_ascend_pd_proxy_*``)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("vllm_ascend_pd_proxy_requests", "Client requests by outcome.",
+                                ["endpoint", "outcome"], registry=self.registry)
+        self.upstream = Counter("vllm_ascend_pd_proxy_upstream_requests",
+                                "Requests sent to P and D instances by outcome.",
+                                ["role", "instance", "outcome"], registry=self.registry)
+        self.stage = Histogram("vllm_ascend_pd_proxy_stage_seconds",
+                               "Time of each stage (prefill, decode).", ["stage"],
+                               registry=self.registry)
+        self.in_flight = Gauge("vllm_ascend_pd_proxy_in_flight", "Requests in flight per "
+                               "instance.", ["role", "instance"], registry=self.registry)
+        self.healthy = Gauge("vllm_ascend_pd_proxy_instance_healthy", "1 if the instance "
+                             "answered its last health check.", ["role", "instance"],
+                             registry=self.registry)
+
+
+class Proxy:
+    """State of a running proxy: instance pools, HTTP client, metrics."""
+
+    def __init__(self, cfg: ProxyConfig) -> None:
+        self.cfg = cfg
+        self.prefill = Pool("prefill", cfg.prefill, cfg.policy)
+        self.decode = Pool("decode", cfg.decode, cfg.policy)
+        self.metrics = Metrics()
+        self.client: httpx.AsyncClient | None = None
+        self.records: dict[str, Any] = {"requests": 0, "virtual": 0}
+
+    def pools(self) -> list[Pool]:
+        return [self.prefill, self.decode]
+
+    # ------------------------------------------------------------ upstream calls
+    async def post_json(self, pool: Pool, path: str, body: dict[str, Any],
+                        headers: dict[str, str]) -> tuple[Instance, httpx.Response]:
+        """POST to the first instance of ``pool`` that answers; raises ProxyError if none does."""
+        assert self.client is not None
+        errors = []
+        for inst in pool.pick():
+            pool.begin(inst)
+            self.metrics.in_flight.labels(pool.role, inst.url).inc()
+            try:
+                resp = await self.client.post(inst.url + path, json=body, headers=headers)
+            except httpx.HTTPError as exc:
+                msg = f"{inst.url}: {type(exc).__name__}: {exc}"
+                errors.append(msg)
+                pool.end(inst, ok=False, error=msg)
+                pool.mark(inst, False, msg)
+                self.metrics.upstream.labels(pool.role, inst.url, "unreachable").inc()
+                continue
+            finally:
+                self.metrics.in_flight.labels(pool.role, inst.url).dec()
+            pool.end(inst, ok=resp.status_code < 500, error=f"HTTP {resp.status_code}")
+            self.metrics.upstream.labels(pool.role, inst.url, str(resp.status_code)).inc()
+            return inst, resp
+        raise ProxyError(503, f"no {pool.role} instance reachable: " + "; ".join(errors),
+                         "service_unavailable")
+
+    async def open_stream(self, pool: Pool, path: str, body: dict[str, Any],
+                          headers: dict[str, str]) -> tuple[Instance, httpx.Response]:
+        """Like :meth:`post_json` but returns an open streaming response."""
+        assert self.client is not None
+        errors = []
+        for inst in pool.pick():
+            req = self.client.build_request("POST", inst.url + path, json=body, headers=headers)
+            try:
+                resp = await self.client.send(req, stream=True)
+            except httpx.HTTPError as exc:
+                msg = f"{inst.url}: {type(exc).__name__}: {exc}"
+                errors.append(msg)
+                pool.mark(inst, False, msg)
+                self.metrics.upstream.labels(pool.role, inst.url, "unreachable").inc()
+                continue
+            self.metrics.upstream.labels(pool.role, inst.url, str(resp.status_code)).inc()
+            return inst, resp
+        raise ProxyError(503, f"no {pool.role} instance reachable: " + "; ".join(errors),
+                         "service_unavailable")
+
+    async def health_loop(self) -> None:
+        """Probe every instance's ``/health`` periodically."""
+        assert self.client is not None
+        while True:
+            for pool in self.pools():
+                for inst in pool.instances:
+                    try:
+                        r = await self.client.get(inst.url + "/health", timeout=3.0)
+                        ok, err = r.status_code == 200, f"/health answered {r.status_code}"
+                    except httpx.HTTPError as exc:
+                        ok, err = False, f"{type(exc).__name__}: {exc}"
+                    pool.mark(inst, ok, "" if ok else err)
+                    self.metrics.healthy.labels(pool.role, inst.url).set(1 if ok else 0)
+            await asyncio.sleep(self.cfg.health_interval_s)
+
+    # ------------------------------------------------------------ P/D flow
+    async def handle(self, path: str, body: dict[str, Any]) -> Response:
+        request_id = f"pd-{uuid.uuid4().hex}"
+        headers = {"X-Request-Id": request_id}
+        self.records["requests"] += 1
+        stream = bool(body.get("stream"))
+        kv_params = await self.prefill_step(path, body, headers)
+        d_body = dict(body)
+        if kv_params is not None:
+            d_body["kv_transfer_params"] = kv_params
+        else:
+            d_body.pop("kv_transfer_params", None)
+        return await self.decode_step(path, d_body, headers, stream=stream,
+                                      request_id=request_id)
+
+    async def prefill_step(self, path: str, body: dict[str, Any],
+                           headers: dict[str, str]) -> dict[str, Any] | None:
+        """Run the prompt on P; return the ``kv_transfer_params`` for D (None: D recomputes)."""
+        p_body = dict(body)
+        p_body["max_tokens"] = 1
+        if "max_completion_tokens" in p_body:
+            p_body["max_completion_tokens"] = 1
+        p_body["stream"] = False
+        p_body.pop("stream_options", None)
+        p_body["kv_transfer_params"] = dict(PREFILL_PARAMS)
+        start = time.perf_counter()
+        inst, resp = await self.post_json(self.prefill, path, p_body, headers)
+        self.metrics.stage.labels("prefill").observe(time.perf_counter() - start)
+        if resp.status_code != 200:
+            raise ProxyError(resp.status_code, f"prefill instance {inst.url} answered "
+                             f"{resp.status_code}: {resp.text[:2000]}", "prefill_error")
+        try:
+            params = resp.json().get("kv_transfer_params")
+        except (ValueError, AttributeError):
+            params = None
+        if not isinstance(params, dict):
+            logger.info("prefill %s returned no kv_transfer_params; decode recomputes", inst.url)
+            return None
+        return params
+
+    async def decode_step(self, path: str, body: dict[str, Any], headers: dict[str, str], *,
+                          stream: bool, request_id: str) -> Response:
+        start = time.perf_counter()
+        if not stream:
+            inst, resp = await self.post_json(self.decode, path, body, headers)
+            self.metrics.stage.labels("decode").observe(time.perf_counter() - start)
+            return Response(content=resp.content, status_code=resp.status_code,
+                            media_type=resp.headers.get("content-type", "application/json"),
+                            headers={"X-Request-Id": request_id})
+        inst, resp = await self.open_stream(self.decode, path, body, headers)
+        if resp.status_code != 200:
+            content = await resp.aread()
+            await resp.aclose()
+            return Response(content=content, status_code=resp.status_code,
+                            media_type=resp.headers.get("content-type", "application/json"))
+        self.decode.begin(inst)
+
+        async def relay() -> AsyncIterator[bytes]:
+            ok = False
+            try:
+                async for chunk in resp.aiter_raw():
+                    yield chunk
+                ok = True
+            finally:
+                await resp.aclose()
+                self.decode.end(inst, ok=ok, error="" if ok else "stream interrupted")
+                self.metrics.stage.labels("decode").observe(time.perf_counter() - start)
+
+        return StreamingResponse(relay(), status_code=200,
+                                 media_type=resp.headers.get("content-type",
+                                                             "text/event-stream"),
+                                 headers={"X-Request-Id": request_id})
+
+
+def build_app(cfg: ProxyConfig) -> FastAPI:
+    """The FastAPI application of a proxy over ``cfg``'s instances."""
+    proxy = Proxy(cfg)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+        proxy.client = httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout_s, connect=5.0),
+                                         limits=limits)
+        task = asyncio.create_task(proxy.health_loop())
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await proxy.client.aclose()
+
+    app = FastAPI(title="vllm-ascend P/D proxy", lifespan=lifespan)
+    app.state.proxy = proxy
+
+    async def serve(path: str, request: Request) -> Response:
+        endpoint = path.rsplit("/", 1)[-1]
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+            proxy.metrics.requests.labels(endpoint, "bad_request").inc()
+            return error_response(400, "request body is not valid JSON", "invalid_request_error")
+        if not isinstance(body, dict):
+            proxy.metrics.requests.labels(endpoint, "bad_request").inc()
+            return error_response(400, "request body must be a JSON object",
+                                  "invalid_request_error")
+        try:
+            resp = await proxy.handle(path, body)
+        except ProxyError as exc:
+            proxy.metrics.requests.labels(endpoint, exc.kind).inc()
+            logger.warning("%s: %s", path, exc)
+            return error_response(exc.status, str(exc), exc.kind)
+        proxy.metrics.requests.labels(endpoint, str(resp.status_code)).inc()
+        return resp
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await serve("/v1/completions", request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await serve("/v1/chat/completions", request)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        assert proxy.client is not None
+        for inst in proxy.decode.pick():
+            try:
+                r = await proxy.client.get(inst.url + "/v1/models", timeout=10.0)
+            except httpx.HTTPError:
+                continue
+            return Response(r.content, status_code=r.status_code,
+                            media_type=r.headers.get("content-type", "application/json"))
+        return error_response(503, "no decode instance reachable", "service_unavailable")
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok = proxy.prefill.any_healthy() and proxy.decode.any_healthy()
+        return JSONResponse(status_code=200 if ok else 503, content={
+            "status": "ok" if ok else "unavailable",
+            "prefill": [i.as_dict() for i in proxy.prefill.instances],
+            "decode": [i.as_dict() for i in proxy.decode.instances]})
+
+    @app.get("/status")
+    async def status() -> Response:
+        return JSONResponse({"mode": cfg.mode, "policy": cfg.policy, **proxy.records,
+                             "prefill": [i.as_dict() for i in proxy.prefill.instances],
+                             "decode": [i.as_dict() for i in proxy.decode.instances]})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(proxy.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

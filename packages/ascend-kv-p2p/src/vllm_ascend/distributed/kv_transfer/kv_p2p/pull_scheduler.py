@@ -1,0 +1,249 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Scheduler side of ``MooncakeConnectorV1`` (decode pulls).
+
+On P (``kv_producer``): a request sent with ``do_remote_decode`` keeps its
+blocks when it finishes (delayed free) and returns the ``kv_transfer_params``
+D needs; the worker learns which blocks it holds through the metadata.
+
+On D (``kv_consumer``): a request with ``do_remote_prefill`` reports its
+prompt as an asynchronous external hit; after vLLM allocates blocks, the
+worker is told to pull the matching P blocks. Malformed params still go
+through the asynchronous path so the worker can fail (or recompute) that one
+request through vLLM's ``kv_load_failure_policy``; the engine serves on.
+While a request waits in D's queue, a background thread renews P's lease on
+its blocks so a busy D is not mistaken for a dead one.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from vllm_ascend.distributed.kv_transfer.core.channel import RpcClient, tcp_endpoint
+from vllm_ascend.distributed.kv_transfer.core.config.p2p import MooncakeP2PConfig
+from vllm_ascend.distributed.kv_transfer.core.errors import KVTransferError
+from vllm_ascend.distributed.kv_transfer.core.net import get_host_ip
+
+from .errors import KVParamsError
+from .params import RemotePrefill, params_for_decode, parse_remote_prefill, wants_remote_decode, wants_remote_prefill
+from .protocol import CODEC, Renew, side_channel_port, worker_port
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RecvMeta:
+    """D: pull ``remote.block_ids[-len(local_block_ids):]`` into ``local_block_ids``."""
+
+    request_id: str
+    local_block_ids: list[int]
+    remote: RemotePrefill | None
+    remote_block_ids: list[int] = field(default_factory=list)
+    error: str | None = None
+    #: nothing to read (local prefix hit or aborted before allocation): just release P's blocks
+    release_only: bool = False
+
+
+@dataclass
+class SendMeta:
+    """P: hold ``block_ids`` of ``request_id`` for D."""
+
+    request_id: str
+    block_ids: list[int]
+
+
+@dataclass
+class MooncakeConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> worker payload of one step."""
+
+    requests: dict[str, RecvMeta] = field(default_factory=dict)
+    requests_to_send: dict[str, SendMeta] = field(default_factory=dict)
+
+
+class LeaseRenewer:
+    """Renews P's leases for requests waiting in D's queue (a daemon thread)."""
+
+    def __init__(self, interval_s: float, timeout_s: float) -> None:
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._tracked: dict[str, RemotePrefill] = {}
+        self._clients: dict[str, RpcClient[Any]] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def track(self, request_id: str, remote: RemotePrefill) -> None:
+        with self._lock:
+            self._tracked[request_id] = remote
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="p2p-lease-renewer",
+                                                daemon=True)
+                self._thread.start()
+
+    def untrack(self, request_id: str) -> None:
+        with self._lock:
+            self._tracked.pop(request_id, None)
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._lock:
+            for client in self._clients.values():
+                client.close()
+            self._clients.clear()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.renew_once()
+
+    def renew_once(self) -> None:
+        """Send one round of ``Renew`` messages (one per P worker)."""
+        with self._lock:
+            by_endpoint: dict[str, list[str]] = {}
+            for rid, remote in self._tracked.items():
+                for rank in range(remote.tp_size):
+                    port = worker_port(remote.port, tp_rank=rank, tp_size=remote.tp_size)
+                    by_endpoint.setdefault(tcp_endpoint(remote.host, port), []).append(
+                        remote.request_id)
+        for endpoint, ids in by_endpoint.items():
+            client = self._clients.get(endpoint)
+            if client is None:
+                client = self._clients.setdefault(
+                    endpoint, RpcClient(endpoint, CODEC, timeout_s=self.timeout_s))
+            try:
+                client.call(Renew(request_ids=ids))
+            except KVTransferError as exc:
+                logger.debug("lease renewal to %s failed: %s", endpoint, exc)
+
+
+class PullScheduler:
+    """Scheduler-side logic of the pull connector."""
+
+    def __init__(self, vllm_config: VllmConfig, cfg: MooncakeP2PConfig, engine_id: str) -> None:
+        kvc = vllm_config.kv_transfer_config
+        assert kvc is not None
+        par = vllm_config.parallel_config
+        self.cfg = cfg
+        self.engine_id = engine_id
+        self.block_size = vllm_config.cache_config.block_size
+        self.is_producer = bool(kvc.is_kv_producer)
+        self.is_consumer = bool(kvc.is_kv_consumer)
+        self.tp_size = par.tensor_parallel_size
+        self.host = get_host_ip()
+        self.side_port = side_channel_port(kvc.kv_port, dp_rank=par.data_parallel_rank,
+                                           tp_size=par.tensor_parallel_size,
+                                           pp_size=par.pipeline_parallel_size)
+        self._recv: dict[str, RecvMeta] = {}
+        self._send: dict[str, SendMeta] = {}
+        self._parsed: dict[str, RemotePrefill | KVParamsError] = {}
+        self.renewer = (LeaseRenewer(cfg.lease_ttl_s / 3, cfg.handshake_timeout_s)
+                        if self.is_consumer else None)
+
+    # ------------------------------------------------------------ helpers
+    def _parse(self, request: Request) -> RemotePrefill | KVParamsError:
+        try:
+            return parse_remote_prefill(request.kv_transfer_params,
+                                        prompt_len=len(request.prompt_token_ids or ()),
+                                        block_size=self.block_size)
+        except KVParamsError as exc:
+            return exc
+
+    # ------------------------------------------------------------ vLLM hooks
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if not (self.is_consumer and wants_remote_prefill(params)):
+            return 0, False
+        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        parsed = self._parse(request)
+        self._parsed[request.request_id] = parsed
+        if isinstance(parsed, KVParamsError):
+            logger.error("request %s: bad kv_transfer_params: %s", request.request_id, parsed)
+        elif self.renewer is not None:
+            self.renewer.track(request.request_id, parsed)
+        if count <= 0:
+            return 0, False
+        return count, True
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if not (self.is_consumer and wants_remote_prefill(params)):
+            return
+        rid = request.request_id
+        parsed = self._parsed.pop(rid, None) or self._parse(request)
+        if self.renewer is not None:
+            self.renewer.untrack(rid)
+        assert isinstance(params, dict)
+        params["do_remote_prefill"] = False
+        if num_external_tokens <= 0:
+            if isinstance(parsed, RemotePrefill):
+                self._recv[rid] = RecvMeta(rid, [], parsed, release_only=True)
+            return
+        local = list(blocks.get_unhashed_block_ids())
+        if isinstance(parsed, KVParamsError):
+            self._recv[rid] = RecvMeta(rid, local, None, error=str(parsed))
+            return
+        prompt_len = len(request.prompt_token_ids or ())
+        computed_blocks = (prompt_len - num_external_tokens) // self.block_size
+        remote_ids = parsed.block_ids[computed_blocks:]
+        # vLLM may allocate room beyond the prompt; only the prompt's blocks are pulled.
+        local = local[: len(remote_ids)]
+        if len(remote_ids) != len(local):
+            msg = (f"remote_block_ids cover {len(remote_ids)} blocks beyond the local prefix "
+                   f"but {len(local)} blocks were allocated")
+            self._recv[rid] = RecvMeta(rid, local, parsed, error=msg)
+            return
+        self._recv[rid] = RecvMeta(rid, local, parsed, remote_block_ids=remote_ids)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> MooncakeConnectorMetadata:
+        meta = MooncakeConnectorMetadata(requests=self._recv, requests_to_send=self._send)
+        self._recv, self._send = {}, {}
+        return meta
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        rid = request.request_id
+        parsed = self._parsed.pop(rid, None)
+        if self.renewer is not None:
+            self.renewer.untrack(rid)
+        params = request.kv_transfer_params
+        if not isinstance(params, dict):
+            return False, None
+        if self.is_consumer and params.get("do_remote_prefill"):
+            # Finished (aborted) before blocks were allocated: let P free its blocks now.
+            parsed = parsed or self._parse(request)
+            if isinstance(parsed, RemotePrefill):
+                self._recv[rid] = RecvMeta(rid, [], parsed, release_only=True)
+            params["do_remote_prefill"] = False
+            return False, None
+        if not (self.is_producer and wants_remote_decode(params)):
+            return False, None
+        if request.status != RequestStatus.FINISHED_LENGTH_CAPPED:
+            return False, None
+        prompt_len = request.num_prompt_tokens
+        held = list(block_ids[: math.ceil(prompt_len / self.block_size)])
+        if not held:
+            return False, None
+        self._send[rid] = SendMeta(rid, held)
+        out = request.output_token_ids
+        return True, params_for_decode(
+            block_ids=held, engine_id=self.engine_id, host=self.host, port=self.side_port,
+            request_id=rid, tp_size=self.tp_size,
+            last_token_id=int(out[-1]) if len(out) else None, num_prompt_blocks=len(held))
+
+    def shutdown(self) -> None:
+        if self.renewer is not None:
+            self.renewer.stop()

@@ -1,0 +1,575 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Worker side of ``MooncakeConnectorV1`` (decode pulls).
+
+P worker: registers its KV cache with the transfer engine and serves a
+side channel (one ZeroMQ socket a worker rank). Every request the scheduler
+holds for D is a lease: D's ``Claim`` and ``Renew`` extend it, D's ``Done``
+(from every expected reader) releases it, and a lease that lapses frees the
+blocks anyway, reported exactly once through ``get_finished``. P only
+answers a ``Claim`` for blocks it holds for that very request.
+
+D worker: pulls each request on a thread pool: handshake with every P rank it
+needs (cached, with the compatibility check), ``Claim``, one batched read
+through the transfer engine, ``Done``. Every request ends exactly once, as
+loaded or as failed; a failed request's blocks go to
+``get_block_ids_with_load_errors`` so vLLM recomputes or fails it per
+``kv_load_failure_policy``; a request still loading at its deadline is
+failed at the deadline.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vllm_ascend.distributed.kv_transfer.core.channel import RpcClient, RpcServer, tcp_endpoint
+from vllm_ascend.distributed.kv_transfer.core.config.p2p import MooncakeP2PConfig
+from vllm_ascend.distributed.kv_transfer.core.errors import (
+    KVTransferError,
+    PeerTimeoutError,
+    RemoteError,
+    TransferError,
+)
+from vllm_ascend.distributed.kv_transfer.core.layout import KVCacheLayout
+from vllm_ascend.distributed.kv_transfer.core.leases import LeaseTable
+from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
+from vllm_ascend.distributed.kv_transfer.core.net import get_host_ip
+from vllm_ascend.distributed.kv_transfer.core.transfer_engine import (
+    MooncakeTransferEngine,
+    get_transfer_engine,
+)
+from vllm_ascend.distributed.kv_transfer.core.wire import ErrorReply, Message
+
+from .errors import HandshakeMismatchError, RemoteKVUnavailable
+from .protocol import (
+    CODEC,
+    PROTOCOL_VERSION,
+    AgentMeta,
+    Claim,
+    ClaimOK,
+    Done,
+    DoneAck,
+    GetMeta,
+    Renew,
+    RenewReply,
+    side_channel_port,
+    worker_port,
+)
+from .pull_scheduler import MooncakeConnectorMetadata, RecvMeta
+from .tp_plan import PullSlice, plan_pulls, readers_per_p_rank
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = logging.getLogger(__name__)
+
+#: How many released request ids P remembers (to tell "freed" from "never had").
+_RELEASED_MEMORY = 16384
+#: How long D retries a Claim that P answers "unknown request" (P may not have the
+#: request's metadata yet: it arrives with P's next engine step).
+CLAIM_RETRY_S = 10.0
+#: How long P's side channel waits for a request's registration before answering "unknown".
+CLAIM_WAIT_S = 0.2
+
+
+@dataclass
+class Held:
+    """Blocks P holds for one request."""
+
+    block_ids: list[int]
+    readers_expected: int = 1
+    readers_done: set[str] = field(default_factory=set)
+
+
+@dataclass
+class Pending:
+    """A D request being loaded."""
+
+    meta: RecvMeta
+    deadline: float
+
+
+class PullWorker:
+    """Worker-side logic of the pull connector (both roles)."""
+
+    def __init__(self, vllm_config: VllmConfig, cfg: MooncakeP2PConfig, engine_id: str,
+                 recorder: MetricsRecorder) -> None:
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        kvc = vllm_config.kv_transfer_config
+        assert kvc is not None
+        par = vllm_config.parallel_config
+        self.cfg = cfg
+        self.engine_id = engine_id
+        self.recorder = recorder
+        self.is_producer = bool(kvc.is_kv_producer)
+        self.is_consumer = bool(kvc.is_kv_consumer)
+        self.block_size = vllm_config.cache_config.block_size
+        self.model = str(vllm_config.model_config.model).rstrip("/").split("/")[-1]
+        self.total_kv_heads = int(vllm_config.model_config.get_total_num_kv_heads())
+        self.tp_size = par.tensor_parallel_size
+        self.tp_rank = get_tp_group().rank_in_group
+        self.pp_rank = get_pp_group().rank_in_group
+        self.host = get_host_ip()
+        base = side_channel_port(kvc.kv_port, dp_rank=par.data_parallel_rank,
+                                 tp_size=par.tensor_parallel_size,
+                                 pp_size=par.pipeline_parallel_size)
+        self.port = worker_port(base, tp_rank=self.tp_rank, tp_size=self.tp_size,
+                                pp_rank=self.pp_rank)
+        self.reader_id = f"{engine_id}/tp{self.tp_rank}"
+        own = cfg.prefill if self.is_producer and not self.is_consumer else cfg.decode
+        if own.tp_size is not None and own.tp_size != self.tp_size:
+            raise HandshakeMismatchError(
+                f"kv_connector_extra_config says this instance has tp_size={own.tp_size} but "
+                f"it runs with tensor_parallel_size={self.tp_size}")
+        self.layout: KVCacheLayout | None = None
+        self.te: MooncakeTransferEngine | None = None
+        self.meta: AgentMeta | None = None
+        # ---- P state
+        self.held: LeaseTable[str, Held] = LeaseTable(cfg.lease_ttl_s, name="p2p-held")
+        self._released: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._finished_sending: set[str] = set()
+        self._send_lock = threading.Lock()
+        # signalled when the scheduler's metadata registers new held requests
+        self._held_cv = threading.Condition()
+        self.server: RpcServer[Message] | None = None
+        # ---- D state
+        self._pool = ThreadPoolExecutor(max_workers=cfg.num_recv_workers,
+                                        thread_name_prefix="p2p-pull")
+        self._pending: dict[str, Pending] = {}
+        self._done_recving: set[str] = set()
+        self._failed_blocks: set[int] = set()
+        self._recv_lock = threading.Lock()
+        self._clients: dict[str, RpcClient[Message]] = {}
+        self._remote_meta: dict[str, AgentMeta] = {}
+        self._mismatch: dict[str, str] = {}
+        self._meta_lock = threading.Lock()
+
+    # ================================================================ set-up
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        """Describe the cache, register it with the transfer engine, start the side channel."""
+        self.layout = KVCacheLayout.from_kv_caches(kv_caches, block_size=self.block_size)
+        self.te = get_transfer_engine(self.host, self.cfg.protocol,
+                                      device_name=self.cfg.device_name)
+        for addr, length in self.layout.memory_ranges():
+            self.te.register_memory(addr, length)
+        self.meta = AgentMeta(
+            protocol_version=PROTOCOL_VERSION, engine_id=self.engine_id, model=self.model,
+            session=self.te.session_id, tp_rank=self.tp_rank, tp_size=self.tp_size,
+            pp_rank=self.pp_rank, total_num_kv_heads=self.total_kv_heads,
+            layout=self.layout.descriptor(),
+            region_addrs=[r.base_addr for r in self.layout.regions],
+            region_strides=[r.block_stride for r in self.layout.regions],
+            vllm_version=_vllm_version())
+        if self.is_producer:
+            self.server = RpcServer(tcp_endpoint(self.host, self.port), CODEC, self._handle,
+                                    name=f"p2p-side-channel-{self.port}").start()
+            logger.info("P side channel on %s (engine %s, %d layers, %d blocks)",
+                        self.server.endpoint, self.engine_id, self.layout.num_layers,
+                        self.layout.num_blocks)
+
+    def shutdown(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for client in self._clients.values():
+            client.close()
+
+    # ================================================================ P side
+    def _handle(self, msg: Message) -> Message:
+        """Side-channel handler (runs on the server thread)."""
+        if isinstance(msg, GetMeta):
+            assert self.meta is not None
+            return self.meta
+        if isinstance(msg, Claim):
+            return self._on_claim(msg)
+        if isinstance(msg, Renew):
+            return RenewReply(held=[r for r in msg.request_ids if self.held.renew(r)])
+        if isinstance(msg, Done):
+            return self._on_done(msg)
+        return ErrorReply(code="unsupported", message=f"{type(msg).__name__} is not a request")
+
+    def _on_claim(self, msg: Claim) -> Message:
+        held = self.held.get(msg.request_id)
+        if held is None:
+            # D can be faster than P's next engine step, which registers the request:
+            # wait a little for it instead of making D retry.
+            deadline = time.monotonic() + CLAIM_WAIT_S
+            with self._held_cv:
+                while held is None and time.monotonic() < deadline:
+                    self._held_cv.wait(max(0.0, deadline - time.monotonic()))
+                    held = self.held.get(msg.request_id)
+        if held is None:
+            with self._send_lock:
+                released = msg.request_id in self._released
+            code = "released" if released else "unknown_request"
+            why = ("was already freed (read, released or its lease lapsed)" if released
+                   else "is not held here")
+            return ErrorReply(code=code, message=f"request {msg.request_id!r} {why}")
+        extra = sorted(set(msg.block_ids) - set(held.block_ids))
+        if extra:
+            return ErrorReply(code="bad_blocks",
+                              message=f"request {msg.request_id!r} does not hold blocks {extra[:8]}"
+                                      f"{'...' if len(extra) > 8 else ''}")
+        held.readers_expected = max(1, msg.num_readers)
+        self.held.renew(msg.request_id)
+        return ClaimOK(lease_s=self.cfg.lease_ttl_s)
+
+    def _on_done(self, msg: Done) -> Message:
+        held = self.held.get(msg.request_id)
+        if held is None:
+            self.recorder.inc("p2p_late_completions")
+            return DoneAck(valid=False)
+        held.readers_expected = max(held.readers_expected, msg.num_readers)
+        held.readers_done.add(msg.reader)
+        if len(held.readers_done) < held.readers_expected:
+            return DoneAck(valid=msg.request_id in self.held)
+        if self.held.complete(msg.request_id) is None:
+            return DoneAck(valid=False)  # expired between the two calls
+        self._release(msg.request_id)
+        if msg.success:
+            self.recorder.inc("p2p_requests_served")
+        return DoneAck(valid=True)
+
+    def _release(self, request_id: str) -> None:
+        with self._send_lock:
+            self._finished_sending.add(request_id)
+            self._released[request_id] = None
+            while len(self._released) > _RELEASED_MEMORY:
+                self._released.popitem(last=False)
+
+    def _collect_sending(self) -> set[str]:
+        for rid, _held in self.held.expire():
+            logger.warning("request %s: no Done from D within the %.1fs lease; freeing its "
+                           "blocks", rid, self.cfg.lease_ttl_s)
+            self.recorder.inc("p2p_expired_leases")
+            self._release(rid)
+        self.recorder.set("p2p_held_requests", len(self.held))
+        with self._send_lock:
+            out, self._finished_sending = self._finished_sending, set()
+        return out
+
+    # ================================================================ D side
+    def start_load_kv(self, metadata: MooncakeConnectorMetadata) -> None:
+        """Register P's new held requests and start D's pulls."""
+        for send in metadata.requests_to_send.values():
+            try:
+                self.held.add(send.request_id, Held(list(send.block_ids)))
+            except KeyError:
+                logger.warning("request %s is already held; ignoring a duplicate",
+                               send.request_id)
+        if metadata.requests_to_send:
+            with self._held_cv:
+                self._held_cv.notify_all()
+        now = time.monotonic()
+        for meta in metadata.requests.values():
+            if meta.release_only:
+                if meta.remote is not None:
+                    self._pool.submit(self._release_remote, meta)
+                continue
+            with self._recv_lock:
+                self._pending[meta.request_id] = Pending(meta, now + self.cfg.load_timeout_s)
+            if meta.error is not None or meta.remote is None:
+                self._fail(meta, f"bad kv_transfer_params: {meta.error}", cause="bad_params")
+                continue
+            self._pool.submit(self._pull, meta)
+
+    def _finish(self, meta: RecvMeta, *, ok: bool, reason: str = "", cause: str = "") -> None:
+        """End a load exactly once (success or failure); later calls are ignored."""
+        with self._recv_lock:
+            if self._pending.pop(meta.request_id, None) is None:
+                return  # already ended (deadline passed, or a duplicate): ignore
+            self._done_recving.add(meta.request_id)
+            if not ok:
+                self._failed_blocks.update(meta.local_block_ids)
+        if ok:
+            self.recorder.inc("p2p_requests_loaded")
+        else:
+            self.recorder.inc("p2p_failures", cause=cause or "error")
+            logger.error("request %s: KV load from P failed (%s): %s; its %d blocks are "
+                         "reported for recompute/failure", meta.request_id, cause, reason,
+                         len(meta.local_block_ids))
+
+    def _fail(self, meta: RecvMeta, reason: str, *, cause: str) -> None:
+        self._finish(meta, ok=False, reason=reason, cause=cause)
+
+    def _client(self, host: str, port: int) -> RpcClient[Message]:
+        endpoint = tcp_endpoint(host, port)
+        with self._meta_lock:
+            client = self._clients.get(endpoint)
+            if client is None:
+                client = RpcClient(endpoint, CODEC, timeout_s=self.cfg.handshake_timeout_s)
+                self._clients[endpoint] = client
+            return client
+
+    def remote_meta(self, host: str, port: int, *, expect_tp: int) -> AgentMeta:
+        """P rank's metadata, fetched once and checked against this instance."""
+        endpoint = tcp_endpoint(host, port)
+        with self._meta_lock:
+            if endpoint in self._mismatch:
+                raise HandshakeMismatchError(self._mismatch[endpoint])
+            cached = self._remote_meta.get(endpoint)
+        if cached is not None:
+            return cached
+        meta = self._client(host, port).call(GetMeta(requester=self.reader_id))
+        if not isinstance(meta, AgentMeta):
+            raise RemoteKVUnavailable(f"{endpoint} answered GetMeta with {type(meta).__name__}")
+        problem = self.compatibility_problem(meta, expect_tp=expect_tp)
+        with self._meta_lock:
+            if problem:
+                self._mismatch[endpoint] = problem
+                raise HandshakeMismatchError(problem)
+            self._remote_meta[endpoint] = meta
+        logger.info("handshake with P %s (engine %s, tp %d/%d) ok", endpoint, meta.engine_id,
+                    meta.tp_rank, meta.tp_size)
+        return meta
+
+    def compatibility_problem(self, remote: AgentMeta, *, expect_tp: int) -> str:
+        """Why P's cache cannot be read into ours, naming both sides' values; '' if it can."""
+        assert self.meta is not None
+        mine, theirs = self.meta.layout, remote.layout
+        checks = [
+            ("protocol version", PROTOCOL_VERSION, remote.protocol_version),
+            ("model", self.model, remote.model),
+            ("dtype", mine.dtype, theirs.dtype),
+            ("block size", mine.block_size, theirs.block_size),
+            ("KV layout", mine.kind, theirs.kind),
+            ("number of layers", mine.num_layers, theirs.num_layers),
+            ("head size", mine.head_size, theirs.head_size),
+            ("MLA", mine.is_mla, theirs.is_mla),
+            ("total KV heads", self.total_kv_heads, remote.total_num_kv_heads),
+            ("P tensor-parallel size", expect_tp, remote.tp_size),
+        ]
+        if self.cfg.prefill.tp_size is not None:
+            checks.append(("P tensor-parallel size (prefill.tp_size)", self.cfg.prefill.tp_size,
+                           remote.tp_size))
+        bad = [f"{what}: D has {a!r}, P has {b!r}" for what, a, b in checks if a != b]
+        if bad:
+            return (f"P engine {remote.engine_id} ({remote.session}) cannot hand its KV cache to "
+                    f"this D instance ({self.engine_id}): " + "; ".join(bad))
+        return ""
+
+    def _pull(self, meta: RecvMeta) -> None:
+        """Load one request (pool thread). Every path ends in :meth:`_finish`."""
+        assert meta.remote is not None and self.layout is not None and self.te is not None
+        remote = meta.remote
+        start = time.perf_counter()
+        claimed: list[int] = []
+        plan: list[PullSlice] = []
+        readers: dict[int, int] = {}
+        try:
+            plan = plan_pulls(self.total_kv_heads, remote.tp_size, self.tp_size, self.tp_rank,
+                              is_mla=self.layout.is_mla)
+            readers = readers_per_p_rank(self.total_kv_heads, remote.tp_size, self.tp_size,
+                                         is_mla=self.layout.is_mla)
+            p_ranks = sorted({s.p_rank for s in plan})
+            metas = {r: self.remote_meta(remote.host, self._port_of(remote, r),
+                                         expect_tp=remote.tp_size) for r in p_ranks}
+            for r in p_ranks:
+                self._claim(meta, r, readers[r])
+                claimed.append(r)
+            nbytes = 0
+            for r in p_ranks:
+                slices = [s for s in plan if s.p_rank == r]
+                nbytes += self._read(meta, metas[r], slices)
+            valid = all(self._done(meta, r, readers[r], success=True) for r in p_ranks)
+            claimed.clear()
+            if not valid:
+                raise RemoteKVUnavailable("P freed the blocks before the read finished (lease "
+                                          "lapsed); the data read cannot be trusted",
+                                          code="lease_lapsed")
+        except HandshakeMismatchError as exc:
+            self._fail(meta, str(exc), cause="handshake_mismatch")
+        except RemoteKVUnavailable as exc:
+            self._fail(meta, str(exc), cause=exc.code)
+        except PeerTimeoutError as exc:
+            self._fail(meta, f"P did not answer: {exc}", cause="peer_timeout")
+        except TransferError as exc:
+            self._fail(meta, str(exc), cause="transfer")
+        except Exception as exc:  # never leave a request waiting forever
+            logger.exception("request %s: unexpected error while pulling KV", meta.request_id)
+            self._fail(meta, f"{type(exc).__name__}: {exc}", cause="internal")
+        else:
+            elapsed = time.perf_counter() - start
+            self.recorder.inc("p2p_transfer_bytes", nbytes)
+            self.recorder.observe("p2p_transfer_seconds", elapsed)
+            self.recorder.observe("p2p_transfer_request_bytes", nbytes)
+            self._finish(meta, ok=True)
+        finally:
+            for r in claimed:  # give P its blocks back early after a failure
+                try:
+                    self._done(meta, r, readers.get(r, 1), success=False)
+                except KVTransferError:
+                    pass
+
+    def _port_of(self, remote: Any, p_rank: int) -> int:
+        return worker_port(remote.port, tp_rank=p_rank, tp_size=remote.tp_size)
+
+    def _claim(self, meta: RecvMeta, p_rank: int, num_readers: int) -> None:
+        remote = meta.remote
+        assert remote is not None
+        client = self._client(remote.host, self._port_of(remote, p_rank))
+        msg = Claim(request_id=remote.request_id, block_ids=meta.remote_block_ids,
+                    reader=self.reader_id, num_readers=num_readers)
+        give_up = time.monotonic() + CLAIM_RETRY_S
+        delay = 0.01
+        while True:
+            try:
+                reply = client.call(msg)
+            except RemoteError as exc:
+                if exc.code == "unknown_request" and time.monotonic() < min(
+                        give_up, self._deadline(meta)):
+                    time.sleep(delay)
+                    delay = min(delay * 2, 0.5)
+                    continue
+                raise RemoteKVUnavailable(f"P rank {p_rank} refused the claim: {exc}",
+                                          code=exc.code) from exc
+            if not isinstance(reply, ClaimOK):
+                raise RemoteKVUnavailable(f"unexpected claim reply {type(reply).__name__}")
+            return
+
+    def _deadline(self, meta: RecvMeta) -> float:
+        with self._recv_lock:
+            pending = self._pending.get(meta.request_id)
+        return pending.deadline if pending else 0.0
+
+    def _done(self, meta: RecvMeta, p_rank: int, num_readers: int, *, success: bool) -> bool:
+        remote = meta.remote
+        assert remote is not None
+        client = self._client(remote.host, self._port_of(remote, p_rank))
+        reply = client.call(Done(request_id=remote.request_id, reader=self.reader_id,
+                                 success=success, num_readers=num_readers))
+        return isinstance(reply, DoneAck) and reply.valid
+
+    def _read(self, meta: RecvMeta, remote: AgentMeta, slices: list[PullSlice]) -> int:
+        """Read this rank's slices of P rank ``remote`` into the local blocks; returns bytes."""
+        assert self.layout is not None and self.te is not None
+        local_regions = self.layout.regions
+        if len(remote.region_addrs) != len(local_regions):
+            raise HandshakeMismatchError(
+                f"P has {len(remote.region_addrs)} KV regions, D has {len(local_regions)}")
+        self.layout.check_block_ids(meta.local_block_ids, what="local block ids")
+        p_blocks = remote.layout.num_blocks
+        for b in meta.remote_block_ids:
+            if not 0 <= b < p_blocks:
+                raise RemoteKVUnavailable(f"remote block id {b} is outside P's cache "
+                                          f"[0, {p_blocks})", code="bad_blocks")
+        local_addrs: list[int] = []
+        remote_addrs: list[int] = []
+        lengths: list[int] = []
+        staged: list[tuple[int, PullSlice]] = []
+        for i, region in enumerate(local_regions):
+            r_len = remote.layout.block_lens[i]
+            r_base, r_stride = remote.region_addrs[i], remote.region_strides[i]
+            for sl in slices:
+                if region.head_axis is None or (sl.num_heads == _heads(region)
+                                                and r_len == region.block_len):
+                    off_l = off_r = 0
+                    length = region.block_len
+                elif region.head_axis == 0:
+                    per_head = region.block_len // _heads(region)
+                    off_l, off_r = sl.local_offset * per_head, sl.remote_offset * per_head
+                    length = sl.num_heads * per_head
+                else:
+                    staged.append((i, sl))
+                    continue
+                for lb, rb in zip(meta.local_block_ids, meta.remote_block_ids, strict=True):
+                    local_addrs.append(region.base_addr + lb * region.block_stride + off_l)
+                    remote_addrs.append(r_base + rb * r_stride + off_r)
+                    lengths.append(length)
+        moved = self.te.read(remote.session, local_addrs, remote_addrs, lengths)
+        if staged:
+            moved += self._read_staged(meta, remote, staged)
+        return moved
+
+    def _read_staged(self, meta: RecvMeta, remote: AgentMeta,
+                     staged: list[tuple[int, PullSlice]]) -> int:
+        """Heads that are not contiguous in a block (NPU layout): read P's whole blocks into a
+        staging buffer, then copy the head slices into the local blocks."""
+        assert self.layout is not None and self.te is not None
+        regions = self.layout.regions
+        n = len(meta.local_block_ids)
+        moved = 0
+        local_ids = torch.tensor(meta.local_block_ids, dtype=torch.long)
+        for i, sl in staged:
+            region = regions[i]
+            heads_p = remote.layout.block_lens[i] // (region.block_len // _heads(region))
+            shape = list(region.block_shape)
+            shape[region.head_axis or 0] = heads_p
+            buf = torch.empty((n, *shape), dtype=region.tensor.dtype, device=region.tensor.device)
+            nbytes = buf[0].numel() * buf.element_size()
+            self.te.register_memory(buf.data_ptr(), buf.numel() * buf.element_size())
+            try:
+                moved += self.te.read(
+                    remote.session, [buf.data_ptr() + k * nbytes for k in range(n)],
+                    [remote.region_addrs[i] + rb * remote.region_strides[i]
+                     for rb in meta.remote_block_ids], [nbytes] * n)
+            finally:
+                self.te.unregister_memory(buf.data_ptr())
+            axis = (region.head_axis or 0) + 1
+            src = buf.narrow(axis, sl.remote_offset, sl.num_heads)
+            dst = region.tensor.index_select(0, local_ids.to(region.tensor.device))
+            dst.narrow(axis, sl.local_offset, sl.num_heads).copy_(src)
+            region.tensor.index_copy_(0, local_ids.to(region.tensor.device), dst)
+        return moved
+
+    def _release_remote(self, meta: RecvMeta) -> None:
+        """Tell every P rank it can free a request D will not read (best effort)."""
+        remote = meta.remote
+        assert remote is not None
+        try:
+            readers = readers_per_p_rank(self.total_kv_heads, remote.tp_size, self.tp_size,
+                                         is_mla=bool(self.layout and self.layout.is_mla))
+            plan = plan_pulls(self.total_kv_heads, remote.tp_size, self.tp_size, self.tp_rank,
+                              is_mla=bool(self.layout and self.layout.is_mla))
+            for r in sorted({s.p_rank for s in plan}):
+                self._done(meta, r, readers[r], success=False)
+        except KVTransferError as exc:
+            logger.info("could not release request %s on P: %s (its lease will lapse)",
+                        remote.request_id, exc)
+
+    def _collect_recving(self) -> set[str]:
+        now = time.monotonic()
+        with self._recv_lock:
+            overdue = [p for p in self._pending.values() if p.deadline <= now]
+        for p in overdue:
+            # A pull still running past its deadline is abandoned: its result is ignored.
+            self.recorder.inc("p2p_load_deadlines")
+            self._fail(p.meta, f"no KV within the {self.cfg.load_timeout_s:.1f}s deadline",
+                       cause="deadline")
+        with self._recv_lock:
+            out, self._done_recving = self._done_recving, set()
+            self.recorder.set("p2p_pending_loads", len(self._pending))
+        return out
+
+    # ================================================================ vLLM hooks
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        sending = self._collect_sending() if self.is_producer else set()
+        recving = self._collect_recving() if self.is_consumer else set()
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        with self._recv_lock:
+            out, self._failed_blocks = self._failed_blocks, set()
+        return out
+
+
+def _heads(region: Any) -> int:
+    axis = region.head_axis
+    return int(region.block_shape[axis]) if axis is not None else 1
+
+
+def _vllm_version() -> str:
+    try:
+        import vllm
+
+        return str(getattr(vllm, "__version__", ""))
+    except ImportError:
+        return ""
