@@ -1,0 +1,149 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The scheduler asks the workers how much of a prefix the pool holds.
+
+Worker rank 0 (per data-parallel rank) serves :class:`LookupRequest` on a
+ZeroMQ socket (``ipc://`` under vLLM's RPC base path, named after the engine
+id and DP rank so instances on one machine never collide); the scheduler's
+:class:`LookupClient` asks it with a deadline. Messages are msgspec structs
+in core's wire format: nothing is unpickled. A lookup that fails or times
+out is a miss, and the client then stops asking for a while (a dead worker
+side must not cost every scheduling step a timeout).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+
+from vllm_ascend.distributed.kv_transfer.core.channel import RpcClient, RpcServer
+from vllm_ascend.distributed.kv_transfer.core.errors import (
+    PeerTimeoutError,
+    RemoteError,
+    WireFormatError,
+)
+from vllm_ascend.distributed.kv_transfer.core.wire import Codec, Message
+
+logger = logging.getLogger(__name__)
+
+
+class LookupRequest(Message):
+    """How many leading tokens of these blocks does the pool hold?"""
+
+    hashes: list[str]
+    #: tokens covered by ``hashes`` (the last block may be partial)
+    token_end: int
+
+
+class LookupReply(Message):
+    """Leading tokens held by the pool (0 on a miss)."""
+
+    hit_tokens: int
+
+
+LOOKUP_CODEC: Codec[LookupRequest | LookupReply] = Codec((LookupRequest, LookupReply),
+                                                          max_size=4 << 20)
+
+
+def lookup_endpoint(engine_id: str, dp_rank: int, port: int = 0,
+                    base_path: str | None = None) -> str:
+    """``ipc://`` path of the lookup socket of one engine and DP rank."""
+    if base_path is None:
+        try:
+            import vllm.envs as envs
+
+            base_path = envs.VLLM_RPC_BASE_PATH
+        except Exception:  # vLLM missing (tools): fall back to the temp dir
+            base_path = tempfile.gettempdir()
+    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in engine_id)[:64]
+    return f"ipc://{os.path.join(base_path, f'ascend_store_lookup_{safe}_{port}_dp{dp_rank}')}"
+
+
+class LookupServer:
+    """Answers lookups with ``handler(hashes, token_end) -> hit tokens``.
+
+    Args:
+        endpoint: socket to bind.
+        handler: the worker's lookup.
+    """
+
+    def __init__(self, endpoint: str, handler: Callable[[list[str], int], int]) -> None:
+        self._handler = handler
+        if endpoint.startswith("ipc://"):
+            path = endpoint[len("ipc://"):]
+            try:
+                os.unlink(path)  # a stale socket file of a dead engine with the same id
+            except FileNotFoundError:
+                pass
+        self._server = RpcServer(endpoint, LOOKUP_CODEC, self._answer,
+                                 name="ascend-store-lookup").start()
+        self.endpoint = self._server.endpoint
+
+    def _answer(self, request: Message) -> Message:
+        if not isinstance(request, LookupRequest):
+            raise TypeError(f"expected LookupRequest, got {type(request).__name__}")
+        if request.token_end < 0:
+            raise ValueError(f"token_end must be >= 0, got {request.token_end}")
+        return LookupReply(hit_tokens=int(self._handler(list(request.hashes),
+                                                        request.token_end)))
+
+    def close(self) -> None:
+        """Stop serving and remove the socket file."""
+        self._server.stop()
+        if self.endpoint.startswith("ipc://"):
+            try:
+                os.unlink(self.endpoint[len("ipc://"):])
+            except OSError:
+                pass
+
+
+class LookupClient:
+    """The scheduler's side of the lookup.
+
+    Args:
+        endpoint: the worker's lookup socket.
+        timeout_s: deadline of one lookup.
+        retry_interval_s: after a failure, lookups are misses for this long.
+        clock: monotonic time source (tests).
+    """
+
+    def __init__(self, endpoint: str, *, timeout_s: float = 5.0, retry_interval_s: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        self.retry_interval_s = retry_interval_s
+        self._clock = clock
+        self._client: RpcClient[LookupRequest | LookupReply] = RpcClient(
+            endpoint, LOOKUP_CODEC, timeout_s=timeout_s)
+        self._down_until = 0.0
+        self._lock = threading.Lock()
+        self.failures = 0
+
+    def lookup(self, hashes: list[str], token_end: int) -> int:
+        """Leading tokens of ``hashes`` in the pool; 0 when the worker side cannot answer."""
+        if not hashes:
+            return 0
+        with self._lock:
+            if self._clock() < self._down_until:
+                return 0
+        try:
+            reply = self._client.call(LookupRequest(hashes=hashes, token_end=token_end))
+        except (PeerTimeoutError, RemoteError, WireFormatError) as exc:
+            self.failures += 1
+            with self._lock:
+                self._down_until = self._clock() + self.retry_interval_s
+            logger.warning("pool lookup at %s failed (%s); lookups are misses for %.1fs",
+                           self.endpoint, exc, self.retry_interval_s)
+            return 0
+        if not isinstance(reply, LookupReply):
+            logger.warning("pool lookup at %s: unexpected reply %s", self.endpoint,
+                           type(reply).__name__)
+            return 0
+        return max(0, min(int(reply.hit_tokens), token_end))
+
+    def close(self) -> None:
+        """Close the socket."""
+        self._client.close()
