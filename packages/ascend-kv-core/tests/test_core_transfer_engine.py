@@ -49,9 +49,11 @@ def test_64mib_read_and_write_arrive_intact(peer: Any) -> None:
     proc, q_out, q_in, (session, src_addr, dst_addr, digest) = peer
     te = get_transfer_engine("127.0.0.1", "tcp")
     local = torch.zeros(SIZE, dtype=torch.uint8)
+    before = te.registered_bytes
     assert te.register_memory(local.data_ptr(), SIZE)
     assert not te.register_memory(local.data_ptr(), SIZE)  # once, even when asked twice
     assert not te.register_memory(local.data_ptr() + 4096, 4096)  # inside a registered range
+    assert te.registered_bytes - before == SIZE
     # read in 1 MiB blocks, in shuffled order: coalescing must keep every byte in place
     block = 1 << 20
     order = torch.randperm(SIZE // block).tolist()
@@ -66,8 +68,28 @@ def test_64mib_read_and_write_arrive_intact(peer: Any) -> None:
     q_in.put("written")
     assert get_or_die(q_out, proc, 60) == digest
     assert te.stats.bytes_read == SIZE and elapsed > 0
-    assert te.unregister_memory(local.data_ptr())
+    # reference counted: the memory stays registered while any registration needs it
+    assert te.unregister_memory(local.data_ptr(), SIZE)
+    assert te.unregister_memory(local.data_ptr(), SIZE)
+    assert te.registered_bytes - before == SIZE  # the inner range still needs the segment
+    assert te.unregister_memory(local.data_ptr() + 4096)
+    assert te.registered_bytes == before
     assert not te.unregister_memory(local.data_ptr())
+
+
+def test_overlapping_ranges_register_only_the_gaps(peer: Any) -> None:
+    _proc, _q_out, _q_in, (session, src_addr, _dst, _digest) = peer
+    te = get_transfer_engine("127.0.0.1", "tcp")
+    buf = torch.zeros(3 << 20, dtype=torch.uint8)
+    p, mib = buf.data_ptr(), 1 << 20
+    before = te.registered_bytes
+    assert te.register_memory(p, 2 * mib)
+    assert te.register_memory(p + mib, 2 * mib)  # overlaps the first: only the last MiB is new
+    assert te.registered_bytes - before == 3 * mib
+    # a read spanning both registrations works
+    assert te.read(session, [p + mib], [src_addr], [2 * mib]) == 2 * mib
+    assert te.unregister_memory(p) and te.unregister_memory(p + mib)
+    assert te.registered_bytes == before
 
 
 def test_singleton_and_dead_peer_is_a_fast_clear_error() -> None:

@@ -8,6 +8,10 @@ This stand-in keeps the names and signatures the project calls
 and runs them on CPU tensors with plain torch, so NPU code paths can be
 exercised for their logic. Activate it with :func:`install` (or the
 ``fake_torch_npu`` fixture) and remove it with :func:`uninstall`.
+
+Where the real operators are strict, so is the fake: the ATB index tensors
+(``block_table``, ``context_lens``, ``seq_starts``, ``slot_indices``) must be
+int32.
 """
 
 from __future__ import annotations
@@ -84,6 +88,14 @@ def _npu_namespace() -> types.SimpleNamespace:
     )
 
 
+def _require_int32(op: str, **tensors: torch.Tensor | None) -> None:
+    """The ATB operators take their index tensors as int32 only; so does the fake."""
+    for name, t in tensors.items():
+        if t is not None and t.dtype != torch.int32:
+            raise RuntimeError(f"{op}: {name} must be int32 (as the real operator requires), "
+                               f"got {t.dtype}")
+
+
 def _paged_cache_load(key_cache: torch.Tensor, value_cache: torch.Tensor,
                       block_table: torch.Tensor, context_lens: torch.Tensor, *,
                       seq_starts: torch.Tensor | None = None, key: torch.Tensor | None = None,
@@ -95,6 +107,8 @@ def _paged_cache_load(key_cache: torch.Tensor, value_cache: torch.Tensor,
     rows are written to ``key``/``value`` ``(total_tokens, heads, head_size)``.
     """
     CALLS.append(("npu_paged_cache_load", tuple(sorted(_))))
+    _require_int32("npu_paged_cache_load", block_table=block_table, context_lens=context_lens,
+                   seq_starts=seq_starts)
     block_size = key_cache.shape[1]
     row = 0
     starts = seq_starts.tolist() if seq_starts is not None else [0] * len(context_lens)
@@ -112,6 +126,7 @@ def _reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.
                        value_cache: torch.Tensor, slot_indices: torch.Tensor) -> None:
     """``torch_npu._npu_reshape_and_cache``: write token rows into their slots."""
     CALLS.append(("_npu_reshape_and_cache", ()))
+    _require_int32("_npu_reshape_and_cache", slot_indices=slot_indices)
     block_size = key_cache.shape[1]
     for i, slot in enumerate(slot_indices.tolist()):
         if slot < 0:
@@ -123,9 +138,13 @@ def _reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.
 def _scatter_pa_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                          value_cache: torch.Tensor, slot_mapping: torch.Tensor,
                          **_: Any) -> None:
-    """``torch_npu.npu_scatter_pa_kv_cache``: same contract as reshape-and-cache (ND layout)."""
+    """``torch_npu.npu_scatter_pa_kv_cache``: same contract as reshape-and-cache (ND layout).
+
+    K and V may differ in their last dims (MLA's latent and rope parts);
+    ``slot_mapping`` may be int32 or int64.
+    """
     CALLS.append(("npu_scatter_pa_kv_cache", tuple(sorted(_))))
-    _reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    _reshape_and_cache(key, value, key_cache, value_cache, slot_mapping.to(torch.int32))
     CALLS.pop()
 
 

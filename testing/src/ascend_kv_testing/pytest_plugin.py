@@ -10,6 +10,17 @@ from typing import Any
 import pytest
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Hypothesis without per-example deadlines: the 2-core CI machine is shared and slow."""
+    try:
+        from hypothesis import HealthCheck, settings
+    except ImportError:
+        return
+    settings.register_profile("vllm-ascend-kv", deadline=None, print_blob=True,
+                              suppress_health_check=[HealthCheck.too_slow])
+    settings.load_profile("vllm-ascend-kv")
+
+
 @pytest.fixture
 def fake_torch_npu() -> Iterator[Any]:
     """The fake ``torch_npu`` module, installed for the test and removed afterwards."""

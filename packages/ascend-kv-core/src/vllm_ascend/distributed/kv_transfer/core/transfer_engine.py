@@ -107,7 +107,10 @@ class MooncakeTransferEngine:
                 f"{protocol!r} (metadata {metadata_server!r}): rc={rc}", op="initialize", rc=rc)
         self.rpc_port = int(self._engine.get_rpc_port())
         self._lock = threading.Lock()
-        self._ranges: list[tuple[int, int]] = []  # sorted (start, end) of registered memory
+        # sorted (start, end) of memory registered with the engine
+        self._segments: list[tuple[int, int]] = []
+        # (start, end) asked for -> [references, engine segments it owns]
+        self._regs: dict[tuple[int, int], list[Any]] = {}
         self.stats = TransferStats()
         logger.info("Mooncake transfer engine up: %s protocol=%s", self.session_id, protocol)
 
@@ -124,45 +127,102 @@ class MooncakeTransferEngine:
 
     # ------------------------------------------------------------ memory
     def register_memory(self, addr: int, length: int) -> bool:
-        """Register ``[addr, addr + length)``; returns False when already registered.
+        """Register ``[addr, addr + length)`` for transfers.
+
+        Registrations are reference counted per range: registering the same range
+        twice (the P/D connector and the pool backend both registering the KV
+        cache) keeps one engine registration, released by the last
+        :meth:`unregister_memory`. A range overlapping already registered memory
+        registers only the uncovered parts (the engine refuses overlaps).
+
+        Returns:
+            True when new memory was registered with the engine.
 
         Raises:
             TransferError: the engine refused the registration.
         """
         if length <= 0:
             raise ValueError(f"cannot register {length} bytes at {addr:#x}")
+        key = (addr, addr + length)
         with self._lock:
-            if self._covered(addr, addr + length):
+            reg = self._regs.get(key)
+            if reg is not None:
+                reg[0] += 1
                 return False
-            rc = self._engine.register_memory(addr, length)
-            if rc != 0:
-                raise TransferError(f"registering {length} bytes at {addr:#x} failed: rc={rc}",
-                                    op="register", rc=rc)
-            bisect.insort(self._ranges, (addr, addr + length))
-            return True
+            gaps = self._gaps(*key)
+            done: list[tuple[int, int]] = []
+            for start, end in gaps:
+                rc = self._engine.register_memory(start, end - start)
+                if rc != 0:
+                    for s, _e in done:
+                        self._engine.unregister_memory(s)
+                    raise TransferError(f"registering {end - start} bytes at {start:#x} failed: "
+                                        f"rc={rc}", op="register", rc=rc)
+                done.append((start, end))
+            for seg in done:
+                bisect.insort(self._segments, seg)
+            self._regs[key] = [1, done]
+            return bool(done)
 
-    def unregister_memory(self, addr: int) -> bool:
-        """Unregister the range starting at ``addr``; False if none starts there."""
+    def unregister_memory(self, addr: int, length: int | None = None) -> bool:
+        """Drop one registration of the range starting at ``addr``.
+
+        Returns:
+            False if no such registration exists; True otherwise (the engine
+            registration is released with the last reference, unless another
+            live range still needs that memory).
+        """
         with self._lock:
-            for i, (start, _end) in enumerate(self._ranges):
-                if start == addr:
-                    rc = self._engine.unregister_memory(addr)
-                    if rc != 0:
-                        raise TransferError(f"unregistering {addr:#x} failed: rc={rc}",
-                                            op="unregister", rc=rc)
-                    del self._ranges[i]
-                    return True
-            return False
+            key = next((k for k in self._regs if k[0] == addr
+                        and (length is None or k[1] - k[0] == length)), None)
+            if key is None:
+                return False
+            reg = self._regs[key]
+            reg[0] -= 1
+            if reg[0] > 0:
+                return True
+            del self._regs[key]
+            for seg in reg[1]:
+                heir = next((k for k in self._regs if k[0] < seg[1] and seg[0] < k[1]), None)
+                if heir is not None:
+                    self._regs[heir][1].append(seg)  # still needed by another range
+                    continue
+                rc = self._engine.unregister_memory(seg[0])
+                self._segments.remove(seg)
+                if rc != 0:
+                    raise TransferError(f"unregistering {seg[0]:#x} failed: rc={rc}",
+                                        op="unregister", rc=rc)
+            return True
 
     @property
     def registered_bytes(self) -> int:
-        """Total bytes currently registered (for leak checks)."""
+        """Bytes currently registered with the engine (for leak checks)."""
         with self._lock:
-            return sum(end - start for start, end in self._ranges)
+            return sum(end - start for start, end in self._segments)
 
-    def _covered(self, start: int, end: int) -> bool:
-        i = bisect.bisect_right(self._ranges, (start, float("inf"))) - 1
-        return i >= 0 and self._ranges[i][0] <= start and end <= self._ranges[i][1]
+    @property
+    def registrations(self) -> int:
+        """Live registrations (ranges times references)."""
+        with self._lock:
+            return sum(reg[0] for reg in self._regs.values())
+
+    def _gaps(self, start: int, end: int) -> list[tuple[int, int]]:
+        """Parts of ``[start, end)`` not covered by registered segments."""
+        gaps = []
+        cur = start
+        i = bisect.bisect_right(self._segments, (start, float("inf"))) - 1
+        i = max(i, 0)
+        for s, e in self._segments[i:]:
+            if s >= end:
+                break
+            if e <= cur:
+                continue
+            if s > cur:
+                gaps.append((cur, s))
+            cur = max(cur, e)
+        if cur < end:
+            gaps.append((cur, end))
+        return gaps
 
     # ------------------------------------------------------------ transfers
     def read(self, peer: str, local: Sequence[int], remote: Sequence[int],

