@@ -78,7 +78,7 @@ class LocalBackend(Backend):
         with self._lock:
             return len(self._objects)
 
-    def keys(self) -> list[str]:
+    def stored_keys(self) -> list[str]:
         """Keys from least to most recently used."""
         with self._lock:
             return list(self._objects)

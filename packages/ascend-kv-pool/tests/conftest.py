@@ -1,0 +1,40 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Fixtures of the ascend-kv-pool tests (shared ones come from the ascend-kv-testing plugin)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# Mooncake advertises and binds the loopback address only.
+os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+os.environ.setdefault("VLLM_ASCEND_KV_HOST", "127.0.0.1")
+os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+
+# pool_test_harness.py sits beside this file (pytest runs with --import-mode=importlib).
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+@pytest.fixture
+def fake_memcache() -> Iterator[Any]:
+    """The fake ``memcache_hybrid``, installed for the test and removed afterwards."""
+    from ascend_kv_testing import fake_memcache as fake
+
+    mod = fake.install()
+    try:
+        yield fake
+    finally:
+        fake.uninstall()
+        del mod
+
+
+@pytest.fixture
+def local_backend() -> Any:
+    from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.backend import LocalBackend
+
+    return LocalBackend(capacity=64 << 20)
