@@ -12,6 +12,7 @@ side must not cost every scheduling step a timeout).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import tempfile
@@ -58,8 +59,13 @@ def lookup_endpoint(engine_id: str, dp_rank: int, port: int = 0,
             base_path = envs.VLLM_RPC_BASE_PATH
         except Exception:  # vLLM missing (tools): fall back to the temp dir
             base_path = tempfile.gettempdir()
-    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in engine_id)[:64]
-    return f"ipc://{os.path.join(base_path, f'ascend_store_lookup_{safe}_{port}_dp{dp_rank}')}"
+    # Unix socket paths are limited to ~107 bytes: name the socket by a short digest.
+    digest = hashlib.sha256(f"{engine_id}|{port}|{dp_rank}".encode()).hexdigest()[:20]
+    name = f"askv_lookup_{digest}"
+    path = os.path.join(base_path, name)
+    if len(path) > 100:
+        path = os.path.join(tempfile.gettempdir(), name)
+    return f"ipc://{path}"
 
 
 class LookupServer:

@@ -102,6 +102,26 @@ def _parse_global_segment_size(value: Any) -> int:
                         f"{type(value).__name__} ({value!r})") from exc
 
 
+def _probe_master(address: str, timeout: float = 3.0) -> None:
+    """Fail fast when nothing listens at the master's address.
+
+    ``MooncakeDistributedStore.setup`` waits about 90 s for a dead master;
+    engine start-up should say what is wrong in seconds instead.
+    """
+    import socket
+
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            return
+    except (OSError, ValueError) as exc:
+        raise BackendUnavailableError(
+            f"cannot reach mooncake_master at {address!r} ({exc}); start the master or fix "
+            "master_server_address in the Mooncake Store config", backend="mooncake",
+            op="setup") from exc
+
+
 def describe_mooncake_rc(rc: int) -> str:
     """``"-704 OBJECT_NOT_FOUND"`` style text of a Mooncake return code."""
     return f"{rc} {MOONCAKE_ERRORS.get(rc, 'unknown Mooncake error')}"
@@ -139,6 +159,7 @@ class MooncakeBackend(Backend):
             store_config = (config.mooncake_store_config() if config is not None
                             else MooncakeStoreConfig.load_from_env())
         self.store_config = store_config
+        _probe_master(store_config.master_server_address)
         module = optional_dependency("mooncake.store", extra="cpu", package="ascend-kv-pool",
                                      feature="the 'mooncake' pool backend (Mooncake Store; "
                                              "use the [cuda] or [npu] extra there)")
@@ -147,6 +168,7 @@ class MooncakeBackend(Backend):
         self._store = module.MooncakeDistributedStore()
         self._engine = None
         self._closed = False
+        self._master_lost = False
         self._close_lock = threading.Lock()
         self._warned_too_large = False
         shared = (store_config.metadata_server.strip().upper() == "P2PHANDSHAKE"
@@ -203,6 +225,7 @@ class MooncakeBackend(Backend):
         for _start, part in chunks(keys, self.max_batch_keys):
             res = list(self._store.batch_is_exist(list(part)))
             self._raise_if_unavailable("exists", res)
+            self._master_lost = False
             out.extend(int(r) for r in res)
         return out
 
@@ -247,11 +270,19 @@ class MooncakeBackend(Backend):
         return int(self._store.health_check())
 
     def close(self, timeout: float = 5.0) -> None:
-        """Close the store; a dead master can make ``close`` block, so it runs on a thread."""
+        """Close the store.
+
+        With a master that went away, ``close`` blocks for seconds while holding the
+        GIL; it is skipped then (the process's exit releases the client).
+        """
         with self._close_lock:
             if self._closed:
                 return
             self._closed = True
+        if self._master_lost:
+            logger.info("Mooncake Store master %s is gone; skipping the client's close",
+                        self.store_config.master_server_address)
+            return
         done = threading.Event()
 
         def _close() -> None:
@@ -272,6 +303,7 @@ class MooncakeBackend(Backend):
     def _raise_if_unavailable(self, op: str, results: list[int]) -> None:
         bad = [r for r in results if r in UNAVAILABLE_RCS]
         if bad:
+            self._master_lost = True
             raise BackendUnavailableError(
                 f"Mooncake Store {op} failed: {describe_mooncake_rc(bad[0])} (master "
                 f"{self.store_config.master_server_address})", backend=self.name, op=op,

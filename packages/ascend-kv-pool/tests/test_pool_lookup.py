@@ -1,0 +1,117 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The scheduler -> worker lookup over ZeroMQ: msgspec only, garbage-proof, bounded waits."""
+
+from __future__ import annotations
+
+import pickle
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.lookup import (
+    LookupClient,
+    LookupServer,
+    lookup_endpoint,
+)
+
+
+@pytest.fixture
+def endpoint(tmp_path: Path) -> str:
+    return lookup_endpoint("engine/with:odd chars", 0, 7, base_path=str(tmp_path))
+
+
+def test_endpoint_is_per_engine_and_dp_rank(tmp_path: Path) -> None:
+    a = lookup_endpoint("e1", 0, base_path=str(tmp_path))
+    assert a.startswith("ipc://") and a != lookup_endpoint("e2", 0, base_path=str(tmp_path))
+    assert a != lookup_endpoint("e1", 1, base_path=str(tmp_path))
+    assert lookup_endpoint("a/b", 0, base_path=str(tmp_path)).startswith(f"ipc://{tmp_path}/")
+    long_base = str(tmp_path / ("x" * 120))
+    assert len(lookup_endpoint("e1", 0, base_path=long_base)) < 110  # falls back to a short dir
+
+
+def test_round_trip(endpoint: str) -> None:
+    seen = []
+
+    def handler(hashes: list[str], token_end: int) -> int:
+        seen.append((hashes, token_end))
+        return 64
+
+    server = LookupServer(endpoint, handler)
+    client = LookupClient(endpoint, timeout_s=5)
+    try:
+        assert client.lookup(["aa", "bb"], 70) == 64
+        assert client.lookup(["aa"], 10) == 10  # never more than asked for
+        assert client.lookup([], 0) == 0
+        assert seen[0] == (["aa", "bb"], 70)
+    finally:
+        client.close()
+        server.close()
+
+
+def test_garbage_and_pickles_do_not_kill_the_server(endpoint: str) -> None:
+    server = LookupServer(endpoint, lambda h, n: 32)
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    client = LookupClient(endpoint, timeout_s=5)
+    try:
+        for junk in (b"", b"garbage", pickle.dumps({"hashes": ["x"]}), b"VAKV\x01\xff\xff"):
+            sock.send(junk)
+            assert sock.poll(5000)
+            assert b"bad_message" in sock.recv()
+        assert client.lookup(["aa"], 40) == 32
+    finally:
+        sock.close(0)
+        client.close()
+        server.close()
+
+
+def test_handler_error_is_a_miss_not_a_crash(endpoint: str) -> None:
+    def boom(hashes: list[str], token_end: int) -> int:
+        raise RuntimeError("store exploded")
+
+    server = LookupServer(endpoint, boom)
+    client = LookupClient(endpoint, timeout_s=5, retry_interval_s=0)
+    try:
+        assert client.lookup(["aa"], 32) == 0
+        assert client.failures == 1
+    finally:
+        client.close()
+        server.close()
+
+
+def test_dead_server_costs_one_timeout_then_misses_at_once(endpoint: str) -> None:
+    now = [0.0]
+    client = LookupClient(endpoint, timeout_s=0.3, retry_interval_s=10, clock=lambda: now[0])
+    try:
+        start = time.monotonic()
+        assert client.lookup(["aa"], 32) == 0
+        assert 0.2 < time.monotonic() - start < 3
+        start = time.monotonic()
+        assert client.lookup(["aa"], 32) == 0  # within the retry interval: no wait
+        assert time.monotonic() - start < 0.1
+        assert client.failures == 1
+        server = LookupServer(endpoint, lambda h, n: 32)
+        try:
+            now[0] = 11.0  # retry interval over: asks again
+            assert client.lookup(["aa"], 32) == 32
+        finally:
+            server.close()
+    finally:
+        client.close()
+
+
+def test_server_replaces_a_stale_socket_file(endpoint: str) -> None:
+    path = Path(endpoint[len("ipc://"):])
+    path.write_text("stale")
+    server = LookupServer(endpoint, lambda h, n: 1)
+    client = LookupClient(endpoint, timeout_s=5)
+    try:
+        assert client.lookup(["a"], 4) == 1
+    finally:
+        client.close()
+        server.close()
+    assert not path.exists()
