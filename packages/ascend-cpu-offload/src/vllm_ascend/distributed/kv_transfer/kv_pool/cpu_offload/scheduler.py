@@ -1,0 +1,322 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Scheduler side of ``CPUOffloadingConnector``: what to load, what to save.
+
+Per step:
+
+1. ``get_num_new_matched_tokens`` hashes the request's full blocks
+   (:func:`core.hashing.chained_block_hashes` over token ids plus LoRA name
+   and cache salt: equal in every process, no ``PYTHONHASHSEED`` needed) and
+   *pins* the host blocks that continue the device's own prefix hit, in one
+   call to the metadata server. Pinning at once means the blocks offered to
+   vLLM cannot be evicted before they are loaded; pins of requests vLLM did
+   not admit are released at the end of the step. Only tokens beyond the
+   device hit are offered (vLLM serves its own prefix cache), never the last
+   prompt token (vLLM must compute one), and nothing below
+   ``swap_in_threshold``.
+2. ``update_state_after_alloc`` turns an admitted hit into a
+   :class:`~.metadata.LoadSpec` (host blocks -> the request's device blocks).
+3. ``build_connector_meta`` asks the server for host blocks for every block
+   that becomes full this step and is not in host memory yet (LRU eviction
+   happens there), emits :class:`~.metadata.SaveSpec` s, and releases the
+   step's pins.
+4. ``request_finished`` keeps the device blocks of a request with saves until
+   every worker reports them done, so a background save never reads a block
+   that was handed to another request.
+
+A metadata server that fails to answer makes the connector serve without the
+host cache for a while (no hit, no save); the engine never waits on it twice.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm_ascend.distributed.kv_transfer.core.config.offload import CPUOffloadConfig
+from vllm_ascend.distributed.kv_transfer.core.errors import RemoteError
+from vllm_ascend.distributed.kv_transfer.core.hashing import chained_block_hashes
+from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
+
+from .cpu_offload_manager.client import MetadataClient, ServerUnavailable, default_endpoint
+from .cpu_offload_manager.protocol import SaveRequest
+from .metadata import CPUOffloadingConnectorMetadata, LoadSpec, SaveSpec
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _ReqState:
+    """What the scheduler side tracks per live request."""
+
+    request: Any
+    extra: Any
+    skip: bool
+    hashes: list[bytes] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    #: blocks [0, save_cursor) were offered for saving already
+    save_cursor: int = 0
+    #: any save was dispatched: the workers report the request when its saves are done
+    had_save: bool = False
+
+
+@dataclass
+class _Pin:
+    key: str
+    start_block: int
+    start_token: int
+    host_ids: list[int]
+
+
+def endpoint_for(vllm_config: Any, cfg: CPUOffloadConfig) -> str:
+    """The metadata server endpoint of this instance (same in scheduler and workers)."""
+    if cfg.metadata_endpoint:
+        return cfg.metadata_endpoint
+    kv = vllm_config.kv_transfer_config
+    engine_id = str(getattr(kv, "engine_id", None) or "default")
+    dp_rank = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
+    return default_endpoint(engine_id, dp_rank)
+
+
+def block_size_of(vllm_config: Any, kv_cache_config: Any) -> int:
+    """Tokens per block: the KV cache group's block size, else the cache config's."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if len(groups) > 1:
+        raise ValueError(f"CPUOffloadingConnector supports one KV cache group, the model has "
+                         f"{len(groups)} (hybrid attention); disable the connector for it")
+    if groups:
+        return int(groups[0].kv_cache_spec.block_size)
+    return int(vllm_config.cache_config.block_size)
+
+
+class CPUOffloadScheduler:
+    """Scheduler-side logic (one per engine core).
+
+    Args:
+        vllm_config: the engine's config.
+        cfg: the connector's parsed extra config.
+        kv_cache_config: vLLM's KV cache config (block size).
+        recorder: where metrics go.
+        client: a metadata client (tests); default: one for :func:`endpoint_for`.
+    """
+
+    def __init__(self, vllm_config: Any, cfg: CPUOffloadConfig, kv_cache_config: Any,
+                 recorder: MetricsRecorder, client: MetadataClient | None = None) -> None:
+        self.cfg = cfg
+        self.block_size = block_size_of(vllm_config, kv_cache_config)
+        self.recorder = recorder
+        self.client = client or MetadataClient(endpoint_for(vllm_config, cfg),
+                                               timeout_s=cfg.rpc_timeout_s,
+                                               retry_after_s=cfg.retry_after_s)
+        self.owner = f"scheduler-{os.getpid()}"
+        self._reqs: dict[str, _ReqState] = {}
+        self._pins: dict[str, _Pin] = {}
+        #: device prefix hit each request was queried with this step (for hit/miss metrics)
+        self._queried: dict[str, int] = {}
+        self._release: list[str] = []
+        self._loads: list[LoadSpec] = []
+        self._keys = itertools.count(1)
+
+    # ------------------------------------------------------------------ state
+    def _state(self, request: Request) -> _ReqState:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            st = _ReqState(request=request, extra=_extra_key(request), skip=_unsupported(request))
+            self._reqs[request.request_id] = st
+        else:
+            st.request = request
+        return st
+
+    def _hashes(self, st: _ReqState, num_blocks: int) -> list[bytes]:
+        """Hashes of the first ``num_blocks`` full blocks (computed once, extended as tokens come)."""
+        have = len(st.hashes)
+        if num_blocks > have:
+            tokens = st.request.all_token_ids[: num_blocks * self.block_size]
+            st.hashes = chained_block_hashes(tokens, self.block_size, extra=st.extra,
+                                             start_block=have, previous=st.hashes)
+        return st.hashes[:num_blocks]
+
+    def _drop_pin(self, req_id: str) -> None:
+        pin = self._pins.pop(req_id, None)
+        if pin is not None:
+            self._release.append(pin.key)
+
+    # ------------------------------------------------------------------ vLLM hooks
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens beyond ``num_computed_tokens`` that host memory can supply (loaded this step)."""
+        st = self._state(request)
+        self._drop_pin(request.request_id)
+        if st.skip:
+            return 0, False
+        self._queried[request.request_id] = num_computed_tokens
+        if not self.client.available:
+            return 0, False
+        bs = self.block_size
+        num_tokens = request.num_tokens
+        start_block = num_computed_tokens // bs
+        full = num_tokens // bs
+        if (full <= start_block or num_tokens - 1 <= num_computed_tokens
+                or num_computed_tokens % bs):
+            return 0, False
+        hashes = self._hashes(st, full)[start_block:]
+        key = f"{request.request_id}#{next(self._keys)}"
+        try:
+            host_ids = self.client.pin(key, hashes, owner=self.owner)
+        except (ServerUnavailable, RemoteError) as exc:
+            logger.debug("offload lookup of %s failed: %s", request.request_id, exc)
+            self.recorder.inc("offload_failures", op="lookup")
+            return 0, False
+        if not host_ids:
+            return 0, False
+        self._pins[request.request_id] = _Pin(key, start_block, num_computed_tokens, host_ids)
+        hit_tokens = min((start_block + len(host_ids)) * bs, num_tokens - 1)
+        external = hit_tokens - num_computed_tokens
+        if external <= 0 or external < self.cfg.swap_in_threshold:
+            self._drop_pin(request.request_id)
+            return 0, False
+        return external, False
+
+    def update_state_after_alloc(self, request: Request, blocks: Any,
+                                 num_external_tokens: int) -> None:
+        """Record the request's device blocks; plan the load of an admitted hit."""
+        st = self._state(request)
+        st.block_ids = list(blocks.get_block_ids()[0]) if blocks is not None else []
+        # a (re)admitted request starts its save scan over; blocks already in host
+        # memory are skipped by the server
+        st.save_cursor = 0
+        pin = self._pins.get(request.request_id)
+        start = self._queried.pop(request.request_id, None)
+        if start is not None:
+            queried = max(0, request.num_tokens - start)
+            self.recorder.inc("offload_hit_tokens", max(0, num_external_tokens))
+            self.recorder.inc("offload_miss_tokens", max(0, queried - num_external_tokens))
+        if num_external_tokens <= 0 or pin is None:
+            self._drop_pin(request.request_id)
+            return
+        bs = self.block_size
+        end_token = pin.start_token + num_external_tokens
+        n_blocks = -(-end_token // bs) - pin.start_block
+        if n_blocks > len(pin.host_ids) or pin.start_block + n_blocks > len(st.block_ids):
+            # cannot happen unless vLLM admitted more than we offered
+            raise RuntimeError(f"request {request.request_id}: {num_external_tokens} external "
+                               f"tokens need {n_blocks} host blocks, {len(pin.host_ids)} are "
+                               f"pinned and {len(st.block_ids)} device blocks allocated")
+        device_ids = st.block_ids[pin.start_block: pin.start_block + n_blocks]
+        self._loads.append(LoadSpec(req_id=request.request_id, host_ids=pin.host_ids[:n_blocks],
+                                    device_ids=device_ids, sync_tail=end_token % bs != 0))
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput
+                             ) -> CPUOffloadingConnectorMetadata:
+        """This step's loads (planned above) and saves (planned now); releases the step's pins."""
+        self._track_blocks(scheduler_output)
+        pending: list[tuple[_ReqState, str, int, int]] = []
+        requests: list[SaveRequest] = []
+        for req_id, n_sched in scheduler_output.num_scheduled_tokens.items():
+            st = self._reqs.get(req_id)
+            if st is None or st.skip:
+                continue
+            req = st.request
+            valid = min(req.num_computed_tokens + n_sched, req.num_tokens)
+            if not self.cfg.save_decode_blocks:
+                valid = min(valid, req.num_prompt_tokens)
+            full = min(valid // self.block_size, len(st.block_ids))
+            if full <= st.save_cursor:
+                continue
+            hashes = self._hashes(st, full)[st.save_cursor:]
+            pending.append((st, req_id, st.save_cursor, full))
+            requests.append(SaveRequest(key=req_id, hashes=hashes))
+        for req_id in list(self._pins):
+            self._drop_pin(req_id)
+        self._queried.clear()
+        saves: list[SaveSpec] = []
+        if requests or self._release:
+            try:
+                reply = self.client.plan_step(requests, self._release, owner=self.owner)
+            except (ServerUnavailable, RemoteError) as exc:
+                logger.debug("offload save planning failed: %s", exc)
+                self.recorder.inc("offload_failures", op="plan")
+                reply = None
+            if reply is not None:
+                self._release = []
+                self.recorder.inc("offload_evicted_blocks", reply.evictions)
+                self.recorder.set("offload_host_blocks_used", reply.used_blocks)
+                self.recorder.set("offload_host_blocks_total", reply.total_blocks)
+                for planned, (st, req_id, start, full) in zip(reply.saves, pending, strict=True):
+                    st.save_cursor = full
+                    if planned.job_id == 0:
+                        continue
+                    device_ids = [st.block_ids[start + p] for p in planned.positions]
+                    saves.append(SaveSpec(req_id=req_id, job_id=planned.job_id,
+                                          host_ids=list(planned.block_ids),
+                                          device_ids=device_ids))
+                    st.had_save = True
+            elif len(self._release) > 4096:
+                # the pins lapse on the server by lease; stop remembering them
+                self._release = []
+        meta = CPUOffloadingConnectorMetadata(
+            loads=self._loads, saves=saves,
+            preempted_req_ids=set(scheduler_output.preempted_req_ids or ()))
+        self._loads = []
+        return meta
+
+    def _track_blocks(self, so: SchedulerOutput) -> None:
+        for new in so.scheduled_new_reqs:
+            st = self._reqs.get(new.req_id)
+            if st is not None and new.block_ids:
+                st.block_ids = list(new.block_ids[0])
+        cached = so.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", set()) or set()
+        for i, req_id in enumerate(cached.req_ids):
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in resumed:
+                st.block_ids = list(new_ids[0]) if new_ids else []
+                st.save_cursor = 0
+            elif new_ids:
+                st.block_ids.extend(new_ids[0])
+
+    def request_finished(self, request: Request, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        """Hold the blocks while saves of the request may still read them."""
+        self._drop_pin(request.request_id)
+        self._queried.pop(request.request_id, None)
+        st = self._reqs.pop(request.request_id, None)
+        return (st is not None and st.had_save), None
+
+    def reset_cache(self) -> bool:
+        """Drop every host block nobody pins."""
+        try:
+            freed = self.client.reset()
+        except (ServerUnavailable, RemoteError) as exc:
+            logger.warning("could not reset the CPU offload cache: %s", exc)
+            return False
+        logger.info("CPU offload cache reset: %d host blocks freed", freed)
+        return True
+
+    def shutdown(self) -> None:
+        """Close the client."""
+        self.client.close()
+
+
+def _extra_key(request: Any) -> Any:
+    lora = getattr(request, "lora_request", None)
+    salt = getattr(request, "cache_salt", None)
+    if lora is None and not salt:
+        return None
+    return [getattr(lora, "lora_name", None) if lora is not None else None, salt or None]
+
+
+def _unsupported(request: Any) -> bool:
+    """Requests whose KV does not follow from token ids alone (images, prompt embeddings)."""
+    if getattr(request, "mm_features", None):
+        return True
+    return getattr(request, "prompt_embeds", None) is not None

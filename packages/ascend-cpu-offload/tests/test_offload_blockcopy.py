@@ -1,0 +1,107 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Block copies against plain torch indexing, on every KV layout the layout module knows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vllm_ascend.distributed.kv_transfer.core.layout import KVCacheLayout
+from vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.blockcopy import (
+    block_rows,
+    copy_blocks,
+    runs,
+)
+
+
+def test_runs_split_where_either_side_jumps() -> None:
+    assert runs([], []) == []
+    assert runs([3, 4, 5, 9], [0, 1, 2, 3]) == [(3, 0, 3), (9, 3, 1)]
+    assert runs([1, 2, 3], [5, 6, 8]) == [(1, 5, 2), (3, 8, 1)]
+    assert runs([2, 1], [0, 1]) == [(2, 0, 1), (1, 1, 1)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), n_src=st.integers(1, 12), n_dst=st.integers(1, 12),
+       row=st.integers(1, 96), pad=st.integers(0, 16), memmove=st.booleans())
+def test_copy_matches_reference(data: st.DataObject, n_src: int, n_dst: int, row: int, pad: int,
+                                memmove: bool) -> None:
+    # strided rows (pad > 0) are what a host layer slice looks like
+    src_full = torch.randint(0, 256, (n_src, row + pad), dtype=torch.uint8)
+    dst_full = torch.randint(0, 256, (n_dst, row + pad), dtype=torch.uint8)
+    src, dst = src_full[:, :row], dst_full[:, pad:pad + row]
+    k = data.draw(st.integers(0, min(n_src, n_dst)))
+    src_ids = data.draw(st.lists(st.integers(0, n_src - 1), min_size=k, max_size=k))
+    dst_ids = data.draw(st.lists(st.integers(0, n_dst - 1), min_size=k, max_size=k, unique=True))
+    expected = dst_full.clone()
+    expected_view = expected[:, pad:pad + row]
+    for s, d in zip(src_ids, dst_ids, strict=True):
+        expected_view[d] = src[s]
+    n = copy_blocks(src, src_ids, dst, dst_ids, use_memmove=memmove)
+    assert n == row * k
+    assert torch.equal(dst_full, expected), "only the destination rows change, padding intact"
+
+
+@pytest.mark.parametrize("memmove", [True, False])
+def test_bad_ids_raise_before_any_copy(memmove: bool) -> None:
+    src = torch.arange(40, dtype=torch.uint8).view(4, 10)
+    dst = torch.zeros(3, 10, dtype=torch.uint8)
+    for s, d, needle in (([0, 4], [0, 1], "source: block id 4 is outside [0, 4)"),
+                         ([0, 1], [0, -1], "destination: block id -1 is outside [0, 3)"),
+                         ([True], [0], "block id True")):
+        with pytest.raises(IndexError, match=needle.replace("[", r"\[").replace(")", r"\)")):
+            copy_blocks(src, s, dst, d, use_memmove=memmove)
+        assert not dst.any(), "nothing was written"
+    with pytest.raises(ValueError, match="2 source ids but 1 destination ids"):
+        copy_blocks(src, [0, 1], dst, [0])
+    with pytest.raises(ValueError, match="source blocks hold 10 bytes, destination blocks 5"):
+        copy_blocks(src, [0], torch.zeros(3, 5, dtype=torch.uint8), [0])
+    with pytest.raises(ValueError, match="uint8 view"):
+        copy_blocks(src.float(), [0], dst, [0])
+
+
+def _kv_caches(kind: str, num_blocks: int = 6, bs: int = 32) -> dict[str, object]:
+    g = torch.Generator().manual_seed(0)
+    if kind == "cpu":  # vLLM CPU backend: (blocks, heads, block_size, 2 * head_size)
+        return {f"model.layers.{i}.attn": torch.randn(num_blocks, 2, bs, 16, generator=g)
+                for i in range(2)}
+    if kind == "npu":  # separate K and V
+        return {f"model.layers.{i}.attn": (torch.randn(num_blocks, bs, 2, 8, generator=g),
+                                           torch.randn(num_blocks, bs, 2, 8, generator=g))
+                for i in range(2)}
+    if kind == "stacked":  # (2, blocks, block_size, heads, head_size): strided K and V views
+        return {f"model.layers.{i}.attn": torch.randn(2, num_blocks, bs, 2, 8, generator=g)
+                for i in range(2)}
+    if kind == "mla":  # (k_nope, k_rope)
+        return {f"model.layers.{i}.attn": (torch.randn(num_blocks, bs, 1, 24, generator=g),
+                                           torch.randn(num_blocks, bs, 1, 8, generator=g))
+                for i in range(2)}
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", ["cpu", "npu", "stacked", "mla"])
+def test_round_trip_through_host_rows_on_every_layout(kind: str) -> None:
+    caches = _kv_caches(kind)
+    layout = KVCacheLayout.from_kv_caches(caches, block_size=32)
+    assert layout.is_mla == (kind == "mla")
+    rows = [block_rows(r.tensor) for r in layout.regions]
+    host = [torch.zeros(8, r.shape[1], dtype=torch.uint8) for r in rows]
+    before = [r.tensor.clone() for r in layout.regions]
+    for r, h in zip(rows, host, strict=True):
+        copy_blocks(r, [1, 2, 5], h, [7, 0, 3])
+    for r in layout.regions:
+        r.tensor.zero_()
+    for r, h in zip(rows, host, strict=True):
+        copy_blocks(h, [7, 0, 3], r, [0, 4, 2])
+    for r, b in zip(layout.regions, before, strict=True):
+        assert torch.equal(r.tensor[0], b[1]) and torch.equal(r.tensor[4], b[2])
+        assert torch.equal(r.tensor[2], b[5])
+        assert not r.tensor[1].any() and not r.tensor[3].any()
+
+
+def test_block_rows_refuses_non_contiguous_blocks() -> None:
+    t = torch.zeros(4, 8, 6).transpose(1, 2)
+    with pytest.raises(ValueError, match="not contiguous"):
+        block_rows(t)
