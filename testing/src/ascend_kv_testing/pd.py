@@ -1,0 +1,47 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Helpers of the P/D end-to-end tests (MooncakeConnectorV1 on real engines)."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from .engines import EngineProcess
+from .procs import free_port
+
+#: Module of the in-engine probe functions (``EngineProcess.call``).
+PROBES = "ascend_kv_testing.probes"
+#: What the proxy puts in P's kv_transfer_params.
+PREFILL = {"do_remote_decode": True, "do_remote_prefill": False}
+
+
+def kv_config(role: str, engine_id: str, policy: str = "fail", *,
+              connector: str = "MooncakeConnectorV1", **extra: Any) -> dict[str, Any]:
+    """A ``kv_transfer_config`` for one P or D engine on a free port."""
+    return {"kv_connector": connector, "kv_role": role, "kv_port": free_port(),
+            "engine_id": engine_id, "kv_load_failure_policy": policy,
+            "kv_connector_extra_config": {"load_timeout_s": 30, **extra}}
+
+
+def prompts_of(lengths: list[int], seed: int) -> list[list[int]]:
+    """Random token-id prompts of the given lengths (reproducible)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 1000) for _ in range(n)] for n in lengths]
+
+
+def prefill(p: EngineProcess, prompts: list[list[int]]) -> list[dict[str, Any]]:
+    """Prefill on P (max_tokens=1); returns the kv_transfer_params for D."""
+    res = p.generate(prompts, max_tokens=1, kv_params=[dict(PREFILL) for _ in prompts])
+    params = [r.kv_transfer_params for r in res]
+    for r, x in zip(res, params, strict=True):
+        if not (isinstance(x, dict) and x.get("do_remote_prefill")):
+            raise AssertionError(f"P returned no kv_transfer_params for {r.request_id}: {r}")
+    return params  # type: ignore[return-value]
+
+
+def baseline(d: EngineProcess, prompts: list[list[int]], n: int = 8) -> list[list[int]]:
+    """Single-instance tokens (an engine asked without kv params behaves as a plain engine);
+    its prefix cache is reset afterwards so later runs really transfer."""
+    out = [r.token_ids for r in d.generate(prompts, max_tokens=n)]
+    d.reset_prefix_cache()
+    return out
