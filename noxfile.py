@@ -201,7 +201,7 @@ def build(session: nox.Session) -> None:
     session.install("hatchling>=1.24")
     session.run("python", str(ROOT / "tools" / "sync_meta_pins.py"), "--check")
     shutil.rmtree(DIST_DIR, ignore_errors=True)
-    for dist, path in PACKAGES.items():
+    for path in PACKAGES.values():
         session.run("uv", "build", "--quiet", "--out-dir", str(DIST_DIR), str(path), external=True)
     session.run("python", str(ROOT / "tools" / "check_wheels.py"), str(DIST_DIR))
 

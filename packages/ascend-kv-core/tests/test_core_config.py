@@ -8,7 +8,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vllm_ascend.distributed.kv_transfer.core.config import ConfigSection, format_size, option, parse_size
+from vllm_ascend.distributed.kv_transfer.core.config import (
+    ConfigSection,
+    format_size,
+    option,
+    parse_size,
+)
 from vllm_ascend.distributed.kv_transfer.core.config.p2p import (
     MooncakeLayerwiseConfig,
     MooncakeP2PConfig,

@@ -6,7 +6,11 @@ import pytest
 import torch
 
 from vllm_ascend.distributed.kv_transfer.core.errors import LayoutError
-from vllm_ascend.distributed.kv_transfer.core.layout import KVCacheLayout, LayoutDescriptor, layer_index
+from vllm_ascend.distributed.kv_transfer.core.layout import (
+    KVCacheLayout,
+    LayoutDescriptor,
+    layer_index,
+)
 
 
 def names(n: int) -> list[str]:

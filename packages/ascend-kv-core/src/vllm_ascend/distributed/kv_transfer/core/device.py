@@ -233,7 +233,7 @@ def detect_device_kind() -> str:
     return "cpu"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def get_device(kind: str | None = None, index: int = 0) -> Device:
     """The :class:`Device` of ``kind`` (default: detected) and ``index``."""
     kind = kind or detect_device_kind()

@@ -28,7 +28,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-from .metrics import MetricSpec, MetricsRecorder, empty_data, is_empty, merge_data, reduce_data, split_key
+from .metrics import (
+    MetricSpec,
+    MetricsRecorder,
+    empty_data,
+    is_empty,
+    merge_data,
+    reduce_data,
+    split_key,
+)
 
 
 @dataclass

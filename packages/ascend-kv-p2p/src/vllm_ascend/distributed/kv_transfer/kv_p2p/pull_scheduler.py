@@ -30,7 +30,13 @@ from vllm_ascend.distributed.kv_transfer.core.errors import KVTransferError
 from vllm_ascend.distributed.kv_transfer.core.net import get_host_ip
 
 from .errors import KVParamsError
-from .params import RemotePrefill, params_for_decode, parse_remote_prefill, wants_remote_decode, wants_remote_prefill
+from .params import (
+    RemotePrefill,
+    params_for_decode,
+    parse_remote_prefill,
+    wants_remote_decode,
+    wants_remote_prefill,
+)
 from .protocol import CODEC, Renew, side_channel_port, worker_port
 
 if TYPE_CHECKING:
@@ -110,7 +116,7 @@ class LeaseRenewer:
         """Send one round of ``Renew`` messages (one per P worker)."""
         with self._lock:
             by_endpoint: dict[str, list[str]] = {}
-            for rid, remote in self._tracked.items():
+            for remote in self._tracked.values():
                 for rank in range(remote.tp_size):
                     port = worker_port(remote.port, tp_rank=rank, tp_size=remote.tp_size)
                     by_endpoint.setdefault(tcp_endpoint(remote.host, port), []).append(
