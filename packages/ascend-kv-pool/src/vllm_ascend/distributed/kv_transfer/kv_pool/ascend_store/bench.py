@@ -1,0 +1,387 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Benchmarks of the pool: ``vllm-ascend-kv bench pool`` and ``vllm-ascend-kv bench trace``.
+
+``pool``
+    Put/get throughput through the backends, against the raw
+    ``MooncakeDistributedStore`` batch calls on the same data in the same run
+    (the ratio is the overhead of the backend layer; the goal is >= 0.9), and
+    the lookup rate in keys/s, both for ``Backend.exists`` and for the whole
+    scheduler -> worker lookup over ZeroMQ (goal: >= 100k keys/s batched).
+    Without ``--master`` a ``mooncake_master`` is started on loopback.
+``trace``
+    Replays a Mooncake trace (``conversation_trace.jsonl``: per request the
+    hash ids of its 512-token prefix blocks) against the ``local`` backend at
+    several capacities: hit rate and throughput per capacity, beside the best
+    possible hit rate (an unbounded pool) measured in the same run.
+
+Both print a table and write ``<out>/<name>.json``; neither fails on a number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from vllm_ascend.distributed.kv_transfer.core.benchutil import (
+    add_common_args,
+    format_table,
+    progress,
+    write_results,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TRACE = "/work/shared/data/mooncake-traces/conversation_trace.jsonl"
+TRACE_ENV = "VLLM_ASCEND_KV_TRACE"
+
+
+# ---------------------------------------------------------------------- helpers
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class _Master:
+    """A throwaway ``mooncake_master`` on loopback (explicit ports)."""
+
+    def __init__(self) -> None:
+        exe = Path(sys.executable).parent / "mooncake_master"
+        binary = str(exe) if exe.exists() else shutil.which("mooncake_master")
+        if not binary:
+            raise FileNotFoundError("mooncake_master not found (pip install "
+                                    "'ascend-kv-pool[cpu]'), or pass --master host:port")
+        self.rpc, self.http, self.metrics = _free_port(), _free_port(), _free_port()
+        self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - lives as long as the master
+            prefix="bench-master-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(
+            [binary, "--rpc_address=127.0.0.1", f"--rpc_port={self.rpc}",
+             "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
+             f"--http_metadata_server_port={self.http}", f"--metrics_port={self.metrics}"],
+            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.rpc), timeout=0.5), \
+                        socket.create_connection(("127.0.0.1", self.http), timeout=0.5):
+                    return
+            except OSError:
+                if self.proc.poll() is not None:
+                    break
+                time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"mooncake_master did not start (log: {self.log.name})")
+
+    def config(self, segment: str) -> dict[str, Any]:
+        return {"master_server_address": f"127.0.0.1:{self.rpc}",
+                "metadata_server": f"http://127.0.0.1:{self.http}/metadata",
+                "global_segment_size": segment, "local_buffer_size": "64MB", "protocol": "tcp"}
+
+    def stop(self) -> None:
+        self.log.close()
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+def _timed(fn: Callable[[], Any], repeat: int) -> float:
+    """Best wall time of ``repeat`` runs of ``fn``."""
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+class _Blocks:
+    """``n`` blocks of ``parts`` ranges each (as KV regions), in registered host memory."""
+
+    def __init__(self, n: int, parts: int, part_bytes: int) -> None:
+        self.n, self.parts, self.part_bytes = n, parts, part_bytes
+        self.src = np.random.default_rng(0).integers(0, 255, (parts, n * part_bytes),
+                                                     dtype=np.uint8)
+        self.dst = np.zeros_like(self.src)
+
+    def ranges(self, arr: np.ndarray) -> tuple[list[list[int]], list[list[int]]]:
+        base = [int(arr[p].ctypes.data) for p in range(self.parts)]
+        addrs = [[b + i * self.part_bytes for b in base] for i in range(self.n)]
+        return addrs, [[self.part_bytes] * self.parts for _ in range(self.n)]
+
+    def memory(self) -> list[tuple[int, int]]:
+        return [(int(row.ctypes.data), int(row.nbytes)) for arr in (self.src, self.dst)
+                for row in arr]
+
+    @property
+    def nbytes(self) -> int:
+        return self.n * self.parts * self.part_bytes
+
+
+# ---------------------------------------------------------------------- pool
+def run_pool(args: argparse.Namespace) -> dict[str, Any]:
+    """Put/get through the backends against raw store calls; lookup rates."""
+    from .backend.local_backend import LocalBackend
+
+    n, parts, part = (32, 4, 64 << 10) if args.quick else (128, 8, 128 << 10)
+    repeat = 2 if args.quick else 5
+    blocks = _Blocks(n, parts, part)
+    src_a, src_s = blocks.ranges(blocks.src)
+    dst_a, dst_s = blocks.ranges(blocks.dst)
+    rows: list[dict[str, Any]] = []
+
+    # local backend; baselines: a numpy copy into fresh memory (put) / into touched memory (get)
+    local = LocalBackend(capacity=4 * blocks.nbytes)
+    keys = [f"k{i}" for i in range(n)]
+    t_put = t_raw_put = float("inf")
+    for _ in range(repeat):  # interleaved, so both see the same machine state
+        local.close()
+        start = time.perf_counter()
+        local.put(keys, src_a, src_s)
+        t_put = min(t_put, time.perf_counter() - start)
+        start = time.perf_counter()
+        fresh = np.empty_like(blocks.src)
+        np.copyto(fresh, blocks.src)
+        t_raw_put = min(t_raw_put, time.perf_counter() - start)
+        del fresh
+    t_get = _timed(lambda: local.get(keys, dst_a, dst_s), repeat)
+    t_raw = _timed(lambda: np.copyto(blocks.dst, blocks.src), repeat)
+    gbps = blocks.nbytes / (1 << 30)
+    rows.append({"path": "local put", "GiB/s": gbps / t_put, "raw GiB/s": gbps / t_raw_put,
+                 "ratio": t_raw_put / t_put})
+    rows.append({"path": "local get", "GiB/s": gbps / t_get, "raw GiB/s": gbps / t_raw,
+                 "ratio": t_raw / t_get})
+    if not np.array_equal(blocks.dst, blocks.src):
+        raise RuntimeError("local round trip corrupted data")
+
+    lookup = _lookup_rates(local, args.quick)
+    mooncake: dict[str, Any] = {}
+    try:
+        mooncake = _mooncake_rows(args, blocks, repeat)
+        rows += mooncake.pop("rows")
+    except Exception as exc:  # benchmarks report what they could measure
+        logger.warning("Mooncake part skipped: %s", exc)
+        mooncake = {"skipped": str(exc)}
+    for r in lookup:
+        rows.append(r)
+    return {"config": {"blocks": n, "ranges_per_block": parts, "range_bytes": part,
+                       "repeat": repeat}, "rows": rows, "mooncake": mooncake}
+
+
+def _mooncake_rows(args: argparse.Namespace, blocks: _Blocks, repeat: int) -> dict[str, Any]:
+    from vllm_ascend.distributed.kv_transfer.core.config.pool import MooncakeStoreConfig
+
+    from .backend.mooncake_backend import MooncakeBackend
+
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    master = None
+    if args.master:
+        cfg = {"master_server_address": args.master, "metadata_server": args.metadata_server,
+               "global_segment_size": "1GB", "local_buffer_size": "64MB", "protocol": "tcp"}
+    else:
+        master = _Master()
+        cfg = master.config("1GB")
+    try:
+        backend = MooncakeBackend(store_config=MooncakeStoreConfig.from_dict(cfg),
+                                  hostname="127.0.0.1")
+        raw = backend.store
+        for addr, length in blocks.memory():
+            backend.register_buffer([addr], [length])
+        src_a, src_s = blocks.ranges(blocks.src)
+        dst_a, dst_s = blocks.ranges(blocks.dst)
+        gib = blocks.nbytes / (1 << 30)
+        rows = []
+        times = {f"{op}-{who}": float("inf") for op in ("put", "get")
+                 for who in ("backend", "raw")}
+        calls = {"backend": (backend.put, backend.get),
+                 "raw": (raw.batch_put_from_multi_buffers, raw.batch_get_into_multi_buffers)}
+        for _ in range(repeat):  # interleaved: backend and raw calls alternate
+            for who, (put, get) in calls.items():
+                keys = [f"bench-{uuid.uuid4().hex}" for _ in range(blocks.n)]
+                start = time.perf_counter()
+                res = put(keys, src_a, src_s)
+                times[f"put-{who}"] = min(times[f"put-{who}"], time.perf_counter() - start)
+                if any(int(r) != 0 for r in res):
+                    raise RuntimeError(f"{who} put failed: {list(res)[:4]}")
+                blocks.dst[:] = 0
+                start = time.perf_counter()
+                get(keys, dst_a, dst_s)
+                times[f"get-{who}"] = min(times[f"get-{who}"], time.perf_counter() - start)
+                if not np.array_equal(blocks.dst, blocks.src):
+                    raise RuntimeError(f"Mooncake round trip through {who} corrupted data")
+                raw.batch_remove(keys, True)
+        for op in ("put", "get"):
+            tb, tr = times[f"{op}-backend"], times[f"{op}-raw"]
+            rows.append({"path": f"mooncake {op}", "GiB/s": gib / tb, "raw GiB/s": gib / tr,
+                         "ratio": tr / tb})
+        lookup = _lookup_rates(backend, args.quick, label="mooncake")
+        backend.close()
+        return {"rows": rows + lookup, "master": cfg["master_server_address"]}
+    finally:
+        if master is not None:
+            master.stop()
+
+
+def _lookup_rates(backend: Any, quick: bool, label: str = "local") -> list[dict[str, Any]]:
+    """keys/s of ``exists`` in batches, and of the ZeroMQ scheduler->worker lookup."""
+    from vllm_ascend.distributed.kv_transfer.core.config.pool import AscendStoreConfig
+
+    from .context import PoolContext
+    from .lookup import LookupClient, LookupServer, lookup_endpoint
+    from .pool_worker import KVPoolWorker
+
+    batch = 1024
+    rounds = 5 if quick else 20
+    ctx = PoolContext(model_name="bench", block_size=128, salt="bench")
+    worker = KVPoolWorker(ctx, AscendStoreConfig.from_dict({}), backend=backend,
+                          start_lookup_server=False)
+    hashes = [uuid.uuid4().hex + uuid.uuid4().hex for _ in range(batch)]
+    keys = [worker._key(h) for h in hashes]
+    buf = np.zeros(64, dtype=np.uint8)
+    backend.register_buffer([buf.ctypes.data], [buf.nbytes])
+    half = keys[: batch // 2]
+    backend.put(half, [[buf.ctypes.data]] * len(half), [[64]] * len(half))
+    t_exists = _timed(lambda: backend.exists(keys), rounds)
+    endpoint = lookup_endpoint(f"bench-{uuid.uuid4().hex}", 0, base_path=tempfile.gettempdir())
+    server = LookupServer(endpoint, worker.lookup_scheduler)
+    client = LookupClient(endpoint, timeout_s=30)
+    try:
+        # a full hit walks every key: the worst case of one lookup
+        all_hit = hashes[: batch // 2]
+        got = client.lookup(all_hit, len(all_hit) * 128)
+        if got != len(all_hit) * 128:
+            raise RuntimeError(f"lookup answered {got} tokens, expected {len(all_hit) * 128}")
+        t_rpc = _timed(lambda: client.lookup(all_hit, len(all_hit) * 128), rounds)
+    finally:
+        client.close()
+        server.close()
+        worker._send.stop(1)
+        worker._recv.stop(1)
+    return [{"path": f"{label} exists (batch {batch})", "keys/s": batch / t_exists},
+            {"path": f"{label} lookup over ZeroMQ (batch {batch // 2})",
+             "keys/s": (batch // 2) / t_rpc}]
+
+
+# ---------------------------------------------------------------------- trace
+def load_trace(path: str | os.PathLike[str], limit: int | None = None) -> list[list[int]]:
+    """Hash-id lists of the requests of a Mooncake trace (``hash_ids`` of each JSON line).
+
+    Raises:
+        ValueError: a line is not JSON or lacks a list of integer ``hash_ids``.
+    """
+    out: list[list[int]] = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                ids = json.loads(line)["hash_ids"]
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise ValueError(f"{path}:{lineno}: not a trace record ({exc})") from exc
+            if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+                raise ValueError(f"{path}:{lineno}: hash_ids must be a list of integers")
+            out.append(ids)
+            if limit is not None and len(out) >= limit:
+                break
+    return out
+
+
+def replay(requests: list[list[int]], backend: Any, block_bytes: int) -> dict[str, float]:
+    """Serve every request: lookup its leading blocks, save the missing ones.
+
+    Returns hit blocks, total blocks, hit rate and throughput (requests/s).
+    """
+    src = np.random.default_rng(0).integers(0, 255, block_bytes, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    hits = total = 0
+    start = time.perf_counter()
+    for ids in requests:
+        keys = [f"trace@{i}" for i in ids]
+        present = backend.exists(keys)
+        lead = next((i for i, p in enumerate(present) if p != 1), len(keys))
+        if lead:
+            backend.get(keys[:lead], [[dst.ctypes.data]] * lead, [[block_bytes]] * lead)
+        missing = [k for k, p in zip(keys, present, strict=True) if p != 1]
+        if missing:
+            backend.put(missing, [[src.ctypes.data]] * len(missing),
+                        [[block_bytes]] * len(missing))
+        hits += lead
+        total += len(keys)
+    elapsed = time.perf_counter() - start
+    return {"hit_blocks": hits, "blocks": total, "hit_rate": hits / max(1, total),
+            "requests_per_s": len(requests) / elapsed, "seconds": elapsed}
+
+
+def run_trace(args: argparse.Namespace) -> dict[str, Any]:
+    """Hit rate and throughput of the local pool against capacity, and the unbounded best."""
+    from .backend.local_backend import LocalBackend
+
+    path = args.trace or os.environ.get(TRACE_ENV) or DEFAULT_TRACE
+    if not Path(path).exists():
+        raise FileNotFoundError(f"trace {path!r} not found; pass it as an argument")
+    requests = load_trace(path, limit=1000 if args.quick else None)
+    unique = len({i for ids in requests for i in ids})
+    block_bytes = args.block_bytes
+    fractions = [0.05, 0.25] if args.quick else [0.01, 0.05, 0.1, 0.25, 0.5, 1.0]
+    best = replay(requests, LocalBackend(capacity=(unique + 1) * block_bytes), block_bytes)
+    rows = []
+    for frac in progress(fractions, "capacities"):
+        cap_blocks = max(1, int(unique * frac))
+        res = replay(requests, LocalBackend(capacity=cap_blocks * block_bytes), block_bytes)
+        rows.append({"capacity_blocks": cap_blocks, "capacity_fraction": frac,
+                     "hit_rate": res["hit_rate"], "best_hit_rate": best["hit_rate"],
+                     "vs_best": res["hit_rate"] / best["hit_rate"] if best["hit_rate"] else 0.0,
+                     "requests/s": res["requests_per_s"]})
+    return {"config": {"trace": str(path), "requests": len(requests), "unique_blocks": unique,
+                       "block_bytes": block_bytes, "tokens_per_block": 512},
+            "unbounded": best, "rows": rows}
+
+
+# ---------------------------------------------------------------------- CLI
+def _run(name: str, fn: Callable[[argparse.Namespace], dict[str, Any]],
+         args: argparse.Namespace) -> int:
+    result = fn(args)
+    path = write_results(name, result, args.out)
+    columns = list(dict.fromkeys(k for row in result["rows"] for k in row))
+    print(format_table(result["rows"], columns))
+    print(f"results: {path}")
+    return 0
+
+
+def add_pool_command(sub: Any) -> None:
+    """``vllm-ascend-kv bench pool``."""
+    p = sub.add_parser("pool", help="pool put/get vs raw Mooncake Store calls; lookup rate")
+    add_common_args(p)
+    p.add_argument("--master", default="", help="host:port of a running mooncake_master "
+                                                 "(default: start one on loopback)")
+    p.add_argument("--metadata-server", default="P2PHANDSHAKE",
+                   help="metadata server of --master (default: %(default)s)")
+    p.set_defaults(func=lambda a: _run("pool", run_pool, a))
+
+
+def add_trace_command(sub: Any) -> None:
+    """``vllm-ascend-kv bench trace``."""
+    p = sub.add_parser("trace", help="replay a Mooncake trace against the local pool")
+    add_common_args(p)
+    p.add_argument("trace", nargs="?", default="",
+                   help=f"trace file (default: ${TRACE_ENV} or {DEFAULT_TRACE})")
+    p.add_argument("--block-bytes", type=int, default=4096,
+                   help="bytes stored per 512-token block (scaled down; default %(default)s)")
+    p.set_defaults(func=lambda a: _run("trace", run_trace, a))
