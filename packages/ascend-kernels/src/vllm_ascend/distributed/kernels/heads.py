@@ -1,0 +1,187 @@
+# SPDX-License-Identifier: Apache-2.0
+"""KV heads of blocks, split and merged for P and D instances of different TP sizes.
+
+A block region tensor is ``(num_blocks, *block_shape)``; ``head_axis`` is the
+axis of ``block_shape`` that indexes KV heads (``0`` for vLLM's CPU layout
+``(kv_heads, block_size, 2*head_size)``, ``1`` for the NPU layout
+``(block_size, kv_heads, head_size)``, ``None`` for MLA, whose latent has no
+heads and is the same on every TP rank).
+
+* **P TP = n x D TP**: a D rank holds the heads of ``n`` P ranks. It reads one
+  part from each and merges them: :func:`merge_head_parts`.
+* **D TP = n x P TP**: a P rank holds the heads of ``n`` D ranks; D rank ``r``
+  takes part ``r % n``: :func:`select_head_part`.
+
+Parts are equal and contiguous in head order: part ``i`` of ``H`` heads is
+heads ``i*H/n .. (i+1)*H/n - 1``.
+
+When D pulls the ``n`` parts straight into one of its blocks, part after part
+(what a byte-range transfer of each P block does), the block holds them
+*part-major*: ``n`` consecutive chunks, each a whole P block. :func:`merge_raw_parts`
+turns that byte order into the merged layout and :func:`split_raw_parts` does
+the reverse; :func:`~vllm_ascend.distributed.kernels.transpose_kv_by_block`
+applies them in place to blocks of a cache. With ``head_axis == 0`` the two
+orders coincide and nothing moves.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from .errors import KernelShapeError
+from .validation import check_axis
+
+logger = logging.getLogger(__name__)
+
+
+def head_part_shape(block_shape: Sequence[int], num_parts: int, head_axis: int | None,
+                    *, op: str = "head_part_shape") -> tuple[int, ...]:
+    """The block shape of one of ``num_parts`` head parts.
+
+    Raises:
+        KernelShapeError: ``num_parts`` < 1, an invalid axis, or heads that do
+            not divide evenly.
+    """
+    shape = tuple(int(s) for s in block_shape)
+    if isinstance(num_parts, bool) or not isinstance(num_parts, int) or num_parts < 1:
+        raise KernelShapeError(f"{op}: num_parts must be a positive int, got {num_parts!r}")
+    if head_axis is None:
+        return shape
+    a = check_axis(head_axis, len(shape), op=op, name="head_axis")
+    if shape[a] % num_parts:
+        raise KernelShapeError(
+            f"{op}: {shape[a]} KV heads (axis {a} of block shape {shape}) do not split into "
+            f"{num_parts} equal parts")
+    return (*shape[:a], shape[a] // num_parts, *shape[a + 1:])
+
+
+def _blocks(t: object, op: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor) or t.dim() < 1:
+        raise KernelShapeError(f"{op}: expected a (num_blocks, *block_shape) tensor, got {t!r:.80}")
+    return t
+
+
+def split_head_parts(blocks: torch.Tensor, num_parts: int,
+                     head_axis: int | None) -> list[torch.Tensor]:
+    """The ``num_parts`` head parts of ``blocks``, each a contiguous tensor.
+
+    With ``head_axis=None`` (MLA) every part is a copy of the whole blocks.
+    """
+    op = "split_head_parts"
+    blocks = _blocks(blocks, op)
+    head_part_shape(blocks.shape[1:], num_parts, head_axis, op=op)
+    if head_axis is None:
+        return [blocks.clone(memory_format=torch.contiguous_format) for _ in range(num_parts)]
+    a = check_axis(head_axis, blocks.dim() - 1, op=op, name="head_axis")
+    return [p.contiguous() for p in torch.chunk(blocks, num_parts, dim=a + 1)]
+
+
+def select_head_part(blocks: torch.Tensor, num_parts: int, part: int, head_axis: int | None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """Part ``part`` of ``num_parts`` of the heads of ``blocks`` (D TP = n x P TP).
+
+    Args:
+        blocks: ``(num_blocks, *block_shape)``.
+        num_parts: Into how many equal parts the heads split.
+        part: Which part, ``0 <= part < num_parts``.
+        head_axis: Head axis of the block shape, ``None`` for MLA (the whole
+            latent is every part).
+        out: Optional contiguous destination of the part's shape.
+
+    Returns:
+        A contiguous ``(num_blocks, *part_shape)`` tensor.
+    """
+    op = "select_head_part"
+    blocks = _blocks(blocks, op)
+    shape = head_part_shape(blocks.shape[1:], num_parts, head_axis, op=op)
+    if isinstance(part, bool) or not isinstance(part, int) or not 0 <= part < num_parts:
+        raise KernelShapeError(f"{op}: part must be in [0, {num_parts}), got {part!r}")
+    if head_axis is None:
+        src = blocks
+    else:
+        a = check_axis(head_axis, blocks.dim() - 1, op=op, name="head_axis")
+        width = shape[a]
+        src = blocks.narrow(a + 1, part * width, width)
+    if out is None:
+        return src.contiguous()
+    _check_out(out, (blocks.shape[0], *shape), blocks, op)
+    out.copy_(src)
+    return out
+
+
+def merge_head_parts(parts: Sequence[torch.Tensor], head_axis: int | None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """Concatenate head parts read from ``len(parts)`` P ranks (P TP = n x D TP).
+
+    Args:
+        parts: ``(num_blocks, *part_shape)`` tensors in P-rank order.
+        head_axis: Head axis of the block shape. ``None`` (MLA) takes exactly
+            one part: the latent is replicated, so D reads one P rank.
+        out: Optional contiguous destination.
+
+    Returns:
+        ``(num_blocks, *block_shape)`` with ``len(parts)`` times the heads.
+    """
+    op = "merge_head_parts"
+    if isinstance(parts, torch.Tensor) or not isinstance(parts, Sequence) or not parts:
+        raise KernelShapeError(f"{op}: parts must be a non-empty sequence of tensors")
+    first = _blocks(parts[0], op)
+    for i, p in enumerate(parts[1:], 1):
+        p = _blocks(p, op)
+        if p.shape != first.shape or p.dtype != first.dtype or p.device != first.device:
+            raise KernelShapeError(
+                f"{op}: parts[{i}] is {tuple(p.shape)} {p.dtype}, parts[0] is "
+                f"{tuple(first.shape)} {first.dtype}: parts must be equal")
+    if head_axis is None:
+        if len(parts) != 1:
+            raise KernelShapeError(
+                f"{op}: head_axis=None (MLA) has no heads to merge; the latent is replicated "
+                f"on every TP rank, so read one part, not {len(parts)}")
+        merged_shape = tuple(first.shape)
+        if out is None:
+            return first.contiguous()
+        _check_out(out, merged_shape, first, op)
+        return out.copy_(first)
+    a = check_axis(head_axis, first.dim() - 1, op=op, name="head_axis")
+    merged_shape = (*first.shape[:a + 1], first.shape[a + 1] * len(parts), *first.shape[a + 2:])
+    if out is None:
+        return torch.cat(list(parts), dim=a + 1)
+    _check_out(out, merged_shape, first, op)
+    torch.cat(list(parts), dim=a + 1, out=out)
+    return out
+
+
+def _check_out(out: object, shape: Sequence[int], like: torch.Tensor, op: str) -> None:
+    if not isinstance(out, torch.Tensor):
+        raise KernelShapeError(f"{op}: out must be a tensor, got {type(out).__name__}")
+    if tuple(out.shape) != tuple(shape) or out.dtype != like.dtype or out.device != like.device:
+        raise KernelShapeError(
+            f"{op}: out is {tuple(out.shape)} {out.dtype} on {out.device}, expected "
+            f"{tuple(shape)} {like.dtype} on {like.device}")
+    if not out.is_contiguous():
+        raise KernelShapeError(f"{op}: out must be contiguous")
+
+
+def merge_raw_parts(blocks: torch.Tensor, num_parts: int, head_axis: int) -> torch.Tensor:
+    """Part-major block bytes -> merged layout, contiguous (a view of ``blocks`` when nothing moves).
+
+    ``blocks`` is ``(k, *block_shape)``; the bytes of each block are read as
+    ``num_parts`` consecutive part blocks of shape ``head_part_shape(...)``.
+    """
+    k, shape = blocks.shape[0], tuple(blocks.shape[1:])
+    part = head_part_shape(shape, num_parts, head_axis, op="merge_raw_parts")
+    a = check_axis(head_axis, len(shape), op="merge_raw_parts", name="head_axis")
+    raw = blocks.contiguous().reshape(k, num_parts, *part)
+    return raw.movedim(1, 1 + a).reshape(k, *shape)
+
+
+def split_raw_parts(blocks: torch.Tensor, num_parts: int, head_axis: int) -> torch.Tensor:
+    """Merged layout -> part-major block bytes (the inverse of :func:`merge_raw_parts`)."""
+    k, shape = blocks.shape[0], tuple(blocks.shape[1:])
+    part = head_part_shape(shape, num_parts, head_axis, op="split_raw_parts")
+    a = check_axis(head_axis, len(shape), op="split_raw_parts", name="head_axis")
+    split = blocks.reshape(k, *shape[:a], num_parts, part[a], *shape[a + 1:])
+    return split.movedim(1 + a, 1).contiguous().reshape(k, *shape)

@@ -1,0 +1,176 @@
+# SPDX-License-Identifier: Apache-2.0
+"""gather/scatter of whole blocks: every implementation against the reference and an oracle."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kernels_strategies import IMPLS, caches, fill
+
+from vllm_ascend.distributed.kernels import (
+    BlockIdError,
+    DuplicateIdError,
+    KernelShapeError,
+    gather_blocks,
+    gather_blocks_all_layers,
+    scatter_blocks,
+    scatter_blocks_all_layers,
+)
+
+SETTINGS = settings(max_examples=60, deadline=None)
+
+
+@SETTINGS
+@given(data=st.data(), cache=caches())
+def test_gather_matches_reference_and_oracle(data: st.DataObject, cache: torch.Tensor) -> None:
+    nb = cache.shape[0]
+    ids = data.draw(st.lists(st.integers(0, nb - 1), max_size=15) if nb else st.just([]))
+    as_tensor = data.draw(st.booleans())
+    arg = torch.tensor(ids, dtype=data.draw(st.sampled_from([torch.int32, torch.int64]))) \
+        if as_tensor else ids
+    oracle = cache[torch.tensor(ids, dtype=torch.long)] if ids else cache[:0].clone()
+    before = cache.clone()
+    for impl in IMPLS:
+        out = gather_blocks(cache, arg, impl=impl)
+        assert out.is_contiguous() and out.shape == (len(ids), *cache.shape[1:])
+        assert torch.equal(out, oracle), impl
+    assert torch.equal(cache, before)  # a gather never writes the cache
+
+
+@SETTINGS
+@given(data=st.data(), cache=caches())
+def test_scatter_matches_reference_and_oracle(data: st.DataObject, cache: torch.Tensor) -> None:
+    nb = cache.shape[0]
+    ids = data.draw(st.lists(st.integers(0, max(nb - 1, 0)), unique=True, max_size=nb)
+                    if nb else st.just([]))
+    buf = fill((len(ids), *cache.shape[1:]), cache.dtype, seed=len(ids) + 7)
+    if data.draw(st.booleans()) and buf.dim() >= 3:  # a non-contiguous source is fine too
+        buf = buf.transpose(1, 2).contiguous().transpose(1, 2)
+    expected = cache.clone()
+    for j, b in enumerate(ids):
+        expected[b] = buf[j]
+    for impl in IMPLS:
+        target = cache.clone() if cache.is_contiguous() else _same_layout_copy(cache)
+        scatter_blocks(buf, target, ids, impl=impl)
+        assert torch.equal(target, expected), impl
+
+
+def _same_layout_copy(t: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
+    out.copy_(t)
+    return out
+
+
+def test_scatter_writes_through_kv_views() -> None:
+    # K and V regions of one allocation: scattering into K leaves V untouched.
+    alloc = fill((6, 2, 4, 3, 8), torch.bfloat16, seed=1)
+    original = alloc.clone()
+    k = alloc[:, 0]
+    buf = fill((2, 4, 3, 8), torch.bfloat16, seed=2)
+    scatter_blocks(buf, k, [4, 1])
+    assert torch.equal(alloc[:, 1], original[:, 1])
+    assert torch.equal(alloc[4, 0], buf[0]) and torch.equal(alloc[1, 0], buf[1])
+    assert torch.equal(alloc[0, 0], original[0, 0])
+
+
+@SETTINGS
+@given(data=st.data(), num_layers=st.integers(1, 4))
+def test_all_layers_forms(data: st.DataObject, num_layers: int) -> None:
+    first = data.draw(caches(min_blocks=1))
+    layers = [first] + [data.draw(caches(min_blocks=first.shape[0], block_shape=first.shape[1:],
+                                         dtype=first.dtype)) for _ in range(num_layers - 1)]
+    nb = min(c.shape[0] for c in layers)
+    ids = data.draw(st.lists(st.integers(0, nb - 1), unique=True, max_size=nb))
+    for impl in IMPLS:
+        out = gather_blocks_all_layers(layers, ids, impl=impl)
+        assert out.shape == (num_layers, len(ids), *first.shape[1:])
+        for i, c in enumerate(layers):
+            assert torch.equal(out[i], gather_blocks(c, ids, impl="reference"))
+    # round trip: scatter into fresh caches what was gathered, read it back
+    targets = [torch.zeros_like(c) for c in layers]
+    scatter_blocks_all_layers(out, targets, ids)
+    for t, c in zip(targets, layers, strict=True):
+        for b in ids:
+            assert torch.equal(t[b], c[b])
+
+
+def test_out_buffer_is_used_and_checked() -> None:
+    cache = fill((5, 2, 32, 16), torch.float32, seed=3)
+    out = torch.empty(3, 2, 32, 16)
+    assert gather_blocks(cache, [0, 4, 2], out) is out
+    assert torch.equal(out[1], cache[4])
+    with pytest.raises(KernelShapeError, match="shape"):
+        gather_blocks(cache, [0, 1], out)
+    with pytest.raises(KernelShapeError, match="float16"):
+        gather_blocks(cache, [0, 1, 2], out.half())
+    with pytest.raises(KernelShapeError, match="contiguous"):
+        gather_blocks(cache, [0, 1, 2], torch.empty(3, 16, 32, 2).transpose(1, 3))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("bad", [[5], [0, 7], [-1], [2, -3]])
+def test_out_of_range_ids_raise_and_write_nothing(impl: str, bad: list[int]) -> None:
+    cache = fill((5, 4, 8), torch.float32, seed=4)
+    before = cache.clone()
+    with pytest.raises(IndexError, match=str(max(bad) if min(bad) >= 0 else min(bad))):
+        gather_blocks(cache, bad, impl=impl)
+    with pytest.raises(BlockIdError):
+        gather_blocks(cache, torch.tensor(bad), impl=impl)
+    with pytest.raises(BlockIdError):
+        scatter_blocks(torch.zeros(len(bad), 4, 8), cache, bad, impl=impl)
+    with pytest.raises(BlockIdError):
+        gather_blocks_all_layers([cache, cache[:3]], [3], impl=impl)  # valid in one, not both
+    assert torch.equal(cache, before)
+
+
+def test_empty_cache_and_empty_ids() -> None:
+    empty = torch.zeros(0, 4, 8)
+    assert gather_blocks(empty, []).shape == (0, 4, 8)
+    scatter_blocks(torch.zeros(0, 4, 8), empty, torch.tensor([], dtype=torch.long))
+    with pytest.raises(BlockIdError, match="0 blocks"):
+        gather_blocks(empty, [0])
+    assert gather_blocks_all_layers([torch.ones(3, 2)], []).shape == (1, 0, 2)
+
+
+def test_malformed_ids_and_shapes() -> None:
+    cache = fill((4, 2, 3), torch.float32, seed=5)
+    with pytest.raises(KernelShapeError, match="integers"):
+        gather_blocks(cache, [0.5])
+    with pytest.raises(KernelShapeError, match="integers"):
+        gather_blocks(cache, [True])
+    with pytest.raises(KernelShapeError, match="integers"):
+        gather_blocks(cache, torch.tensor([1.0]))
+    with pytest.raises(KernelShapeError, match="1-D"):
+        gather_blocks(cache, torch.tensor([[0, 1]]))
+    with pytest.raises(KernelShapeError, match="sequence"):
+        gather_blocks(cache, 3)  # type: ignore[arg-type]
+    with pytest.raises(KernelShapeError, match="0-d"):
+        gather_blocks(torch.tensor(1.0), [0])
+    with pytest.raises(KernelShapeError, match="buffer"):
+        scatter_blocks(torch.zeros(2, 3, 2), cache, [0, 1])
+    with pytest.raises(KernelShapeError, match="same block shape"):
+        gather_blocks_all_layers([cache, torch.zeros(4, 3, 2)], [0])
+    with pytest.raises(KernelShapeError, match="no caches"):
+        gather_blocks_all_layers([], [0])
+    with pytest.raises(KernelShapeError, match="sequence of tensors"):
+        gather_blocks_all_layers(cache, [0])  # type: ignore[arg-type]
+
+
+def test_scatter_rejects_duplicate_ids() -> None:
+    cache = torch.zeros(4, 2)
+    with pytest.raises(DuplicateIdError, match="block id 2"):
+        scatter_blocks(torch.ones(3, 2), cache, [2, 0, 2])
+    with pytest.raises(DuplicateIdError, match="block id 1"):
+        scatter_blocks(torch.ones(2, 2), cache, torch.tensor([1, 1]))
+    assert not cache.any()
+
+
+@pytest.mark.parametrize("layout", ["cpu", "npu", "mla"])
+def test_vllm_layouts_odd_counts(layout: str) -> None:
+    shape = {"cpu": (7, 2, 32, 32), "npu": (7, 32, 2, 16), "mla": (7, 32, 1, 24)}[layout]
+    cache = fill(shape, torch.bfloat16, seed=6)
+    ids = [6, 0, 3]
+    for impl in IMPLS:
+        assert torch.equal(gather_blocks(cache, ids, impl=impl), cache[ids])
