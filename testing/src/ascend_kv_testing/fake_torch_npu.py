@@ -12,12 +12,16 @@ exercised for their logic. Activate it with :func:`install` (or the
 Where the real operators are strict, so is the fake: the ATB index tensors
 (``block_table``, ``context_lens``, ``seq_starts``, ``slot_indices``) must be
 int32.
+
+Import vLLM (and so transformers) *before* installing the fake: transformers
+probes ``importlib.util.find_spec("torch_npu")`` on import, which raises
+``ValueError`` for this spec-less module (and giving it a spec would make
+transformers import NPU attention kernels the fake does not have).
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.machinery
 import sys
 import types
 from collections.abc import Iterator
@@ -153,9 +157,6 @@ def install() -> types.ModuleType:
     """Put the fake into ``sys.modules['torch_npu']`` and ``torch.npu``; returns the module."""
     mod = types.ModuleType("torch_npu")
     mod.__dict__["__fake__"] = True
-    # importlib.util.find_spec("torch_npu") (transformers asks it while vLLM imports) raises
-    # ValueError for a module in sys.modules whose __spec__ is None.
-    mod.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None)
     mod.npu = _npu_namespace()  # type: ignore[attr-defined]
     mod.atb = types.SimpleNamespace(npu_paged_cache_load=_paged_cache_load)  # type: ignore[attr-defined]
     mod._npu_reshape_and_cache = _reshape_and_cache  # type: ignore[attr-defined]

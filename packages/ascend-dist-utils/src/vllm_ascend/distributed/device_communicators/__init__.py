@@ -1,0 +1,14 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Device communicators of vLLM on Ascend (``ascend-dist-utils``).
+
+:mod:`.npu_communicator` holds ``NPUCommunicator``, the class vLLM's platform
+resolves by qualified name, and ``all_to_all``, its collective as a plain
+function of a process group. Importing this package imports neither vLLM nor
+``torch_npu``.
+"""
+
+from __future__ import annotations
+
+from .__about__ import __version__
+
+__all__ = ["__version__"]
