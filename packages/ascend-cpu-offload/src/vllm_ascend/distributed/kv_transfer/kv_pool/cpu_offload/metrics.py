@@ -27,7 +27,7 @@ OFFLOAD_METRICS: tuple[MetricSpec, ...] = (
                "Prompt tokens beyond the device's prefix hit that host memory could not supply."),
     MetricSpec("offload_evicted_blocks", "counter", "Host blocks evicted to make room for saves."),
     MetricSpec("offload_failures", "counter",
-               "Operations that failed and fell back (op: lookup, plan, save, load).",
+               "Operations that failed and fell back (op: lookup, plan, save, load, reset).",
                labels=("op",)),
     MetricSpec("offload_host_blocks_used", "gauge", "Host blocks cached or being saved."),
     MetricSpec("offload_host_blocks_total", "gauge", "Host blocks in the pool."),

@@ -298,6 +298,7 @@ class CPUOffloadScheduler:
             freed = self.client.reset()
         except (ServerUnavailable, RemoteError) as exc:
             logger.warning("could not reset the CPU offload cache: %s", exc)
+            self.recorder.inc("offload_failures", op="reset")
             return False
         logger.info("CPU offload cache reset: %d host blocks freed", freed)
         return True

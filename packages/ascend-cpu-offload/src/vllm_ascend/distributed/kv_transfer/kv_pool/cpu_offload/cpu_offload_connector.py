@@ -1,0 +1,179 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``CPUOffloadingConnector``: a host-memory prefix cache behind vLLM's device prefix cache.
+
+Lifecycle (see the :mod:`.scheduler` and :mod:`.worker` modules for details):
+
+* scheduler side - ``get_num_new_matched_tokens`` offers the blocks beyond the
+  device's own prefix hit that host memory holds (pinning them),
+  ``update_state_after_alloc`` plans their load, ``build_connector_meta``
+  plans the saves of the blocks filled this step, ``request_finished`` holds
+  a request's blocks until its saves are done;
+* worker side - ``register_kv_caches`` joins the instance's shared host pool
+  (rank 0 runs its metadata server), ``start_load_kv`` /
+  ``wait_for_layer_load`` load layer by layer on a load stream,
+  ``wait_for_save`` saves in the background on a save stream,
+  ``get_finished`` reports requests whose saves are done.
+
+Configuration: :class:`~vllm_ascend.distributed.kv_transfer.core.config.offload.CPUOffloadConfig`
+(``vllm-ascend-kv config CPUOffloadingConnector`` lists the keys)::
+
+    --kv-transfer-config '{"kv_connector": "CPUOffloadingConnector", "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"cpu_swap_space_gb": 16}}'
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm_ascend.distributed.kv_transfer.core.vllm_compat import require_vllm
+
+require_vllm("CPUOffloadingConnector")
+
+# ruff: noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from vllm_ascend.distributed.kv_transfer.core.config.offload import CPUOffloadConfig
+from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
+from vllm_ascend.distributed.kv_transfer.core.vllm_metrics import KVPromMetrics, KVStats
+
+from .metadata import CPUOffloadingConnectorMetadata
+from .metrics import OFFLOAD_METRICS
+from .scheduler import CPUOffloadScheduler
+from .worker import CPUOffloadWorker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+try:  # vLLM >= 0.32 labels external hits by tier
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    _HOST_SOURCE: Any = CacheHitSource.HOST
+except ImportError:  # pragma: no cover - older vLLM
+    _HOST_SOURCE = None
+
+__all__ = ["CPUOffloadingConnector", "CPUOffloadingConnectorMetadata"]
+
+
+class CPUOffloadingConnector(KVConnectorBase_V1):
+    """Offload KV blocks to a host-memory prefix cache shared by the ranks of an instance."""
+
+    if _HOST_SOURCE is not None:
+        _cache_hit_source = _HOST_SOURCE
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None) or {}
+        self.config = CPUOffloadConfig.from_dict(
+            extra, source="kv_connector_extra_config of CPUOffloadingConnector")
+        self.recorder = MetricsRecorder(OFFLOAD_METRICS)
+        self._scheduler: CPUOffloadScheduler | None = None
+        self._worker: CPUOffloadWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = CPUOffloadScheduler(vllm_config, self.config, kv_cache_config,
+                                                  self.recorder)
+        else:
+            self._worker = CPUOffloadWorker(vllm_config, self.config, kv_cache_config,
+                                            self.recorder)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A best-effort cache: a dropped save is a future miss, never a lost hand-off."""
+        return False
+
+    # ==============================
+    # Worker-side methods
+    # ==============================
+    def _meta(self) -> CPUOffloadingConnectorMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, CPUOffloadingConnectorMetadata), type(meta)
+        return meta
+
+    def _w(self) -> CPUOffloadWorker:
+        assert self._worker is not None, "worker-side method called on the scheduler connector"
+        return self._worker
+
+    def _s(self) -> CPUOffloadScheduler:
+        assert self._scheduler is not None, "scheduler-side method called on a worker connector"
+        return self._scheduler
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self._w().register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self._w().start_load_kv(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._w().wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        """Saves are whole blocks after the forward (``wait_for_save``), not per layer."""
+
+    def wait_for_save(self) -> None:
+        if self.has_connector_metadata():
+            self._w().wait_for_save(self._meta())
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        if isinstance(kv_connector_metadata, CPUOffloadingConnectorMetadata):
+            self._w().handle_preemptions(kv_connector_metadata)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._w().get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._w().get_block_ids_with_load_errors()
+
+    def get_kv_connector_stats(self) -> KVStats | None:
+        return KVStats.from_recorder(self.recorder)
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+
+    # ==============================
+    # Scheduler-side methods
+    # ==============================
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._s().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        self._s().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._s().build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._s().request_finished(request, block_ids)
+
+    def reset_cache(self) -> bool | None:
+        if self._scheduler is None:
+            return None
+        return self._scheduler.reset_cache()
+
+    # ==============================
+    # Metrics
+    # ==============================
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVStats | None:
+        return KVStats(data=data) if data is not None else KVStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type],
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KVPromMetrics:
+        return KVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues,
+                             specs=OFFLOAD_METRICS)
