@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 
 from vllm_ascend.distributed.kv_transfer.core.layout import KVCacheLayout
 from vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.blockcopy import (
+    _copy_staged,
+    _host_runs,
     block_rows,
     copy_blocks,
     runs,
@@ -21,13 +23,15 @@ def test_runs_split_where_either_side_jumps() -> None:
     assert runs([3, 4, 5, 9], [0, 1, 2, 3]) == [(3, 0, 3), (9, 3, 1)]
     assert runs([1, 2, 3], [5, 6, 8]) == [(1, 5, 2), (3, 8, 1)]
     assert runs([2, 1], [0, 1]) == [(2, 0, 1), (1, 1, 1)]
+    assert _host_runs([4, 5, 6, 1, 2, 9]) == [(0, 4, 3), (3, 1, 2), (5, 9, 1)]
 
 
 @settings(max_examples=60, deadline=None)
 @given(data=st.data(), n_src=st.integers(1, 12), n_dst=st.integers(1, 12),
-       row=st.integers(1, 96), pad=st.integers(0, 16), memmove=st.booleans())
+       row=st.integers(1, 96), pad=st.integers(0, 16),
+       path=st.sampled_from(["memmove", "runs", "staged-gather", "staged-scatter"]))
 def test_copy_matches_reference(data: st.DataObject, n_src: int, n_dst: int, row: int, pad: int,
-                                memmove: bool) -> None:
+                                path: str) -> None:
     # strided rows (pad > 0) are what a host layer slice looks like
     src_full = torch.randint(0, 256, (n_src, row + pad), dtype=torch.uint8)
     dst_full = torch.randint(0, 256, (n_dst, row + pad), dtype=torch.uint8)
@@ -39,20 +43,26 @@ def test_copy_matches_reference(data: st.DataObject, n_src: int, n_dst: int, row
     expected_view = expected[:, pad:pad + row]
     for s, d in zip(src_ids, dst_ids, strict=True):
         expected_view[d] = src[s]
-    n = copy_blocks(src, src_ids, dst, dst_ids, use_memmove=memmove)
+    if path.startswith("staged"):
+        # both branches of the device path, run by ascend-kernels' CPU implementation
+        _copy_staged(src, src_ids, dst, dst_ids, row, False,
+                     gather_on_src=path == "staged-gather")
+        n = row * k
+    else:
+        n = copy_blocks(src, src_ids, dst, dst_ids, path=path)
     assert n == row * k
     assert torch.equal(dst_full, expected), "only the destination rows change, padding intact"
 
 
-@pytest.mark.parametrize("memmove", [True, False])
-def test_bad_ids_raise_before_any_copy(memmove: bool) -> None:
+@pytest.mark.parametrize("path", ["memmove", "runs", "staged"])
+def test_bad_ids_raise_before_any_copy(path: str) -> None:
     src = torch.arange(40, dtype=torch.uint8).view(4, 10)
     dst = torch.zeros(3, 10, dtype=torch.uint8)
     for s, d, needle in (([0, 4], [0, 1], "source: block id 4 is outside [0, 4)"),
                          ([0, 1], [0, -1], "destination: block id -1 is outside [0, 3)"),
                          ([True], [0], "block id True")):
         with pytest.raises(IndexError, match=needle.replace("[", r"\[").replace(")", r"\)")):
-            copy_blocks(src, s, dst, d, use_memmove=memmove)
+            copy_blocks(src, s, dst, d, path=path)
         assert not dst.any(), "nothing was written"
     with pytest.raises(ValueError, match="2 source ids but 1 destination ids"):
         copy_blocks(src, [0, 1], dst, [0])
@@ -60,6 +70,8 @@ def test_bad_ids_raise_before_any_copy(memmove: bool) -> None:
         copy_blocks(src, [0], torch.zeros(3, 5, dtype=torch.uint8), [0])
     with pytest.raises(ValueError, match="uint8 view"):
         copy_blocks(src.float(), [0], dst, [0])
+    with pytest.raises(ValueError, match="unknown copy path 'dma'"):
+        copy_blocks(src, [0], dst, [0], path="dma")
 
 
 def _kv_caches(kind: str, num_blocks: int = 6, bs: int = 32) -> dict[str, object]:

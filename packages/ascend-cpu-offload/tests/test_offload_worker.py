@@ -86,9 +86,11 @@ def stats(w: CPUOffloadWorker) -> Any:
         client.close()
 
 
-def test_save_then_load_restores_every_layer(make_worker: Callable[..., CPUOffloadWorker]
-                                             ) -> None:
+@pytest.mark.parametrize("path", ["auto", "staged", "runs"])
+def test_save_then_load_restores_every_layer(make_worker: Callable[..., CPUOffloadWorker],
+                                             path: str) -> None:
     w = make_worker()
+    w.copy_path = path
     caches = cpu_caches()
     w.register_kv_caches(caches)
     assert w.num_host_blocks > 0

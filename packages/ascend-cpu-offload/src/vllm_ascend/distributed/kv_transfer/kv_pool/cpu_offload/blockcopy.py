@@ -6,14 +6,20 @@ block ``i`` (rows may be strided, each row is contiguous). Any KV layout
 :class:`~vllm_ascend.distributed.kv_transfer.core.layout.KVCacheLayout`
 understands becomes such a view through :func:`block_rows`.
 
-Paths:
+Paths (``path`` argument of :func:`copy_blocks`):
 
-* CPU to CPU (vLLM's CPU backend, tests): one ``memmove`` per run of
-  consecutive blocks through ``ctypes`` (it releases the GIL and costs well
-  under a microsecond a call; a torch ``copy_`` per block costs several, which
-  halves the bandwidth of 64 KiB blocks);
-* anything else (NPU, CUDA): one ``copy_`` per run of consecutive blocks,
-  ``non_blocking`` on the caller's stream.
+* ``memmove`` - CPU to CPU (vLLM's CPU backend, tests): one ``memmove`` per
+  run of consecutive blocks through ``ctypes`` (it releases the GIL and costs
+  well under a microsecond a call; a torch ``copy_`` per block costs several,
+  which halves the bandwidth of 64 KiB blocks). The default on CPU.
+* ``staged`` - device and host (NPU, CUDA): the device side's scattered
+  blocks are gathered into (or scattered from) a contiguous device buffer by
+  one ascend-kernels call, and the buffer moves to or from host memory with
+  one ``copy_`` per run of consecutive host blocks (host blocks are allocated
+  lowest id first, so runs are long). Few large DMAs instead of one per
+  block. The default off CPU.
+* ``runs`` - one ``copy_`` per run of blocks consecutive on both sides
+  (plain torch; no kernels).
 
 Block ids are checked before any copy: an id outside a view is an
 :class:`IndexError` naming it (a raw ``memmove`` must never see one).
@@ -82,9 +88,21 @@ def runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int, int,
     return out
 
 
+def _host_runs(ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(position, first id, length)`` of runs of consecutive ids."""
+    out: list[tuple[int, int, int]] = []
+    for pos, b in enumerate(ids):
+        if out and b == out[-1][1] + out[-1][2]:
+            p, first, n = out[-1]
+            out[-1] = (p, first, n + 1)
+        else:
+            out.append((pos, b, 1))
+    return out
+
+
 def copy_blocks(src: torch.Tensor, src_ids: Sequence[int], dst: torch.Tensor,
                 dst_ids: Sequence[int], *, non_blocking: bool = False,
-                use_memmove: bool | None = None) -> int:
+                path: str = "auto") -> int:
     """Copy rows ``src[src_ids[i]]`` to ``dst[dst_ids[i]]``; returns the bytes copied.
 
     Args:
@@ -92,9 +110,8 @@ def copy_blocks(src: torch.Tensor, src_ids: Sequence[int], dst: torch.Tensor,
         src_ids: source block ids.
         dst: block-row view with the same row length.
         dst_ids: destination block ids (same length as ``src_ids``).
-        non_blocking: pass-through to ``copy_`` on the device path.
-        use_memmove: force (True) or forbid (False) the ``memmove`` path; default: used
-            when both views are in CPU memory.
+        non_blocking: pass-through to ``copy_`` off CPU.
+        path: ``auto``, ``memmove`` (CPU only), ``staged`` or ``runs`` (see the module doc).
 
     Raises:
         ValueError: the views are not 2-D ``uint8`` block rows of the same length, or the id
@@ -116,18 +133,54 @@ def copy_blocks(src: torch.Tensor, src_ids: Sequence[int], dst: torch.Tensor,
     check_ids(dst_ids, dst.shape[0], "destination")
     row = src.shape[1]
     on_cpu = src.device.type == "cpu" and dst.device.type == "cpu"
-    if use_memmove and not on_cpu:
-        raise ValueError("memmove needs both views in CPU memory")
-    if on_cpu if use_memmove is None else use_memmove:
-        s_base, d_base = src.data_ptr(), dst.data_ptr()
-        s_stride, d_stride = src.stride(0), dst.stride(0)
-        if s_stride == row and d_stride == row:
-            for s, d, n in runs(src_ids, dst_ids):
-                _memmove(d_base + d * row, s_base + s * row, n * row)
-        else:
-            for s, d in zip(src_ids, dst_ids, strict=True):
-                _memmove(d_base + d * d_stride, s_base + s * s_stride, row)
-    else:
+    if path == "auto":
+        path = "memmove" if on_cpu else "staged"
+    if path == "memmove":
+        if not on_cpu:
+            raise ValueError("the memmove path needs both views in CPU memory")
+        _copy_memmove(src, src_ids, dst, dst_ids, row)
+    elif path == "staged":
+        _copy_staged(src, src_ids, dst, dst_ids, row, non_blocking)
+    elif path == "runs":
         for s, d, n in runs(src_ids, dst_ids):
             dst[d:d + n].copy_(src[s:s + n], non_blocking=non_blocking)
+    else:
+        raise ValueError(f"unknown copy path {path!r}; expected auto, memmove, staged or runs")
     return row * len(src_ids)
+
+
+def _copy_memmove(src: torch.Tensor, src_ids: Sequence[int], dst: torch.Tensor,
+                  dst_ids: Sequence[int], row: int) -> None:
+    s_base, d_base = src.data_ptr(), dst.data_ptr()
+    s_stride, d_stride = src.stride(0), dst.stride(0)
+    if s_stride == row and d_stride == row:
+        for s, d, n in runs(src_ids, dst_ids):
+            _memmove(d_base + d * row, s_base + s * row, n * row)
+    else:
+        for s, d in zip(src_ids, dst_ids, strict=True):
+            _memmove(d_base + d * d_stride, s_base + s * s_stride, row)
+
+
+def _copy_staged(src: torch.Tensor, src_ids: Sequence[int], dst: torch.Tensor,
+                 dst_ids: Sequence[int], row: int, non_blocking: bool,
+                 gather_on_src: bool | None = None) -> None:
+    """Gather on the source's device, or scatter on the destination's, through one buffer.
+
+    ``gather_on_src`` says which side is the device (default: the source
+    unless it is in CPU memory and the destination is not).
+    """
+    from vllm_ascend.distributed.kernels import gather_blocks, scatter_blocks
+
+    if gather_on_src is None:
+        gather_on_src = src.device.type != "cpu" or dst.device.type == "cpu"
+    if gather_on_src:
+        # device -> host: gather on the device, then one copy per run of host ids
+        buf = gather_blocks(src, list(src_ids))
+        for pos, first, n in _host_runs(dst_ids):
+            dst[first:first + n].copy_(buf[pos:pos + n], non_blocking=non_blocking)
+    else:
+        # host -> device: one copy per run of host ids, then scatter on the device
+        buf = torch.empty((len(dst_ids), row), dtype=torch.uint8, device=dst.device)
+        for pos, first, n in _host_runs(src_ids):
+            buf[pos:pos + n].copy_(src[first:first + n], non_blocking=non_blocking)
+        scatter_blocks(buf, dst, list(dst_ids))

@@ -151,6 +151,8 @@ class CPUOffloadWorker:
         self._queue: queue.Queue[Any] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._shared = False
+        #: :func:`.blockcopy.copy_blocks` path; ``auto`` picks memmove on CPU, staged elsewhere
+        self.copy_path = "auto"
 
     @property
     def rank_info(self) -> RankInfo:
@@ -289,7 +291,7 @@ class CPUOffloadWorker:
         n = 0
         for rows, off, length in layer.parts:
             n += copy_blocks(layer.host[:, off:off + length], host_ids, rows, dev_ids,
-                             non_blocking=nb)
+                             non_blocking=nb, path=self.copy_path)
         return n
 
     def _copy_out(self, layer: _LayerCopy, dev_ids: Sequence[int], host_ids: Sequence[int],
@@ -297,7 +299,7 @@ class CPUOffloadWorker:
         n = 0
         for rows, off, length in layer.parts:
             n += copy_blocks(rows, dev_ids, layer.host[:, off:off + length], host_ids,
-                             non_blocking=nb)
+                             non_blocking=nb, path=self.copy_path)
         return n
 
     def wait_for_layer_load(self, layer_name: str) -> None:
