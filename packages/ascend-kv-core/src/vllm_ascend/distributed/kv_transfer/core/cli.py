@@ -116,7 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks: each path against its raw baseline, "
                                          "measured in the same run")
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCHMARK")
-    bench.set_defaults(func=lambda _a: (bench.print_help(), 2)[1])
+
+    def _bench_help(_args: argparse.Namespace) -> int:
+        bench.print_help()
+        return 2
+
+    bench.set_defaults(func=_bench_help)
     _add_plugins(BENCH_ENTRY_POINT_GROUP, bench_sub)
     _add_plugins(ENTRY_POINT_GROUP, sub)
     return parser
