@@ -148,7 +148,7 @@ def _build_class() -> type:
     base_mod = vllm_module("vllm.distributed.device_communicators.base_device_communicator",
                            what="NPUCommunicator")
     base: type = base_mod.DeviceCommunicatorBase
-    takes_all2all = "use_all2all" in inspect.signature(base.__init__).parameters
+    takes_all2all = "use_all2all" in inspect.signature(base.__init__).parameters  # type: ignore[misc]
 
     class NPUCommunicator(base):  # type: ignore[valid-type, misc]
         """vLLM device communicator for Ascend NPUs (HCCL); any torch backend works.
@@ -168,7 +168,7 @@ def _build_class() -> type:
             if takes_all2all:
                 kwargs["use_all2all"] = use_all2all
             super().__init__(cpu_group, device, device_group, unique_name, **kwargs)
-            self.device = _npu_device(self.device)
+            self.device = _npu_device(self.device)  # type: ignore[has-type]
             # As CudaCommunicator: vLLM's graph-capture code reads it.
             self.ca_comm = None
 
