@@ -21,6 +21,8 @@ _PKG = "vllm_ascend.distributed.kv_transfer.kv_p2p"
 #: (name, module, class) of every connector this package provides.
 CONNECTORS = [
     ("MooncakeConnectorV1", f"{_PKG}.mooncake_connector", "MooncakeConnector"),
+    ("MooncakeLayerwiseConnector", f"{_PKG}.mooncake_layerwise_connector",
+     "MooncakeLayerwiseConnector"),
 ]
 
 

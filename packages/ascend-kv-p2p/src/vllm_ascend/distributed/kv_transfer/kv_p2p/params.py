@@ -135,3 +135,153 @@ def params_for_decode(*, block_ids: list[int], engine_id: str, host: str, port: 
         "num_prompt_blocks": num_prompt_blocks,
         "remote_multi_nodes_meta_mapping": {"0": {"host": host, "engine_id": engine_id}},
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# MooncakeLayerwiseConnector (prefill pushes layer by layer)
+#
+# D receives ``{"do_remote_prefill": true, "metaserver": URL, "request_id": ID, "do_virtual":
+# bool}`` from the proxy, allocates blocks and posts :func:`params_for_prefill` to the
+# metaserver; the proxy hands that dict to P as its ``kv_transfer_params``.
+# ---------------------------------------------------------------------------------------------
+
+
+def wants_virtual(params: Any) -> bool:
+    """True when a request asks for a virtual push (``do_virtual: true``).
+
+    ``None`` params, a missing key, ``None`` or ``False`` all mean an ordinary request
+    (upstream once raised on ``None`` params here).
+
+    Raises:
+        KVParamsError: ``do_virtual`` is present but not a boolean (``"false"`` would
+            otherwise be taken for true).
+    """
+    if not isinstance(params, Mapping):
+        return False
+    value = params.get("do_virtual")
+    if value is None or value is False:
+        return False
+    if value is True:
+        return True
+    raise KVParamsError(f"kv_transfer_params: 'do_virtual' must be true or false, got {value!r} "
+                        f"({type(value).__name__})")
+
+
+def metaserver_url(params: Mapping[str, Any]) -> str:
+    """The proxy's metaserver URL of a layerwise request.
+
+    Raises:
+        KVParamsError: missing, not a string, or not an ``http(s)://`` URL.
+    """
+    from urllib.parse import urlsplit
+
+    url = params.get("metaserver")
+    if not isinstance(url, str) or not url:
+        raise KVParamsError(f"kv_transfer_params: 'metaserver' must be the proxy's metaserver "
+                            f"URL, got {url!r} ({type(url).__name__})")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise KVParamsError(f"kv_transfer_params: 'metaserver' must be an http:// or https:// "
+                            f"URL, got {url!r}")
+    return url
+
+
+@dataclass(frozen=True)
+class PushTarget:
+    """P's view of the D instance a request's KV is pushed to."""
+
+    engine_id: str
+    host: str
+    #: D's base side-channel port (worker ports follow :func:`.protocol.worker_port`)
+    port: int
+    #: D's request id (the key of D's pending load; P echoes it in every message)
+    request_id: str
+    #: D's blocks for the whole prompt, in token order
+    block_ids: list[int]
+    #: tokens D already holds (its own prefix-cache hit); P pushes from there on
+    cached_tokens: int
+    tp_size: int
+
+
+def parse_push_endpoint(params: Any) -> tuple[str, int, str, int]:
+    """``(host, port, request_id, tp_size)`` of D, enough to tell D that a push failed.
+
+    Raises:
+        KVParamsError: a key is missing or of the wrong type.
+    """
+    if not isinstance(params, Mapping):
+        raise KVParamsError(f"kv_transfer_params must be an object, got {type(params).__name__}")
+    return (_str(params, "remote_host"), _int(params, "remote_port", minimum=1, maximum=65535),
+            _str(params, "remote_request_id"),
+            _int(params, "remote_tp_size", default=1, minimum=1, maximum=4096))
+
+
+def parse_push_target(params: Any, *, prompt_len: int, block_size: int) -> PushTarget:
+    """Check the P-side ``kv_transfer_params`` of a layerwise request (what D posted).
+
+    Args:
+        params: the request's ``kv_transfer_params``.
+        prompt_len: tokens in the prompt.
+        block_size: tokens per block on P (D's must be equal; the handshake checks it too).
+
+    Raises:
+        KVParamsError: a key is missing or of the wrong type, the block list does not cover
+            exactly the prompt, or ``remote_cached_tokens`` is not a block-aligned count
+            below the prompt length.
+    """
+    host, port, request_id, tp_size = parse_push_endpoint(params)
+    blocks = params.get("remote_block_ids")
+    if not isinstance(blocks, list):
+        raise KVParamsError(f"kv_transfer_params: 'remote_block_ids' must be a list of block "
+                            f"ids, got {blocks!r} ({type(blocks).__name__})")
+    for b in blocks:
+        if isinstance(b, bool) or not isinstance(b, int) or b < 0 or b >= 1 << 40:
+            raise KVParamsError(f"kv_transfer_params: 'remote_block_ids' holds {b!r}; block ids "
+                                "are non-negative integers")
+    needed = math.ceil(prompt_len / block_size)
+    if len(blocks) != needed:
+        raise KVParamsError(
+            f"kv_transfer_params: 'remote_block_ids' has {len(blocks)} blocks but the "
+            f"{prompt_len}-token prompt needs {needed} (block size {block_size})")
+    if len(set(blocks)) != len(blocks):
+        raise KVParamsError("kv_transfer_params: 'remote_block_ids' repeats a block id")
+    remote_bs = params.get("remote_block_size", block_size)
+    if remote_bs != block_size:
+        raise KVParamsError(f"kv_transfer_params: 'remote_block_size' is {remote_bs!r} but this "
+                            f"instance uses block size {block_size}")
+    cached = _int(params, "remote_cached_tokens", default=0, minimum=0,
+                  maximum=max(prompt_len - 1, 0))
+    if cached % block_size:
+        raise KVParamsError(f"kv_transfer_params: 'remote_cached_tokens' {cached} is not a "
+                            f"multiple of the block size {block_size}")
+    _int(params, "remote_pcp_size", default=1, minimum=1, maximum=1)
+    _int(params, "remote_dcp_size", default=1, minimum=1, maximum=1)
+    return PushTarget(engine_id=_str(params, "remote_engine_id"), host=host, port=port,
+                      request_id=request_id, block_ids=list(blocks), cached_tokens=cached,
+                      tp_size=tp_size)
+
+
+def params_for_prefill(*, proxy_request_id: str, block_ids: list[int], block_size: int,
+                       engine_id: str, host: str, port: int, request_id: str, tp_size: int,
+                       cached_tokens: int) -> dict[str, Any]:
+    """What D posts to the metaserver; the proxy hands it to P as ``kv_transfer_params``.
+
+    The keys are upstream's, plus ``remote_request_id`` (D's own request id, which P echoes
+    so that D never has to guess it from the proxy's).
+    """
+    return {
+        "request_id": proxy_request_id,
+        "token_ids": [],
+        "do_remote_prefill": False,
+        "do_remote_decode": True,
+        "remote_block_ids": block_ids,
+        "remote_block_size": block_size,
+        "remote_engine_id": engine_id,
+        "remote_host": host,
+        "remote_port": port,
+        "remote_request_id": request_id,
+        "remote_tp_size": tp_size,
+        "remote_pcp_size": 1,
+        "remote_dcp_size": 1,
+        "remote_cached_tokens": cached_tokens,
+    }

@@ -100,3 +100,121 @@ def side_channel_port(kv_port: int, *, dp_rank: int, tp_size: int, pp_size: int)
 def worker_port(base_port: int, *, tp_rank: int, tp_size: int, pp_rank: int = 0) -> int:
     """Side-channel port of one worker: ``base + pp_rank * tp_size + tp_rank``."""
     return base_port + pp_rank * tp_size + tp_rank
+
+
+# ---------------------------------------------------------------------------------------------
+# MooncakeLayerwiseConnector: P pushes into D. D serves the side channel, P is the client:
+#
+# * ``GetMeta`` -> ``AgentMeta``: D's cache description; P checks it against its own
+#   (:func:`compatibility_problem`) before the first write.
+# * ``PushBegin`` -> ``PushGrant``: P will write ``block_ids`` of D's request ``request_id``;
+#   D answers only if it is waiting for that very request with exactly those blocks, and
+#   grants a write lease. P writes only while it holds the lease.
+# * ``PushRenew`` -> ``PushRenewReply``: P keeps its leases alive; a lease D no longer
+#   grants (deadline passed, request aborted, another sender failed) means "stop writing".
+# * ``PushDone`` -> ``PushDoneAck``: P finished (or gave up on) a request; D counts these
+#   against the number of P ranks that push to it and ends the wait.
+# ---------------------------------------------------------------------------------------------
+
+#: Bumped on incompatible changes of the layerwise messages.
+LAYERWISE_PROTOCOL_VERSION = 1
+
+
+class PushBegin(Message):
+    """P rank ``p_rank`` of ``p_tp_size`` will write ``block_ids`` of D's ``request_id``."""
+
+    request_id: str
+    sender: str
+    p_rank: int
+    p_tp_size: int
+    block_ids: list[int]
+    #: bytes of one of P's blocks per region (D sizes staging buffers with them)
+    block_lens: list[int]
+    protocol_version: int = LAYERWISE_PROTOCOL_VERSION
+
+
+class PushGrant(Message):
+    """D accepts the writes for ``lease_s`` seconds (renewable).
+
+    ``staging_addrs[i]`` non-zero: write region ``i`` of P's whole blocks there (block ``k``
+    of the request at ``staging_addrs[i] + k * staging_strides[i]``), not into D's cache; D
+    merges the heads it needs once the sender is done (head layouts where a P rank's heads
+    are not contiguous inside D's blocks).
+    """
+
+    lease_s: float
+    num_senders: int
+    staging_addrs: list[int]
+    staging_strides: list[int]
+
+
+class PushRenew(Message):
+    """Keep ``sender``'s write leases of these requests alive."""
+
+    request_ids: list[str]
+    sender: str
+
+
+class PushRenewReply(Message):
+    """Requests whose lease D renewed; a missing one means: stop writing, send PushDone."""
+
+    granted: list[str]
+
+
+class PushDone(Message):
+    """``sender`` is done with ``request_id``: every layer written, or given up."""
+
+    request_id: str
+    sender: str
+    success: bool = True
+    reason: str = ""
+    nbytes: int = 0
+
+
+class PushDoneAck(Message):
+    """``accepted``: D was still waiting for this sender of this request."""
+
+    accepted: bool
+
+
+LAYERWISE_CODEC: Codec[Message] = Codec(
+    [GetMeta, AgentMeta, PushBegin, PushGrant, PushRenew, PushRenewReply, PushDone, PushDoneAck],
+    max_size=1 << 22)
+
+
+def compatibility_problem(mine: AgentMeta, theirs: AgentMeta, *, expect_tp: int,
+                          configured_tp: int | None = None, me: str = "D", them: str = "P",
+                          verb: str = "hand its KV cache to") -> str:
+    """Why ``theirs`` cannot exchange KV blocks with ``mine``, naming both values; '' if it can.
+
+    Args:
+        mine: this worker's metadata.
+        theirs: the peer's metadata (from ``GetMeta``).
+        expect_tp: the peer's tensor-parallel size according to the request's params.
+        configured_tp: the peer's ``tp_size`` from ``kv_connector_extra_config``, if set.
+        me: how this side is called in the message (``"D"`` or ``"P"``).
+        them: how the peer is called.
+        verb: what the peer cannot do, for the message.
+    """
+    a, b = mine.layout, theirs.layout
+    checks = [
+        ("protocol version", mine.protocol_version, theirs.protocol_version),
+        ("model", mine.model, theirs.model),
+        ("dtype", a.dtype, b.dtype),
+        ("block size", a.block_size, b.block_size),
+        ("KV layout", a.kind, b.kind),
+        ("number of layers", a.num_layers, b.num_layers),
+        ("head size", a.head_size, b.head_size),
+        ("MLA", a.is_mla, b.is_mla),
+        ("total KV heads", mine.total_num_kv_heads, theirs.total_num_kv_heads),
+        (f"{them} tensor-parallel size", expect_tp, theirs.tp_size),
+    ]
+    if configured_tp is not None:
+        side = "prefill" if them == "P" else "decode"
+        checks.append((f"{them} tensor-parallel size ({side}.tp_size)", configured_tp,
+                       theirs.tp_size))
+    bad = [f"{what}: {me} has {x!r}, {them} has {y!r}" for what, x, y in checks if x != y]
+    if bad:
+        return (f"{them} engine {theirs.engine_id} ({theirs.session}) cannot {verb} this {me} "
+                f"instance ({mine.engine_id}): " + "; ".join(bad))
+    return ""

@@ -59,6 +59,7 @@ from .protocol import (
     GetMeta,
     Renew,
     RenewReply,
+    compatibility_problem,
     side_channel_port,
     worker_port,
 )
@@ -345,27 +346,8 @@ class PullWorker:
     def compatibility_problem(self, remote: AgentMeta, *, expect_tp: int) -> str:
         """Why P's cache cannot be read into ours, naming both sides' values; '' if it can."""
         assert self.meta is not None
-        mine, theirs = self.meta.layout, remote.layout
-        checks = [
-            ("protocol version", PROTOCOL_VERSION, remote.protocol_version),
-            ("model", self.model, remote.model),
-            ("dtype", mine.dtype, theirs.dtype),
-            ("block size", mine.block_size, theirs.block_size),
-            ("KV layout", mine.kind, theirs.kind),
-            ("number of layers", mine.num_layers, theirs.num_layers),
-            ("head size", mine.head_size, theirs.head_size),
-            ("MLA", mine.is_mla, theirs.is_mla),
-            ("total KV heads", self.total_kv_heads, remote.total_num_kv_heads),
-            ("P tensor-parallel size", expect_tp, remote.tp_size),
-        ]
-        if self.cfg.prefill.tp_size is not None:
-            checks.append(("P tensor-parallel size (prefill.tp_size)", self.cfg.prefill.tp_size,
-                           remote.tp_size))
-        bad = [f"{what}: D has {a!r}, P has {b!r}" for what, a, b in checks if a != b]
-        if bad:
-            return (f"P engine {remote.engine_id} ({remote.session}) cannot hand its KV cache to "
-                    f"this D instance ({self.engine_id}): " + "; ".join(bad))
-        return ""
+        return compatibility_problem(self.meta, remote, expect_tp=expect_tp,
+                                     configured_tp=self.cfg.prefill.tp_size)
 
     def _pull(self, meta: RecvMeta) -> None:
         """Load one request (pool thread). Every path ends in :meth:`_finish`."""

@@ -95,3 +95,7 @@ class MooncakeLayerwiseConfig(MooncakeP2PConfig):
     metaserver_timeout_s: float = option(5.0, minimum=0.1,
                                          doc="Timeout of one POST to the metaserver.")
     metaserver_retries: int = option(3, minimum=0, doc="Retries of a failed metaserver POST.")
+    save_wait_s: float = option(
+        30.0, minimum=0.01,
+        doc="How long P's wait_for_save waits for the step's layer pushes before the engine "
+            "goes on (their requests keep their blocks until the pushes end).")

@@ -1,0 +1,422 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Scheduler side of ``MooncakeLayerwiseConnector`` (prefill pushes layer by layer).
+
+On D (``kv_consumer``): a request with ``do_remote_prefill`` reports its prompt
+as an asynchronous external hit. Once vLLM has allocated its blocks, D posts
+their ids and its address to the proxy's metaserver (``metaserver`` URL in
+the params, optional TLS, retries) and tells its workers to expect pushes. A
+*virtual* request (``do_virtual: true``) is not posted: its workers report it
+loaded at once. A post that fails for good reaches the workers with the next
+step's metadata and fails the request at once instead of at its deadline.
+
+On P (``kv_producer``): a request with ``do_remote_decode`` carries what D
+posted. Every step that computes part of its prompt emits a :class:`PushReq`
+naming the blocks to push (from D's cached prefix to the end of what this
+step computes), so chunked prefill is pushed chunk by chunk; the step that
+completes the prompt is flagged ``last``. When such a request finishes, its
+blocks stay held (``request_finished`` returns ``True``) until the workers'
+pushes that read them are over.
+
+``kv_transfer_params`` that are ``None``, empty, or without ``do_virtual``
+make an ordinary request on every path.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import ssl
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from vllm_ascend.distributed.kv_transfer.core.config.p2p import MooncakeLayerwiseConfig, TLSConfig
+from vllm_ascend.distributed.kv_transfer.core.net import get_host_ip
+
+from .errors import KVParamsError
+from .params import (
+    PushTarget,
+    metaserver_url,
+    params_for_prefill,
+    parse_push_endpoint,
+    parse_push_target,
+    wants_remote_decode,
+    wants_remote_prefill,
+    wants_virtual,
+)
+from .protocol import side_channel_port
+
+if TYPE_CHECKING:
+    import httpx
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ReqMeta:
+    """D: a request whose KV P will push into ``local_block_ids``.
+
+    ``local_block_ids`` are D's blocks of the whole prompt in token order; the first
+    ``cached_tokens // block_size`` of them already hold D's own prefix-cache hit.
+    """
+
+    request_id: str
+    local_block_ids: list[int]
+    cached_tokens: int = 0
+    do_virtual: bool = False
+    #: malformed params: the worker fails the request at once
+    error: str | None = None
+
+
+@dataclass
+class PushReq:
+    """P: push the blocks at ``positions`` (block indices in token order) of one request.
+
+    ``local_block_ids[i]`` is P's block at ``positions[i]``; D's block there is
+    ``target.block_ids[positions[i]]``. ``last``: this step completes the prompt, so
+    the workers tell D the request is complete after the step's last layer.
+    """
+
+    request_id: str
+    target: PushTarget | None
+    positions: list[int] = field(default_factory=list)
+    local_block_ids: list[int] = field(default_factory=list)
+    last: bool = False
+    #: the request ended on P before any push (or its params are bad): tell D it failed
+    abort: str | None = None
+    #: ``(host, port, D request id, D TP size)`` when ``target`` could not be parsed
+    endpoint: tuple[str, int, str, int] | None = None
+
+
+@dataclass
+class MooncakeLayerwiseConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> worker payload of one step."""
+
+    requests: dict[str, ReqMeta] = field(default_factory=dict)
+    pushes: dict[str, PushReq] = field(default_factory=dict)
+    #: D requests whose metaserver post failed for good: request id -> reason
+    failed_posts: dict[str, str] = field(default_factory=dict)
+
+    def add_new_req(self, request_id: str, local_block_ids: list[int],
+                    kv_transfer_params: dict[str, Any] | None, *,
+                    cached_tokens: int = 0) -> ReqMeta:
+        """Upstream's helper: ``do_virtual`` is copied from the params (``None``-safe)."""
+        try:
+            virtual, error = wants_virtual(kv_transfer_params), None
+        except KVParamsError as exc:
+            virtual, error = False, str(exc)
+        meta = ReqMeta(request_id, list(local_block_ids), cached_tokens, virtual, error)
+        self.requests[request_id] = meta
+        return meta
+
+
+# ============================================================================ metaserver
+def build_ssl_context(tls: TLSConfig) -> ssl.SSLContext | None:
+    """The client TLS context of ``tls_config`` (``None`` when TLS is off)."""
+    if not tls.ssl_enable:
+        return None
+    ctx = ssl.create_default_context(cafile=tls.ssl_ca_certs)
+    if tls.ssl_certfile:
+        ctx.load_cert_chain(tls.ssl_certfile, tls.ssl_keyfile, tls.ssl_keyfile_password)
+    return ctx
+
+
+class MetaserverError(RuntimeError):
+    """A metaserver POST failed after every retry; the message names URL and cause."""
+
+
+class MetaserverClient:
+    """POSTs D's block ids to the proxy's metaserver on a small thread pool.
+
+    Args:
+        tls: ``tls_config`` of the connector.
+        timeout_s: timeout of one POST.
+        retries: extra attempts after a failed one (connection errors and 5xx answers;
+            a 4xx answer is final).
+        workers: threads posting concurrently.
+    """
+
+    def __init__(self, tls: TLSConfig, *, timeout_s: float, retries: int,
+                 workers: int = 4) -> None:
+        self.tls = tls
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="metaserver")
+        self._lock = threading.Lock()
+        self._client: httpx.Client | None = None
+        self.posts = 0
+
+    def _http(self) -> httpx.Client:
+        import httpx
+
+        with self._lock:
+            if self._client is None:
+                ctx = build_ssl_context(self.tls)
+                self._client = httpx.Client(timeout=self.timeout_s,
+                                            verify=ctx if ctx is not None else True)
+            return self._client
+
+    def post(self, url: str, payload: dict[str, Any]) -> None:
+        """POST ``payload`` to ``url``, retrying; raises :class:`MetaserverError` at the end."""
+        import httpx
+
+        delay = 0.05
+        last = ""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+            try:
+                resp = self._http().post(url, json=payload)
+            except (httpx.HTTPError, ssl.SSLError, OSError) as exc:
+                last = f"{type(exc).__name__}: {exc}"
+                continue
+            with self._lock:
+                self.posts += 1
+            if resp.status_code < 300:
+                return
+            last = f"HTTP {resp.status_code}: {resp.text[:200]}"
+            if resp.status_code < 500:
+                break  # the proxy refused this request: retrying cannot help
+        raise MetaserverError(f"POST {url} failed after {attempt + 1} attempt(s): {last}")
+
+    def submit(self, url: str, payload: dict[str, Any],
+               on_failure: Any) -> None:
+        """Post in the background; ``on_failure(reason)`` is called if it fails for good."""
+        def run() -> None:
+            try:
+                self.post(url, payload)
+            except MetaserverError as exc:
+                on_failure(str(exc))
+            except Exception as exc:  # never lose a failure: the request would wait forever
+                logger.exception("metaserver post to %s failed unexpectedly", url)
+                on_failure(f"{type(exc).__name__}: {exc}")
+
+        self._pool.submit(run)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            if self._client is not None:
+                self._client.close()
+                self._client = None
+
+
+# ============================================================================ scheduler
+@dataclass
+class _Push:
+    """P: push progress of one request."""
+
+    request: Any
+    target: PushTarget | None
+    endpoint: tuple[str, int, str, int] | None
+    error: str | None
+    block_ids: list[int] = field(default_factory=list)
+    #: tokens (block aligned) D will hold once the pushes emitted so far are done
+    cursor: int = 0
+    emitted: bool = False
+    complete: bool = False
+    #: D was told this request fails (bad params, or it ended before any push)
+    notified: bool = False
+
+
+class LayerwiseScheduler:
+    """Scheduler-side logic of the layerwise connector."""
+
+    def __init__(self, vllm_config: VllmConfig, cfg: MooncakeLayerwiseConfig,
+                 engine_id: str) -> None:
+        kvc = vllm_config.kv_transfer_config
+        assert kvc is not None
+        par = vllm_config.parallel_config
+        self.cfg = cfg
+        self.engine_id = engine_id
+        self.block_size = vllm_config.cache_config.block_size
+        self.is_producer = bool(kvc.is_kv_producer)
+        self.is_consumer = bool(kvc.is_kv_consumer)
+        self.tp_size = par.tensor_parallel_size
+        self.host = get_host_ip()
+        self.side_port = side_channel_port(kvc.kv_port, dp_rank=par.data_parallel_rank,
+                                           tp_size=par.tensor_parallel_size,
+                                           pp_size=par.pipeline_parallel_size)
+        self._recv: dict[str, ReqMeta] = {}
+        self._push: dict[str, _Push] = {}
+        self._pending_pushes: dict[str, PushReq] = {}
+        self._failed_posts: dict[str, str] = {}
+        self._lock = threading.Lock()
+        self.metaserver = (MetaserverClient(cfg.tls_config, timeout_s=cfg.metaserver_timeout_s,
+                                            retries=cfg.metaserver_retries)
+                           if self.is_consumer else None)
+
+    # ------------------------------------------------------------ vLLM hooks
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int, bool]:
+        if not (self.is_consumer and wants_remote_prefill(request.kv_transfer_params)):
+            return 0, False
+        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        if count <= 0:
+            return 0, False
+        return count, True
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if self.is_consumer and wants_remote_prefill(params):
+            self._after_alloc_decode(request, blocks, num_external_tokens)
+        elif self.is_producer and wants_remote_decode(params):
+            self._after_alloc_prefill(request, blocks)
+
+    def _after_alloc_decode(self, request: Request, blocks: KVCacheBlocks,
+                            num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        assert isinstance(params, dict)
+        params["do_remote_prefill"] = False  # never load twice (e.g. after a preemption)
+        if num_external_tokens <= 0:
+            return
+        rid = request.request_id
+        prompt_len = len(request.prompt_token_ids or ())
+        cached = prompt_len - num_external_tokens
+        n_blocks = math.ceil(prompt_len / self.block_size)
+        local = list(blocks.get_block_ids()[0][:n_blocks])
+        meta = ReqMeta(rid, local, cached)
+        try:
+            meta.do_virtual = wants_virtual(params)
+            if meta.do_virtual:
+                self._recv[rid] = meta
+                return
+            url = metaserver_url(params)
+            if len(local) != n_blocks:
+                raise KVParamsError(f"{len(local)} blocks were allocated for a {prompt_len}-token "
+                                    f"prompt that needs {n_blocks}")
+        except KVParamsError as exc:
+            logger.error("request %s: bad kv_transfer_params: %s", rid, exc)
+            meta.error = str(exc)
+            self._recv[rid] = meta
+            return
+        self._recv[rid] = meta
+        proxy_id = params.get("request_id")
+        payload = params_for_prefill(
+            proxy_request_id=proxy_id if isinstance(proxy_id, str) and proxy_id else rid,
+            block_ids=local, block_size=self.block_size, engine_id=self.engine_id,
+            host=self.host, port=self.side_port, request_id=rid, tp_size=self.tp_size,
+            cached_tokens=cached)
+        assert self.metaserver is not None
+
+        def failed(reason: str) -> None:
+            logger.error("request %s: metaserver post failed: %s", rid, reason)
+            with self._lock:
+                self._failed_posts[rid] = reason
+
+        self.metaserver.submit(url, payload, failed)
+
+    def _after_alloc_prefill(self, request: Request, blocks: KVCacheBlocks) -> None:
+        rid = request.request_id
+        params = request.kv_transfer_params
+        target: PushTarget | None = None
+        endpoint = None
+        error = None
+        try:
+            target = parse_push_target(params, prompt_len=request.num_prompt_tokens,
+                                       block_size=self.block_size)
+        except KVParamsError as exc:
+            error = str(exc)
+            logger.error("request %s: bad kv_transfer_params for a layerwise push: %s", rid, exc)
+            try:
+                endpoint = parse_push_endpoint(params)
+            except KVParamsError:
+                endpoint = None  # D cannot even be told; it fails at its deadline
+        state = self._push.get(rid)
+        if state is None:
+            state = _Push(request, target, endpoint, error)
+            self._push[rid] = state
+        if target is None:
+            if not state.notified:
+                # Nothing can be pushed: tell D at once rather than at its deadline.
+                state.notified = True
+                self._pending_pushes[rid] = PushReq(rid, None, abort=error, endpoint=endpoint)
+            return
+        # (Re)start from D's cached prefix: after a preemption P recomputes into new blocks.
+        state.block_ids = list(blocks.get_block_ids()[0])
+        state.cursor = target.cached_tokens if target is not None else 0
+        state.complete = False
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput
+                             ) -> MooncakeLayerwiseConnectorMetadata:
+        meta = MooncakeLayerwiseConnectorMetadata(requests=self._recv)
+        self._recv = {}
+        with self._lock:
+            meta.failed_posts, self._failed_posts = self._failed_posts, {}
+        meta.pushes, self._pending_pushes = self._pending_pushes, {}
+        if self._push:
+            self._emit_pushes(scheduler_output, meta)
+        return meta
+
+    def _emit_pushes(self, out: SchedulerOutput, meta: MooncakeLayerwiseConnectorMetadata) -> None:
+        for new in out.scheduled_new_reqs:
+            state = self._push.get(new.req_id)
+            if state is not None:
+                state.block_ids = list(new.block_ids[0])
+        cached = out.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            state = self._push.get(rid)
+            if state is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids:
+                if new_ids is not None:
+                    state.block_ids = list(new_ids[0])
+                state.cursor = state.target.cached_tokens if state.target else 0
+                state.complete = False
+            elif new_ids is not None:
+                state.block_ids.extend(new_ids[0])
+        for rid, n in out.num_scheduled_tokens.items():
+            state = self._push.get(rid)
+            if state is None or n <= 0 or state.target is None:
+                continue
+            if state.complete:
+                continue  # decoding on P after the prompt: nothing more to push
+            req = state.request
+            prompt_len = req.num_prompt_tokens
+            end = min(req.num_computed_tokens + n, prompt_len)
+            first = state.cursor // self.block_size
+            stop = math.ceil(end / self.block_size)
+            positions = [j for j in range(first, stop) if j < len(state.block_ids)]
+            last = end >= prompt_len
+            if not positions and not last:
+                continue
+            meta.pushes[rid] = PushReq(rid, state.target, positions,
+                                       [state.block_ids[j] for j in positions], last=last)
+            state.emitted = True
+            state.cursor = (end // self.block_size) * self.block_size
+            state.complete = last
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        state = self._push.pop(rid, None)
+        if state is None:
+            params = request.kv_transfer_params
+            if isinstance(params, dict) and self.is_consumer and params.get("do_remote_prefill"):
+                params["do_remote_prefill"] = False  # finished before allocation: nothing sent
+            return False, None
+        if state.emitted:
+            # The workers may still read these blocks (a layer push in flight); they report
+            # the request in finished_sending once every push that reads them is over.
+            return True, None
+        # Ended on P before any push (aborted while waiting): D must not wait for it.
+        if not state.notified and state.target is not None:
+            self._pending_pushes[rid] = PushReq(
+                rid, state.target, abort="the request ended on the prefill instance before "
+                                         "its KV was pushed")
+        return False, None
+
+    def shutdown(self) -> None:
+        if self.metaserver is not None:
+            self.metaserver.close()
