@@ -179,7 +179,7 @@ class KVPoolScheduler:
                                                                                       0)
             self._plan_save(tracker, meta)
         cached = scheduler_output.scheduled_cached_reqs
-        resumed = getattr(cached, "resumed_req_ids", set()) or set()
+        resumed: set[str] = getattr(cached, "resumed_req_ids", None) or set()
         for i, req_id in enumerate(cached.req_ids):
             tracker = self._tracker(req_id)
             new_ids = cached.new_block_ids[i]

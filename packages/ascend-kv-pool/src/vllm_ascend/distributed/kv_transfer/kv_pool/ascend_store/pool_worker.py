@@ -166,8 +166,7 @@ class KVPoolWorker:
                      for h in range(self.ctx.num_head_groups()) for p in range(self.ctx.pp_size)]
         if self.use_layerwise:
             metas = list({m.with_pp(0) for m in metas})  # layer keys have no pp part
-            layers = range(self._require_layout().num_layers) if self.layout else range(
-                self.ctx.num_layers)
+            layers = range(self.layout.num_layers if self.layout else self.ctx.num_layers)
             keys = [[self._layer_key(h, layer, m) for m in metas for layer in layers]
                     for h in hashes]
         else:
@@ -269,6 +268,10 @@ class KVPoolWorker:
         if not self.can_save or not meta.saves:
             return
         self._require_layout()
+        with self._lock:
+            # the scheduler holds these requests' blocks until get_finished reports them, even
+            # if no layer of a layerwise step came to save_kv_layer
+            self._save_reqs.update(job.req_id for job in meta.saves)
         if self.use_layerwise:
             return
         event = self.device.record_event()
