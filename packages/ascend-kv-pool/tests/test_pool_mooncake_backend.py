@@ -205,3 +205,24 @@ def test_setup_error_names_the_config(store_cfg: MooncakeStoreConfig) -> None:
         assert "no-such-nic" in str(exc) or "rdma" in str(exc)
     else:  # a build that falls back to tcp is fine too; it must still work
         b.close()
+
+
+def test_p2phandshake_store_shares_the_process_transfer_engine(mooncake_master: Any) -> None:
+    pytest.importorskip("mooncake.store", reason="mooncake-transfer-engine not installed")
+    from vllm_ascend.distributed.kv_transfer.core.transfer_engine import peek_transfer_engine
+
+    cfg = MooncakeStoreConfig.from_dict(mooncake_master.config(
+        metadata_server="P2PHANDSHAKE", global_segment_size="16MB", local_buffer_size="4MB"))
+    b = MooncakeBackend(store_config=cfg, hostname="127.0.0.1")
+    try:
+        assert b._engine is not None and b._engine is peek_transfer_engine()
+        src = np.random.default_rng(3).integers(0, 255, 4096, dtype=np.uint8)
+        dst = np.zeros_like(src)
+        b.register_buffer([src.ctypes.data, dst.ctypes.data], [4096, 4096])
+        assert b._engine.registered_bytes >= 8192  # registered once, through the engine
+        key = f"shared-{uuid.uuid4().hex}"
+        assert b.put([key], [[src.ctypes.data]], [[4096]]) == [0]
+        assert b.get([key], [[dst.ctypes.data]], [[4096]]) == [0]
+        np.testing.assert_array_equal(src, dst)
+    finally:
+        b.close()
