@@ -113,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_cmd_config)
 
+    from .doctor import add_parser as add_doctor
+
+    add_doctor(sub)
+
     bench = sub.add_parser("bench", help="benchmarks: each path against its raw baseline, "
                                          "measured in the same run")
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCHMARK")

