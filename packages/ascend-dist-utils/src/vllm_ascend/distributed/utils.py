@@ -9,6 +9,7 @@ and the P/D head all-to-all.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 from typing import TYPE_CHECKING, Any
@@ -37,13 +38,20 @@ def _world_size(group: Any) -> int:
     return int(size) if size is not None else dist.get_world_size(group)
 
 
+@functools.cache
+def _ascend_forward_context() -> Any:
+    """vLLM-Ascend's ``ascend_forward_context`` module, or ``None`` (looked up once)."""
+    try:
+        return importlib.import_module("vllm_ascend.ascend_forward_context")
+    except ImportError:
+        return None
+
+
 def _extra_context(forward_context: Any) -> Any:
     """Where vLLM-Ascend keeps ``pad_size`` / ``padded_length``: its ``_EXTRA_CTX`` when
     installed, else the forward context (older upstream set them there)."""
-    try:
-        return importlib.import_module("vllm_ascend.ascend_forward_context")._EXTRA_CTX
-    except (ImportError, AttributeError):
-        return forward_context
+    extra = getattr(_ascend_forward_context(), "_EXTRA_CTX", None)
+    return extra if extra is not None else forward_context
 
 
 def _lookup(ctx: Any, forward_context: Any, name: str) -> Any:
