@@ -405,6 +405,15 @@ class LayerwiseScheduler:
             params = request.kv_transfer_params
             if isinstance(params, dict) and self.is_consumer and params.get("do_remote_prefill"):
                 params["do_remote_prefill"] = False  # finished before allocation: nothing sent
+            elif self.is_producer and wants_remote_decode(params):
+                # Ended on P before it was ever scheduled: D must not wait for it.
+                try:
+                    endpoint = parse_push_endpoint(params)
+                except KVParamsError:
+                    return False, None
+                self._pending_pushes[rid] = PushReq(
+                    rid, None, endpoint=endpoint,
+                    abort="the request ended on the prefill instance before it was scheduled")
             return False, None
         if state.emitted:
             # The workers may still read these blocks (a layer push in flight); they report
