@@ -5,6 +5,20 @@ Pull mode (``MooncakeConnectorV1``): a request goes to a P instance with
 ``max_tokens=1`` and ``kv_transfer_params={"do_remote_decode": true}``; P's
 answer carries the params D needs; the original request then goes to a D
 instance with those params, and D's answer (streamed or not) is the client's.
+
+Layerwise mode (``MooncakeLayerwiseConnector``): the request goes to a D
+instance first, with ``kv_transfer_params={"do_remote_prefill": true,
+"metaserver": <this proxy>/v1/metaserver, "request_id": <id>}``. Once D has
+allocated blocks it POSTs them to ``/v1/metaserver``; the proxy then sends the
+request to a P instance with what D posted as its ``kv_transfer_params`` and
+``max_tokens=1``, and P pushes the KV into D's blocks while it prefills. D's
+answer is the client's. When P fails, the D request is cancelled (D frees its
+blocks) and the client gets the error. A request marked virtual (a
+``"do_virtual": true`` body field, ``kv_transfer_params.do_virtual``, or an
+``X-KV-Virtual: true`` header) goes to D with ``do_virtual``: D posts nothing
+and no P is involved (warm-up, testing). ``/status`` lists the recent requests
+with whether D posted them and what P answered.
+
 Each client request gets one unique id, sent to P and D as ``X-Request-Id``.
 A P or D that cannot be reached is marked unhealthy and the next one is
 tried; when none answers, the client gets a 503 naming what failed.
@@ -13,6 +27,7 @@ tried; when none answers, the client gets a 503 naming what failed.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -38,6 +53,12 @@ from .balancer import Instance, Policy, Pool
 
 logger = logging.getLogger(__name__)
 
+MODES = ("pull", "layerwise")
+#: Header that marks a request virtual in layerwise mode.
+VIRTUAL_HEADER = "x-kv-virtual"
+#: How many finished requests ``/status`` lists.
+HISTORY = 256
+
 #: Keys the proxy puts in P's ``kv_transfer_params`` (the upstream proxy's request).
 PREFILL_PARAMS: dict[str, Any] = {
     "do_remote_decode": True,
@@ -59,7 +80,38 @@ class ProxyConfig:
     timeout_s: float = 600.0
     health_interval_s: float = 5.0
     mode: str = "pull"
+    #: where D instances reach this proxy's metaserver (layerwise mode)
+    metaserver_url: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"unknown proxy mode {self.mode!r}; expected one of {MODES}")
+        if self.mode == "layerwise" and not self.metaserver_url:
+            raise ValueError("layerwise mode needs metaserver_url: the URL of this proxy's "
+                             "/v1/metaserver as the decode instances reach it")
+
+
+def truthy(value: Any) -> bool:
+    """``true``/``1``/``yes`` (any case) or a JSON true."""
+    if isinstance(value, bool):
+        return value
+    return isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on")
+
+
+@dataclass
+class LayerwiseRequest:
+    """A layerwise request between the client, D and (once D posted) P."""
+
+    request_id: str
+    path: str
+    body: dict[str, Any]
+    headers: dict[str, str]
+    virtual: bool
+    #: set with the reason when the prefill step failed
+    failed: asyncio.Future[str]
+    prefill: asyncio.Task[None] | None = None
+    record: dict[str, Any] = field(default_factory=dict)
 
 
 class ProxyError(Exception):
@@ -106,7 +158,12 @@ class Proxy:
         self.decode = Pool("decode", cfg.decode, cfg.policy)
         self.metrics = Metrics()
         self.client: httpx.AsyncClient | None = None
-        self.records: dict[str, Any] = {"requests": 0, "virtual": 0}
+        self.records: dict[str, Any] = {"requests": 0, "virtual": 0, "metaserver_posts": 0,
+                                        "prefill_dispatched": 0, "prefill_failures": 0}
+        #: layerwise requests waiting for D's metaserver post or in flight
+        self.pending: dict[str, LayerwiseRequest] = {}
+        self.history: collections.deque[dict[str, Any]] = collections.deque(maxlen=HISTORY)
+        self._tasks: set[asyncio.Task[None]] = set()
 
     def pools(self) -> list[Pool]:
         return [self.prefill, self.decode]
@@ -129,6 +186,9 @@ class Proxy:
                 pool.mark(inst, False, msg)
                 self.metrics.upstream.labels(pool.role, inst.url, "unreachable").inc()
                 continue
+            except BaseException:  # cancelled (layerwise: P failed): the instance is fine
+                pool.end(inst, ok=False, error="cancelled")
+                raise
             finally:
                 self.metrics.in_flight.labels(pool.role, inst.url).dec()
             pool.end(inst, ok=resp.status_code < 500, error=f"HTTP {resp.status_code}")
@@ -173,11 +233,15 @@ class Proxy:
             await asyncio.sleep(self.cfg.health_interval_s)
 
     # ------------------------------------------------------------ P/D flow
-    async def handle(self, path: str, body: dict[str, Any]) -> Response:
+    async def handle(self, path: str, body: dict[str, Any],
+                     client_headers: Any = None) -> Response:
         request_id = f"pd-{uuid.uuid4().hex}"
         headers = {"X-Request-Id": request_id}
         self.records["requests"] += 1
         stream = bool(body.get("stream"))
+        if self.cfg.mode == "layerwise":
+            return await self.handle_layerwise(path, body, headers, client_headers or {},
+                                               stream=stream, request_id=request_id)
         kv_params = await self.prefill_step(path, body, headers)
         d_body = dict(body)
         if kv_params is not None:
@@ -211,6 +275,131 @@ class Proxy:
             logger.info("prefill %s returned no kv_transfer_params; decode recomputes", inst.url)
             return None
         return params
+
+    # ------------------------------------------------------------ layerwise flow
+    async def handle_layerwise(self, path: str, body: dict[str, Any], headers: dict[str, str],
+                               client_headers: Any, *, stream: bool,
+                               request_id: str) -> Response:
+        """D first; P once D posted its blocks to the metaserver (see the module docstring)."""
+        body = dict(body)
+        client_kv = body.pop("kv_transfer_params", None)
+        virtual = (truthy(body.pop("do_virtual", False))
+                   or truthy(client_headers.get(VIRTUAL_HEADER, ""))
+                   or (isinstance(client_kv, dict) and truthy(client_kv.get("do_virtual"))))
+        kv: dict[str, Any] = {"do_remote_decode": False, "do_remote_prefill": True,
+                              "metaserver": self.cfg.metaserver_url, "request_id": request_id}
+        if virtual:
+            kv["do_virtual"] = True
+            self.records["virtual"] += 1
+        d_body = {**body, "kv_transfer_params": kv}
+        loop = asyncio.get_running_loop()
+        entry = LayerwiseRequest(request_id, path, body, headers, virtual, loop.create_future(),
+                                 record={"request_id": request_id, "virtual": virtual,
+                                         "metaserver_post": False, "prefill": None})
+        self.pending[request_id] = entry
+        start = time.perf_counter()
+        try:
+            opener = self.open_stream if stream else self.post_json
+            d_call = asyncio.ensure_future(opener(self.decode, path, d_body, headers))
+            done, _ = await asyncio.wait({d_call, entry.failed},
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if d_call not in done:
+                d_call.cancel()  # closes the connection: D aborts the request, frees its blocks
+                with contextlib.suppress(asyncio.CancelledError, ProxyError, httpx.HTTPError):
+                    result = await d_call
+                    if stream:
+                        await result[1].aclose()
+                raise ProxyError(502, f"prefill failed: {entry.failed.result()}",
+                                 "prefill_error")
+            inst, resp = d_call.result()
+        except BaseException:
+            self._finish_layerwise(entry)
+            raise
+        if not stream:
+            self.metrics.stage.labels("decode").observe(time.perf_counter() - start)
+            self._finish_layerwise(entry)
+            return Response(content=resp.content, status_code=resp.status_code,
+                            media_type=resp.headers.get("content-type", "application/json"),
+                            headers={"X-Request-Id": request_id})
+        if resp.status_code != 200:
+            content = await resp.aread()
+            await resp.aclose()
+            self._finish_layerwise(entry)
+            return Response(content=content, status_code=resp.status_code,
+                            media_type=resp.headers.get("content-type", "application/json"))
+        self.decode.begin(inst)
+
+        async def relay() -> AsyncIterator[bytes]:
+            ok = False
+
+            async def close_on_failure() -> None:
+                await asyncio.shield(entry.failed)
+                await resp.aclose()
+
+            watcher = asyncio.create_task(close_on_failure())
+            try:
+                async for chunk in resp.aiter_raw():
+                    yield chunk
+                ok = True
+            except httpx.HTTPError:
+                ok = False
+            finally:
+                watcher.cancel()
+                await resp.aclose()
+                self.decode.end(inst, ok=ok, error="" if ok else "stream interrupted")
+                self.metrics.stage.labels("decode").observe(time.perf_counter() - start)
+                self._finish_layerwise(entry)
+
+        return StreamingResponse(relay(), status_code=200,
+                                 media_type=resp.headers.get("content-type",
+                                                             "text/event-stream"),
+                                 headers={"X-Request-Id": request_id})
+
+    def _finish_layerwise(self, entry: LayerwiseRequest) -> None:
+        if self.pending.pop(entry.request_id, None) is not None:
+            self.history.append(entry.record)
+
+    async def metaserver_post(self, params: dict[str, Any]) -> Response:
+        """D's blocks of a pending request: send the request to P with them."""
+        rid = params.get("request_id")
+        entry = self.pending.get(rid) if isinstance(rid, str) else None
+        if entry is None:
+            return error_response(404, f"no pending layerwise request {rid!r}",
+                                  "unknown_request")
+        self.records["metaserver_posts"] += 1
+        entry.record["metaserver_post"] = True
+        if entry.prefill is not None:
+            return JSONResponse({"status": "duplicate"})  # D retried: P already has it
+        p_body = dict(entry.body)
+        p_body["max_tokens"] = 1
+        if "max_completion_tokens" in p_body:
+            p_body["max_completion_tokens"] = 1
+        p_body["stream"] = False
+        p_body.pop("stream_options", None)
+        p_body["kv_transfer_params"] = params
+        entry.prefill = asyncio.create_task(self._prefill_layerwise(entry, p_body))
+        self._tasks.add(entry.prefill)
+        entry.prefill.add_done_callback(self._tasks.discard)
+        return JSONResponse({"status": "ok"})
+
+    async def _prefill_layerwise(self, entry: LayerwiseRequest, p_body: dict[str, Any]) -> None:
+        self.records["prefill_dispatched"] += 1
+        start = time.perf_counter()
+        try:
+            inst, resp = await self.post_json(self.prefill, entry.path, p_body, entry.headers)
+        except ProxyError as exc:
+            reason = str(exc)
+        else:
+            self.metrics.stage.labels("prefill").observe(time.perf_counter() - start)
+            entry.record["prefill"] = resp.status_code
+            if resp.status_code == 200:
+                return
+            reason = f"prefill instance {inst.url} answered {resp.status_code}: {resp.text[:500]}"
+        self.records["prefill_failures"] += 1
+        entry.record["prefill"] = reason
+        logger.warning("layerwise request %s: %s", entry.request_id, reason)
+        if not entry.failed.done():
+            entry.failed.set_result(reason)
 
     async def decode_step(self, path: str, body: dict[str, Any], headers: dict[str, str], *,
                           stream: bool, request_id: str) -> Response:
@@ -260,6 +449,8 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
             yield
         finally:
             task.cancel()
+            for t in list(proxy._tasks):
+                t.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             await proxy.client.aclose()
@@ -279,7 +470,7 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
             return error_response(400, "request body must be a JSON object",
                                   "invalid_request_error")
         try:
-            resp = await proxy.handle(path, body)
+            resp = await proxy.handle(path, body, request.headers)
         except ProxyError as exc:
             proxy.metrics.requests.labels(endpoint, exc.kind).inc()
             logger.warning("%s: %s", path, exc)
@@ -294,6 +485,21 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await serve("/v1/chat/completions", request)
+
+    @app.post("/v1/metaserver")
+    async def metaserver(request: Request) -> Response:
+        try:
+            params = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+            return error_response(400, "metaserver body is not valid JSON",
+                                  "invalid_request_error")
+        if not isinstance(params, dict):
+            return error_response(400, "metaserver body must be a JSON object",
+                                  "invalid_request_error")
+        if cfg.mode != "layerwise":
+            return error_response(404, "the metaserver is only served in layerwise mode",
+                                  "unknown_request")
+        return await proxy.metaserver_post(params)
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -318,6 +524,8 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
     @app.get("/status")
     async def status() -> Response:
         return JSONResponse({"mode": cfg.mode, "policy": cfg.policy, **proxy.records,
+                             "pending": len(proxy.pending),
+                             "recent": list(proxy.history),
                              "prefill": [i.as_dict() for i in proxy.prefill.instances],
                              "decode": [i.as_dict() for i in proxy.decode.instances]})
 
