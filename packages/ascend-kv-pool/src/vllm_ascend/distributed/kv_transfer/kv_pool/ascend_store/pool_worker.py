@@ -335,31 +335,38 @@ class KVPoolWorker:
         return buf, spans
 
     def _staged_save(self, task: SaveTask) -> None:
+        from vllm_ascend.distributed.kernels import gather_blocks
+
         blocks = task.block_ids
         buf, spans = self._staging_views(blocks, task.layer)
         if task.event is not None:
             task.event.synchronize()
-        for i, b in enumerate(blocks):
-            for region, off, n in spans:
-                buf[i, off:off + n].copy_(region.tensor[b].contiguous().view(-1).view(torch.uint8))
+        for region, off, n in spans:
+            # one gather on the device and one copy to the host per region
+            rows = gather_blocks(region.tensor, blocks)
+            buf[:, off:off + n].copy_(rows.reshape(len(blocks), -1).view(torch.uint8))
         base, row = buf.data_ptr(), buf.shape[1]
         task.addrs = [[base + i * row] for i in range(len(blocks))]
         task.sizes = [[row] for _ in blocks]
         run_save(task, self.backend, self.guard, self.recorder)
 
     def _staged_load(self, task: LoadTask) -> set[int]:
+        from vllm_ascend.distributed.kernels import scatter_blocks
+
         blocks = [b[0] for b in task.block_ids]
         buf, spans = self._staging_views(blocks, task.layer)
         base, row = buf.data_ptr(), buf.shape[1]
         task.addrs = [[base + i * row] for i in range(len(blocks))]
         task.sizes = [[row] for _ in blocks]
         failed = run_load(task, self.backend, self.guard, self.recorder)
-        for i, b in enumerate(blocks):
-            if b in failed:
-                continue
-            for region, off, n in spans:
-                dst = region.tensor[b]
-                dst.copy_(buf[i, off:off + n].view(dst.dtype).view(dst.shape))
+        good = [i for i, b in enumerate(blocks) if b not in failed]
+        if not good:
+            return failed
+        ids = [blocks[i] for i in good]
+        for region, off, n in spans:
+            host = buf[good, off:off + n].contiguous()
+            rows = host.to(region.tensor.device).view(region.tensor.dtype)
+            scatter_blocks(rows.view(len(ids), *region.block_shape), region.tensor, ids)
         return failed
 
     # ------------------------------------------------------------ completion
