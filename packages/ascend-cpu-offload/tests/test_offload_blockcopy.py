@@ -117,3 +117,39 @@ def test_block_rows_refuses_non_contiguous_blocks() -> None:
     t = torch.zeros(4, 8, 6).transpose(1, 2)
     with pytest.raises(ValueError, match="not contiguous"):
         block_rows(t)
+
+
+@pytest.mark.parametrize("threads", ["1", "3"])
+@pytest.mark.parametrize("strided", [False, True])
+def test_large_batches_split_across_threads_match_reference(
+        monkeypatch: pytest.MonkeyPatch, threads: str, strided: bool) -> None:
+    from vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.blockcopy import (
+        COPY_THREADS_ENV,
+        PARALLEL_MIN_BYTES,
+    )
+
+    monkeypatch.setenv(COPY_THREADS_ENV, threads)
+    row = 96 << 10
+    n = PARALLEL_MIN_BYTES // row * 3  # well over the threshold
+    src = torch.randint(0, 256, (2 * n, row + (64 if strided else 0)), dtype=torch.uint8)
+    dst_full = torch.zeros(n + 5, row + (64 if strided else 0), dtype=torch.uint8)
+    src_v, dst_v = src[:, :row], dst_full[:, :row]
+    g = torch.Generator().manual_seed(1)
+    src_ids = torch.randperm(2 * n, generator=g)[:n].tolist()
+    # one long run (cut into pieces) and a scattered tail
+    dst_ids = list(range(n - 7)) + [n + 4, n + 2, n, n - 3, n - 5, n + 1, n - 1]
+    assert copy_blocks(src_v, src_ids, dst_v, dst_ids) == row * n
+    expected = torch.zeros_like(dst_full)
+    expected[dst_ids, :row] = src[src_ids, :row]
+    assert torch.equal(dst_full, expected)
+
+
+def test_bad_thread_setting_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.blockcopy import (
+        COPY_THREADS_ENV,
+        copy_threads,
+    )
+
+    monkeypatch.setenv(COPY_THREADS_ENV, "lots")
+    with pytest.raises(ValueError, match="VLLM_ASCEND_KV_COPY_THREADS='lots'"):
+        copy_threads()

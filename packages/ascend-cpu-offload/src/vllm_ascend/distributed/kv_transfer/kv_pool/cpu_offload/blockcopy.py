@@ -11,7 +11,8 @@ Paths (``path`` argument of :func:`copy_blocks`):
 * ``memmove`` - CPU to CPU (vLLM's CPU backend, tests): one ``memmove`` per
   run of consecutive blocks through ``ctypes`` (it releases the GIL and costs
   well under a microsecond a call; a torch ``copy_`` per block costs several,
-  which halves the bandwidth of 64 KiB blocks). The default on CPU.
+  which halves the bandwidth of 64 KiB blocks), spread over a few threads for
+  batches of 4 MiB and more (:func:`copy_threads`). The default on CPU.
 * ``staged`` - device and host (NPU, CUDA): the device side's scattered
   blocks are gathered into (or scattered from) a contiguous device buffer by
   one ascend-kernels call, and the buffer moves to or from host memory with
@@ -28,11 +29,19 @@ Block ids are checked before any copy: an id outside a view is an
 from __future__ import annotations
 
 import ctypes
+import functools
+import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 _memmove = ctypes.memmove
+#: Environment variable setting the threads of the CPU copy path.
+COPY_THREADS_ENV = "VLLM_ASCEND_KV_COPY_THREADS"
+#: Batches below this size are copied by the calling thread alone.
+PARALLEL_MIN_BYTES = 4 << 20
+_PIECE = 4 << 20
 
 
 def block_rows(t: torch.Tensor) -> torch.Tensor:
@@ -67,6 +76,11 @@ def block_rows(t: torch.Tensor) -> torch.Tensor:
 
 def check_ids(ids: Sequence[int], num_rows: int, what: str) -> None:
     """Raise :class:`IndexError` unless every id is an int in ``[0, num_rows)``."""
+    if not ids:
+        return
+    # fast path (C loops): plain ints within range
+    if set(map(type, ids)) <= {int} and min(ids) >= 0 and max(ids) < num_rows:
+        return
     for b in ids:
         if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < num_rows:
             raise IndexError(f"{what}: block id {b!r} is outside [0, {num_rows})")
@@ -149,16 +163,54 @@ def copy_blocks(src: torch.Tensor, src_ids: Sequence[int], dst: torch.Tensor,
     return row * len(src_ids)
 
 
+def copy_threads() -> int:
+    """Threads of the CPU copy path: ``$VLLM_ASCEND_KV_COPY_THREADS``, else up to 4 (one per CPU)."""
+    forced = os.environ.get(COPY_THREADS_ENV, "").strip()
+    if forced:
+        try:
+            return max(1, int(forced))
+        except ValueError:
+            raise ValueError(f"{COPY_THREADS_ENV}={forced!r}: expected a positive integer") \
+                from None
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+@functools.lru_cache(maxsize=8)
+def _pool(threads: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="offload-copy")
+
+
+def _run_moves(moves: list[tuple[int, int, int]]) -> None:
+    for dst_addr, src_addr, nbytes in moves:
+        _memmove(dst_addr, src_addr, nbytes)
+
+
 def _copy_memmove(src: torch.Tensor, src_ids: Sequence[int], dst: torch.Tensor,
                   dst_ids: Sequence[int], row: int) -> None:
     s_base, d_base = src.data_ptr(), dst.data_ptr()
     s_stride, d_stride = src.stride(0), dst.stride(0)
+    moves: list[tuple[int, int, int]] = []
     if s_stride == row and d_stride == row:
         for s, d, n in runs(src_ids, dst_ids):
-            _memmove(d_base + d * row, s_base + s * row, n * row)
+            # long runs are cut so that the threads share them
+            for off in range(0, n * row, _PIECE):
+                moves.append((d_base + d * row + off, s_base + s * row + off,
+                              min(_PIECE, n * row - off)))
     else:
-        for s, d in zip(src_ids, dst_ids, strict=True):
-            _memmove(d_base + d * d_stride, s_base + s * s_stride, row)
+        moves = [(d_base + d * d_stride, s_base + s * s_stride, row)
+                 for s, d in zip(src_ids, dst_ids, strict=True)]
+    threads = copy_threads()
+    total = row * len(src_ids)
+    if threads == 1 or total < PARALLEL_MIN_BYTES or len(moves) < 2:
+        _run_moves(moves)
+        return
+    # a single memmove stream does not saturate memory bandwidth (no non-temporal
+    # stores below glibc's threshold): split the moves across threads; ctypes
+    # releases the GIL for the copy itself
+    chunks: list[list[tuple[int, int, int]]] = [[] for _ in range(threads)]
+    for i, move in enumerate(moves):
+        chunks[i % threads].append(move)
+    list(_pool(threads).map(_run_moves, chunks))
 
 
 def _copy_staged(src: torch.Tensor, src_ids: Sequence[int], dst: torch.Tensor,

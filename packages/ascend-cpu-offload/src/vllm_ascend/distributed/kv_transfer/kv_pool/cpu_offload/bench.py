@@ -1,0 +1,312 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``vllm-ascend-kv bench offload``: CPU offload against its baselines, measured in one run.
+
+Two parts, both reported as ratios (absolute numbers are in the JSON, with the machine):
+
+``bandwidth``
+    The worker's save and load copies (the very functions its save thread and
+    ``start_load_kv`` run, through the shared-memory host pool) against a
+    memcpy of one contiguous buffer of the same bytes (the faster of torch's
+    ``copy_`` and libc's ``memmove``), for block sizes from 64 KiB to 2 MiB,
+    with scattered device block ids as vLLM hands them out. Goal: at least
+    0.8 of memcpy from 64 KiB blocks up.
+``ttft``
+    Time to first token of a repeated ~2000-token prompt: a real vLLM engine
+    without a connector recomputes it (after ``reset_prefix_cache``), an
+    engine with ``CPUOffloadingConnector`` loads it back from host memory
+    (after ``reset_prefix_cache``, which keeps the host cache). The engine
+    without connector also times a hit in vLLM's own device prefix cache: the
+    floor of any external cache on this engine. Each engine runs in its own
+    process; the first token of both must be equal. Goal: at most 0.1x of
+    recompute. Skipped with ``--quick`` unless ``--ttft`` is given.
+
+Writes ``<out>/offload.json`` and prints a table; never fails on a number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import logging
+import multiprocessing as mp
+import os
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vllm_ascend.distributed.kv_transfer.core.benchutil import (
+    add_common_args,
+    best_rate,
+    format_table,
+    write_results,
+)
+from vllm_ascend.distributed.kv_transfer.core.config.offload import CPUOffloadConfig
+from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
+
+from .cpu_offload_manager.host_pool import SHM_DIR_ENV
+
+logger = logging.getLogger(__name__)
+
+BLOCK_SIZES = (64 << 10, 256 << 10, 1 << 20, 2 << 20)
+QUICK_BLOCK_SIZES = (64 << 10, 1 << 20)
+#: The bench model: a random Llama big enough that a 2000-token prefill takes seconds on CPU.
+BENCH_LLAMA = dict(vocab_size=8192, hidden_size=512, intermediate_size=1280,
+                   num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+                   head_dim=64, max_position_embeddings=4096, initializer_range=0.08)
+
+
+# ---------------------------------------------------------------------- bandwidth
+def _bench_worker(block_bytes: int, num_layers: int, num_device_blocks: int,
+                  num_host_blocks: int, tmp: str) -> Any:
+    from .worker import CPUOffloadWorker, RankInfo
+
+    budget = (num_host_blocks + 1) * num_layers * block_bytes
+    extra = {"metadata_endpoint": f"ipc://{tmp}/bench-offload.ipc", "cpu_swap_space": budget}
+    cfg = CPUOffloadConfig.from_dict(extra)
+    vllm_config = argparse.Namespace(
+        kv_transfer_config=argparse.Namespace(engine_id="bench", kv_connector_extra_config=extra),
+        parallel_config=argparse.Namespace(data_parallel_rank=0),
+        cache_config=argparse.Namespace(block_size=16))
+    worker = CPUOffloadWorker(vllm_config, cfg, None, MetricsRecorder(), rank_info=RankInfo())
+    # vLLM's CPU layout: (blocks, heads, block_size, 2 * head_size), float32
+    heads, bs = 4, 16
+    head2 = block_bytes // (heads * bs * 4)
+    caches = {f"model.layers.{i}.attn": torch.randn(num_device_blocks, heads, bs, head2)
+              for i in range(num_layers)}
+    worker.register_kv_caches(caches)
+    return worker, caches
+
+
+def _bandwidth_row(block_bytes: int, n: int, num_layers: int, repeat: int,
+                   rng: random.Random) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="bench-offload-") as tmp:
+        saved_env = os.environ.get(SHM_DIR_ENV)
+        os.environ[SHM_DIR_ENV] = tmp
+        try:
+            worker, _ = _bench_worker(block_bytes, num_layers, 2 * n, n, tmp)
+        finally:
+            if saved_env is None:
+                os.environ.pop(SHM_DIR_ENV, None)
+            else:
+                os.environ[SHM_DIR_ENV] = saved_env
+        try:
+            dev_ids = rng.sample(range(2 * n), n)  # scattered, as vLLM's free queue gives
+            host_ids = list(range(n))  # the host allocator hands out runs
+            nbytes = n * num_layers * block_bytes
+
+            def save() -> int:
+                for layer in worker._layers:
+                    worker._copy_out(layer, dev_ids, host_ids, False)
+                return nbytes
+
+            def load() -> int:
+                for layer in worker._layers:
+                    worker._copy_in(layer, host_ids, dev_ids, False)
+                return nbytes
+
+            src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+            dst = torch.empty_like(src)
+
+            def torch_copy() -> int:
+                dst.copy_(src)
+                return nbytes
+
+            def libc_memcpy() -> int:
+                ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
+                return nbytes
+
+            # the baseline is the faster of torch's copy_ and libc's memmove of one
+            # contiguous buffer; noisy machines: bracket the paths, keep the best
+            base = max(best_rate(torch_copy, repeat=repeat), best_rate(libc_memcpy, repeat=repeat))
+            save_rate = best_rate(save, repeat=repeat)
+            load_rate = best_rate(load, repeat=repeat)
+            torch_rate = best_rate(torch_copy, repeat=repeat)
+            libc_rate = best_rate(libc_memcpy, repeat=repeat)
+            memcpy_rate = max(base, torch_rate, libc_rate)
+        finally:
+            worker.shutdown()
+    return {"block_kib": block_bytes >> 10, "blocks": n, "layers": num_layers,
+            "memcpy_gbps": memcpy_rate / 1e9, "torch_copy_gbps": torch_rate / 1e9,
+            "libc_memcpy_gbps": libc_rate / 1e9, "save_gbps": save_rate / 1e9,
+            "load_gbps": load_rate / 1e9, "save_ratio": save_rate / memcpy_rate,
+            "load_ratio": load_rate / memcpy_rate}
+
+
+def run_bandwidth(quick: bool) -> list[dict[str, Any]]:
+    """Save and load rates of the worker's copy path against memcpy, per block size."""
+    total = (32 << 20) if quick else (128 << 20)
+    num_layers = 2
+    rng = random.Random(0)
+    return [_bandwidth_row(bb, max(4, total // (bb * num_layers)), num_layers,
+                           3 if quick else 7, rng)
+            for bb in (QUICK_BLOCK_SIZES if quick else BLOCK_SIZES)]
+
+
+# ---------------------------------------------------------------------- TTFT
+def make_bench_model(path: Path) -> Path:
+    """Save the bench Llama (random weights, float32) to ``path`` once."""
+    marker = path / ".bench-spec.json"
+    if marker.exists() and json.loads(marker.read_text()) == BENCH_LLAMA:
+        return path
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**BENCH_LLAMA)).to(torch.float32).save_pretrained(path)
+    marker.write_text(json.dumps(BENCH_LLAMA))
+    return path
+
+
+def _ttft_child(conn: Any, model: str, offload: bool, prompts: list[list[int]],
+                shm_dir: str, dtype: str) -> None:
+    os.environ.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "2",
+                       "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1",
+                       "TOKENIZERS_PARALLELISM": "false", SHM_DIR_ENV: shm_dir})
+    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    try:
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        kw: dict[str, Any] = dict(model=model, skip_tokenizer_init=True, dtype=dtype,
+                                  max_model_len=4096, enforce_eager=True, max_num_seqs=4, seed=0,
+                                  enable_prefix_caching=True)
+        if offload:
+            kw["kv_transfer_config"] = {
+                "kv_connector": "CPUOffloadingConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"cpu_swap_space": "1GB"}}
+        llm = LLM(**kw)
+        sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
+
+        def timed(p: list[int]) -> tuple[float, int, list[int]]:
+            start = time.perf_counter()
+            out = llm.generate([TokensPrompt(prompt_token_ids=p)], sp, use_tqdm=False)[0]
+            return (time.perf_counter() - start, int(out.num_cached_tokens or 0),
+                    list(out.outputs[0].token_ids))
+
+        timed([7] * 64)  # warm-up
+        results = []
+        for p in prompts:
+            first = timed(p)  # cold: full prefill (and, with offload, the saves)
+            device_hit = timed(p)  # vLLM's own device prefix cache
+            llm.reset_prefix_cache()  # the device cache only; the host cache stays
+            third = timed(p)  # recompute, or a host-memory hit with offload
+            llm.reset_prefix_cache()
+            results.append({"first_s": first[0], "device_hit_s": device_hit[0],
+                            "third_s": third[0], "third_cached": third[1],
+                            "first_tokens": first[2], "third_tokens": third[2]})
+        conn.send(("ok", results))
+    except Exception as exc:  # reported to the parent, which prints it
+        import traceback
+
+        conn.send(("error", f"{exc}\n{traceback.format_exc()}"))
+
+
+def _run_engine(model: str, offload: bool, prompts: list[list[int]], timeout: float,
+                dtype: str) -> list[dict[str, Any]]:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    with tempfile.TemporaryDirectory(prefix="bench-offload-shm-") as shm:
+        proc = ctx.Process(target=_ttft_child, args=(child, model, offload, prompts, shm, dtype),
+                           daemon=True)
+        proc.start()
+        try:
+            if not parent.poll(timeout):
+                raise TimeoutError(f"the engine did not finish within {timeout:.0f}s")
+            status, payload = parent.recv()
+        finally:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(10)
+    if status != "ok":
+        raise RuntimeError(f"engine (offload={offload}) failed: {payload}")
+    return list(payload)
+
+
+def run_ttft(model: str, prompt_tokens: int, repeats: int, timeout: float,
+             dtype: str = "bfloat16") -> dict[str, Any]:
+    """TTFT of a repeated prompt: recompute (no connector) against a host-memory hit.
+
+    Also measured, in the engine without connector: the hit of vLLM's own device
+    prefix cache, the floor any external cache can reach on this engine.
+    """
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 8000) for _ in range(prompt_tokens)] for _ in range(repeats)]
+    base = _run_engine(model, False, prompts, timeout, dtype)
+    off = _run_engine(model, True, prompts, timeout, dtype)
+    recompute = statistics.median(r["third_s"] for r in base)
+    device_hit = statistics.median(r["device_hit_s"] for r in base)
+    hit = statistics.median(r["third_s"] for r in off)
+    cold = statistics.median(r["first_s"] for r in off)
+    same = all(b["first_tokens"] == o["third_tokens"] for b, o in zip(base, off, strict=True))
+    return {
+        "prompt_tokens": prompt_tokens, "repeats": repeats, "dtype": dtype,
+        "recompute_s": recompute, "device_hit_s": device_hit, "offload_cold_s": cold,
+        "offload_hit_s": hit,
+        "hit_over_recompute": hit / recompute if recompute else float("nan"),
+        "hit_over_device_hit": hit / device_hit if device_hit else float("nan"),
+        "cold_over_recompute": cold / recompute if recompute else float("nan"),
+        "hit_cached_tokens": [r["third_cached"] for r in off],
+        "baseline_cached_tokens": [r["third_cached"] for r in base],
+        "first_token_equal": same,
+        "runs": {"baseline": base, "offload": off},
+    }
+
+
+# ---------------------------------------------------------------------- CLI
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark described by ``args``; print and write the results."""
+    payload: dict[str, Any] = {"goals": {"bandwidth_ratio_min": 0.8, "ttft_ratio_max": 0.1}}
+    rows = run_bandwidth(args.quick)
+    payload["bandwidth"] = rows
+    print("CPU offload copies (worker path) vs memcpy of the same bytes")
+    print(format_table(rows, ["block_kib", "blocks", "memcpy_gbps", "save_gbps", "load_gbps",
+                              "save_ratio", "load_ratio"]))
+    want_ttft = args.ttft if args.ttft is not None else not args.quick
+    if want_ttft:
+        model = args.model or str(make_bench_model(
+            Path(args.model_dir or Path(tempfile.gettempdir()) / "vakv-bench-llama")))
+        try:
+            ttft = run_ttft(model, args.prompt_tokens, args.repeats, args.timeout, args.dtype)
+        except (RuntimeError, TimeoutError) as exc:
+            logger.error("TTFT part failed: %s", exc)
+            ttft = {"error": str(exc)}
+        payload["ttft"] = ttft
+        if "error" not in ttft:
+            print(f"\nTTFT of a repeated {ttft['prompt_tokens']}-token prompt (median of "
+                  f"{ttft['repeats']})")
+            print(format_table([{k: ttft[k] for k in (
+                "recompute_s", "device_hit_s", "offload_cold_s", "offload_hit_s",
+                "hit_over_recompute", "hit_over_device_hit", "first_token_equal")}]))
+            print(f"host hit cached tokens: {ttft['hit_cached_tokens']}; without offload: "
+                  f"{ttft['baseline_cached_tokens']}")
+    else:
+        payload["ttft"] = {"skipped": "--quick (pass --ttft to run it)"}
+    path = write_results("offload", payload, args.out)
+    print(f"\nresults: {path}")
+    return 0
+
+
+def add_parser(subparsers: Any) -> None:
+    """Add ``bench offload`` to the ``vllm-ascend-kv bench`` subcommands."""
+    p = subparsers.add_parser("offload", help="CPU offload: copy bandwidth vs memcpy, TTFT of a "
+                                              "host hit vs recompute")
+    add_common_args(p)
+    p.add_argument("--ttft", dest="ttft", action="store_true", default=None,
+                   help="run the TTFT part (default: yes, except with --quick)")
+    p.add_argument("--no-ttft", dest="ttft", action="store_false", help="skip the TTFT part")
+    p.add_argument("--model", help="model directory for the TTFT part (default: a random "
+                                   "8-layer Llama made on first use)")
+    p.add_argument("--model-dir", help="where the default model is saved")
+    p.add_argument("--prompt-tokens", type=int, default=2000, help="prompt length (default 2000)")
+    p.add_argument("--repeats", type=int, default=3, help="prompts per engine (default 3)")
+    p.add_argument("--dtype", default="bfloat16",
+                   help="model dtype (default bfloat16, as the peer measurements in "
+                        "docs; float32 prefills faster on AVX2 CPUs, which raises the ratio)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per engine")
+    p.set_defaults(func=run)
