@@ -2,7 +2,7 @@
 """Metadata of the pool: what the scheduler hands the workers each step.
 
 The scheduler decides which blocks to load and which to save; the workers do
-it. A :class:`TransferJob` names a request, the pool hashes of a run of its
+it. A :class:`~.jobs.TransferJob` names a request, the pool hashes of a run of its
 blocks and the vLLM block ids that hold (or will hold) them. Keys and hashes
 live in :mod:`.keys` (re-exported here under the upstream names).
 """
@@ -17,72 +17,11 @@ require_vllm("AscendStoreConnector")
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata  # noqa: E402
 
+from .jobs import LoadSpec, RequestTracker, TransferJob  # noqa: E402
 from .keys import BlockHasher, KeyMetadata, LayerPoolKey, PoolKey  # noqa: E402
 
 __all__ = ["AscendConnectorMetadata", "BlockHasher", "KeyMetadata", "LayerPoolKey", "LoadSpec",
            "PoolKey", "RequestTracker", "TransferJob"]
-
-
-@dataclass
-class LoadSpec:
-    """A pool hit found by the scheduler's lookup.
-
-    Attributes:
-        vllm_cached_tokens: tokens vLLM already has (local prefix cache).
-        kvpool_cached_tokens: tokens the pool holds (one less than the prompt on a full hit).
-        can_load: set once vLLM allocated blocks for the hit.
-        is_async: the load runs between steps (``load_async``).
-        token_end: tokens covered by the hashes the lookup was asked about.
-    """
-
-    vllm_cached_tokens: int
-    kvpool_cached_tokens: int
-    can_load: bool = False
-    is_async: bool = False
-    token_end: int = 0
-
-
-@dataclass
-class RequestTracker:
-    """Scheduler-side state of one request."""
-
-    req_id: str
-    block_ids: list[int] = field(default_factory=list)
-    #: tokens whose blocks are saved (or known to be in the pool)
-    num_saved_tokens: int = 0
-    #: tokens computed once the current step ends
-    num_computed_tokens: int = 0
-    #: pool hashes of the prompt's blocks, computed once
-    hashes: list[str] = field(default_factory=list)
-    hashes_cover: int = 0
-    #: blocks allocated for a load that has not been emitted yet
-    load_block_ids: list[int] = field(default_factory=list)
-
-
-@dataclass
-class TransferJob:
-    """Load or save a run of one request's blocks.
-
-    Attributes:
-        req_id: the request.
-        hashes: pool hashes of blocks ``first_block .. first_block + len(hashes)``.
-        block_ids: the vLLM blocks holding them, aligned with ``hashes``.
-        first_block: index of ``hashes[0]`` in the request's block sequence.
-        token_end: tokens covered up to the last block (it may be partial).
-        is_async: load between steps and report through ``get_finished``.
-    """
-
-    req_id: str
-    hashes: list[str]
-    block_ids: list[int]
-    first_block: int
-    token_end: int
-    is_async: bool = False
-
-    def __post_init__(self) -> None:
-        if len(self.hashes) != len(self.block_ids):
-            raise ValueError(f"{self.req_id}: {len(self.hashes)} hashes but "
-                             f"{len(self.block_ids)} block ids")
 
 
 @dataclass

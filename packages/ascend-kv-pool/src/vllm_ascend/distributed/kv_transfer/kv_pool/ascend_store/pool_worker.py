@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -37,9 +37,9 @@ from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
 
 from .backend import backend_class
 from .backend.backend import Backend
-from .config_data import AscendConnectorMetadata, TransferJob
 from .context import PoolContext
 from .errors import BackendUnavailableError
+from .jobs import TransferJob
 from .keys import KeyMetadata, LayerPoolKey, PoolKey
 from .kv_transfer import (
     LoadTask,
@@ -52,6 +52,9 @@ from .kv_transfer import (
 )
 from .lookup import LookupServer, lookup_endpoint
 from .metrics import WORKER_METRICS
+
+if TYPE_CHECKING:
+    from .config_data import AscendConnectorMetadata
 
 logger = logging.getLogger(__name__)
 
