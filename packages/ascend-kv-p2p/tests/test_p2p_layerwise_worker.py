@@ -260,6 +260,7 @@ def test_d_prefix_hit_is_not_overwritten_and_save_hook_is_optional(pd: Any) -> N
         torch.testing.assert_close(pd.d.layout.layers[i].regions[0].tensor[5],
                                    pd.cp[layer_name(i)][8], rtol=0, atol=0)
     assert len(pd.p.recorder.take()["histograms"]["p2p_layer_transfer_seconds"]) == LAYERS
+    assert (pd.p.hooked_layer_pushes, pd.p.fallback_layer_pushes) == (0, LAYERS)
 
 
 def test_virtual_requests_finish_at_once_beside_ordinary_ones(pd: Any) -> None:

@@ -265,6 +265,10 @@ class LayerwiseWorker:
         self._step_meta: Any = None
         self._step_items: list[_StepItem] = []
         self._step_layers: set[int] = set()
+        #: layer pushes queued by the attention layer's save_kv_layer hook, and by
+        #: wait_for_save because the hook did not run (checks that the backend calls it)
+        self.hooked_layer_pushes = 0
+        self.fallback_layer_pushes = 0
         self._clients: dict[str, RpcClient[Message]] = {}
         self._remote_meta: dict[str, AgentMeta] = {}
         self._mismatch: dict[str, str] = {}
@@ -629,6 +633,7 @@ class LayerwiseWorker:
         with self._plock:
             for item in self._step_items:
                 item.out.pending += 1
+        self.hooked_layer_pushes += 1
         self._queue.put(_LayerTask(layer, event, list(self._step_items)))
 
     def wait_for_save(self, metadata: MooncakeLayerwiseConnectorMetadata | None) -> None:
@@ -647,6 +652,7 @@ class LayerwiseWorker:
         with self._plock:
             for item in items:
                 item.out.pending += len(missing)
+        self.fallback_layer_pushes += len(missing)
         for layer in missing:
             self._queue.put(_LayerTask(layer, event, items))
         end = _StepEnd(items)

@@ -184,3 +184,20 @@ class MooncakeLayerwiseConnector(KVConnectorBase_V1, SupportsHMA):
             self.connector_worker.shutdown()
         if self.connector_scheduler is not None:
             self.connector_scheduler.shutdown()
+
+
+def push_stats(_llm: Any = None) -> dict[str, int]:
+    """Diagnostics of this process's layerwise worker: how layer pushes were queued.
+
+    ``hooked``: by the attention layer's ``save_kv_layer`` (the layer-by-layer path);
+    ``fallback``: by ``wait_for_save`` because the backend never called the hook.
+    The argument is ignored (it lets ``EngineProcess.call`` run this in an engine).
+    """
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if not has_kv_transfer_group():
+        return {}
+    worker = getattr(get_kv_transfer_group(), "connector_worker", None)
+    if not isinstance(worker, LayerwiseWorker):
+        return {}
+    return {"hooked": worker.hooked_layer_pushes, "fallback": worker.fallback_layer_pushes}
