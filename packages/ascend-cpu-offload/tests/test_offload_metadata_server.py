@@ -66,7 +66,7 @@ def endpoint(tmp_path: Path) -> str:
 
 @pytest.fixture
 def seg_dir(tmp_path: Path) -> str:
-    d = tmp_path / "shm"
+    d = tmp_path / "segments"
     d.mkdir()
     return str(d)
 
