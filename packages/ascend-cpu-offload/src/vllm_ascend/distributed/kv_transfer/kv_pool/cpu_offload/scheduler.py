@@ -272,7 +272,7 @@ class CPUOffloadScheduler:
             if st is not None and new.block_ids:
                 st.block_ids = list(new.block_ids[0])
         cached = so.scheduled_cached_reqs
-        resumed = getattr(cached, "resumed_req_ids", set()) or set()
+        resumed: set[str] = set(getattr(cached, "resumed_req_ids", None) or ())
         for i, req_id in enumerate(cached.req_ids):
             st = self._reqs.get(req_id)
             if st is None:

@@ -227,15 +227,15 @@ class HostBlockManager:
         for pos, h in enumerate(hashes):
             if h in self._index:
                 continue
-            block = self._take_block()
-            if block is None:
+            taken = self._take_block()
+            if taken is None:
                 self.stats.allocation_failures += 1
                 break
-            self._state[block] = BlockState.PENDING
-            self._hash[block] = h
-            self._index[h] = block
+            self._state[taken] = BlockState.PENDING
+            self._hash[taken] = h
+            self._index[h] = taken
             positions.append(pos)
-            blocks.append(block)
+            blocks.append(taken)
         for block in reversed(protected):
             self._lru[block] = None
         if not blocks:
