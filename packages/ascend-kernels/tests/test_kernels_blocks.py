@@ -174,3 +174,19 @@ def test_vllm_layouts_odd_counts(layout: str) -> None:
     ids = [6, 0, 3]
     for impl in IMPLS:
         assert torch.equal(gather_blocks(cache, ids, impl=impl), cache[ids])
+
+
+@pytest.mark.parametrize("block_shape", [
+    (16, 32, 256),   # 512 KiB of float32: cut into sub-rows for index_select
+    (4, 32771),      # 16 * 32771 bytes, a prime number of 16-byte units: not cut
+    (2, 131072),     # 1 MiB
+])
+def test_big_blocks(block_shape: tuple[int, ...]) -> None:
+    cache = fill((5, *block_shape), torch.float32, seed=8)
+    ids = [4, 0, 2, 4]
+    assert torch.equal(gather_blocks(cache, ids), cache[ids])
+    kv = fill((5, 2, *block_shape), torch.float32, seed=9)[:, 1]  # block stride twice the block
+    assert torch.equal(gather_blocks(kv, ids), kv[ids])
+    target = torch.zeros_like(cache)
+    scatter_blocks(cache[[1, 3]], target, [3, 1])
+    assert torch.equal(target[3], cache[1]) and torch.equal(target[1], cache[3])

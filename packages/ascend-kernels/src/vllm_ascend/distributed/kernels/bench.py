@@ -60,6 +60,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--device", default="cpu", help="device of the tensors (default: %(default)s)")
     p.add_argument("--layers", type=int, default=4,
                    help="layers of the all-layers forms (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads for the run (default: torch's); on a busy shared "
+                        "machine 1 gives the steadiest ratios")
     p.add_argument("--reference", action="store_true",
                    help="also time the reference implementation (slow, for comparison)")
     p.set_defaults(func=run)
@@ -73,7 +76,7 @@ def _sync(device: torch.device) -> None:
         torch.npu.synchronize()  # type: ignore[attr-defined]
 
 
-def sample_rate(fn: Callable[[], None], nbytes: int, device: torch.device,
+def sample_rate(fn: Callable[[], object], nbytes: int, device: torch.device,
                 min_time: float) -> float:
     """Bytes/second of ``fn`` (moving ``nbytes`` a call), run for at least ``min_time`` s."""
     moved, start = 0, time.perf_counter()
@@ -86,7 +89,7 @@ def sample_rate(fn: Callable[[], None], nbytes: int, device: torch.device,
             return moved / elapsed
 
 
-def paired_ratio(fn: Callable[[], None], nbytes: int, baseline: Callable[[], None],
+def paired_ratio(fn: Callable[[], object], nbytes: int, baseline: Callable[[], object],
                  base_bytes: int, device: torch.device, *, rounds: int,
                  min_time: float) -> tuple[float, list[float], float]:
     """Median over ``rounds`` of (kernel rate / baseline rate), each pair sampled back to back.
@@ -139,7 +142,7 @@ def measure(block_bytes: int, total_bytes: int, device: torch.device, *, layers:
     def layer_memcpy() -> None:
         layer_dst.copy_(layer_src)
 
-    kernels: dict[str, tuple[Callable[[], None], int, Callable[[], None]]] = {
+    kernels: dict[str, tuple[Callable[[], object], int, Callable[[], None]]] = {
         "gather": (lambda: gather_blocks(cache, ids, buf), nbytes, memcpy),
         "scatter": (lambda: scatter_blocks(buf, cache, ids), nbytes, memcpy),
         "gather_layers": (lambda: gather_blocks_all_layers(layer_caches, layer_ids, layer_buf),
@@ -190,6 +193,8 @@ def machine_info(device: torch.device) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark with parsed ``args``; returns the exit code (0 unless it could not run)."""
     device = torch.device(args.device)
+    if getattr(args, "threads", None):
+        torch.set_num_threads(int(args.threads))
     quick = bool(args.quick)
     sizes = QUICK_BLOCK_SIZES if quick else FULL_BLOCK_SIZES
     total = (args.total_mib or (16 if quick else 64)) * KIB * KIB
