@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,19 +17,6 @@ os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 
 # pool_test_harness.py sits beside this file (pytest runs with --import-mode=importlib).
 sys.path.insert(0, str(Path(__file__).parent))
-
-
-@pytest.fixture
-def fake_memcache() -> Iterator[Any]:
-    """The fake ``memcache_hybrid``, installed for the test and removed afterwards."""
-    from ascend_kv_testing import fake_memcache as fake
-
-    mod = fake.install()
-    try:
-        yield fake
-    finally:
-        fake.uninstall()
-        del mod
 
 
 @pytest.fixture

@@ -33,6 +33,19 @@ def fake_torch_npu() -> Iterator[Any]:
         fake.uninstall()
 
 
+@pytest.fixture
+def fake_memcache() -> Iterator[Any]:
+    """The fake ``memcache_hybrid`` (real signatures, in-memory data path), installed for the
+    test and removed afterwards; yields the fake module's helper namespace."""
+    from . import fake_memcache as fake
+
+    fake.install()
+    try:
+        yield fake
+    finally:
+        fake.uninstall()
+
+
 @pytest.fixture(scope="session")
 def mooncake_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """A real ``mooncake_master`` on 127.0.0.1 for the whole test session."""
