@@ -402,3 +402,14 @@ def test_runs_on_the_npu_device_layer_with_fake_torch_npu(
     assert all(torch.equal(caches[k][0:2], want[k]) for k in caches)
     hist = w.recorder.take()["histograms"]
     assert hist.get("offload_load_seconds"), "the load time is measured off the step (thread)"
+
+
+def test_a_pool_that_cannot_fit_fails_registration_clearly_and_cleans_up(
+        make_worker: Callable[..., CPUOffloadWorker], _segments_in_tmp: Any) -> None:
+    from vllm_ascend.distributed.kv_transfer.core.errors import RemoteError
+
+    w = make_worker(extra={"cpu_swap_space": "1KB"})
+    with pytest.raises(RemoteError, match="cpu_swap_space of 1KB cannot hold one host block"):
+        w.register_kv_caches(cpu_caches())
+    assert w.server is None and w.client is None and w.segment is None
+    assert not list(_segments_in_tmp.iterdir())

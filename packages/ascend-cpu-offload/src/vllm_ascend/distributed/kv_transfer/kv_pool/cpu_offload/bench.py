@@ -121,14 +121,17 @@ def _bandwidth_row(block_bytes: int, n: int, num_layers: int, repeat: int,
                 ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
                 return nbytes
 
-            # the baseline is the faster of torch's copy_ and libc's memmove of one
-            # contiguous buffer; noisy machines: bracket the paths, keep the best
-            base = max(best_rate(torch_copy, repeat=repeat), best_rate(libc_memcpy, repeat=repeat))
-            save_rate = best_rate(save, repeat=repeat)
-            load_rate = best_rate(load, repeat=repeat)
-            torch_rate = best_rate(torch_copy, repeat=repeat)
-            libc_rate = best_rate(libc_memcpy, repeat=repeat)
-            memcpy_rate = max(base, torch_rate, libc_rate)
+            # rounds interleave every candidate, so that a noisy neighbour hurts them
+            # alike; each keeps its best sample. The baseline is the faster of torch's
+            # copy_ and libc's memmove of one contiguous buffer.
+            fns = {"torch": torch_copy, "libc": libc_memcpy, "save": save, "load": load}
+            best = dict.fromkeys(fns, 0.0)
+            for _ in range(repeat):
+                for name, fn in fns.items():
+                    best[name] = max(best[name], best_rate(fn, repeat=1))
+            torch_rate, libc_rate = best["torch"], best["libc"]
+            save_rate, load_rate = best["save"], best["load"]
+            memcpy_rate = max(torch_rate, libc_rate)
         finally:
             worker.shutdown()
     return {"block_kib": block_bytes >> 10, "blocks": n, "layers": num_layers,

@@ -34,7 +34,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -107,7 +107,6 @@ class _LayerCopy:
 class _SaveBatch:
     event: Any
     jobs: list[SaveSpec]
-    stripe: dict[int, list[int]] = field(default_factory=dict)
 
 
 _STOP = object()
@@ -459,10 +458,11 @@ class CPUOffloadWorker:
             self.client.rank_gone(self.rank_info.rank)
             self.client.close()
             self.client = None
+        self._layers = []  # drop the views into the mapping before unmapping it
+        self._layer_events.clear()
         if self.segment is not None:
             self.segment.close()
             self.segment = None
-        self._layers = []
         if self.server is not None:
             self.server.stop()
             self.server = None

@@ -180,8 +180,10 @@ class HostSegment:
         _unlink(self.path)
 
     def close(self) -> None:
-        """Drop the tensors and unmap (only when no tensor view is used any more)."""
+        """Drop the tensors and unmap (only when no tensor view is used any more); idempotent."""
         self.layers = []
+        if not hasattr(self, "flat"):
+            return
         del self.flat
         try:
             self._mm.close()
