@@ -11,13 +11,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import math
 import os
 import platform
+import shutil
+import socket
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -106,3 +115,187 @@ def best_rate(fn: Callable[[], int], *, repeat: int = 5, min_time: float = 0.05)
                 break
         best = max(best, n_bytes / elapsed)
     return best
+
+
+# ---------------------------------------------------------------------- ratios and steps
+def median(values: Iterable[float | None]) -> float | None:
+    """Median of the finite values, or ``None`` when there is none."""
+    vals = [float(v) for v in values if v is not None and math.isfinite(float(v))]
+    return statistics.median(vals) if vals else None
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    """``numerator / denominator``, or ``None`` when either is missing or the divisor is 0."""
+    if numerator is None or denominator is None or denominator == 0:
+        return None
+    return float(numerator) / float(denominator)
+
+
+def goal_check(value: float | None, *, at_least: float | None = None,
+               at_most: float | None = None) -> bool | None:
+    """Whether ``value`` meets a goal; ``None`` when it was not measured.
+
+    Raises:
+        ValueError: neither or both bounds given.
+    """
+    if (at_least is None) == (at_most is None):
+        raise ValueError(f"give exactly one bound (at_least={at_least}, at_most={at_most})")
+    if value is None:
+        return None
+    return value >= at_least if at_least is not None else value <= at_most  # type: ignore[operator]
+
+
+class Steps:
+    """Progress of a long benchmark made of slow steps: ``[i/n] label (elapsed)`` on stderr."""
+
+    def __init__(self, total: int, name: str = "bench") -> None:
+        self.total = total
+        self.name = name
+        self.done = 0
+        self.start = time.monotonic()
+
+    def step(self, label: str) -> None:
+        """Announce the next step."""
+        self.done += 1
+        self.note(f"[{self.done}/{self.total}] {label}")
+
+    def note(self, text: str) -> None:
+        """A line of progress inside the current step."""
+        print(f"{self.name} {time.monotonic() - self.start:7.1f}s  {text}", file=sys.stderr,
+              flush=True)
+
+
+# ---------------------------------------------------------------------- Mooncake Store
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def find_binary(name: str) -> str | None:
+    """``name`` beside this interpreter (a virtual environment's ``bin``), else on ``PATH``."""
+    beside = Path(sys.executable).parent / name
+    return str(beside) if beside.exists() else shutil.which(name)
+
+
+def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return True
+        except OSError:
+            if proc.poll() is not None:
+                return False
+            time.sleep(0.1)
+    return False
+
+
+def _stop(proc: subprocess.Popen[bytes] | None) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
+
+class LoopbackMooncakeStore:
+    """A ``mooncake_master`` on 127.0.0.1 (every port explicit) and, optionally, a
+    ``mooncake_client`` that holds the pool's memory, so the pool outlives the
+    engines that fill it. For benchmarks; stop it with :meth:`stop` (or ``with``).
+
+    Args:
+        segment_size: bytes of the holder's segment (e.g. ``"1GB"``); empty for no holder.
+        workdir: where the logs go (a temporary directory by default).
+    """
+
+    def __init__(self, segment_size: str = "1GB", workdir: str | os.PathLike[str] | None = None
+                 ) -> None:
+        self.segment_size = segment_size
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="bench-mooncake-"))
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.rpc_port, self.http_port, self.metrics_port = _free_port(), _free_port(), _free_port()
+        self.client_port = _free_port()
+        self.master: subprocess.Popen[bytes] | None = None
+        self.holder: subprocess.Popen[bytes] | None = None
+
+    @property
+    def master_address(self) -> str:
+        """``host:port`` of the master's RPC service."""
+        return f"127.0.0.1:{self.rpc_port}"
+
+    @property
+    def metadata_server(self) -> str:
+        """URL of the master's HTTP metadata server."""
+        return f"http://127.0.0.1:{self.http_port}/metadata"
+
+    def start(self) -> LoopbackMooncakeStore:
+        """Start the master and the holder; raises when either does not come up.
+
+        Raises:
+            FileNotFoundError: ``mooncake_master`` / ``mooncake_client`` not installed.
+            RuntimeError: a server did not start (its log is named).
+        """
+        master = find_binary("mooncake_master")
+        if not master:
+            raise FileNotFoundError("mooncake_master not found (pip install "
+                                    "'ascend-kv-core[cpu]')")
+        log = open(self.workdir / "master.log", "wb")  # noqa: SIM115 - closed with the process
+        self.master = subprocess.Popen(
+            [master, "--rpc_address=127.0.0.1", f"--rpc_port={self.rpc_port}",
+             "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
+             f"--http_metadata_server_port={self.http_port}", "--metrics_host=127.0.0.1",
+             f"--metrics_port={self.metrics_port}"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        if not (_wait_port(self.rpc_port, self.master, 20)
+                and _wait_port(self.http_port, self.master, 20)):
+            self.stop()
+            raise RuntimeError(f"mooncake_master did not start (log: {self.workdir}/master.log)")
+        if self.segment_size:
+            client = find_binary("mooncake_client")
+            if not client:
+                self.stop()
+                raise FileNotFoundError("mooncake_client not found (pip install "
+                                        "'ascend-kv-core[cpu]')")
+            env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
+            log = open(self.workdir / "client.log", "wb")  # noqa: SIM115
+            self.holder = subprocess.Popen(
+                [client, "--host=127.0.0.1", f"--port={self.client_port}",
+                 f"--global_segment_size={self.segment_size}", "--local_buffer_size=16MB",
+                 f"--master_server_address={self.master_address}",
+                 f"--metadata_server={self.metadata_server}", "--protocol=tcp"],
+                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            log.close()
+            if not _wait_port(self.client_port, self.holder, 30):
+                self.stop()
+                raise RuntimeError(f"mooncake_client did not start (log: "
+                                   f"{self.workdir}/client.log)")
+        return self
+
+    def config(self, **overrides: Any) -> dict[str, Any]:
+        """A Store client config (the ``MOONCAKE_CONFIG_PATH`` JSON) for clients that
+        mount no segment of their own (the holder's segment is the pool)."""
+        cfg: dict[str, Any] = {
+            "metadata_server": self.metadata_server,
+            "master_server_address": self.master_address,
+            "protocol": "tcp", "device_name": "",
+            "global_segment_size": 0, "local_buffer_size": "128MB",
+        }
+        cfg.update(overrides)
+        return cfg
+
+    def stop(self) -> None:
+        """Stop the holder, then the master."""
+        _stop(self.holder)
+        _stop(self.master)
+        self.holder = self.master = None
+
+    def __enter__(self) -> LoopbackMooncakeStore:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
