@@ -281,3 +281,16 @@ def test_a_dead_server_means_no_hits_no_saves_and_no_waiting(
     assert s.recorder.total("offload_failures", op="lookup") == 1
     s.shutdown()
 
+
+
+def test_admitting_more_than_offered_becomes_load_errors_not_a_crash(
+        make_sched: Callable[..., CPUOffloadScheduler], server: MetadataServer) -> None:
+    s = make_sched()
+    prompt = list(range(1100, 1113))  # 3 full blocks
+    run_prefill(s, FakeRequest("a", prompt[:8] + [1, 2, 3, 4, 5]), [0, 1, 2, 3], server.endpoint)
+    b = FakeRequest("b", list(prompt))
+    assert s.get_num_new_matched_tokens(b, 0) == (8, False), "2 blocks in common"
+    s.update_state_after_alloc(b, FakeBlocks([4, 5, 6, 7]), 12)  # vLLM takes 12 anyway
+    (load,) = s.build_connector_meta(sched_output(new=[(b, [4, 5, 6, 7])],
+                                                  scheduled={"b": 1})).loads
+    assert load.device_ids == [4, 5] and load.failed_ids == [6] and not load.sync_tail

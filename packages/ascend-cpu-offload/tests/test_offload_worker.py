@@ -413,3 +413,12 @@ def test_a_pool_that_cannot_fit_fails_registration_clearly_and_cleans_up(
         w.register_kv_caches(cpu_caches())
     assert w.server is None and w.client is None and w.segment is None
     assert not list(_segments_in_tmp.iterdir())
+
+
+def test_failed_ids_of_a_load_plan_are_reported(make_worker: Callable[..., CPUOffloadWorker]
+                                                ) -> None:
+    w = make_worker()
+    w.register_kv_caches(cpu_caches())
+    w.start_load_kv(CPUOffloadingConnectorMetadata(loads=[
+        LoadSpec(req_id="x", host_ids=[], device_ids=[], failed_ids=[3, 4])]))
+    assert w.get_block_ids_with_load_errors() == {3, 4}

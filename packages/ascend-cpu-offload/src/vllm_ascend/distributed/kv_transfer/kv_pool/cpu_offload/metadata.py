@@ -25,12 +25,15 @@ class LoadSpec:
         sync_tail: the last block is loaded although the step recomputes its last
             token (a full prompt hit): it is copied before the forward, on the compute
             stream, so the recomputed token lands after the copy.
+        failed_ids: device blocks vLLM counts as loaded that cannot be loaded; reported
+            through ``get_block_ids_with_load_errors`` so that vLLM recomputes them.
     """
 
     req_id: str
     host_ids: list[int]
     device_ids: list[int]
     sync_tail: bool = False
+    failed_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

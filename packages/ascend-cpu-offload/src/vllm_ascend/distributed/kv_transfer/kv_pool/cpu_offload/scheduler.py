@@ -203,14 +203,18 @@ class CPUOffloadScheduler:
         bs = self.block_size
         end_token = pin.start_token + num_external_tokens
         n_blocks = -(-end_token // bs) - pin.start_block
-        if n_blocks > len(pin.host_ids) or pin.start_block + n_blocks > len(st.block_ids):
-            # cannot happen unless vLLM admitted more than we offered
-            raise RuntimeError(f"request {request.request_id}: {num_external_tokens} external "
-                               f"tokens need {n_blocks} host blocks, {len(pin.host_ids)} are "
-                               f"pinned and {len(st.block_ids)} device blocks allocated")
-        device_ids = st.block_ids[pin.start_block: pin.start_block + n_blocks]
-        self._loads.append(LoadSpec(req_id=request.request_id, host_ids=pin.host_ids[:n_blocks],
-                                    device_ids=device_ids, sync_tail=end_token % bs != 0))
+        wanted = st.block_ids[pin.start_block: pin.start_block + n_blocks]
+        k = min(len(wanted), len(pin.host_ids))
+        if k < n_blocks:
+            # vLLM admitted more than was offered (cannot happen with a consistent vLLM):
+            # what cannot be loaded is reported as a load error and recomputed
+            logger.error("request %s: %d external tokens need %d host blocks, %d are pinned and "
+                         "%d device blocks allocated; the rest is recomputed",
+                         request.request_id, num_external_tokens, n_blocks, len(pin.host_ids),
+                         len(wanted))
+        self._loads.append(LoadSpec(req_id=request.request_id, host_ids=pin.host_ids[:k],
+                                    device_ids=wanted[:k], failed_ids=wanted[k:],
+                                    sync_tail=k == n_blocks and end_token % bs != 0))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput
                              ) -> CPUOffloadingConnectorMetadata:

@@ -215,6 +215,10 @@ class CPUOffloadWorker:
     def start_load_kv(self, meta: CPUOffloadingConnectorMetadata) -> None:
         """Queue this step's loads; tails of full prompt hits are copied right away."""
         self._layer_events.clear()
+        for load in meta.loads:
+            if load.failed_ids:
+                self.recorder.inc("offload_failures", op="load")
+                self._load_errors.update(load.failed_ids)
         if not meta.loads or self.device is None:
             return
         assert self.layout is not None and self.segment is not None
@@ -225,6 +229,8 @@ class CPUOffloadWorker:
         tail_host: list[int] = []
         tail_dev: list[int] = []
         for load in meta.loads:
+            if not load.host_ids and not load.device_ids:
+                continue
             if not self._valid_load(load, num_host):
                 continue
             if load.sync_tail:
