@@ -500,3 +500,13 @@ def test_shutdown_releases_registered_memory(pd: Any) -> None:
     assert te.registered_bytes > before
     w.shutdown()
     assert te.registered_bytes == before
+
+
+def test_failed_metaserver_post_fails_the_request_at_once(pd: Any) -> None:
+    d_expect(pd.d, "r", [2, 3])
+    pd.d.start_load_kv(MooncakeLayerwiseConnectorMetadata(
+        failed_posts={"r": "POST http://proxy/v1/metaserver failed: HTTP 404"}))
+    _s, recving = pd.d.get_finished(set())
+    assert recving == {"r"} and pd.d.get_block_ids_with_load_errors() == {2, 3}
+    assert pd.d.recorder.total("p2p_failed_posts") == 1
+    assert pd.d.recorder.total("p2p_failures", cause="metaserver") == 1

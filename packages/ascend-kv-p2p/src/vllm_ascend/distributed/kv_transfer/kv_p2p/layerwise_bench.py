@@ -133,7 +133,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     lw_cfg = MooncakeLayerwiseConfig.from_dict({"lease_ttl_s": 60})
     pull_cfg = MooncakeP2PConfig.from_dict({"lease_ttl_s": 60})
     ports = {k: free_port() for k in ("lp", "ld", "pp", "pd")}
-    workers = {
+    workers: dict[str, Any] = {
         "lp": LayerwiseWorker(_config("kv_producer", ports["lp"], args.block_size, args.heads),
                               lw_cfg, "bench-lp", MetricsRecorder(P2P_METRICS), tp_rank=0,
                               pp_rank=0),

@@ -485,9 +485,10 @@ class LayerwiseWorker:
                 self._incoming[meta.request_id] = inc
             for rid, reason in metadata.failed_posts.items():
                 self.recorder.inc("p2p_failed_posts")
-                inc = self._incoming.get(rid)
-                if inc is not None and inc.failure is None:
-                    inc.failure, inc.cause = f"metaserver post failed: {reason}", "metaserver"
+                waiting = self._incoming.get(rid)
+                if waiting is not None and waiting.failure is None:
+                    waiting.failure = f"metaserver post failed: {reason}"
+                    waiting.cause = "metaserver"
             self._cv.notify_all()
 
     def _collect_recving(self, finished_req_ids: set[str]) -> set[str]:

@@ -301,8 +301,8 @@ class Proxy:
         try:
             opener = self.open_stream if stream else self.post_json
             d_call = asyncio.ensure_future(opener(self.decode, path, d_body, headers))
-            done, _ = await asyncio.wait({d_call, entry.failed},
-                                         return_when=asyncio.FIRST_COMPLETED)
+            waits: set[asyncio.Future[Any]] = {d_call, entry.failed}
+            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             if d_call not in done:
                 d_call.cancel()  # closes the connection: D aborts the request, frees its blocks
                 with contextlib.suppress(asyncio.CancelledError, ProxyError, httpx.HTTPError):
