@@ -226,5 +226,127 @@ nox.options.sessions = [
     "e2e",
 ]
 
+# ---------------------------------------------------------------------- benchmarks
+BENCH_DIR = ROOT / "bench-results"
+BENCHMARKS = ("engine", "kernels", "p2p", "layerwise", "pool", "trace", "offload", "serve")
+BENCH_TOOLS = ("matplotlib>=3.7",)
+NIXL = "nixl==1.5.1"
+TRACE_NAME = "data/mooncake-traces/conversation_trace.jsonl"
+#: The fixed configuration of `nox -s bench` (minutes on the 2-core machine).
+BENCH_ARGS: dict[str, tuple[str, ...]] = {
+    "offload": ("--repeats", "2"),
+    "serve": ("--repeats", "3"),
+}
+
+
+def _bench_env(session: nox.Session) -> None:
+    install_everything(session)
+    session.install(*BENCH_TOOLS)
+
+
+def _trace_file(tmp: Path) -> str:
+    """The shared Mooncake trace (../shared beside the checkout), else a small synthetic one."""
+    for base in (ROOT.parent / "shared", Path("/work/shared")):
+        if (base / TRACE_NAME).exists():
+            return str(base / TRACE_NAME)
+    import random
+
+    rng = random.Random(0)
+    path = tmp / "synthetic_trace.jsonl"
+    lines, next_id = [], 0
+    for i in range(1200):
+        shared = list(range(rng.randrange(0, 8))) if i % 3 else []
+        own = list(range(1000 + next_id, 1000 + next_id + rng.randrange(1, 12)))
+        next_id += len(own)
+        lines.append(f'{{"timestamp": {i}, "input_length": {512 * len(shared + own)}, '
+                     f'"output_length": 64, "hash_ids": {shared + own}}}')
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def _nixl_python(session: nox.Session) -> str | None:
+    """An environment of its own for vLLM's NixlConnector: vllm-cpu, nixl, ascend-kv-core.
+
+    Returns its interpreter, or None when it cannot be built (bench serve then lists
+    NixlConnector as skipped, with the reason).
+    """
+    venv = Path(session.virtualenv.location).parent / "bench-nixl-env"
+    python = venv / "bin" / "python"
+    try:
+        session.run("uv", "venv", "-q", "--allow-existing", "-p", PYTHON, str(venv),
+                    external=True)
+        session.run("uv", "pip", "install", "-q", "--python", str(python), VLLM, NIXL,
+                    str(PACKAGES["ascend-kv-core"]), *find_links(), external=True)
+        session.run("uv", "pip", "uninstall", "--python", str(python), *VLLM_CPU_REMOVE,
+                    external=True, silent=True, success_codes=[0, 1, 2])
+    except nox.command.CommandFailed:
+        session.warn("no environment with nixl: NixlConnector will be reported as skipped")
+        return None
+    return str(python)
+
+
+def _run_benchmarks(session: nox.Session, out: Path, *, quick: bool,
+                    extra: dict[str, tuple[str, ...]]) -> list[str]:
+    """Run every benchmark into ``out``; return those that crashed or wrote no JSON."""
+    import json
+
+    bad = []
+    for name in BENCHMARKS:
+        args = ["vllm-ascend-kv", "bench", name, "--out", str(out), *extra.get(name, ())]
+        if quick:
+            args.append("--quick")
+        try:
+            session.run(*args)
+        except nox.command.CommandFailed:
+            bad.append(f"{name} (crashed)")
+            continue
+        try:
+            doc = json.loads((out / f"{name}.json").read_text())
+            if doc.get("benchmark") != name:
+                bad.append(f"{name} (JSON names {doc.get('benchmark')!r})")
+        except (OSError, ValueError) as exc:
+            bad.append(f"{name} (no valid {name}.json: {exc})")
+    return bad
+
+
+@nox.session(python=PYTHON)
+def bench(session: nox.Session) -> None:
+    """Every benchmark in a small fixed configuration (minutes); writes bench-results/*.json
+    and renders docs/benchmarks.md with its plots. Never fails on a number."""
+    _bench_env(session)
+    session.env["VLLM_ASCEND_KV_BENCH_PEERS"] = str(ROOT / "benchmarks" / "peers")
+    extra = dict(BENCH_ARGS)
+    extra["trace"] = (_trace_file(Path(session.create_tmp())),)
+    nixl = _nixl_python(session)
+    if nixl:
+        extra["serve"] = (*extra["serve"], "--nixl-python", nixl)
+    BENCH_DIR.mkdir(exist_ok=True)
+    bad = _run_benchmarks(session, BENCH_DIR, quick=False, extra=extra)
+    session.run("python", str(ROOT / "benchmarks" / "render.py"), "--results", str(BENCH_DIR),
+                "--docs", str(ROOT / "docs"))
+    if bad:
+        session.error(f"benchmarks that did not complete: {', '.join(bad)}")
+
+
+@nox.session(name="bench-smoke", python=PYTHON)
+def bench_smoke(session: nox.Session) -> None:
+    """Every benchmark with --quick: each must write its JSON (numbers never fail it);
+    the report renderer runs on the results and passes its tests."""
+    _bench_env(session)
+    session.env["VLLM_ASCEND_KV_BENCH_PEERS"] = str(ROOT / "benchmarks" / "peers")
+    tmp = Path(session.create_tmp())
+    out = tmp / "bench-results"
+    shutil.rmtree(out, ignore_errors=True)
+    bad = _run_benchmarks(session, out, quick=True,
+                          extra={"trace": (_trace_file(tmp),)})
+    if bad:
+        session.error(f"benchmarks that did not complete: {', '.join(bad)}")
+    session.run("python", str(ROOT / "benchmarks" / "render.py"), "--results", str(out),
+                "--docs", str(tmp / "docs"))
+    run_pytest(session, str(ROOT / "benchmarks" / "tests"))
+
+
+nox.options.sessions.append("bench-smoke")
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit("run me with nox")

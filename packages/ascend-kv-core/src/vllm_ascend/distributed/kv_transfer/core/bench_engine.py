@@ -249,6 +249,10 @@ def verify(te: Any, target: Target, local: Any, block_bytes: int, rng: random.Ra
                                       [target.base + dst_off], [block_bytes])
     if rc < 0 or target.crc(dst_off, block_bytes) != zlib.crc32(payload):
         raise RuntimeError(f"write of {block_bytes} bytes to {dst_off} landed wrong (rc={rc})")
+    # put the target's pattern back, so later checks read what they expect
+    local[src_off:src_off + block_bytes] = _pattern(dst_off + block_bytes)[dst_off:]
+    te.batch_transfer_sync_write(target.session, [local_addr + src_off],
+                                 [target.base + dst_off], [block_bytes])
 
 
 def run_sweep(args: argparse.Namespace) -> dict[str, Any]:

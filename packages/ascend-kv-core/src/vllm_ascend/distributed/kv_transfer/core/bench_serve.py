@@ -844,7 +844,9 @@ def comparisons(summary: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
 
     def add(what: str, value: float | None, goal: str, at_least: float | None = None,
             at_most: float | None = None) -> None:
-        out.append({"what": what, "ratio": value, "goal": goal,
+        # "peer": ours / one of vLLM's connectors; "recompute": against no connector
+        kind = "recompute" if what.endswith("/ recompute") else "peer"
+        out.append({"what": what, "kind": kind, "ratio": value, "goal": goal,
                     "met": goal_check(value, at_least=at_least, at_most=at_most)
                     if (at_least is not None or at_most is not None) else None})
 
