@@ -500,11 +500,20 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict[str, Any]], str]]] = [
 def render(res: dict[str, dict[str, Any]], docs: Path) -> str:
     """The Markdown page (plots written to ``docs/img``)."""
     img_dir = docs / "img"
+
+    def plot(fn: Callable[[dict[str, dict[str, Any]], Path], Path | None],
+             name: str) -> Path | None:
+        try:
+            return fn(res, img_dir / name)
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:  # changed format
+            logger.warning("plot %s skipped: %s: %s", name, type(exc).__name__, exc)
+            return None
+
     plots = {
-        "throughput": plot_throughput(res, img_dir / "bench-throughput-vs-block.png"),
-        "ratios": plot_ratios(res, img_dir / "bench-ratio-vs-memcpy.png"),
-        "hit_rate": plot_hit_rate(res, img_dir / "bench-hit-rate-vs-capacity.png"),
-        "serve": plot_serve(res, img_dir / "bench-serve-ttft.png"),
+        "throughput": plot(plot_throughput, "bench-throughput-vs-block.png"),
+        "ratios": plot(plot_ratios, "bench-ratio-vs-memcpy.png"),
+        "hit_rate": plot(plot_hit_rate, "bench-hit-rate-vs-capacity.png"),
+        "serve": plot(plot_serve, "bench-serve-ttft.png"),
     }
 
     def rel(p: Path | None) -> str | None:
@@ -518,11 +527,14 @@ def render(res: dict[str, dict[str, Any]], docs: Path) -> str:
              f"{SHARED_VM_NOTE}. Run them yourself with `vllm-ascend-kv bench <name>` "
              "(`--quick` for a smoke run) or all of them with `nox -s bench`.\n\n",
              "Machine of this run:\n\n", _machine(res) or "- (no results)", "\n\n",
-             "## Goals\n\n",
-             md_table([{"goal": g.goal, "source": g.source, "measured": g.measured,
-                        "met": verdict(g.met)} for g in evaluate_goals(res)],
-                      ["goal", "source", "measured", "met"]),
-             "\n"]
+             "## Goals\n\n"]
+    try:
+        parts.append(md_table([{"goal": g.goal, "source": g.source, "measured": g.measured,
+                                "met": verdict(g.met)} for g in evaluate_goals(res)],
+                              ["goal", "source", "measured", "met"]))
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:  # changed format
+        parts.append(f"(could not check the goals: {type(exc).__name__}: {exc})\n")
+    parts.append("\n")
     missing = [n for n in BENCHMARKS if n not in res]
     broken = [n for n in BENCHMARKS if "_error" in res.get(n, {})]
     if missing:
@@ -545,7 +557,7 @@ def render(res: dict[str, dict[str, Any]], docs: Path) -> str:
             parts.append(f"## {title}\n\n_{source}_. ")
             try:
                 parts.append(fn(res[name]))
-            except (KeyError, TypeError, ValueError) as exc:  # a changed format: say so
+            except (AttributeError, KeyError, TypeError, ValueError) as exc:  # changed format
                 parts.append(f"\n(could not render {name}.json: {type(exc).__name__}: {exc})\n")
             parts.append("\n")
     return "".join(parts)

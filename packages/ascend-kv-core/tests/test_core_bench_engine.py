@@ -90,7 +90,7 @@ def test_feasible_points_fit_without_touching(block_kib: int, batch: int, conc: 
         assert len(set(offs)) == len(offs)
         ends = sorted((o, o + point.block_bytes) for o in offs)
         assert ends[-1][1] <= buf
-        assert all(b[0] - a[1] >= point.block_bytes for a, b in zip(ends, ends[1:]))
+        assert all(b[0] - a[1] >= point.block_bytes for a, b in zip(ends, ends[1:], strict=False))
 
 
 def test_sweep_points_split_feasible_and_skipped() -> None:

