@@ -351,3 +351,19 @@ def test_prefill_aborted_before_scheduling_tells_d(model_dir: Path) -> None:
     push = out.kv_connector_metadata.pushes["p"]
     assert push.abort and "before it was scheduled" in push.abort
     assert push.endpoint == ("127.0.0.1", 31000, "d-req", 1)
+
+
+def test_decode_aborted_while_waiting_frees_only_after_the_worker_lets_go(
+        model_dir: Path, metaserver: Metaserver) -> None:
+    """P may still be writing into an aborted request's blocks: vLLM keeps them until the
+    worker reports the request (which it does once no write lease is left)."""
+    s = make_scheduler(model_dir, "kv_consumer")
+    start = free_blocks(s)
+    s.add_request(request("d", 70, d_params(metaserver.url)))
+    step(s)
+    s.finish_requests("d", RequestStatus.FINISHED_ABORTED)
+    out, _ = step(s)
+    assert "d" in out.finished_req_ids  # what the worker sees in get_finished
+    assert free_blocks(s) < start and "d" in s.requests
+    step(s, kv=KVConnectorOutput(finished_recving={"d"}))
+    assert free_blocks(s) == start and "d" not in s.requests

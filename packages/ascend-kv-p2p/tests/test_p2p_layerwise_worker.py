@@ -425,7 +425,8 @@ def test_deadline_without_any_p_fails_exactly_once(pd: Any) -> None:
 def test_aborted_d_request_ends_without_waiting_for_the_deadline(pd: Any) -> None:
     d_expect(pd.d, "r", [1])
     _s, recving = pd.d.get_finished({"r"})  # vLLM finished (aborted) it while waiting
-    assert recving == {"r"} and pd.d.get_block_ids_with_load_errors() == {1}
+    assert recving == {"r"}
+    assert pd.d.get_block_ids_with_load_errors() == set()  # nothing left to recompute
     assert pd.d.recorder.total("p2p_failures", cause="aborted") == 1
 
 

@@ -544,7 +544,9 @@ class LayerwiseWorker:
             self.recorder.observe("p2p_transfer_seconds", time.monotonic() - inc.started)
             self.recorder.observe("p2p_transfer_request_bytes", nbytes)
             return
-        self._failed_blocks.update(inc.push_blocks)
+        if inc.cause != "aborted":
+            # (an aborted request is gone from vLLM's queues: no one to recompute for)
+            self._failed_blocks.update(inc.push_blocks)
         self.recorder.inc("p2p_failures", cause=inc.cause or "error")
         logger.error("request %s: layerwise KV load failed (%s): %s; its %d blocks are reported "
                      "for recompute/failure", rid, inc.cause, inc.failure, len(inc.push_blocks))
