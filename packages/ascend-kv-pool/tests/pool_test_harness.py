@@ -9,6 +9,7 @@ so a loaded block can be checked byte for byte. (Imported by the tests through
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -62,6 +63,18 @@ class FakeRequest:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def block_hashes(self) -> list[bytes]:
+        """vLLM-style chained hashes of the full blocks (vLLM's own hash function differs)."""
+        out: list[bytes] = []
+        parent = b"root"
+        tokens = self.all_token_ids
+        for i in range(len(tokens) // BLOCK):
+            parent = hashlib.sha256(parent + repr(tokens[i * BLOCK:(i + 1) * BLOCK]).encode()
+                                    ).digest()
+            out.append(parent)
+        return out
 
 
 class Blocks:

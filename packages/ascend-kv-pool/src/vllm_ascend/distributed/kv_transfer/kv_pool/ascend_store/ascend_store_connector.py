@@ -9,22 +9,38 @@ embedded ``local`` backend unless ``kv_connector_extra_config`` names another
 
 ``MooncakeConnectorStoreV1`` is the deprecated name of the same connector; it
 logs a deprecation warning when created.
+
+With ``kv_events_config.enable_kv_cache_events`` on, the pool's KV cache events
+(``BlockStored`` for blocks saved to the pool, ``BlockRemoved`` for blocks the
+``local`` backend evicted, both with ``medium="cpu"``) travel from the workers
+(``get_kv_connector_kv_cache_events``) through vLLM's output aggregation to the
+scheduler side (``update_connector_output``), which hands vLLM's publisher
+those every writing rank reported (``take_events``).
 """
 
 from __future__ import annotations
 
 import logging
+from collections import Counter
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from vllm_ascend.distributed.kv_transfer.core.vllm_compat import require_vllm
 
 require_vllm("AscendStoreConnector")
 
+from vllm.distributed.kv_events import (  # noqa: E402
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    KVConnectorKVEvents,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash  # noqa: E402
 
 from vllm_ascend.distributed.kv_transfer.core.config.pool import AscendStoreConfig  # noqa: E402
 from vllm_ascend.distributed.kv_transfer.core.vllm_metrics import (  # noqa: E402
@@ -34,6 +50,7 @@ from vllm_ascend.distributed.kv_transfer.core.vllm_metrics import (  # noqa: E40
 
 from .config_data import AscendConnectorMetadata  # noqa: E402
 from .context import context_from_vllm  # noqa: E402
+from .events import PoolEvent, RemovedBlock  # noqa: E402
 from .metrics import POOL_METRICS  # noqa: E402
 from .pool_scheduler import KVPoolScheduler  # noqa: E402
 from .pool_worker import KVPoolWorker  # noqa: E402
@@ -44,9 +61,105 @@ if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
+
+#: ``medium`` of the pool's events (vLLM-Ascend's value).
+EVENT_MEDIUM = "cpu"
+#: Events the scheduler side keeps while not every writing rank reported them yet.
+MAX_PENDING_EVENTS = 65536
+
+
+class AscendStoreKVEvents(KVConnectorKVEvents):
+    """The pool's KV cache events, counted across the workers that reported them.
+
+    vLLM merges the workers' containers (``add_events`` + ``increment_workers``);
+    an event is published once every rank that writes its block reported it.
+    Ranks holding the same KV heads split a request's blocks (``put_step`` of
+    them share keys), so ``num_workers / put_step`` ranks write each block.
+    Events not complete yet stay for later steps (a slow rank reports a step
+    later), bounded by :data:`MAX_PENDING_EVENTS`.
+
+    Args:
+        num_workers: workers whose events this container holds.
+        put_step: ranks sharing one block's keys (``1`` unless KV heads < TP size).
+    """
+
+    def __init__(self, num_workers: int = 1, put_step: int = 1) -> None:
+        if num_workers <= 0 or put_step <= 0:
+            raise ValueError(f"num_workers ({num_workers}) and put_step ({put_step}) must be "
+                             "positive")
+        self._counter: Counter[KVCacheEvent] = Counter()
+        self._num_workers = num_workers
+        self.put_step = put_step
+
+    def add_events(self, events: list[KVCacheEvent]) -> None:
+        if not isinstance(events, list):
+            raise TypeError(f"events must be a list of KVCacheEvent, got {type(events).__name__}")
+        self._counter.update(events)
+
+    def _complete(self, count: int) -> bool:
+        return count * self.put_step >= self._num_workers
+
+    def pop_common_events(self) -> list[KVCacheEvent]:
+        """The events every writing rank reported (removed from the container), in order."""
+        common = [e for e, n in self._counter.items() if self._complete(n)]
+        for event in common:
+            del self._counter[event]
+        while len(self._counter) > MAX_PENDING_EVENTS:
+            del self._counter[next(iter(self._counter))]
+        return common
+
+    def aggregate(self) -> AscendStoreKVEvents:
+        common = self.pop_common_events()
+        self._counter.clear()
+        self._counter.update(common)
+        self._num_workers = 1
+        self.put_step = 1
+        return self
+
+    def increment_workers(self, count: int = 1) -> None:
+        if count <= 0:
+            raise ValueError(f"count must be positive, got {count}")
+        self._num_workers += count
+
+    def get_all_events(self) -> list[KVCacheEvent]:
+        return list(self._counter.elements())
+
+    def get_number_of_workers(self) -> int:
+        return self._num_workers
+
+    def has_events(self) -> bool:
+        """True while some event is held."""
+        return bool(self._counter)
+
+    def clear_events(self) -> None:
+        self._counter.clear()
+        self._num_workers = 1
+
+    def __repr__(self) -> str:
+        return (f"<AscendStoreKVEvents workers={self._num_workers} put_step={self.put_step} "
+                f"events={len(self._counter)}>")
+
+
+def to_vllm_events(events: Sequence[PoolEvent]) -> list[KVCacheEvent]:
+    """vLLM's ``BlockStored`` / ``BlockRemoved`` for the pool's events."""
+    out: list[KVCacheEvent] = []
+    for event in events:
+        if isinstance(event, RemovedBlock):
+            out.append(BlockRemoved(block_hashes=[maybe_convert_block_hash(event.block_hash)],
+                                    medium=EVENT_MEDIUM))
+            continue
+        parent = (maybe_convert_block_hash(event.parent_hash)
+                  if event.parent_hash is not None else None)
+        out.append(BlockStored(
+            block_hashes=[maybe_convert_block_hash(event.block_hash)],
+            parent_block_hash=parent, token_ids=list(event.token_ids),
+            block_size=event.block_size, lora_id=event.lora_id, medium=EVENT_MEDIUM,
+            lora_name=event.lora_name))
+    return out
 
 
 class AscendStoreConnector(KVConnectorBase_V1):
@@ -63,6 +176,7 @@ class AscendStoreConnector(KVConnectorBase_V1):
         self.use_layerwise = self.pool_config.use_layerwise
         self.connector_scheduler: KVPoolScheduler | None = None
         self.connector_worker: KVPoolWorker | None = None
+        self._kv_cache_events: AscendStoreKVEvents | None = None
         if role == KVConnectorRole.SCHEDULER:
             self.connector_scheduler = KVPoolScheduler(self.ctx, self.pool_config)
         else:
@@ -93,6 +207,25 @@ class AscendStoreConnector(KVConnectorBase_V1):
                          ) -> tuple[bool, dict[str, Any] | None]:
         assert self.connector_scheduler is not None
         return self.connector_scheduler.request_finished(request, block_ids)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Collect the workers' KV cache events of this step."""
+        events = getattr(connector_output, "kv_cache_events", None)
+        if not isinstance(events, AscendStoreKVEvents):
+            return
+        if self._kv_cache_events is None:
+            self._kv_cache_events = events
+        else:  # the same workers as before: their events add up, their number does not
+            self._kv_cache_events.add_events(events.get_all_events())
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """The pool's events every writing rank reported, for vLLM's publisher."""
+        if self._kv_cache_events is None:
+            return []
+        common = self._kv_cache_events.pop_common_events()
+        if not self._kv_cache_events.has_events():
+            self._kv_cache_events = None
+        return common
 
     # ============================================================== worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -144,6 +277,21 @@ class AscendStoreConnector(KVConnectorBase_V1):
         if self.connector_worker is None:
             return set()
         return self.connector_worker.get_block_ids_with_load_errors()
+
+    def get_kv_connector_kv_cache_events(self) -> AscendStoreKVEvents | None:
+        """This worker's KV cache events since the last step (``None`` when KV events are off).
+
+        An empty container is returned too, so that this worker counts among those
+        an event must come from.
+        """
+        if self.connector_worker is None:
+            return None
+        events = self.connector_worker.take_events()
+        if events is None:
+            return None
+        container = AscendStoreKVEvents(num_workers=1, put_step=self.connector_worker.put_step)
+        container.add_events(to_vllm_events(events))
+        return container
 
     # ============================================================== both sides
     def get_kv_connector_stats(self) -> KVStats | None:

@@ -35,6 +35,8 @@ class PoolContext:
     #: cache fingerprint mixed into block hashes (dtype, block size, TP size)
     salt: str = ""
     num_layers: int = 1
+    #: vLLM publishes KV cache events (``kv_events_config.enable_kv_cache_events``)
+    kv_events: bool = False
 
     @property
     def is_consumer(self) -> bool:
@@ -103,6 +105,9 @@ def context_from_vllm(vllm_config: Any) -> PoolContext:
     except Exception:
         device = ""
     salt = f"v1|{dtype}|bs{cache.block_size}|tp{tp_size}|{device}"
+    events_config = getattr(vllm_config, "kv_events_config", None)
+    kv_events = bool(events_config is not None
+                     and getattr(events_config, "enable_kv_cache_events", False))
     return PoolContext(
         model_name=model_key_name(str(model.model)),
         block_size=int(cache.block_size),
@@ -111,7 +116,7 @@ def context_from_vllm(vllm_config: Any) -> PoolContext:
         num_kv_heads=num_kv_heads, use_mla=use_mla,
         kv_role=str(getattr(kv, "kv_role", "kv_both") or "kv_both"),
         engine_id=str(getattr(kv, "engine_id", None) or "engine"),
-        salt=salt, num_layers=num_layers)
+        salt=salt, num_layers=num_layers, kv_events=kv_events)
 
 
 def _ranks(parallel: Any, tp_size: int, pp_size: int) -> tuple[int, int]:

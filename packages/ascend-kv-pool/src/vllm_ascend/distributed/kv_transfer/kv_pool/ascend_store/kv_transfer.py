@@ -113,6 +113,9 @@ class SaveTask:
     block_ids: list[int] = field(default_factory=list)
     #: layer of layerwise keys, ``None`` for whole blocks
     layer: int | None = None
+    #: called once the save ran with, per key, whether it was written now and whether the
+    #: store holds it now (KV cache events); not called when the store could not be used
+    on_done: Callable[[list[bool], list[bool]], None] | None = None
 
 
 @dataclass
@@ -146,6 +149,7 @@ def run_save(task: SaveTask, backend: Backend, guard: StoreGuard,
         if len(todo) < n:
             recorder.inc("pool_skipped_save_blocks", n - len(todo))
         if not todo:
+            _report_save(task, [False] * n, [p == 1 for p in present])
             return 0
         rcs = backend.put([task.keys[i] for i in todo], [task.addrs[i] for i in todo],
                           [task.sizes[i] for i in todo])
@@ -162,10 +166,12 @@ def run_save(task: SaveTask, backend: Backend, guard: StoreGuard,
         return 0
     written = 0
     nbytes = 0
+    now_written = [False] * n
     for i, rc in zip(todo, rcs, strict=True):
         if rc == 0:
             written += 1
             nbytes += sum(task.sizes[i])
+            now_written[i] = True
         else:
             recorder.inc("pool_dropped_save_blocks", 1, cause="store_error")
     if written < len(todo):
@@ -175,7 +181,19 @@ def run_save(task: SaveTask, backend: Backend, guard: StoreGuard,
     recorder.inc("pool_saved_blocks", written)
     recorder.inc("pool_save_bytes", nbytes)
     recorder.observe("pool_save_seconds", time.perf_counter() - start)
+    recorder.observe("pool_save_batch_bytes", nbytes)
+    _report_save(task, now_written, [w or p == 1 for w, p in zip(now_written, present,
+                                                                    strict=True)])
     return written
+
+
+def _report_save(task: SaveTask, written: list[bool], present: list[bool]) -> None:
+    if task.on_done is None:
+        return
+    try:
+        task.on_done(written, present)
+    except Exception:  # event bookkeeping must never fail a save
+        logger.warning("KV pool: save report of %s failed", task.req_id, exc_info=True)
 
 
 def run_load(task: LoadTask, backend: Backend, guard: StoreGuard,

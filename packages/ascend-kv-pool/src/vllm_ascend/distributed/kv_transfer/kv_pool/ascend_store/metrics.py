@@ -37,6 +37,8 @@ WORKER_METRICS = (
     MetricSpec("pool_save_seconds", "histogram", "Time of one save batch."),
     MetricSpec("pool_load_batch_bytes", "histogram", "Bytes of one load batch.",
                buckets=BYTE_BUCKETS),
+    MetricSpec("pool_save_batch_bytes", "histogram", "Bytes of one save batch (blocks the pool "
+               "already held excluded).", buckets=BYTE_BUCKETS),
     MetricSpec("pool_pending_saves", "gauge", "Save jobs queued or running."),
 )
 

@@ -25,6 +25,7 @@ from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
 
 from .config_data import AscendConnectorMetadata, LoadSpec, RequestTracker, TransferJob
 from .context import PoolContext
+from .jobs import BlockEventSpec
 from .keys import BlockHasher
 from .lookup import LookupClient, lookup_endpoint
 from .metrics import SCHEDULER_METRICS
@@ -244,11 +245,32 @@ class KVPoolScheduler:
         last = min(last, len(hashes))
         if last <= first:
             return
+        token_end = min(last * self.block_size, save_end)
+        events = self._event_spec(request, first, last, token_end) if self.ctx.kv_events else None
         meta.saves.append(TransferJob(tracker.req_id, hashes[first:last],
-                                      tracker.block_ids[first:last], first,
-                                      min(last * self.block_size, save_end)))
+                                      tracker.block_ids[first:last], first, token_end,
+                                      events=events))
         tracker.num_saved_tokens = min(last * self.block_size, save_end)
         self._delay_free.add(tracker.req_id)
+
+    def _event_spec(self, request: Any, first: int, last: int, token_end: int
+                    ) -> BlockEventSpec:
+        """vLLM's hashes and the tokens of blocks ``first..last`` (KV cache events).
+
+        vLLM hashes full blocks of ``block_size`` tokens, the pool's block size, so
+        block ``i`` of the pool is vLLM's block ``i``; a block vLLM has not hashed
+        (the prompt's partial tail) gets no event.
+        """
+        vllm_hashes = list(getattr(request, "block_hashes", None) or ())
+        block_hashes: list[bytes | None] = [
+            bytes(vllm_hashes[i]) if i < len(vllm_hashes) else None for i in range(first, last)]
+        parent = bytes(vllm_hashes[first - 1]) if 0 < first <= len(vllm_hashes) else None
+        lora = getattr(request, "lora_request", None)
+        return BlockEventSpec(
+            block_hashes=block_hashes, parent_hash=parent,
+            token_ids=list(request.all_token_ids[first * self.block_size:token_end]),
+            lora_name=getattr(lora, "lora_name", None) if lora else None,
+            lora_id=getattr(lora, "lora_int_id", None) if lora else None)
 
     def _forget(self, req_id: str) -> None:
         self._trackers.pop(req_id, None)

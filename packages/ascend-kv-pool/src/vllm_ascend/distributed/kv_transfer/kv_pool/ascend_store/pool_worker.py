@@ -39,6 +39,7 @@ from .backend import backend_class
 from .backend.backend import Backend
 from .context import PoolContext
 from .errors import BackendUnavailableError
+from .events import PoolEvent, PoolEventLog, stored_blocks
 from .jobs import TransferJob
 from .keys import KeyMetadata, LayerPoolKey, PoolKey
 from .kv_transfer import (
@@ -107,6 +108,13 @@ class KVPoolWorker:
         # layerwise: per layer name, an event set when that layer's loads of this step are done
         self._layer_events: dict[str, threading.Event] = {}
         self._layer_loads: list[TransferJob] = []
+        # KV cache events (kv_events_config): what this rank stored, and what the store dropped
+        self.events: PoolEventLog | None = None
+        if ctx.kv_events:
+            track = self.backend.supports_eviction_events()
+            self.events = PoolEventLog(ctx.num_layers, track_removals=track)
+            if track:
+                self.backend.add_eviction_listener(self.events.evicted)
         self._send = TransferThread("ascend-store-send", self._run_save,
                                     maxsize=cfg.max_pending_saves,
                                     on_start=self.backend.set_device)
@@ -124,6 +132,8 @@ class KVPoolWorker:
         """Describe vLLM's KV cache and register it with the backend."""
         layout = KVCacheLayout.from_kv_caches(kv_caches, block_size=self.block_size)
         self.layout = layout
+        if self.events is not None:
+            self.events.num_layers = layout.num_layers
         self._layer_ids = {layer.name: i for i, layer in enumerate(layout.layers)}
         first = layout.regions[0].tensor
         self.device = get_device(first.device.type, first.device.index or 0)
@@ -295,8 +305,9 @@ class KVPoolWorker:
     def _queue_save(self, job: TransferJob, layer_id: int | None, event: Any) -> None:
         # Ranks holding the same heads share keys: each saves every put_step-th block.
         offset = self.ctx.tp_rank % self.put_step
-        picked = [(h, b) for i, (h, b) in enumerate(zip(job.hashes, job.block_ids, strict=True))
-                  if (job.first_block + i) % self.put_step == offset]
+        indices = [i for i in range(len(job.hashes))
+                   if (job.first_block + i) % self.put_step == offset]
+        picked = [(job.hashes[i], job.block_ids[i]) for i in indices]
         with self._lock:
             self._save_reqs.add(job.req_id)
         if not picked:
@@ -309,6 +320,11 @@ class KVPoolWorker:
             sizes.append(s)
         task = SaveTask(job.req_id, keys, addrs, sizes, event,
                         block_ids=[b for _h, b in picked], layer=layer_id)
+        if self.events is not None and job.events is not None:
+            blocks = stored_blocks(job.events, job.first_block, indices, self.block_size)
+            log = self.events
+            task.on_done = lambda written, present: log.saved(task.keys, written, present,
+                                                              blocks, layer_id)
         self._pending.add(job.req_id)
         if not self._send.submit(task):
             self._pending.done(job.req_id)
@@ -384,6 +400,10 @@ class KVPoolWorker:
             self._save_reqs -= done_sending
             done_recving, self._finished_recving = self._finished_recving, set()
         return done_sending, done_recving
+
+    def take_events(self) -> list[PoolEvent] | None:
+        """KV cache events since the last call; ``None`` when KV events are off."""
+        return self.events.take() if self.events is not None else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks that failed to load since the last call."""

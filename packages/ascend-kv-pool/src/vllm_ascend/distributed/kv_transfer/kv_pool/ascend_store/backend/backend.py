@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar, TypeVar
 
 logger = logging.getLogger(__name__)
@@ -83,6 +83,25 @@ class Backend(ABC):
     def close(self) -> None:
         """Release the store connection (idempotent)."""
         return None
+
+    # ------------------------------------------------------------ optional: eviction events
+    @classmethod
+    def supports_eviction_events(cls) -> bool:
+        """True when the backend tells :meth:`add_eviction_listener` listeners what it drops.
+
+        Only then can the pool publish ``BlockRemoved`` KV cache events; stores that
+        evict on their own (Mooncake Store, Memcache) do not report it.
+        """
+        return False
+
+    def add_eviction_listener(self, listener: Callable[[list[str]], None]) -> None:
+        """Call ``listener`` with the keys the store drops (evictions and removals).
+
+        Raises:
+            NotImplementedError: the backend does not report evictions
+                (see :meth:`supports_eviction_events`).
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not support eviction events")
 
     def describe_rc(self, rc: int) -> str:
         """Human-readable meaning of a return code."""

@@ -17,6 +17,7 @@ import ctypes
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import numpy as np
@@ -41,10 +42,14 @@ DEFAULT_CAPACITY = 8 << 30
 class LocalBackend(Backend):
     """Bounded LRU pool in this process's memory.
 
+    Evicted and removed keys are reported to the listeners of
+    :meth:`add_eviction_listener` (the pool's ``BlockRemoved`` KV cache events).
+
     Args:
         parallel_config: unused (upstream signature).
         capacity: bytes kept at most; default from ``config.local_pool_size`` or 8 GiB.
-        config: the pool's ``AscendStoreConfig`` (optional).
+        **kwargs: ``config``, the pool's ``AscendStoreConfig`` (optional), and the
+            options of :class:`~.backend.Backend`.
     """
 
     name: ClassVar[str] = "local"
@@ -66,6 +71,7 @@ class LocalBackend(Backend):
         self._objects: OrderedDict[str, np.ndarray] = OrderedDict()
         self._used = 0
         self.evictions = 0
+        self._listeners: list[Callable[[list[str]], None]] = []
 
     # ------------------------------------------------------------ state
     @property
@@ -120,10 +126,12 @@ class LocalBackend(Backend):
                 ctypes.memmove(dst, addr, n)
                 dst += n
             with self._lock:
+                evicted: list[str] = []
                 if key not in self._objects:
                     self._objects[key] = value
                     self._used += total
-                    self._evict_locked()
+                    evicted = self._evict_locked()
+            self._notify(evicted)
             out.append(0)
         return out
 
@@ -150,14 +158,15 @@ class LocalBackend(Backend):
 
     def remove(self, keys: list[str]) -> int:
         """Drop ``keys``; returns how many were present."""
-        removed = 0
+        gone: list[str] = []
         with self._lock:
             for key in keys:
                 value = self._objects.pop(key, None)
                 if value is not None:
                     self._used -= value.nbytes
-                    removed += 1
-        return removed
+                    gone.append(key)
+        self._notify(gone)
+        return len(gone)
 
     def close(self) -> None:
         with self._lock:
@@ -167,11 +176,31 @@ class LocalBackend(Backend):
     def describe_rc(self, rc: int) -> str:
         return _RC_TEXT.get(rc, super().describe_rc(rc))
 
-    def _evict_locked(self) -> None:
+    @classmethod
+    def supports_eviction_events(cls) -> bool:
+        return True
+
+    def add_eviction_listener(self, listener: Callable[[list[str]], None]) -> None:
+        """Call ``listener`` with the keys evicted or removed (outside the store's lock)."""
+        self._listeners.append(listener)
+
+    def _notify(self, keys: list[str]) -> None:
+        if not keys:
+            return
+        for listener in list(self._listeners):
+            try:
+                listener(keys)
+            except Exception:  # a listener must never break a put
+                logger.warning("local pool: eviction listener failed", exc_info=True)
+
+    def _evict_locked(self) -> list[str]:
+        evicted = []
         while self._used > self.capacity and self._objects:
-            _key, value = self._objects.popitem(last=False)
+            key, value = self._objects.popitem(last=False)
             self._used -= value.nbytes
             self.evictions += 1
+            evicted.append(key)
+        return evicted
 
     def __repr__(self) -> str:
         return f"LocalBackend(capacity={self.capacity}, used={self._used})"
