@@ -339,7 +339,7 @@ def plot_serve(res: dict[str, dict[str, Any]], path: Path) -> Path | None:
 
 # ---------------------------------------------------------------------- sections
 def _machine(res: dict[str, dict[str, Any]]) -> str:
-    machines = {}
+    machines: dict[tuple[Any, Any, Any], list[tuple[str, Any]]] = {}
     for name, data in res.items():
         m = data.get("machine") or {}
         key = (m.get("platform"), m.get("cpus"), m.get("torch"))

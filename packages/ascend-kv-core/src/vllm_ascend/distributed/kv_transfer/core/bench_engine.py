@@ -151,7 +151,8 @@ def sweep_points(block_sizes: tuple[int, ...], batches: tuple[int, ...],
                  concurrency: tuple[int, ...], ops: tuple[str, ...],
                  buffer_bytes: int) -> tuple[list[Point], list[Point]]:
     """Feasible and skipped points of the sweep (skipped: the buffer is too small)."""
-    ok, skipped = [], []
+    ok: list[Point] = []
+    skipped: list[Point] = []
     for op in ops:
         for bb in block_sizes:
             for b in batches:
