@@ -32,6 +32,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -167,8 +168,10 @@ class CPUOffloadScheduler:
             return 0, False
         hashes = self._hashes(st, full)[start_block:]
         key = f"{request.request_id}#{next(self._keys)}"
+        started = time.perf_counter()
         try:
             host_ids = self.client.pin(key, hashes, owner=self.owner)
+            self.recorder.observe("offload_lookup_seconds", time.perf_counter() - started)
         except (ServerUnavailable, RemoteError) as exc:
             logger.debug("offload lookup of %s failed: %s", request.request_id, exc)
             self.recorder.inc("offload_failures", op="lookup")
@@ -250,6 +253,7 @@ class CPUOffloadScheduler:
             if reply is not None:
                 self._release = []
                 self.recorder.inc("offload_evicted_blocks", reply.evictions)
+                self.recorder.inc("offload_expired_saves", reply.expired_saves)
                 self.recorder.set("offload_host_blocks_used", reply.used_blocks)
                 self.recorder.set("offload_host_blocks_total", reply.total_blocks)
                 for planned, (st, req_id, start, full) in zip(reply.saves, pending, strict=True):

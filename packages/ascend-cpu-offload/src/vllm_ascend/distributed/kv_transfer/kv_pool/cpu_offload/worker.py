@@ -268,6 +268,7 @@ class CPUOffloadWorker:
             device.synchronize()
             return
         self.recorder.inc("offload_load_bytes", nbytes)
+        self.recorder.observe("offload_load_batch_bytes", nbytes)
         self.recorder.inc("offload_loaded_blocks", len(host_ids) + len(tail_host))
         if device.kind == "cpu":
             self.recorder.observe("offload_load_seconds", time.perf_counter() - start)

@@ -146,6 +146,8 @@ class PlanReply(Message):
     evictions: int = 0
     used_blocks: int = 0
     total_blocks: int = 0
+    #: save jobs whose lease lapsed since the previous reply
+    expired_saves: int = 0
 
 
 class Reset(Message):

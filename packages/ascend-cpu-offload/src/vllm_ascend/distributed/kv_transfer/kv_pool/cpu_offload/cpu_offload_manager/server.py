@@ -89,6 +89,7 @@ class MetadataServer:
         self._segments: dict[SegmentKey, HostSegment] = {}
         self._pool_error: str | None = None
         self._reported_evictions = 0
+        self._reported_expired = 0
         self.manager: HostBlockManager | None = None
         self.codec = make_codec()
         self._ipc_path = endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else None
@@ -290,8 +291,10 @@ class MetadataServer:
             manager.unpin(key)
         evictions = manager.stats.evictions - self._reported_evictions
         self._reported_evictions = manager.stats.evictions
+        expired = manager.stats.expired_jobs - self._reported_expired
+        self._reported_expired = manager.stats.expired_jobs
         return PlanReply(saves=planned, evictions=evictions, used_blocks=manager.num_used,
-                         total_blocks=manager.num_blocks)
+                         total_blocks=manager.num_blocks, expired_saves=expired)
 
     def _stats(self) -> StatsReply:
         m = self.manager
