@@ -2,26 +2,22 @@
 """The bridge from :mod:`.metrics` to vLLM's KV connector stats and Prometheus.
 
 Imports vLLM at module level: only connector modules (which need vLLM anyway)
-import this one. A connector wires it up with three one-liners::
+import this one. A connector lists :class:`ConnectorStatsMixin` before
+``KVConnectorBase_V1``, names its specs and keeps a recorder::
 
-    @classmethod
-    def build_kv_connector_stats(cls, data=None):
-        return KVStats(data=data) if data is not None else KVStats()
+    class MyConnector(ConnectorStatsMixin, KVConnectorBase_V1):
+        metric_specs = MY_METRICS
 
-    @classmethod
-    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
-        return KVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues,
-                             specs=P2P_METRICS)
-
-    def get_kv_connector_stats(self):
-        return KVStats.from_recorder(self.recorder)
+        def __init__(self, ...):
+            ...
+            self.recorder = MetricsRecorder(MY_METRICS)
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -101,3 +97,34 @@ class KVPromMetrics(KVConnectorPromMetrics):
                 else:
                     for v in value:
                         child.observe(v)
+
+
+class ConnectorStatsMixin:
+    """vLLM's stats hooks of a connector, from ``metric_specs`` and ``self.recorder``.
+
+    ``get_kv_connector_stats`` hands vLLM the interval's data (worker side);
+    ``build_kv_connector_stats`` and ``build_prom_metrics`` rebuild them on vLLM's
+    logging side, where the Prometheus metrics are ``vllm:ascend_kv_<name>``.
+    """
+
+    metric_specs: ClassVar[Sequence[MetricSpec]] = ()
+    recorder: MetricsRecorder
+
+    def stats_recorder(self) -> MetricsRecorder | None:
+        """The recorder whose interval data goes to vLLM (override to pick one per role)."""
+        return getattr(self, "recorder", None)
+
+    def get_kv_connector_stats(self) -> KVStats | None:
+        recorder = self.stats_recorder()
+        return KVStats.from_recorder(recorder) if recorder is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVStats:
+        return KVStats(data=data) if data is not None else KVStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[type, type],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVPromMetrics:
+        return KVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues,
+                             specs=cls.metric_specs)

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm_ascend.distributed.kv_transfer.core.channel import RpcClient, RpcServer, tcp_endpoint
+from vllm_ascend.distributed.kv_transfer.core.channel import RpcServer, tcp_endpoint
 from vllm_ascend.distributed.kv_transfer.core.config.p2p import MooncakeLayerwiseConfig
 from vllm_ascend.distributed.kv_transfer.core.device import device_of
 from vllm_ascend.distributed.kv_transfer.core.errors import (
@@ -47,13 +47,8 @@ from vllm_ascend.distributed.kv_transfer.core.errors import (
     RemoteError,
     TransferError,
 )
-from vllm_ascend.distributed.kv_transfer.core.layout import KVCacheLayout, KVRegion
+from vllm_ascend.distributed.kv_transfer.core.layout import KVRegion
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
-from vllm_ascend.distributed.kv_transfer.core.net import get_host_ip
-from vllm_ascend.distributed.kv_transfer.core.transfer_engine import (
-    MooncakeTransferEngine,
-    get_transfer_engine,
-)
 from vllm_ascend.distributed.kv_transfer.core.wire import ErrorReply, Message
 
 from .errors import HandshakeMismatchError, RemoteKVUnavailable
@@ -62,7 +57,6 @@ from .params import PushTarget
 from .protocol import (
     LAYERWISE_CODEC,
     LAYERWISE_PROTOCOL_VERSION,
-    PROTOCOL_VERSION,
     AgentMeta,
     GetMeta,
     PushBegin,
@@ -72,10 +66,10 @@ from .protocol import (
     PushRenew,
     PushRenewReply,
     compatibility_problem,
-    side_channel_port,
     worker_port,
 )
 from .tp_plan import PullSlice, plan_pulls
+from .worker_base import P2PWorkerBase, heads_in_block
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -204,46 +198,16 @@ class _Notify:
     reason: str
 
 
-class LayerwiseWorker:
+class LayerwiseWorker(P2PWorkerBase):
     """Worker-side logic of the layerwise connector (both roles)."""
+
+    cfg: MooncakeLayerwiseConfig
 
     def __init__(self, vllm_config: VllmConfig, cfg: MooncakeLayerwiseConfig, engine_id: str,
                  recorder: MetricsRecorder, *, tp_rank: int | None = None,
                  pp_rank: int | None = None) -> None:
-        kvc = vllm_config.kv_transfer_config
-        assert kvc is not None
-        par = vllm_config.parallel_config
-        self.cfg = cfg
-        self.engine_id = engine_id
-        self.recorder = recorder
-        self.is_producer = bool(kvc.is_kv_producer)
-        self.is_consumer = bool(kvc.is_kv_consumer)
-        self.block_size = vllm_config.cache_config.block_size
-        self.model = str(vllm_config.model_config.model).rstrip("/").split("/")[-1]
-        self.total_kv_heads = int(vllm_config.model_config.get_total_num_kv_heads())
-        self.tp_size = par.tensor_parallel_size
-        if tp_rank is None or pp_rank is None:
-            from vllm.distributed.parallel_state import get_pp_group, get_tp_group
-
-            tp_rank = get_tp_group().rank_in_group if tp_rank is None else tp_rank
-            pp_rank = get_pp_group().rank_in_group if pp_rank is None else pp_rank
-        self.tp_rank = tp_rank
-        self.pp_rank = pp_rank
-        self.host = get_host_ip()
-        base = side_channel_port(kvc.kv_port, dp_rank=par.data_parallel_rank,
-                                 tp_size=par.tensor_parallel_size,
-                                 pp_size=par.pipeline_parallel_size)
-        self.port = worker_port(base, tp_rank=self.tp_rank, tp_size=self.tp_size,
-                                pp_rank=self.pp_rank)
-        self.sender_id = f"{engine_id}/tp{self.tp_rank}"
-        own = cfg.prefill if self.is_producer and not self.is_consumer else cfg.decode
-        if own.tp_size is not None and own.tp_size != self.tp_size:
-            raise HandshakeMismatchError(
-                f"kv_connector_extra_config says this instance has tp_size={own.tp_size} but "
-                f"it runs with tensor_parallel_size={self.tp_size}")
-        self.layout: KVCacheLayout | None = None
-        self.te: MooncakeTransferEngine | None = None
-        self.meta: AgentMeta | None = None
+        super().__init__(vllm_config, cfg, engine_id, recorder, codec=LAYERWISE_CODEC,
+                         tp_rank=tp_rank, pp_rank=pp_rank)
         self._layer_index: dict[str, int] = {}
         # ---- D state
         self.server: RpcServer[Message] | None = None
@@ -269,28 +233,12 @@ class LayerwiseWorker:
         #: wait_for_save because the hook did not run (checks that the backend calls it)
         self.hooked_layer_pushes = 0
         self.fallback_layer_pushes = 0
-        self._clients: dict[str, RpcClient[Message]] = {}
-        self._remote_meta: dict[str, AgentMeta] = {}
-        self._mismatch: dict[str, str] = {}
-        self._meta_lock = threading.Lock()
 
     # ================================================================ set-up
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         """Describe the cache, register it with the transfer engine, start serving/sending."""
-        self.layout = KVCacheLayout.from_kv_caches(kv_caches, block_size=self.block_size)
-        self._layer_index = {layer.name: i for i, layer in enumerate(self.layout.layers)}
-        self.te = get_transfer_engine(self.host, self.cfg.protocol,
-                                      device_name=self.cfg.device_name)
-        for addr, length in self.layout.memory_ranges():
-            self.te.register_memory(addr, length)
-        self.meta = AgentMeta(
-            protocol_version=PROTOCOL_VERSION, engine_id=self.engine_id, model=self.model,
-            session=self.te.session_id, tp_rank=self.tp_rank, tp_size=self.tp_size,
-            pp_rank=self.pp_rank, total_num_kv_heads=self.total_kv_heads,
-            layout=self.layout.descriptor(),
-            region_addrs=[r.base_addr for r in self.layout.regions],
-            region_strides=[r.block_stride for r in self.layout.regions],
-            vllm_version=_vllm_version())
+        layout = self._register_kv_memory(kv_caches)
+        self._layer_index = {layer.name: i for i, layer in enumerate(layout.layers)}
         if self.is_consumer:
             self.server = RpcServer(tcp_endpoint(self.host, self.port), LAYERWISE_CODEC,
                                     self._handle, name=f"layerwise-side-channel-{self.port}"
@@ -320,13 +268,7 @@ class LayerwiseWorker:
         with self._cv:
             for inc in self._incoming.values():
                 self._release_staging(inc)
-        for client in self._clients.values():
-            client.close()
-        self._clients.clear()
-        if self.te is not None and self.layout is not None:
-            for addr, length in self.layout.memory_ranges():
-                self.te.unregister_memory(addr, length)
-            self.te = None
+        self._release_resources()
 
     # ================================================================ D side
     def _handle(self, msg: Message) -> Message:
@@ -413,7 +355,7 @@ class LayerwiseWorker:
             if _direct(region, slices, p_len):
                 out.append(None)
                 continue
-            heads_p = p_len // (region.block_len // _heads(region))
+            heads_p = p_len // (region.block_len // heads_in_block(region))
             shape = list(region.block_shape)
             shape[region.head_axis or 0] = heads_p
             buf = torch.empty((n_blocks, *shape), dtype=region.tensor.dtype,
@@ -735,7 +677,7 @@ class LayerwiseWorker:
         assert self.layout is not None
         target = out.target
         link.meta = self.remote_meta(target.host, link.port, expect_tp=target.tp_size)
-        msg = PushBegin(request_id=target.request_id, sender=self.sender_id,
+        msg = PushBegin(request_id=target.request_id, sender=self.agent_id,
                         p_rank=self.tp_rank, p_tp_size=self.tp_size,
                         block_ids=target.block_ids[out.first_position:],
                         block_lens=[r.block_len for r in self.layout.regions])
@@ -767,7 +709,7 @@ class LayerwiseWorker:
         """Renew one lease now (the sender is about to write); raises if D refuses."""
         client = self._client(out.target.host, link.port)
         sent = time.monotonic()
-        reply = client.call(PushRenew(request_ids=[out.target.request_id], sender=self.sender_id))
+        reply = client.call(PushRenew(request_ids=[out.target.request_id], sender=self.agent_id))
         if not (isinstance(reply, PushRenewReply) and out.target.request_id in reply.granted):
             raise RemoteKVUnavailable("D no longer grants the write lease (request ended or "
                                       "failing on D)", code="revoked")
@@ -814,7 +756,7 @@ class LayerwiseWorker:
                         dst.append(d_addr)
                         lengths.append(region.block_len)
                     elif region.head_axis == 0:
-                        per_head = region.block_len // _heads(region)
+                        per_head = region.block_len // heads_in_block(region)
                         src.append(p_addr + sl.remote_offset * per_head)
                         dst.append(d_addr + sl.local_offset * per_head)
                         lengths.append(sl.num_heads * per_head)
@@ -912,7 +854,7 @@ class LayerwiseWorker:
                       reason: str = "", nbytes: int = 0) -> bool:
         try:
             reply = self._client(host, port).call(PushDone(
-                request_id=request_id, sender=self.sender_id, success=success,
+                request_id=request_id, sender=self.agent_id, success=success,
                 reason=reason[:2000], nbytes=nbytes))
         except KVTransferError as exc:
             logger.warning("could not tell D %s:%d that request %s is %s: %s", host, port,
@@ -941,7 +883,7 @@ class LayerwiseWorker:
             sent = time.monotonic()
             try:
                 reply = self._client(host, port).call(PushRenew(
-                    request_ids=[o.target.request_id for o, _ in pairs], sender=self.sender_id))
+                    request_ids=[o.target.request_id for o, _ in pairs], sender=self.agent_id))
             except KVTransferError as exc:
                 logger.debug("lease renewal to %s:%d failed: %s", host, port, exc)
                 continue  # writes stop by themselves when the lease runs out
@@ -958,40 +900,13 @@ class LayerwiseWorker:
                 self._queue.put(_LinkFailed(out, link))
 
     # ---------------------------------------------------------------- handshake
-    def _client(self, host: str, port: int) -> RpcClient[Message]:
-        endpoint = tcp_endpoint(host, port)
-        with self._meta_lock:
-            client = self._clients.get(endpoint)
-            if client is None:
-                client = RpcClient(endpoint, LAYERWISE_CODEC,
-                                   timeout_s=self.cfg.handshake_timeout_s)
-                self._clients[endpoint] = client
-            return client
-
     def remote_meta(self, host: str, port: int, *, expect_tp: int) -> AgentMeta:
         """D rank's metadata, fetched once and checked against this instance."""
-        endpoint = tcp_endpoint(host, port)
-        with self._meta_lock:
-            if endpoint in self._mismatch:
-                raise HandshakeMismatchError(self._mismatch[endpoint])
-            cached = self._remote_meta.get(endpoint)
-        if cached is not None:
-            return cached
-        meta = self._client(host, port).call(GetMeta(requester=self.sender_id))
-        if not isinstance(meta, AgentMeta):
-            raise RemoteKVUnavailable(f"{endpoint} answered GetMeta with {type(meta).__name__}")
         assert self.meta is not None
-        problem = compatibility_problem(self.meta, meta, expect_tp=expect_tp,
-                                        configured_tp=self.cfg.decode.tp_size, me="P", them="D",
-                                        verb="receive the KV cache of")
-        with self._meta_lock:
-            if problem:
-                self._mismatch[endpoint] = problem
-                raise HandshakeMismatchError(problem)
-            self._remote_meta[endpoint] = meta
-        logger.info("handshake with D %s (engine %s, tp %d/%d) ok", endpoint, meta.engine_id,
-                    meta.tp_rank, meta.tp_size)
-        return meta
+        mine = self.meta
+        return self._peer_meta(host, port, peer="D", problem_of=lambda m: compatibility_problem(
+            mine, m, expect_tp=expect_tp, configured_tp=self.cfg.decode.tp_size, me="P",
+            them="D", verb="receive the KV cache of"))
 
     # ================================================================ vLLM hooks
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
@@ -1025,11 +940,6 @@ class LayerwiseWorker:
         return out
 
 
-def _heads(region: KVRegion) -> int:
-    axis = region.head_axis
-    return int(region.block_shape[axis]) if axis is not None else 1
-
-
 def _direct(region: KVRegion, slices: list[PullSlice], p_len: int) -> bool:
     """Whether a P rank's slices of D's ``region`` can be written straight into D's blocks.
 
@@ -1039,13 +949,5 @@ def _direct(region: KVRegion, slices: list[PullSlice], p_len: int) -> bool:
     """
     if region.head_axis is None or region.head_axis == 0:
         return True
-    return all(s.num_heads == _heads(region) and p_len == region.block_len for s in slices)
+    return all(s.num_heads == heads_in_block(region) and p_len == region.block_len for s in slices)
 
-
-def _vllm_version() -> str:
-    try:
-        import vllm
-
-        return str(getattr(vllm, "__version__", ""))
-    except ImportError:
-        return ""

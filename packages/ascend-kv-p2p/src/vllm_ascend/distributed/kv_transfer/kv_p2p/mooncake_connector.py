@@ -37,7 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
 
 from vllm_ascend.distributed.kv_transfer.core.config.p2p import MooncakeP2PConfig  # noqa: E402
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder  # noqa: E402
-from vllm_ascend.distributed.kv_transfer.core.vllm_metrics import KVPromMetrics, KVStats  # noqa: E402
+from vllm_ascend.distributed.kv_transfer.core.vllm_metrics import ConnectorStatsMixin  # noqa: E402
 
 from .p2p_metrics import P2P_METRICS  # noqa: E402
 from .pull_scheduler import (  # noqa: E402
@@ -64,8 +64,10 @@ logger = logging.getLogger(__name__)
 ReqMeta = RecvMeta
 
 
-class MooncakeConnector(KVConnectorBase_V1):
+class MooncakeConnector(ConnectorStatsMixin, KVConnectorBase_V1):
     """P/D connector: the decode instance pulls the prefill instance's KV blocks."""
+
+    metric_specs = P2P_METRICS
 
     config_class: type[MooncakeP2PConfig] = MooncakeP2PConfig
 
@@ -138,20 +140,6 @@ class MooncakeConnector(KVConnectorBase_V1):
         if self.connector_worker is None:
             return set()
         return self.connector_worker.get_block_ids_with_load_errors()
-
-    def get_kv_connector_stats(self) -> KVStats | None:
-        return KVStats.from_recorder(self.recorder)
-
-    @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVStats | None:
-        return KVStats(data=data) if data is not None else KVStats()
-
-    @classmethod
-    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type],
-                           labelnames: list[str],
-                           per_engine_labelvalues: dict[int, list[object]]) -> KVPromMetrics:
-        return KVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues,
-                             specs=P2P_METRICS)
 
     def shutdown(self) -> None:
         if self.connector_worker is not None:

@@ -49,7 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
 
 from vllm_ascend.distributed.kv_transfer.core.config.p2p import MooncakeLayerwiseConfig  # noqa: E402
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder  # noqa: E402
-from vllm_ascend.distributed.kv_transfer.core.vllm_metrics import KVPromMetrics, KVStats  # noqa: E402
+from vllm_ascend.distributed.kv_transfer.core.vllm_metrics import ConnectorStatsMixin  # noqa: E402
 
 from .layerwise_scheduler import (  # noqa: E402
     LayerwiseScheduler,
@@ -74,8 +74,10 @@ __all__ = ["MooncakeLayerwiseConnector", "MooncakeLayerwiseConnectorMetadata", "
 logger = logging.getLogger(__name__)
 
 
-class MooncakeLayerwiseConnector(KVConnectorBase_V1, SupportsHMA):
+class MooncakeLayerwiseConnector(ConnectorStatsMixin, KVConnectorBase_V1, SupportsHMA):
     """P/D connector: the prefill instance pushes each layer into the decode instance."""
+
+    metric_specs = P2P_METRICS
 
     config_class: type[MooncakeLayerwiseConfig] = MooncakeLayerwiseConfig
 
@@ -164,20 +166,6 @@ class MooncakeLayerwiseConnector(KVConnectorBase_V1, SupportsHMA):
         if self.connector_worker is None:
             return set()
         return self.connector_worker.get_block_ids_with_load_errors()
-
-    def get_kv_connector_stats(self) -> KVStats | None:
-        return KVStats.from_recorder(self.recorder)
-
-    @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVStats | None:
-        return KVStats(data=data) if data is not None else KVStats()
-
-    @classmethod
-    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type],
-                           labelnames: list[str],
-                           per_engine_labelvalues: dict[int, list[object]]) -> KVPromMetrics:
-        return KVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues,
-                             specs=P2P_METRICS)
 
     def shutdown(self) -> None:
         if self.connector_worker is not None:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm_ascend.distributed.kv_transfer.core.channel import RpcClient, RpcServer, tcp_endpoint
+from vllm_ascend.distributed.kv_transfer.core.channel import RpcServer, tcp_endpoint
 from vllm_ascend.distributed.kv_transfer.core.config.p2p import MooncakeP2PConfig
 from vllm_ascend.distributed.kv_transfer.core.errors import (
     KVTransferError,
@@ -37,20 +37,13 @@ from vllm_ascend.distributed.kv_transfer.core.errors import (
     RemoteError,
     TransferError,
 )
-from vllm_ascend.distributed.kv_transfer.core.layout import KVCacheLayout
 from vllm_ascend.distributed.kv_transfer.core.leases import LeaseTable
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
-from vllm_ascend.distributed.kv_transfer.core.net import get_host_ip
-from vllm_ascend.distributed.kv_transfer.core.transfer_engine import (
-    MooncakeTransferEngine,
-    get_transfer_engine,
-)
 from vllm_ascend.distributed.kv_transfer.core.wire import ErrorReply, Message
 
 from .errors import HandshakeMismatchError, RemoteKVUnavailable
 from .protocol import (
     CODEC,
-    PROTOCOL_VERSION,
     AgentMeta,
     Claim,
     ClaimOK,
@@ -60,11 +53,11 @@ from .protocol import (
     Renew,
     RenewReply,
     compatibility_problem,
-    side_channel_port,
     worker_port,
 )
 from .pull_scheduler import MooncakeConnectorMetadata, RecvMeta
 from .tp_plan import PullSlice, plan_pulls, readers_per_p_rank
+from .worker_base import P2PWorkerBase, heads_in_block
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -97,46 +90,14 @@ class Pending:
     deadline: float
 
 
-class PullWorker:
+class PullWorker(P2PWorkerBase):
     """Worker-side logic of the pull connector (both roles)."""
 
     def __init__(self, vllm_config: VllmConfig, cfg: MooncakeP2PConfig, engine_id: str,
                  recorder: MetricsRecorder, *, tp_rank: int | None = None,
                  pp_rank: int | None = None) -> None:
-        kvc = vllm_config.kv_transfer_config
-        assert kvc is not None
-        par = vllm_config.parallel_config
-        self.cfg = cfg
-        self.engine_id = engine_id
-        self.recorder = recorder
-        self.is_producer = bool(kvc.is_kv_producer)
-        self.is_consumer = bool(kvc.is_kv_consumer)
-        self.block_size = vllm_config.cache_config.block_size
-        self.model = str(vllm_config.model_config.model).rstrip("/").split("/")[-1]
-        self.total_kv_heads = int(vllm_config.model_config.get_total_num_kv_heads())
-        self.tp_size = par.tensor_parallel_size
-        if tp_rank is None or pp_rank is None:
-            from vllm.distributed.parallel_state import get_pp_group, get_tp_group
-
-            tp_rank = get_tp_group().rank_in_group if tp_rank is None else tp_rank
-            pp_rank = get_pp_group().rank_in_group if pp_rank is None else pp_rank
-        self.tp_rank = tp_rank
-        self.pp_rank = pp_rank
-        self.host = get_host_ip()
-        base = side_channel_port(kvc.kv_port, dp_rank=par.data_parallel_rank,
-                                 tp_size=par.tensor_parallel_size,
-                                 pp_size=par.pipeline_parallel_size)
-        self.port = worker_port(base, tp_rank=self.tp_rank, tp_size=self.tp_size,
-                                pp_rank=self.pp_rank)
-        self.reader_id = f"{engine_id}/tp{self.tp_rank}"
-        own = cfg.prefill if self.is_producer and not self.is_consumer else cfg.decode
-        if own.tp_size is not None and own.tp_size != self.tp_size:
-            raise HandshakeMismatchError(
-                f"kv_connector_extra_config says this instance has tp_size={own.tp_size} but "
-                f"it runs with tensor_parallel_size={self.tp_size}")
-        self.layout: KVCacheLayout | None = None
-        self.te: MooncakeTransferEngine | None = None
-        self.meta: AgentMeta | None = None
+        super().__init__(vllm_config, cfg, engine_id, recorder, codec=CODEC, tp_rank=tp_rank,
+                         pp_rank=pp_rank)
         # ---- P state
         self.held: LeaseTable[str, Held] = LeaseTable(cfg.lease_ttl_s, name="p2p-held")
         self._released: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -152,27 +113,12 @@ class PullWorker:
         self._done_recving: set[str] = set()
         self._failed_blocks: set[int] = set()
         self._recv_lock = threading.Lock()
-        self._clients: dict[str, RpcClient[Message]] = {}
-        self._remote_meta: dict[str, AgentMeta] = {}
-        self._mismatch: dict[str, str] = {}
-        self._meta_lock = threading.Lock()
 
     # ================================================================ set-up
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         """Describe the cache, register it with the transfer engine, start the side channel."""
-        self.layout = KVCacheLayout.from_kv_caches(kv_caches, block_size=self.block_size)
-        self.te = get_transfer_engine(self.host, self.cfg.protocol,
-                                      device_name=self.cfg.device_name)
-        for addr, length in self.layout.memory_ranges():
-            self.te.register_memory(addr, length)
-        self.meta = AgentMeta(
-            protocol_version=PROTOCOL_VERSION, engine_id=self.engine_id, model=self.model,
-            session=self.te.session_id, tp_rank=self.tp_rank, tp_size=self.tp_size,
-            pp_rank=self.pp_rank, total_num_kv_heads=self.total_kv_heads,
-            layout=self.layout.descriptor(),
-            region_addrs=[r.base_addr for r in self.layout.regions],
-            region_strides=[r.block_stride for r in self.layout.regions],
-            vllm_version=_vllm_version())
+        self._register_kv_memory(kv_caches)
+        assert self.layout is not None
         if self.is_producer:
             self.server = RpcServer(tcp_endpoint(self.host, self.port), CODEC, self._handle,
                                     name=f"p2p-side-channel-{self.port}").start()
@@ -186,13 +132,7 @@ class PullWorker:
             self.server.stop()
             self.server = None
         self._pool.shutdown(wait=True, cancel_futures=True)
-        for client in self._clients.values():
-            client.close()
-        self._clients.clear()
-        if self.te is not None and self.layout is not None:
-            for addr, length in self.layout.memory_ranges():
-                self.te.unregister_memory(addr, length)
-            self.te = None
+        self._release_resources()
 
     # ================================================================ P side
     def _handle(self, msg: Message) -> Message:
@@ -312,36 +252,10 @@ class PullWorker:
     def _fail(self, meta: RecvMeta, reason: str, *, cause: str) -> None:
         self._finish(meta, ok=False, reason=reason, cause=cause)
 
-    def _client(self, host: str, port: int) -> RpcClient[Message]:
-        endpoint = tcp_endpoint(host, port)
-        with self._meta_lock:
-            client = self._clients.get(endpoint)
-            if client is None:
-                client = RpcClient(endpoint, CODEC, timeout_s=self.cfg.handshake_timeout_s)
-                self._clients[endpoint] = client
-            return client
-
     def remote_meta(self, host: str, port: int, *, expect_tp: int) -> AgentMeta:
         """P rank's metadata, fetched once and checked against this instance."""
-        endpoint = tcp_endpoint(host, port)
-        with self._meta_lock:
-            if endpoint in self._mismatch:
-                raise HandshakeMismatchError(self._mismatch[endpoint])
-            cached = self._remote_meta.get(endpoint)
-        if cached is not None:
-            return cached
-        meta = self._client(host, port).call(GetMeta(requester=self.reader_id))
-        if not isinstance(meta, AgentMeta):
-            raise RemoteKVUnavailable(f"{endpoint} answered GetMeta with {type(meta).__name__}")
-        problem = self.compatibility_problem(meta, expect_tp=expect_tp)
-        with self._meta_lock:
-            if problem:
-                self._mismatch[endpoint] = problem
-                raise HandshakeMismatchError(problem)
-            self._remote_meta[endpoint] = meta
-        logger.info("handshake with P %s (engine %s, tp %d/%d) ok", endpoint, meta.engine_id,
-                    meta.tp_rank, meta.tp_size)
-        return meta
+        return self._peer_meta(host, port, peer="P", problem_of=lambda m: (
+            self.compatibility_problem(m, expect_tp=expect_tp)))
 
     def compatibility_problem(self, remote: AgentMeta, *, expect_tp: int) -> str:
         """Why P's cache cannot be read into ours, naming both sides' values; '' if it can."""
@@ -411,7 +325,7 @@ class PullWorker:
         assert remote is not None
         client = self._client(remote.host, self._port_of(remote, p_rank))
         msg = Claim(request_id=remote.request_id, block_ids=meta.remote_block_ids,
-                    reader=self.reader_id, num_readers=num_readers)
+                    reader=self.agent_id, num_readers=num_readers)
         give_up = time.monotonic() + CLAIM_RETRY_S
         delay = 0.01
         while True:
@@ -438,7 +352,7 @@ class PullWorker:
         remote = meta.remote
         assert remote is not None
         client = self._client(remote.host, self._port_of(remote, p_rank))
-        reply = client.call(Done(request_id=remote.request_id, reader=self.reader_id,
+        reply = client.call(Done(request_id=remote.request_id, reader=self.agent_id,
                                  success=success, num_readers=num_readers))
         return isinstance(reply, DoneAck) and reply.valid
 
@@ -463,12 +377,12 @@ class PullWorker:
             r_len = remote.layout.block_lens[i]
             r_base, r_stride = remote.region_addrs[i], remote.region_strides[i]
             for sl in slices:
-                if region.head_axis is None or (sl.num_heads == _heads(region)
+                if region.head_axis is None or (sl.num_heads == heads_in_block(region)
                                                 and r_len == region.block_len):
                     off_l = off_r = 0
                     length = region.block_len
                 elif region.head_axis == 0:
-                    per_head = region.block_len // _heads(region)
+                    per_head = region.block_len // heads_in_block(region)
                     off_l, off_r = sl.local_offset * per_head, sl.remote_offset * per_head
                     length = sl.num_heads * per_head
                 else:
@@ -494,7 +408,7 @@ class PullWorker:
         local_ids = torch.tensor(meta.local_block_ids, dtype=torch.long)
         for i, sl in staged:
             region = regions[i]
-            heads_p = remote.layout.block_lens[i] // (region.block_len // _heads(region))
+            heads_p = remote.layout.block_lens[i] // (region.block_len // heads_in_block(region))
             shape = list(region.block_shape)
             shape[region.head_axis or 0] = heads_p
             buf = torch.empty((n, *shape), dtype=region.tensor.dtype, device=region.tensor.device)
@@ -573,15 +487,3 @@ class PullWorker:
         return out
 
 
-def _heads(region: Any) -> int:
-    axis = region.head_axis
-    return int(region.block_shape[axis]) if axis is not None else 1
-
-
-def _vllm_version() -> str:
-    try:
-        import vllm
-
-        return str(getattr(vllm, "__version__", ""))
-    except ImportError:
-        return ""

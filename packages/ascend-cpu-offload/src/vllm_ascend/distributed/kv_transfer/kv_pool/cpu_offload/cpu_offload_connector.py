@@ -38,7 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from vllm_ascend.distributed.kv_transfer.core.config.offload import CPUOffloadConfig
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
-from vllm_ascend.distributed.kv_transfer.core.vllm_metrics import KVPromMetrics, KVStats
+from vllm_ascend.distributed.kv_transfer.core.vllm_metrics import ConnectorStatsMixin
 
 from .metadata import CPUOffloadingConnectorMetadata
 from .metrics import OFFLOAD_METRICS
@@ -62,8 +62,10 @@ except ImportError:  # pragma: no cover - older vLLM
 __all__ = ["CPUOffloadingConnector", "CPUOffloadingConnectorMetadata"]
 
 
-class CPUOffloadingConnector(KVConnectorBase_V1):
+class CPUOffloadingConnector(ConnectorStatsMixin, KVConnectorBase_V1):
     """Offload KV blocks to a host-memory prefix cache shared by the ranks of an instance."""
+
+    metric_specs = OFFLOAD_METRICS
 
     if _HOST_SOURCE is not None:
         _cache_hit_source = _HOST_SOURCE
@@ -132,9 +134,6 @@ class CPUOffloadingConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._w().get_block_ids_with_load_errors()
 
-    def get_kv_connector_stats(self) -> KVStats | None:
-        return KVStats.from_recorder(self.recorder)
-
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
@@ -167,13 +166,3 @@ class CPUOffloadingConnector(KVConnectorBase_V1):
     # ==============================
     # Metrics
     # ==============================
-    @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVStats | None:
-        return KVStats(data=data) if data is not None else KVStats()
-
-    @classmethod
-    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type],
-                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
-                           ) -> KVPromMetrics:
-        return KVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues,
-                             specs=OFFLOAD_METRICS)

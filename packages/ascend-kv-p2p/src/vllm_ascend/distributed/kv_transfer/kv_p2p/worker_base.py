@@ -1,0 +1,171 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What the pull and the layerwise workers share.
+
+Identity (roles, TP/PP ranks, the side-channel port of this rank), the KV cache
+description and its registration with the transfer engine, the ``AgentMeta``
+this worker shows its peers, the side-channel clients, and the handshake: a
+peer's metadata is fetched once and checked with
+:func:`~.protocol.compatibility_problem`; a mismatch is remembered, so every
+later request to that peer fails at once with the same message.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from vllm_ascend.distributed.kv_transfer.core.channel import RpcClient, tcp_endpoint
+from vllm_ascend.distributed.kv_transfer.core.config.p2p import MooncakeP2PConfig
+from vllm_ascend.distributed.kv_transfer.core.layout import KVCacheLayout, KVRegion
+from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
+from vllm_ascend.distributed.kv_transfer.core.net import get_host_ip
+from vllm_ascend.distributed.kv_transfer.core.transfer_engine import (
+    MooncakeTransferEngine,
+    get_transfer_engine,
+)
+from vllm_ascend.distributed.kv_transfer.core.wire import Codec, Message
+
+from .errors import HandshakeMismatchError, RemoteKVUnavailable
+from .protocol import PROTOCOL_VERSION, AgentMeta, GetMeta, side_channel_port, worker_port
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = logging.getLogger(__name__)
+
+
+class P2PWorkerBase:
+    """Shared state and handshake of a P/D worker.
+
+    Args:
+        vllm_config: the engine's config.
+        cfg: the connector's extra config.
+        engine_id: this instance's ``engine_id``.
+        recorder: where metrics go.
+        codec: the side-channel protocol of the connector.
+        tp_rank: this worker's TP rank (default: from vLLM's parallel state).
+        pp_rank: this worker's PP rank (default: from vLLM's parallel state).
+    """
+
+    def __init__(self, vllm_config: VllmConfig, cfg: MooncakeP2PConfig, engine_id: str,
+                 recorder: MetricsRecorder, *, codec: Codec[Message], tp_rank: int | None = None,
+                 pp_rank: int | None = None) -> None:
+        kvc = vllm_config.kv_transfer_config
+        assert kvc is not None
+        par = vllm_config.parallel_config
+        self.cfg = cfg
+        self.engine_id = engine_id
+        self.recorder = recorder
+        self.codec = codec
+        self.is_producer = bool(kvc.is_kv_producer)
+        self.is_consumer = bool(kvc.is_kv_consumer)
+        self.block_size = vllm_config.cache_config.block_size
+        self.model = str(vllm_config.model_config.model).rstrip("/").split("/")[-1]
+        self.total_kv_heads = int(vllm_config.model_config.get_total_num_kv_heads())
+        self.tp_size = par.tensor_parallel_size
+        if tp_rank is None or pp_rank is None:
+            from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+            tp_rank = get_tp_group().rank_in_group if tp_rank is None else tp_rank
+            pp_rank = get_pp_group().rank_in_group if pp_rank is None else pp_rank
+        self.tp_rank = tp_rank
+        self.pp_rank = pp_rank
+        self.host = get_host_ip()
+        base = side_channel_port(kvc.kv_port, dp_rank=par.data_parallel_rank,
+                                 tp_size=par.tensor_parallel_size,
+                                 pp_size=par.pipeline_parallel_size)
+        self.port = worker_port(base, tp_rank=self.tp_rank, tp_size=self.tp_size,
+                                pp_rank=self.pp_rank)
+        #: how this worker names itself to peers (reader on D, sender on P)
+        self.agent_id = f"{engine_id}/tp{self.tp_rank}"
+        own = cfg.prefill if self.is_producer and not self.is_consumer else cfg.decode
+        if own.tp_size is not None and own.tp_size != self.tp_size:
+            raise HandshakeMismatchError(
+                f"kv_connector_extra_config says this instance has tp_size={own.tp_size} but "
+                f"it runs with tensor_parallel_size={self.tp_size}")
+        self.layout: KVCacheLayout | None = None
+        self.te: MooncakeTransferEngine | None = None
+        self.meta: AgentMeta | None = None
+        self._clients: dict[str, RpcClient[Message]] = {}
+        self._remote_meta: dict[str, AgentMeta] = {}
+        self._mismatch: dict[str, str] = {}
+        self._meta_lock = threading.Lock()
+
+    # ------------------------------------------------------------ KV cache
+    def _register_kv_memory(self, kv_caches: dict[str, Any]) -> KVCacheLayout:
+        """Describe the cache, register it with the transfer engine, build the AgentMeta."""
+        self.layout = KVCacheLayout.from_kv_caches(kv_caches, block_size=self.block_size)
+        self.te = get_transfer_engine(self.host, self.cfg.protocol,
+                                      device_name=self.cfg.device_name)
+        for addr, length in self.layout.memory_ranges():
+            self.te.register_memory(addr, length)
+        self.meta = AgentMeta(
+            protocol_version=PROTOCOL_VERSION, engine_id=self.engine_id, model=self.model,
+            session=self.te.session_id, tp_rank=self.tp_rank, tp_size=self.tp_size,
+            pp_rank=self.pp_rank, total_num_kv_heads=self.total_kv_heads,
+            layout=self.layout.descriptor(),
+            region_addrs=[r.base_addr for r in self.layout.regions],
+            region_strides=[r.block_stride for r in self.layout.regions],
+            vllm_version=_vllm_version())
+        return self.layout
+
+    def _release_resources(self) -> None:
+        """Close the side-channel clients and unregister the KV memory."""
+        with self._meta_lock:
+            for client in self._clients.values():
+                client.close()
+            self._clients.clear()
+        if self.te is not None and self.layout is not None:
+            for addr, length in self.layout.memory_ranges():
+                self.te.unregister_memory(addr, length)
+            self.te = None
+
+    # ------------------------------------------------------------ peers
+    def _client(self, host: str, port: int) -> RpcClient[Message]:
+        endpoint = tcp_endpoint(host, port)
+        with self._meta_lock:
+            client = self._clients.get(endpoint)
+            if client is None:
+                client = RpcClient(endpoint, self.codec, timeout_s=self.cfg.handshake_timeout_s)
+                self._clients[endpoint] = client
+            return client
+
+    def _peer_meta(self, host: str, port: int, *, peer: str,
+                   problem_of: Callable[[AgentMeta], str]) -> AgentMeta:
+        """A peer rank's metadata, fetched once and checked with ``problem_of``."""
+        endpoint = tcp_endpoint(host, port)
+        with self._meta_lock:
+            if endpoint in self._mismatch:
+                raise HandshakeMismatchError(self._mismatch[endpoint])
+            cached = self._remote_meta.get(endpoint)
+        if cached is not None:
+            return cached
+        meta = self._client(host, port).call(GetMeta(requester=self.agent_id))
+        if not isinstance(meta, AgentMeta):
+            raise RemoteKVUnavailable(f"{endpoint} answered GetMeta with {type(meta).__name__}")
+        problem = problem_of(meta)
+        with self._meta_lock:
+            if problem:
+                self._mismatch[endpoint] = problem
+                raise HandshakeMismatchError(problem)
+            self._remote_meta[endpoint] = meta
+        logger.info("handshake with %s %s (engine %s, tp %d/%d) ok", peer, endpoint,
+                    meta.engine_id, meta.tp_rank, meta.tp_size)
+        return meta
+
+
+def heads_in_block(region: KVRegion) -> int:
+    """KV heads in one block of ``region`` (1 for MLA: no head axis)."""
+    axis = region.head_axis
+    return int(region.block_shape[axis]) if axis is not None else 1
+
+
+def _vllm_version() -> str:
+    try:
+        import vllm
+
+        return str(getattr(vllm, "__version__", ""))
+    except ImportError:
+        return ""
