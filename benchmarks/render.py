@@ -449,16 +449,21 @@ def section_offload(d: dict[str, Any]) -> str:
 def section_serve(d: dict[str, Any], img: str | None) -> str:
     cfg = d.get("config", {})
     spec = cfg.get("model_spec", {})
+    thr = cfg.get("throughput", {})
     out = [f"Random-weight Llama ({spec.get('num_hidden_layers')} layers, hidden "
            f"{spec.get('hidden_size')}, {spec.get('num_key_value_heads')} KV heads of "
            f"{spec.get('head_dim')}), **{cfg.get('dtype')}**, block size "
            f"{cfg.get('block_size')}, prompts of {cfg.get('lengths')} tokens "
            f"(k·block, k·block+1, k·block+block/2), {cfg.get('repeats')} samples of each hit "
            f"(median). TTFT = wall time of `generate(max_tokens=1)` inside the engine process. "
-           f"Every engine is a separate process; P/D engines pin their OpenMP threads alike "
-           f"(`VLLM_CPU_OMP_THREADS_BIND={cfg.get('pd_threads_bind')}`), P then D "
-           f"(sequential), so the D-side TTFT is the figure to compare. Throughput: "
-           f"{cfg.get('throughput', {})} against the engine without a connector.\n\n"
+           f"Every engine is a separate process with "
+           + (f"`VLLM_CPU_OMP_THREADS_BIND={cfg['pd_threads_bind']}` for P/D"
+              if cfg.get("pd_threads_bind") else "vLLM's default thread binding")
+           + "; P prefills, then D is asked (sequential), so the D-side TTFT is the figure "
+           f"to compare. Throughput: a batch of {thr.get('batch')} new prompts of "
+           f"{thr.get('prompt_tokens')} tokens, {thr.get('max_tokens')} tokens generated each "
+           "(output tokens/s, best of the samples), against the engine without a "
+           "connector.\n\n"
            "`vs recompute`: the hit (pool, offload: after `reset_prefix_cache()`, which "
            "drops vLLM's own cache only) or D's TTFT, over the same prompt recomputed by the "
            "engine without a connector. `kv GB/s`: the prompt's KV bytes over D's TTFT minus "

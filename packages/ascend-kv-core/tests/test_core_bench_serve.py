@@ -167,6 +167,11 @@ def test_summary_and_comparisons(tmp_path: Path) -> None:
     c = comps["pool hit TTFT: ours-mooncake / MooncakeStoreConnector"]
     assert c["ratio"] == pytest.approx(0.5) and c["met"] is True
     assert comps["pool/ours-mooncake hit TTFT / recompute"]["kind"] == "recompute"
+    # the miss path is compared too: prefill + save, and a batch of new prompts
+    assert comps["pool cold TTFT (miss + save): ours-mooncake / MooncakeStoreConnector"][
+        "ratio"] == pytest.approx(1.1 / 1.2)
+    assert comps["pool serving throughput (new prompts, saved): ours-local / "
+                 "ExampleConnector"]["ratio"] is None  # ours-local was not run
     rows = {r["scenario"]: r for r in bs.table_rows(results, summary)}
     assert rows["pool/vllm-example"]["note"] == "missed lengths [65]"
     assert rows["pd/vllm-mooncake"]["status"] == "skipped"

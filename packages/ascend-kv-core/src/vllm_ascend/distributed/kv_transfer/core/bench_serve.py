@@ -82,9 +82,11 @@ ENGINE_ENV = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
 }
-#: P and D share the cores: every P/D engine's OpenMP threads are pinned alike
-#: (NIXL pins its engine to the last core; the same binding for all keeps P/D fair).
-PD_THREADS_BIND = "1"
+#: ``VLLM_CPU_OMP_THREADS_BIND`` of the P/D engines; empty: vLLM's default. Pinning
+#: both to one core (``"1"``) starves NixlConnector, which also pins its own thread
+#: to the last core: its D-side TTFT then equals a recompute (measured on the 2-core
+#: machine), while ours and vLLM's MooncakeConnector are unaffected.
+PD_THREADS_BIND = ""
 
 #: The full-size model: the peer report's random Llama (8 layers, 4 KV heads of 64).
 BENCH_MODEL = dict(vocab_size=8192, hidden_size=512, intermediate_size=1280,
@@ -345,6 +347,7 @@ class ServeConfig:
     startup_timeout: float = 300.0
     seed: int = 0
     repeats: int = 1
+    pd_threads_bind: str = PD_THREADS_BIND
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -598,7 +601,8 @@ def run_pd(run: Run, name: str, p_kv: dict[str, Any], d_kv: dict[str, Any],
            d_env: dict[str, str] | None = None, python: str | None = None,
            pre_import: list[str] | None = None) -> dict[str, Any]:
     """Start P and D with the same pinning, run :func:`pd_flow`, stop both."""
-    bind = {"VLLM_CPU_OMP_THREADS_BIND": PD_THREADS_BIND}
+    bind = {"VLLM_CPU_OMP_THREADS_BIND": run.cfg.pd_threads_bind} if run.cfg.pd_threads_bind \
+        else {}
     p = run.engine(f"{name}-prefill", p_kv, env={**bind, **(p_env or {})}, python=python,
                    pre_import=pre_import)
     try:
@@ -865,6 +869,11 @@ def comparisons(summary: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             add(f"pool hit TTFT: {ours.split('/')[1]} / {label}",
                 ratio(get(ours, "hit_s"), get(peer, "hit_s")), "<= 0.8" if has_goal else "",
                 at_most=0.8 if has_goal else None)
+            # the miss path: prefill plus the save, and serving a batch of new prompts
+            add(f"pool cold TTFT (miss + save): {ours.split('/')[1]} / {label}",
+                ratio(get(ours, "cold_s"), get(peer, "cold_s")), "")
+            add(f"pool serving throughput (new prompts, saved): {ours.split('/')[1]} / {label}",
+                ratio(get(ours, "output_tok_per_s"), get(peer, "output_tok_per_s")), "")
     for name, s in summary.items():
         if "hit_over_recompute" in s and name != "baseline":
             goal = "<= 0.1" if name == "offload/ours" else ("well below 1" if
@@ -926,7 +935,8 @@ def build_config(args: argparse.Namespace) -> ServeConfig:
         max_model_len=max(max(lengths), thr_prompt) + 256, out=Path(args.out),
         nixl_python=args.nixl_python, peers_path=peers_path(args.peers_path),
         startup_timeout=args.startup_timeout,
-        repeats=args.repeats or (1 if args.quick else 3))
+        repeats=args.repeats or (1 if args.quick else 3),
+        pd_threads_bind=args.pd_threads_bind)
 
 
 def select(args: argparse.Namespace) -> list[Scenario]:
@@ -1002,7 +1012,7 @@ def run(args: argparse.Namespace) -> int:
                    "throughput": {"batch": cfg.throughput_batch,
                                   "prompt_tokens": cfg.throughput_prompt,
                                   "max_tokens": cfg.throughput_tokens},
-                   "pd_threads_bind": PD_THREADS_BIND, "quick": bool(args.quick),
+                   "pd_threads_bind": cfg.pd_threads_bind, "quick": bool(args.quick),
                    "nixl_python": cfg.nixl_python or sys.executable},
         "scenarios": results, "summary": summary, "comparisons": comps, "rows": rows}, cfg.out)
     print(f"results: {path}")
@@ -1041,6 +1051,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--repeats", type=int, default=None,
                    help="samples of each hit / recompute and of the throughput batch (median "
                         "/ best; default 3, quick 1)")
+    p.add_argument("--pd-threads-bind", default=PD_THREADS_BIND,
+                   help="VLLM_CPU_OMP_THREADS_BIND of every P/D engine (default: "
+                        "vLLM's own binding)")
     p.add_argument("--startup-timeout", type=float, default=300.0,
                    help="seconds an engine may take to start")
     p.set_defaults(func=_checked_run)
