@@ -350,3 +350,63 @@ def test_garbage_on_the_side_channel_does_not_stop_p(pd: Any) -> None:
     pd.p.start_load_kv(MooncakeConnectorMetadata(requests_to_send={"r": SendMeta("r", [3])}))
     recv(pd, "ok", "r", [3], [4])
     assert wait_recv(pd.d, "ok") == set()
+
+
+def test_a_read_in_flight_at_the_deadline_keeps_the_blocks_until_it_returns(pd: Any) -> None:
+    """The transfer engine cannot cancel a read, and a stalled one can complete late (a
+    network that comes back): the blocks go back to vLLM only once the read returned,
+    failed at the deadline; a pull still queued at its deadline never reads at all."""
+    import threading
+
+    d = new_worker("kv_consumer", free_port(), 1, 0, "D-slow", {
+        "load_timeout_s": 0.5, "handshake_timeout_s": 2.0, "num_recv_workers": 1})
+    d.register_kv_caches(make_caches("cpu", 1, 0, fill=False))
+    original = d._read
+    release = threading.Event()
+    reads: list[str] = []
+
+    def stalled(meta: RecvMeta, *args: Any) -> int:
+        reads.append(meta.request_id)
+        release.wait(10)
+        return int(original(meta, *args))
+
+    def load(rid: str, remote_rid: str, remote_block: int, local_block: int) -> None:
+        remote = RemotePrefill(engine_id="P", host="127.0.0.1", port=pd.p_port,
+                               request_id=remote_rid, block_ids=[remote_block], tp_size=1,
+                               pcp_size=1, dcp_size=1)
+        d.start_load_kv(MooncakeConnectorMetadata(requests={rid: RecvMeta(
+            rid, [local_block], remote, remote_block_ids=[remote_block])}))
+
+    d._read = stalled
+    try:
+        pd.p.start_load_kv(MooncakeConnectorMetadata(requests_to_send={"r": SendMeta("r", [1])}))
+        load("slow", "r", 1, 2)
+        assert wait_recv_none(d, 1.5)  # deadline passed, read in flight: nothing handed back
+        assert reads == ["slow"] and d.recorder.total("p2p_load_deadlines") == 1
+        release.set()
+        assert wait_recv(d, "slow") == {2}  # failed, once the read returned
+        assert d.recorder.total("p2p_failures", cause="deadline") == 1
+        wait_sent([pd.p], "r")  # D's Done gave P its blocks back
+        # a load whose deadline passed while its pull waited for a thread never reads
+        release.clear()
+        d._pool.submit(time.sleep, 1.5)  # the only pull thread is busy past the deadline
+        pd.p.start_load_kv(MooncakeConnectorMetadata(requests_to_send={"q": SendMeta("q", [3])}))
+        load("queued", "q", 3, 4)
+        assert wait_recv(d, "queued") == {4}
+        time.sleep(2.0)
+        assert reads == ["slow"]
+        wait_sent([pd.p], "q")  # the late pull released P's blocks without reading
+    finally:
+        release.set()
+        d.shutdown()
+
+
+def wait_recv_none(worker: PullWorker, seconds: float) -> bool:
+    """True when nothing ends on ``worker`` for ``seconds``."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        _s, recving = worker.get_finished()
+        if recving or worker.get_block_ids_with_load_errors():
+            return False
+        time.sleep(0.02)
+    return True

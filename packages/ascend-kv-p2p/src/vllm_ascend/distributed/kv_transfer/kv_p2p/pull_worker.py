@@ -14,7 +14,9 @@ through the transfer engine, ``Done``. Every request ends exactly once, as
 loaded or as failed; a failed request's blocks go to
 ``get_block_ids_with_load_errors`` so vLLM recomputes or fails it per
 ``kv_load_failure_policy``; a request still loading at its deadline is
-failed at the deadline.
+failed at the deadline, except that its blocks go back to vLLM only once no
+read into them is in flight (the transfer engine cannot cancel a read, and a
+late one would overwrite blocks vLLM gave to another request).
 """
 
 from __future__ import annotations
@@ -88,6 +90,10 @@ class Pending:
 
     meta: RecvMeta
     deadline: float
+    #: a transfer-engine read into the request's blocks is in flight
+    reading: bool = False
+    #: the deadline passed during a read: the load fails once the read has returned
+    expired: bool = False
 
 
 class PullWorker(P2PWorkerBase):
@@ -233,14 +239,24 @@ class PullWorker(P2PWorkerBase):
                 continue
             self._pool.submit(self._pull, meta)
 
+    def _end_locked(self, meta: RecvMeta, *, ok: bool) -> bool:
+        """Hand the request back to vLLM (caller holds ``_recv_lock``); False if it already
+        ended."""
+        if self._pending.pop(meta.request_id, None) is None:
+            return False  # already ended (deadline passed, or a duplicate): ignore
+        self._done_recving.add(meta.request_id)
+        if not ok:
+            self._failed_blocks.update(meta.local_block_ids)
+        return True
+
     def _finish(self, meta: RecvMeta, *, ok: bool, reason: str = "", cause: str = "") -> None:
         """End a load exactly once (success or failure); later calls are ignored."""
         with self._recv_lock:
-            if self._pending.pop(meta.request_id, None) is None:
-                return  # already ended (deadline passed, or a duplicate): ignore
-            self._done_recving.add(meta.request_id)
-            if not ok:
-                self._failed_blocks.update(meta.local_block_ids)
+            if not self._end_locked(meta, ok=ok):
+                return
+        self._report_end(meta, ok=ok, reason=reason, cause=cause)
+
+    def _report_end(self, meta: RecvMeta, *, ok: bool, reason: str, cause: str) -> None:
         if ok:
             self.recorder.inc("p2p_requests_loaded")
         else:
@@ -282,10 +298,21 @@ class PullWorker(P2PWorkerBase):
             for r in p_ranks:
                 self._claim(meta, r, readers[r])
                 claimed.append(r)
+            # The blocks are written by the transfer engine: they must not go back to vLLM
+            # while a read into them can still land (see _collect_recving).
+            if not self._begin_read(meta):
+                raise RemoteKVUnavailable("the load ended (deadline) before its read started",
+                                          code="deadline")
             nbytes = 0
-            for r in p_ranks:
-                slices = [s for s in plan if s.p_rank == r]
-                nbytes += self._read(meta, metas[r], slices)
+            try:
+                for r in p_ranks:
+                    slices = [s for s in plan if s.p_rank == r]
+                    nbytes += self._read(meta, metas[r], slices)
+            finally:
+                wanted = self._end_read(meta)
+            if not wanted:
+                raise RemoteKVUnavailable("the deadline passed during the read",
+                                          code="deadline")
             valid = all(self._done(meta, r, readers[r], success=True) for r in p_ranks)
             claimed.clear()
             if not valid:
@@ -342,6 +369,32 @@ class PullWorker(P2PWorkerBase):
             if not isinstance(reply, ClaimOK):
                 raise RemoteKVUnavailable(f"unexpected claim reply {type(reply).__name__}")
             return
+
+    def _begin_read(self, meta: RecvMeta) -> bool:
+        """Mark a read into the request's blocks as in flight; False when the load already
+        ended (its blocks may belong to another request by now: never read into them)."""
+        with self._recv_lock:
+            pending = self._pending.get(meta.request_id)
+            if pending is None or pending.expired:
+                return False
+            pending.reading = True
+            return True
+
+    def _end_read(self, meta: RecvMeta) -> bool:
+        """The read returned; True when the load is still wanted. A load whose deadline
+        passed during the read ends now, as failed at its deadline."""
+        with self._recv_lock:
+            pending = self._pending.get(meta.request_id)
+            if pending is None:
+                return False
+            pending.reading = False
+            if not pending.expired:
+                return True
+            self._end_locked(meta, ok=False)
+        self._report_end(meta, ok=False, cause="deadline",
+                         reason=f"no KV within the {self.cfg.load_timeout_s:.1f}s deadline "
+                                "(released once the read in flight at the deadline returned)")
+        return False
 
     def _deadline(self, meta: RecvMeta) -> float:
         with self._recv_lock:
@@ -463,13 +516,31 @@ class PullWorker(P2PWorkerBase):
 
     def _collect_recving(self) -> set[str]:
         now = time.monotonic()
+        ended: list[Pending] = []
+        reading: list[Pending] = []
         with self._recv_lock:
-            overdue = [p for p in self._pending.values() if p.deadline <= now]
-        for p in overdue:
-            # A pull still running past its deadline is abandoned: its result is ignored.
-            self.recorder.inc("p2p_load_deadlines")
-            self._fail(p.meta, f"no KV within the {self.cfg.load_timeout_s:.1f}s deadline",
-                       cause="deadline")
+            for p in list(self._pending.values()):
+                if p.deadline > now or p.expired:
+                    continue
+                if p.reading:
+                    # The transfer engine cannot cancel a read, and a stalled one can still
+                    # complete (a network that comes back): the blocks stay with the request
+                    # until the read returns, then it fails (_end_read). Mooncake bounds the
+                    # stall by MC_TCP_PROGRESS_TIMEOUT_SEC.
+                    p.expired = True
+                    reading.append(p)
+                elif self._end_locked(p.meta, ok=False):
+                    # a pull that has not started reading never will (_begin_read)
+                    ended.append(p)
+        if ended or reading:
+            self.recorder.inc("p2p_load_deadlines", len(ended) + len(reading))
+        for p in ended:
+            self._report_end(p.meta, ok=False, cause="deadline",
+                             reason=f"no KV within the {self.cfg.load_timeout_s:.1f}s deadline")
+        for p in reading:
+            logger.warning("request %s: no KV within the %.1fs deadline; a read is still in "
+                           "flight, the request fails once it returned", p.meta.request_id,
+                           self.cfg.load_timeout_s)
         with self._recv_lock:
             out, self._done_recving = self._done_recving, set()
             self.recorder.set("p2p_pending_loads", len(self._pending))
