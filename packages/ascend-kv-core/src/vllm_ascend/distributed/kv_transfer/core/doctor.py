@@ -99,7 +99,7 @@ class Doctor:
             self._check_peer(peer)
         return self.checks
 
-    def _connectors(self, cfg: dict[str, Any]) -> Iterator[tuple[str, Any, str]]:
+    def _connectors(self, cfg: dict[str, Any]) -> Iterator[tuple[Any, Any, str]]:
         name = cfg.get("kv_connector")
         extra = cfg.get("kv_connector_extra_config") or {}
         if name == "MultiConnector" and isinstance(extra, dict):

@@ -244,8 +244,8 @@ class LayerwiseWorker(P2PWorkerBase):
                                     self._handle, name=f"layerwise-side-channel-{self.port}"
                                     ).start()
             logger.info("D side channel on %s (engine %s, %d layers, %d blocks)",
-                        self.server.endpoint, self.engine_id, self.layout.num_layers,
-                        self.layout.num_blocks)
+                        self.server.endpoint, self.engine_id, layout.num_layers,
+                        layout.num_blocks)
         if self.is_producer:
             self._sender = threading.Thread(target=self._send_loop, name="layerwise-sender",
                                             daemon=True)
