@@ -44,8 +44,7 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash  # noqa: E402
 
 from vllm_ascend.distributed.kv_transfer.core.config.pool import AscendStoreConfig  # noqa: E402
 from vllm_ascend.distributed.kv_transfer.core.vllm_metrics import (  # noqa: E402
-    KVPromMetrics,
-    KVStats,
+    ConnectorStatsMixin,
 )
 
 from .config_data import AscendConnectorMetadata  # noqa: E402
@@ -63,6 +62,8 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+    from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
 
 logger = logging.getLogger(__name__)
 
@@ -162,8 +163,10 @@ def to_vllm_events(events: Sequence[PoolEvent]) -> list[KVCacheEvent]:
     return out
 
 
-class AscendStoreConnector(KVConnectorBase_V1):
+class AscendStoreConnector(ConnectorStatsMixin, KVConnectorBase_V1):
     """KV pool connector (vLLM-Ascend's ``AscendStoreConnector``)."""
+
+    metric_specs = POOL_METRICS
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: Any = None) -> None:
@@ -294,20 +297,9 @@ class AscendStoreConnector(KVConnectorBase_V1):
         return container
 
     # ============================================================== both sides
-    def get_kv_connector_stats(self) -> KVStats | None:
+    def stats_recorder(self) -> MetricsRecorder | None:
         side = self.connector_worker or self.connector_scheduler
-        return KVStats.from_recorder(side.recorder) if side is not None else None
-
-    @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVStats:
-        return KVStats(data=data) if data is not None else KVStats()
-
-    @classmethod
-    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[type, type],
-                           labelnames: list[str],
-                           per_engine_labelvalues: dict[int, list[object]]) -> KVPromMetrics:
-        return KVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues,
-                             specs=POOL_METRICS)
+        return side.recorder if side is not None else None
 
     def shutdown(self) -> None:
         if self.connector_worker is not None:
