@@ -191,7 +191,9 @@ def typecheck(session: nox.Session) -> None:
 @nox.session(name="namespace-check", python=PYTHON)
 def namespace_check(session: nox.Session) -> None:
     """No namespace-level __init__.py in sources or wheels; a foreign namespace module imports."""
-    session.install("build>=1", "hatchling>=1.24")
+    uv_env(session)
+    session.install("build>=1", "hatchling>=1.24", TORCH_CPU, "numpy", "msgspec", "pyzmq",
+                    *find_links())
     session.run("python", str(ROOT / "tools" / "namespace_check.py"))
 
 

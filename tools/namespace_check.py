@@ -63,8 +63,8 @@ def check_foreign_module(tmp: Path) -> list[str]:
             "    if m.endswith('.utils') or m.endswith('.parallel_state'):\n"
             "        continue  # need torch.distributed set-up of their own; checked by tests\n"
             "    importlib.import_module(m)\n"
-            "print('foreign module and', len({mods!r}), 'package modules import together')\n")
-    env = {"PYTHONPATH": ":".join(paths), "PATH": "/usr/bin:/bin"}
+            f"print('foreign module and', {len(mods)}, 'package modules import together')\n")
+    env = {"PYTHONPATH": ":".join(paths), "PATH": "/usr/bin:/bin", "HOME": "/tmp"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         return [f"foreign module check failed:\n{proc.stderr.strip()}"]
