@@ -464,11 +464,16 @@ def section_serve(d: dict[str, Any], img: str | None) -> str:
            f"{thr.get('prompt_tokens')} tokens, {thr.get('max_tokens')} tokens generated each "
            "(output tokens/s, best of the samples), against the engine without a "
            "connector.\n\n"
-           "`vs recompute`: the hit (pool, offload: after `reset_prefix_cache()`, which "
-           "drops vLLM's own cache only) or D's TTFT, over the same prompt recomputed by the "
-           "engine without a connector. `kv GB/s`: the prompt's KV bytes over D's TTFT minus "
-           "a device-cache hit of the same prompt (an estimate of the transfer's share). "
-           "`tokens ok`: every first token equals the engine without a connector.\n\n"]
+           "The engine without a connector stays up for the whole run and is measured again "
+           "right after every scenario (recompute TTFT, device-cache hit, throughput): each "
+           "ratio divides by the measurement next to it, so a shared machine's drift between "
+           "scenarios cancels. `vs recompute`: the hit (pool, offload: after "
+           "`reset_prefix_cache()`, which drops vLLM's own cache only) or D's TTFT, over the "
+           "same prompt recomputed. `cold / no connector`: the connector engine's first sight "
+           "of the prompt (prefill and save) over that recompute. `kv GB/s`: the prompt's KV "
+           "bytes over D's TTFT minus a device-cache hit of the same prompt (an estimate of "
+           "the transfer's share). `tokens ok`: every first token equals the engine without a "
+           "connector.\n\n"]
     rows = d.get("rows", [])
     out.append(md_table(rows, ["scenario", "connector", "status", "ttft_s", "vs_recompute",
                                "cold_vs_base", "tput_vs_base", "kv_GBps", "tokens_ok", "note"],

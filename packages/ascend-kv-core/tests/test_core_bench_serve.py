@@ -220,3 +220,27 @@ def test_serve_example_connector_against_the_baseline(tmp_path: Path,
     assert doc["summary"]["baseline"]["throughput_over_baseline"] == 1.0
     assert "pool/vllm-example" in capsys.readouterr().out
     assert (out / "serve-logs" / "baseline.log").exists()
+
+
+def test_ratios_use_the_reference_measured_next_to_the_scenario(tmp_path: Path) -> None:
+    lengths = [64, 65]
+    results = {
+        "baseline": _cache(lengths, 1.0, 1.0, [0, 0], [7, 8]),
+        # the machine got twice as slow later: the reference measured next to it says so
+        "offload/ours": {**_cache(lengths, 2.2, 0.1, [63, 64], [7, 8]),
+                         "reference": {"recompute_s": {"64": 2.0, "65": 2.0},
+                                       "device_hit_s": {"64": 0.05, "65": 0.05},
+                                       "output_tok_per_s": 50.0}},
+        "pd/ours": {**_pd(lengths, 0.3, [7, 8]),
+                    "reference": {"recompute_s": {"64": 3.0, "65": 3.0},
+                                  "device_hit_s": {"64": 0.1, "65": 0.1},
+                                  "output_tok_per_s": 10.0}},
+    }
+    s = bs.summarize(results, _cfg(tmp_path))
+    assert s["offload/ours"]["hit_over_recompute"] == pytest.approx(0.05)
+    assert s["offload/ours"]["cold_over_baseline"] == pytest.approx(1.1)
+    assert s["offload/ours"]["throughput_over_baseline"] == pytest.approx(2.0)
+    assert s["offload/ours"]["reference_recompute_s"] == pytest.approx(2.0)
+    assert s["pd/ours"]["d_ttft_over_recompute"] == pytest.approx(0.1)
+    assert s["pd/ours"]["kv_GBps"] == pytest.approx(
+        64.5 * _cfg(tmp_path).kv_bytes_per_token / 0.2 / 1e9)

@@ -43,6 +43,7 @@ import logging
 import os
 import random
 import selectors
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -487,7 +488,9 @@ class Run:
         # fresh prompts for each throughput sample (no sample hits another's prefix)
         self.batches = [make_prompts([cfg.throughput_prompt] * cfg.throughput_batch,
                                      cfg.seed + 10 + r, vocab) for r in range(cfg.repeats)]
-        self.baseline: dict[str, Any] | None = None
+        #: the engine without a connector, kept for the whole run: its recompute and
+        #: throughput are measured again next to every scenario (a shared machine drifts)
+        self.base_engine: EngineChild | None = None
         self.store: LoopbackMooncakeStore | None = None
         self.tmp = Path(tempfile.mkdtemp(prefix="bench-serve-"))
 
@@ -508,10 +511,14 @@ class Run:
         return self.store
 
     def close(self) -> None:
-        """Stop what the run started."""
+        """Stop what the run started and remove its scratch files (saved KV, Store logs)."""
+        if self.base_engine is not None:
+            self.base_engine.close()
+            self.base_engine = None
         if self.store is not None:
             self.store.stop()
             self.store = None
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def _first(out: dict[str, Any]) -> dict[str, Any]:
@@ -559,6 +566,24 @@ def cache_flow(run: Run, eng: EngineChild, name: str) -> dict[str, Any]:
     return {"prompts": rows, "throughput": best or {}}
 
 
+def reference(run: Run) -> dict[str, Any] | None:
+    """Recompute TTFT, device-cache hit and throughput of the engine without a connector,
+    measured now (next to the scenario that uses them); ``None`` without that engine."""
+    eng = run.base_engine
+    if eng is None:
+        return None
+    recompute, device = {}, {}
+    for prompt in run.prompts:
+        eng.call("reset_prefix_cache")
+        recompute[len(prompt)] = eng.generate([prompt])["seconds"]
+        device[len(prompt)] = eng.generate([prompt])["seconds"]
+    eng.call("reset_prefix_cache")
+    thr = eng.generate(run.batches[0], max_tokens=run.cfg.throughput_tokens)
+    out_tokens = sum(len(o["tokens"]) for o in thr["outputs"])
+    return {"recompute_s": recompute, "device_hit_s": device,
+            "output_tok_per_s": out_tokens / thr["seconds"]}
+
+
 def run_single(run: Run, name: str, kv: dict[str, Any] | None,
                env: dict[str, str] | None = None) -> dict[str, Any]:
     """One engine (baseline, pool or offload connector) through :func:`cache_flow`."""
@@ -570,29 +595,40 @@ def run_single(run: Run, name: str, kv: dict[str, Any] | None,
 
 
 def pd_flow(run: Run, p: EngineChild, d: EngineChild, name: str,
-            params: Callable[[int], tuple[dict[str, Any], Callable[[dict[str, Any] | None],
+            params: Callable[[str], tuple[dict[str, Any], Callable[[dict[str, Any] | None],
                                                                  dict[str, Any]]]]
             ) -> dict[str, Any]:
     """P prefills each prompt (max_tokens=1) and holds it; D's TTFT with P's KV is timed.
 
-    ``params(i)`` gives P's ``kv_transfer_params`` and a function turning P's
-    output params into D's.
+    Each prompt is sent ``repeats`` times (P's own prefix cache makes the repeats
+    cheap on P; D's cache is reset after every request, so D always transfers);
+    the median D TTFT is kept. ``params(key)`` gives P's ``kv_transfer_params``
+    and a function turning P's output params into D's.
     """
     rows = []
     for i, prompt in enumerate([run.warmup, *run.prompts]):
-        p_in, to_d = params(i)
-        pout = p.generate([prompt], kv_params=[p_in])
-        d_in = to_d(_first(pout)["kv_transfer_params"])
-        dout = d.generate([prompt], kv_params=[d_in])
-        o = _first(dout)
-        d.call("reset_prefix_cache")
+        samples = []
+        for r in range(1 if i == 0 else run.cfg.repeats):
+            p_in, to_d = params(f"{i}-{r}")
+            pout = p.generate([prompt], kv_params=[p_in])
+            d_in = to_d(_first(pout)["kv_transfer_params"])
+            dout = d.generate([prompt], kv_params=[d_in])
+            d.call("reset_prefix_cache")
+            samples.append((pout, dout))
         if i == 0:
             continue  # warm-up: connections, bootstrap queries
-        rows.append({"tokens": len(prompt), "prefill_s": pout["seconds"],
-                     "d_ttft_s": dout["seconds"], "d_cached": o["cached"],
-                     "d_token": (o["tokens"] or [None])[0], "finish": o["finish_reason"]})
-        run.steps.note(f"{name}: {len(prompt)} tokens: P {pout['seconds']:.3f}s, "
-                       f"D TTFT {dout['seconds']:.3f}s ({o['finish_reason']})")
+        outs = [_first(dout) for _p, dout in samples]
+        bad = [o for o in outs if o["finish_reason"] not in ("length", "stop")]
+        d_ttft = median(dout["seconds"] for _p, dout in samples)
+        rows.append({"tokens": len(prompt), "prefill_s": samples[0][0]["seconds"],
+                     "d_ttft_s": d_ttft, "d_samples": [x[1]["seconds"] for x in samples],
+                     "d_cached": outs[-1]["cached"],
+                     "d_token": (outs[-1]["tokens"] or [None])[0],
+                     "d_tokens_all": [(o["tokens"] or [None])[0] for o in outs],
+                     "finish": bad[0]["finish_reason"] if bad else outs[-1]["finish_reason"]})
+        run.steps.note(f"{name}: {len(prompt)} tokens: P {samples[0][0]['seconds']:.3f}s, "
+                       f"D TTFT {d_ttft:.3f}s (median of {len(samples)}; "
+                       f"{rows[-1]['finish']})")
     return {"prompts": rows}
 
 
@@ -624,8 +660,16 @@ def _free_port() -> int:
 
 # ---------------------------------------------------------------------- each scenario
 def sc_baseline(run: Run) -> dict[str, Any]:
-    """No connector."""
-    return run_single(run, "baseline", None)
+    """No connector. The engine stays up: :func:`reference` measures it again next to
+    every other scenario."""
+    eng = run.engine("baseline", None)
+    try:
+        result = cache_flow(run, eng, "baseline")
+    except BaseException:
+        eng.close()
+        raise
+    run.base_engine = eng
+    return result
 
 
 def sc_pd_ours(run: Run) -> dict[str, Any]:
@@ -636,7 +680,7 @@ def sc_pd_ours(run: Run) -> dict[str, Any]:
                 "kv_load_failure_policy": "fail",
                 "kv_connector_extra_config": {"load_timeout_s": 60}}
 
-    def params(_i: int) -> tuple[dict[str, Any], Callable[..., dict[str, Any]]]:
+    def params(_key: str) -> tuple[dict[str, Any], Callable[..., dict[str, Any]]]:
         return {"do_remote_decode": True, "do_remote_prefill": False}, _require_params
 
     return run_pd(run, "pd/ours", kv("kv_producer", "bench-ours-p"),
@@ -661,8 +705,8 @@ def sc_pd_vllm_mooncake(run: Run) -> dict[str, Any]:
             "engine_id": "bench-vllm-mc-d",
             "kv_connector_extra_config": {"mooncake_protocol": "tcp"}}
 
-    def params(i: int) -> tuple[dict[str, Any], Callable[..., dict[str, Any]]]:
-        tid = f"bench-{os.getpid()}-{i}"
+    def params(key: str) -> tuple[dict[str, Any], Callable[..., dict[str, Any]]]:
+        tid = f"bench-{os.getpid()}-{key}"
         d = {"do_remote_decode": False, "do_remote_prefill": True,
              "remote_engine_id": engine_id, "remote_bootstrap_addr": f"http://127.0.0.1:{port}",
              "remote_dp_rank": 0, "transfer_id": tid}
@@ -679,7 +723,7 @@ def sc_pd_nixl(run: Run) -> dict[str, Any]:
     p_env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(_free_port())}
     d_env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(_free_port())}
 
-    def params(_i: int) -> tuple[dict[str, Any], Callable[..., dict[str, Any]]]:
+    def params(_key: str) -> tuple[dict[str, Any], Callable[..., dict[str, Any]]]:
         return ({"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                  "remote_block_ids": None, "remote_host": None, "remote_port": None},
                 _require_params)
@@ -788,18 +832,31 @@ QUICK_SCENARIOS = ("baseline", "pd/ours", "pool/ours-local", "offload/ours")
 
 
 # ====================================================================== summaries
+def _reference_of(res: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """Recompute / device-hit TTFT per prompt length and throughput of the engine without a
+    connector: measured next to the scenario when it was, else the baseline's own run."""
+    ref = res.get("reference")
+    if isinstance(ref, dict):
+        return {"recompute": {int(k): v for k, v in ref["recompute_s"].items()},
+                "floor": {int(k): v for k, v in ref["device_hit_s"].items()},
+                "thr": ref.get("output_tok_per_s")}
+    rows = base.get("prompts", [])
+    return {"recompute": {r["tokens"]: r["again_s"] for r in rows},
+            "floor": {r["tokens"]: r["device_hit_s"] for r in rows},
+            "thr": base.get("throughput", {}).get("output_tok_per_s")}
+
+
 def summarize(results: dict[str, dict[str, Any]], cfg: ServeConfig) -> dict[str, Any]:
-    """Per-scenario medians and ratios against the baseline, and ours / peer comparisons."""
+    """Per-scenario medians, and ratios against the engine without a connector measured
+    next to each scenario."""
     base = results.get("baseline", {})
-    bprompts = {r["tokens"]: r for r in base.get("prompts", [])}
-    base_tok = {n: r["cold_token"] for n, r in bprompts.items()}
-    recompute = {n: r["again_s"] for n, r in bprompts.items()}
-    floor = {n: r["device_hit_s"] for n, r in bprompts.items()}
-    base_thr = base.get("throughput", {}).get("output_tok_per_s")
+    base_tok = {r["tokens"]: r["cold_token"] for r in base.get("prompts", [])}
     summary: dict[str, dict[str, Any]] = {}
     for name, res in results.items():
         if res.get("status") != "ok":
             continue
+        ref = _reference_of(res, base)
+        recompute, floor = ref["recompute"], ref["floor"]
         rows = res.get("prompts", [])
         s: dict[str, Any] = {}
         if "d_ttft_s" in (rows[0] if rows else {}):
@@ -813,13 +870,15 @@ def summarize(results: dict[str, dict[str, Any]], cfg: ServeConfig) -> dict[str,
                 if xfer > 0:
                     kvs.append(r["tokens"] * cfg.kv_bytes_per_token / xfer / 1e9)
             s["kv_GBps"] = median(kvs)
-            s["tokens_equal"] = all(r["d_token"] == base_tok.get(r["tokens"]) for r in rows)
+            s["tokens_equal"] = all(
+                t == base_tok.get(r["tokens"])
+                for r in rows for t in r.get("d_tokens_all", [r["d_token"]]))
             s["failed"] = [r["tokens"] for r in rows if r["finish"] not in ("length", "stop")]
         else:
             s["cold_s"] = median(r["cold_s"] for r in rows)
             s["hit_s"] = median(r["again_s"] for r in rows)
-            s["cold_over_baseline"] = median(
-                ratio(r["cold_s"], bprompts.get(r["tokens"], {}).get("cold_s")) for r in rows)
+            s["cold_over_baseline"] = median(ratio(r["cold_s"], recompute.get(r["tokens"]))
+                                             for r in rows)
             s["hit_over_recompute"] = median(ratio(r["again_s"], recompute.get(r["tokens"]))
                                              for r in rows)
             s["hit_over_device_hit"] = median(ratio(r["again_s"], floor.get(r["tokens"]))
@@ -833,7 +892,8 @@ def summarize(results: dict[str, dict[str, Any]], cfg: ServeConfig) -> dict[str,
                 for r in rows)
             thr = res.get("throughput", {}).get("output_tok_per_s")
             s["output_tok_per_s"] = thr
-            s["throughput_over_baseline"] = ratio(thr, base_thr)
+            s["throughput_over_baseline"] = ratio(thr, ref["thr"])
+        s["reference_recompute_s"] = median(recompute.values())
         summary[name] = s
     return summary
 
@@ -981,6 +1041,9 @@ def run(args: argparse.Namespace) -> int:
                         entry.update(status="unsupported", reason=data["unsupported"])
                     else:
                         entry.update(status="ok", **data)
+                        if sc.name != "baseline":
+                            steps.note(f"{sc.name}: the engine without a connector again")
+                            entry["reference"] = reference(state)
                 except Exception as exc:  # one scenario's failure is reported, not fatal
                     logger.warning("%s failed: %s", sc.name, exc)
                     entry.update(status="failed", reason=short_error(str(exc)) or repr(exc),
