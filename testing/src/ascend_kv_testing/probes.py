@@ -40,3 +40,105 @@ def step_for(llm: Any, seconds: float) -> dict[str, int]:
         engine.step()
         time.sleep(0.01)
     return scheduler_state(llm)
+
+
+# ---------------------------------------------------------------------- fault and soak tests
+def _worker_connectors(llm: Any) -> list[Any]:
+    """The worker-side connectors of the engine (a MultiConnector's children flattened)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if not has_kv_transfer_group():
+        return []
+    todo, out = [get_kv_transfer_group()], []
+    while todo:
+        conn = todo.pop(0)
+        kids = getattr(conn, "_connectors", None)
+        if kids is not None:
+            todo += list(kids)
+        else:
+            out.append(conn)
+    return out
+
+
+def _worker_of(conn: Any) -> Any:
+    """The worker-side object of a connector (its attribute name differs per connector)."""
+    for attr in ("connector_worker", "_worker"):
+        worker = getattr(conn, attr, None)
+        if worker is not None:
+            return worker
+    return None
+
+
+def kv_endpoints(llm: Any) -> dict[str, str]:
+    """Every endpoint this engine's connectors listen on, by role, and the transfer engine's
+    session (``host:rpc_port``)."""
+    from vllm_ascend.distributed.kv_transfer.core.transfer_engine import peek_transfer_engine
+
+    out: dict[str, str] = {}
+    for conn in _worker_connectors(llm):
+        worker = _worker_of(conn)
+        name = type(conn).__name__
+        server = getattr(worker, "server", None)
+        if name == "MooncakeConnector" and server is not None:
+            out["p2p_side_channel"] = server.endpoint
+        elif name == "MooncakeLayerwiseConnector" and server is not None:
+            out["layerwise_side_channel"] = server.endpoint
+        elif name == "AscendStoreConnector":
+            lookup = getattr(worker, "lookup_server", None)
+            if lookup is not None:
+                out["pool_lookup"] = lookup.endpoint
+        elif name == "CPUOffloadingConnector":
+            offload = getattr(worker, "server", None)
+            if offload is not None:
+                out["offload_metadata"] = offload.endpoint
+    te = peek_transfer_engine()
+    if te is not None:
+        out["transfer_engine"] = te.session_id
+    return out
+
+
+def leak_state(llm: Any) -> dict[str, int]:
+    """What must go back to zero once an engine is idle: scheduler requests and used
+    blocks, blocks P holds for D, loads D waits for, pushes in flight, pending pool saves;
+    and the transfer engine's registered bytes (constant while the engine lives)."""
+    from vllm_ascend.distributed.kv_transfer.core.transfer_engine import peek_transfer_engine
+
+    state = dict(scheduler_state(llm))
+    # vLLM keeps one null block out of the free list
+    state["used_blocks"] = state["total_blocks"] - 1 - state["free_blocks"]
+    held = pending = pushes = saves = 0
+    for conn in _worker_connectors(llm):
+        worker = _worker_of(conn)
+        if worker is None:
+            continue
+        held_table = getattr(worker, "held", None)
+        if held_table is not None:
+            held += len(held_table)
+        pending += len(getattr(worker, "_pending", {}) or {}) if isinstance(
+            getattr(worker, "_pending", None), dict) else 0
+        pending += len(getattr(worker, "_incoming", {}) or {})
+        pushes += len(getattr(worker, "_sessions", {}) or {})
+        pool_pending = getattr(worker, "_pending", None)
+        if pool_pending is not None and hasattr(pool_pending, "total"):
+            saves += int(pool_pending.total())
+    state.update(p2p_held=held, p2p_pending=pending, p2p_pushes=pushes, pool_pending_saves=saves)
+    te = peek_transfer_engine()
+    state["registered_bytes"] = te.registered_bytes if te is not None else 0
+    return state
+
+
+def pool_totals(llm: Any) -> dict[str, float]:
+    """Running totals of the pool connector's scheduler-side and worker-side counters
+    (``AscendStoreConnector``, alone or inside a MultiConnector)."""
+    totals: dict[str, float] = {}
+    sched = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    for conn in [*getattr(sched, "_connectors", [sched]), *_worker_connectors(llm)]:
+        if type(conn).__name__ != "AscendStoreConnector":
+            continue
+        for side in (getattr(conn, "connector_scheduler", None), _worker_of(conn)):
+            recorder = getattr(side, "recorder", None)
+            if recorder is None:
+                continue
+            for key, value in recorder.totals().items():
+                totals[key] = totals.get(key, 0.0) + value
+    return totals

