@@ -370,5 +370,38 @@ def bench_smoke(session: nox.Session) -> None:
 
 nox.options.sessions.append("bench-smoke")
 
+# ---------------------------------------------------------------------- reliability
+@nox.session(python=PYTHON)
+def faults(session: nox.Session) -> None:
+    """Fault tests (tests-faults/): peers killed mid-exchange, the network cut (veth pair
+    between two namespaces; skipped where namespaces are forbidden), pool client and master
+    faults, every socket fuzzed, malformed params; a few minutes. Writes the reliability
+    table to $VLLM_ASCEND_KV_FAULTS_REPORT when set."""
+    install_everything(session)
+    run_pytest(session, "-rxs", str(ROOT / "tests-faults"), timeout=600)
+
+
+@nox.session(python=PYTHON)
+def soak(session: nox.Session) -> None:
+    """Soak (tests-soak/): thousands of requests through P/D, layerwise and the pool with
+    client aborts and virtual requests, then no leaks and flat memory; then the socket
+    fuzzers with thousands of examples; tens of minutes. $VLLM_ASCEND_KV_SOAK_REQUESTS sets
+    the requests per part (default 1200), $VLLM_ASCEND_KV_FUZZ_EXAMPLES the fuzz examples
+    per endpoint (default 3000)."""
+    install_everything(session)
+    session.env["VLLM_ASCEND_KV_SOAK_REPORT"] = os.environ.get(
+        "VLLM_ASCEND_KV_SOAK_REPORT", str(Path(session.create_tmp()) / "soak.json"))
+    run_pytest(session, str(ROOT / "tests-soak"), timeout=7200)
+    session.log(f"soak summary: {session.env['VLLM_ASCEND_KV_SOAK_REPORT']}")
+    # the socket fuzzers of tests-faults, long
+    session.env["VLLM_ASCEND_KV_FUZZ_EXAMPLES"] = os.environ.get(
+        "VLLM_ASCEND_KV_FUZZ_EXAMPLES", "3000")
+    run_pytest(session, str(ROOT / "tests-faults" / "test_faults_sockets.py"),
+               str(ROOT / "tests-faults" / "test_faults_proxy.py"), "-k", "fuzz",
+               timeout=7200)
+
+
+nox.options.sessions.append("faults")
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit("run me with nox")

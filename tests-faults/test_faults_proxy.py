@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -52,8 +53,9 @@ from ascend_kv_testing.serving import (
 
 BS = 32
 LEASE_S = 3.0
-#: Proxy fuzz examples (each one a request through real P and D).
-EXAMPLES = 40
+#: Proxy fuzz examples (each one a request through real P and D); the soak session runs
+#: many more.
+EXAMPLES = max(40, int(os.environ.get("VLLM_ASCEND_KV_FUZZ_EXAMPLES", "40")) // 4)
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ engine and a real P/D transfer from this engine must work as before.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -49,8 +50,9 @@ from ascend_kv_testing.procs import free_port
 from vllm_ascend.distributed.kv_transfer.core.wire import ErrorReply, Ping, Pong
 
 HOST = "127.0.0.2"
-#: Examples per endpoint (each one a round trip to the live engine).
-EXAMPLES = 150
+#: Examples per endpoint (each one a round trip to the live engine); the soak session
+#: runs many more.
+EXAMPLES = int(os.environ.get("VLLM_ASCEND_KV_FUZZ_EXAMPLES", "150"))
 #: Resident-memory growth allowed over all fuzzing of one endpoint.
 RSS_SLACK = 64 << 20
 
