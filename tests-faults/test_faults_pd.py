@@ -132,6 +132,7 @@ def test_d_killed_while_p_holds_its_blocks(engines: dict[str, EngineProcess],
     assert dc.call(f"{HOOKS}:die_on_read")
     with pytest.raises((RuntimeError, EOFError, OSError)):  # the engine process is gone
         dc.generate([x], max_tokens=4, kv_params=params, timeout=60)
+    dc.proc.join(10)
     assert not dc.proc.is_alive()
     start = time.monotonic()
     freed = wait_for(lambda: pb.call(f"{PROBES}:step_for", seconds=0.2)["requests"] == 0,
