@@ -332,6 +332,7 @@ def plot_serve(res: dict[str, dict[str, Any]], path: Path) -> Path | None:
     ax.axvline(1.0, color="grey", linestyle="--")
     ax.set_xscale("log")
     ax.set_xlabel("TTFT / recompute TTFT (blue: ours, orange: vLLM's)")
+    ax.set_title("Time to first token of a hit (P/D: on D) against recompute")
     ax.invert_yaxis()
     ax.grid(True, axis="x", alpha=0.3)
     return _save(fig, path)
@@ -471,9 +472,8 @@ def section_serve(d: dict[str, Any], img: str | None) -> str:
            "`reset_prefix_cache()`, which drops vLLM's own cache only) or D's TTFT, over the "
            "same prompt recomputed. `cold / no connector`: the connector engine's first sight "
            "of the prompt (prefill and save) over that recompute. `kv GB/s`: the prompt's KV "
-           "bytes over D's TTFT minus a device-cache hit of the same prompt (an estimate of "
-           "the transfer's share). `tokens ok`: every first token equals the engine without a "
-           "connector.\n\n"]
+           "bytes over D's TTFT (which includes D's compute of the last token). `tokens ok`: "
+           "every first token equals the engine without a connector.\n\n"]
     rows = d.get("rows", [])
     out.append(md_table(rows, ["scenario", "connector", "status", "ttft_s", "vs_recompute",
                                "cold_vs_base", "tput_vs_base", "kv_GBps", "tokens_ok", "note"],
@@ -484,7 +484,11 @@ def section_serve(d: dict[str, Any], img: str | None) -> str:
         out.append(f"\n![TTFT against recompute]({img})\n")
     comps = [c for c in d.get("comparisons", []) if c.get("ratio") is not None]
     if comps:
-        out.append("\nOurs against vLLM's connectors, and against recompute (same run):\n\n")
+        out.append("\nOurs against vLLM's connectors, and against recompute (same run). An "
+                   "ours / peer ratio divides the two scenarios' normalized figures (TTFT over "
+                   "the recompute measured next to each, throughput over the throughput "
+                   "measured next to each); the KV throughput ratio is therefore the inverse "
+                   "of the decode TTFT ratio:\n\n")
         out.append(md_table([{**c, "met": verdict(c["met"]) if c.get("goal") else ""}
                              for c in comps], ["what", "ratio", "goal", "met"]))
     notrun = [(n, s) for n, s in d.get("scenarios", {}).items() if s.get("status") != "ok"]
