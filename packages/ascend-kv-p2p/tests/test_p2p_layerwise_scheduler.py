@@ -206,6 +206,24 @@ def test_virtual_request_is_not_posted_and_runs_after_its_fake_load(
     assert o.status == RequestStatus.WAITING_FOR_REMOTE_KVS
 
 
+def test_virtual_blocks_stay_out_of_the_prefix_cache(model_dir: Path,
+                                                    metaserver: Metaserver) -> None:
+    """A virtual request's blocks hold no real KV: an ordinary request with the same prompt
+    must not be served from them."""
+    s = make_scheduler(model_dir, "kv_consumer")
+    v = request("v", 96, d_params(metaserver.url, do_virtual=True))
+    s.add_request(v)
+    step(s)
+    step(s, kv=KVConnectorOutput(finished_recving={"v"}))
+    step(s)  # v runs: its blocks are cached now, under re-keyed hashes
+    assert v.num_computed_tokens >= 96
+    same = request("same", 96, None)
+    assert s.kv_cache_manager.get_computed_blocks(same)[1] == 0  # no prefix hit at all
+    s.add_request(same)
+    out, _ = step(s)
+    assert out.num_scheduled_tokens.get("same") == 96  # computed, not served from v's blocks
+
+
 @pytest.mark.parametrize("role", ["kv_consumer", "kv_producer"])
 @pytest.mark.parametrize("params", [None, {}, {"do_virtual": True}, {"unrelated": 1}])
 def test_params_without_a_pd_role_are_ordinary_requests(model_dir: Path, role: str,

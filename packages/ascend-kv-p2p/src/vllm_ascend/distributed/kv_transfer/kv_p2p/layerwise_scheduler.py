@@ -23,6 +23,7 @@ make an ordinary request on every path.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import ssl
@@ -228,6 +229,23 @@ class _Push:
     notified: bool = False
 
 
+def isolate_from_prefix_cache(request: Request, *, first_block: int) -> None:
+    """Give a virtual request's blocks hashes no other request can match.
+
+    A virtual request moves no KV, so its blocks hold stale data; vLLM would
+    cache them under the prompt's block hashes and serve the next request with
+    that prompt from them. Re-keying the hashes from ``first_block`` on (blocks
+    before it are real prefix-cache hits) with a per-request salt keeps them out
+    of everyone else's reach; later hashes chain from the salted ones.
+    """
+    hashes = getattr(request, "block_hashes", None)
+    if not isinstance(hashes, list):
+        return
+    salt = hashlib.sha256(f"vllm-ascend-virtual/{request.request_id}".encode()).digest()
+    for i in range(first_block, len(hashes)):
+        hashes[i] = type(hashes[i])(hashlib.sha256(salt + bytes(hashes[i])).digest())
+
+
 class LayerwiseScheduler:
     """Scheduler-side logic of the layerwise connector."""
 
@@ -289,6 +307,7 @@ class LayerwiseScheduler:
         try:
             meta.do_virtual = wants_virtual(params)
             if meta.do_virtual:
+                isolate_from_prefix_cache(request, first_block=cached // self.block_size)
                 self._recv[rid] = meta
                 return
             url = metaserver_url(params)
