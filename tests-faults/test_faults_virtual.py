@@ -7,11 +7,9 @@ like any loaded prefix, and the next request with the same prompt (or prefix) is
 from them: wrong tokens, silently. Found by the soak (``tests-soak``): an ordinary request
 after a virtual one with the same prompt answered other tokens than a single instance.
 
-The fix belongs in the layerwise connector (D's scheduler side): evict a virtual request's
-blocks from the prefix cache (``KVCacheManager.evict_blocks``, reachable through
-``bind_kv_cache_manager``) when it finishes, or never report them as computed. Until
-then this test is a strict xfail: it fails loudly once the bug is fixed, so the marker
-goes.
+Fixed in the layerwise connector (D's scheduler side): a virtual request's block hashes
+are re-keyed with a per-request salt before vLLM caches its blocks
+(``layerwise_scheduler.isolate_from_prefix_cache``).
 """
 
 from __future__ import annotations
@@ -41,8 +39,6 @@ def d(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
         yield engine
 
 
-@pytest.mark.xfail(strict=True, reason="layerwise connector bug: a virtual request's blocks "
-                   "stay in D's prefix cache (see the module docstring and docs/reliability.md)")
 def test_a_virtual_request_does_not_poison_the_prefix_cache(d: EngineProcess) -> None:
     prompt = prompts_of([205], seed=601)
     want = d.generate(prompt, max_tokens=8)[0].token_ids
