@@ -295,12 +295,9 @@ def test_soak_layerwise_with_virtual_requests(layerwise: Any,
             virtual_sent += virtual
             kv = {"do_remote_prefill": True, "metaserver": meta.url, "request_id": rid,
                   **({"do_virtual": True} if virtual else {})}
-            # a virtual request's blocks hold no KV but stay in D's prefix cache (a known
-            # layerwise bug, tests-faults/test_faults_virtual.py): give virtual requests
-            # prompts of their own so they do not change the answers checked here
-            prompt = (prompts_of([rng.randrange(5, 300)], seed=10**6 + rnd * BATCH + i)[0]
-                      if virtual else list(rng.choice(prompts)))
-            reqs.append({"id": rid, "prompt": prompt,
+            # virtual requests share the prompts of real ones: their blocks, which hold no
+            # KV, must never serve a later request (tests-faults/test_faults_virtual.py)
+            reqs.append({"id": rid, "prompt": list(rng.choice(prompts)),
                          "max_tokens": MAX_TOKENS, "kv": kv, "virtual": virtual,
                          "abort_after": _abort_at(rng, 0.05, 8)})
         tally.sent += BATCH
