@@ -85,14 +85,48 @@ def prefill_process(kv_port: int, q_in: Any, q_out: Any) -> None:
     worker.shutdown()
 
 
+def _raw_read(d: Any, session: str, p_addrs: list[int], p_strides: list[int],
+              d_blocks: list[int], p_blocks: list[int], nbytes: int) -> float:
+    """One raw Mooncake batch read of the ranges the connector reads; returns seconds."""
+    loc, rem, lens = [], [], []
+    for i, region in enumerate(d.layout.regions):
+        for lb, pb in zip(d_blocks, p_blocks, strict=True):
+            loc.append(region.base_addr + lb * region.block_stride)
+            rem.append(p_addrs[i] + pb * p_strides[i])
+            lens.append(region.block_len)
+    t0 = time.perf_counter()
+    moved = d.te.read(session, loc, rem, lens)
+    elapsed = time.perf_counter() - t0
+    assert moved == nbytes
+    return elapsed
+
+
+def _connector_load(d: Any, q_in: Any, q_out: Any, rid: str, p_port: int,
+                    d_blocks: list[int], p_blocks: list[int]) -> float:
+    """One connector load (claim, read, done) until get_finished reports it; returns seconds."""
+    from .params import RemotePrefill
+    from .pull_scheduler import MooncakeConnectorMetadata, RecvMeta
+
+    q_in.put((rid, p_blocks))
+    assert q_out.get(timeout=60) == rid
+    remote = RemotePrefill(engine_id="bench-kv_producer", host=d.host, port=p_port,
+                           request_id=rid, block_ids=p_blocks, tp_size=1, pcp_size=1,
+                           dcp_size=1)
+    t0 = time.perf_counter()
+    d.start_load_kv(MooncakeConnectorMetadata(requests={rid: RecvMeta(
+        rid, d_blocks, remote, remote_block_ids=p_blocks)}))
+    while True:
+        _s, done = d.get_finished()
+        if done and rid in done:
+            return time.perf_counter() - t0
+        time.sleep(0.001)
+
+
 def run(args: argparse.Namespace) -> int:
     import random
 
     from vllm_ascend.distributed.kv_transfer.core.benchutil import format_table, write_results
     from vllm_ascend.distributed.kv_transfer.core.net import free_port
-
-    from .params import RemotePrefill
-    from .pull_scheduler import MooncakeConnectorMetadata, RecvMeta
 
     sizes = [1, 16] if args.quick else [1, 16, 128]
     repeats = 2 if args.quick else args.repeats
@@ -114,33 +148,14 @@ def run(args: argparse.Namespace) -> int:
             for rep in range(repeats + 1):  # the first round warms connections up
                 p_blocks = rng.sample(range(NUM_BLOCKS), n)
                 d_blocks = rng.sample(range(NUM_BLOCKS), n)
-                # raw engine: the same ranges in one batch
-                loc, rem, lens = [], [], []
-                for i, region in enumerate(d.layout.regions):
-                    for lb, pb in zip(d_blocks, p_blocks, strict=True):
-                        loc.append(region.base_addr + lb * region.block_stride)
-                        rem.append(p_addrs[i] + pb * p_strides[i])
-                        lens.append(region.block_len)
-                t0 = time.perf_counter()
-                moved = d.te.read(session, loc, rem, lens)
-                t_raw = time.perf_counter() - t0
-                assert moved == nbytes
-                # connector: claim, read, done, reported through get_finished
                 rid = f"bench-{n}-{rep}"
-                q_in.put((rid, p_blocks))
-                assert q_out.get(timeout=60) == rid
-                remote = RemotePrefill(engine_id="bench-kv_producer", host=d.host, port=p_port,
-                                       request_id=rid, block_ids=p_blocks, tp_size=1,
-                                       pcp_size=1, dcp_size=1)
-                t0 = time.perf_counter()
-                d.start_load_kv(MooncakeConnectorMetadata(requests={rid: RecvMeta(
-                    rid, d_blocks, remote, remote_block_ids=p_blocks)}))
-                while True:
-                    _s, done = d.get_finished()
-                    if done and rid in done:
-                        break
-                    time.sleep(0.0002)
-                t_conn = time.perf_counter() - t0
+                # alternate the order so neither path always runs on a warmer machine
+                if rep % 2:
+                    t_conn = _connector_load(d, q_in, q_out, rid, p_port, d_blocks, p_blocks)
+                    t_raw = _raw_read(d, session, p_addrs, p_strides, d_blocks, p_blocks, nbytes)
+                else:
+                    t_raw = _raw_read(d, session, p_addrs, p_strides, d_blocks, p_blocks, nbytes)
+                    t_conn = _connector_load(d, q_in, q_out, rid, p_port, d_blocks, p_blocks)
                 if d.get_block_ids_with_load_errors():
                     raise RuntimeError(f"connector load of {n} blocks failed")
                 if rep:

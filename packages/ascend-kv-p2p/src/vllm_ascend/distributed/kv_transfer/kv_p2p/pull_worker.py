@@ -115,6 +115,8 @@ class PullWorker(P2PWorkerBase):
         # ---- D state
         self._pool = ThreadPoolExecutor(max_workers=cfg.num_recv_workers,
                                         thread_name_prefix="p2p-pull")
+        # Done messages sent after a load was reported (keeps them off the pull threads)
+        self._notify = ThreadPoolExecutor(max_workers=1, thread_name_prefix="p2p-done")
         self._pending: dict[str, Pending] = {}
         self._done_recving: set[str] = set()
         self._failed_blocks: set[int] = set()
@@ -138,6 +140,7 @@ class PullWorker(P2PWorkerBase):
             self.server.stop()
             self.server = None
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._notify.shutdown(wait=True)
         self._release_resources()
 
     # ================================================================ P side
@@ -295,6 +298,9 @@ class PullWorker(P2PWorkerBase):
             p_ranks = sorted({s.p_rank for s in plan})
             metas = {r: self.remote_meta(remote.host, self._port_of(remote, r),
                                          expect_tp=remote.tp_size) for r in p_ranks}
+            # Every claim renews P's lease to a full lease_ttl_s from when P answers,
+            # which is after this moment.
+            claimed_at = time.monotonic()
             for r in p_ranks:
                 self._claim(meta, r, readers[r])
                 claimed.append(r)
@@ -313,8 +319,16 @@ class PullWorker(P2PWorkerBase):
             if not wanted:
                 raise RemoteKVUnavailable("the deadline passed during the read",
                                           code="deadline")
-            valid = all(self._done(meta, r, readers[r], success=True) for r in p_ranks)
-            claimed.clear()
+            if time.monotonic() - claimed_at < self.cfg.lease_ttl_s / 2:
+                # The leases were held for the whole read: the data is the request's. P
+                # learns it can free the blocks off the critical path.
+                claimed.clear()
+                self._notify.submit(self._done_quietly, meta, p_ranks, readers)
+                valid = True
+            else:
+                # A slow read: only P can tell whether the lease outlived it.
+                valid = all(self._done(meta, r, readers[r], success=True) for r in p_ranks)
+                claimed.clear()
             if not valid:
                 raise RemoteKVUnavailable("P freed the blocks before the read finished (lease "
                                           "lapsed); the data read cannot be trusted",
@@ -343,6 +357,15 @@ class PullWorker(P2PWorkerBase):
                 except KVTransferError:
                     pass
             self._release_unread(meta)
+
+    def _done_quietly(self, meta: RecvMeta, p_ranks: list[int], readers: dict[int, int]) -> None:
+        """``Done`` to every P rank read from, after a load already reported loaded."""
+        for r in p_ranks:
+            try:
+                self._done(meta, r, readers[r], success=True)
+            except KVTransferError as exc:
+                logger.info("Done for request %s to P rank %d failed: %s (its lease will lapse)",
+                            meta.request_id, r, exc)
 
     def _port_of(self, remote: Any, p_rank: int) -> int:
         return worker_port(remote.port, tp_rank=p_rank, tp_size=remote.tp_size)
