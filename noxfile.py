@@ -175,7 +175,8 @@ def demo(session: nox.Session) -> None:
 def lint(session: nox.Session) -> None:
     """ruff over every package, the tests, the tools and this file."""
     session.install("ruff>=0.6")
-    session.run("ruff", "check", "packages", "tests-e2e", "testing", "tools", "noxfile.py")
+    session.run("ruff", "check", "packages", "tests-e2e", "tests-faults", "tests-soak", "testing",
+                "tools", "benchmarks", "demo", "noxfile.py")
 
 
 @nox.session(python=PYTHON)
