@@ -76,8 +76,9 @@ def free_port() -> int:
 
 def build_model(workdir: Path) -> Path:
     """Tokenizer first, then a model whose vocabulary is exactly the tokenizer's."""
-    from ascend_kv_testing.models import make_tiny_llama, make_tokenizer
     from transformers import AutoTokenizer
+
+    from ascend_kv_testing.models import make_tiny_llama, make_tokenizer
 
     model_dir = workdir / "tiny-llama"
     make_tokenizer(model_dir)
