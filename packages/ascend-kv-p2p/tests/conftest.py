@@ -8,3 +8,5 @@ import os
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 os.environ.setdefault("VLLM_ASCEND_KV_HOST", "127.0.0.1")
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+# Short leases in these tests: the transfer engine's stall bound must stay below them.
+os.environ.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", "1")

@@ -32,6 +32,11 @@ logger = logging.getLogger(__name__)
 #: Descriptors per engine call; larger batches overflow the TCP lane queue.
 DEFAULT_MAX_BATCH = 512
 PROTOCOL_ENV = "VLLM_ASCEND_KV_PROTOCOL"
+#: Mooncake's TCP transport fails a transfer that made no progress for this long. Its own
+#: default (30 s) lets a read or write stalled by the network land long after a lease or
+#: deadline ended; ours bounds that window below the connectors' lease margins.
+TCP_PROGRESS_TIMEOUT_ENV = "MC_TCP_PROGRESS_TIMEOUT_SEC"
+DEFAULT_TCP_PROGRESS_TIMEOUT_S = 5
 
 
 @dataclass
@@ -95,6 +100,11 @@ class MooncakeTransferEngine:
             # Mooncake binds its TCP transport here and advertises it; without it the
             # engine may advertise (and listen on) another interface.
             os.environ.setdefault("MC_TCP_BIND_ADDRESS", hostname)
+        os.environ.setdefault(TCP_PROGRESS_TIMEOUT_ENV, str(DEFAULT_TCP_PROGRESS_TIMEOUT_S))
+        try:
+            self._stall_bound_s = float(int(os.environ[TCP_PROGRESS_TIMEOUT_ENV]))
+        except ValueError:
+            self._stall_bound_s = 30.0  # Mooncake ignores a non-integer value: its default
         self.hostname = hostname
         self.protocol = protocol
         self.device_name = device_name
@@ -119,6 +129,13 @@ class MooncakeTransferEngine:
     def session_id(self) -> str:
         """``host:rpc_port``, the name peers use to reach this engine."""
         return f"{self.hostname}:{self.rpc_port}"
+
+    @property
+    def stall_bound_s(self) -> float:
+        """Longest a transfer can stay in flight without progress before the engine fails it
+        (TCP transport); a peer must keep memory valid at least this long past a transfer's
+        start."""
+        return self._stall_bound_s
 
     @property
     def raw(self) -> Any:

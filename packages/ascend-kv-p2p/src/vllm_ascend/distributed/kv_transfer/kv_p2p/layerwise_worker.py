@@ -701,9 +701,19 @@ class LayerwiseWorker(P2PWorkerBase):
         with self._plock:
             link.state = "granted"
             link.lease_s = reply.lease_s
-            link.valid_until = sent + reply.lease_s * (1 - LEASE_MARGIN)
+            link.valid_until = self._write_window_end(sent, reply.lease_s)
             link.staging_addrs = list(reply.staging_addrs)
             link.staging_strides = list(reply.staging_strides)
+
+    def _write_window_end(self, sent: float, lease_s: float) -> float:
+        """Until when P may start a write under a lease D granted after ``sent``.
+
+        D's lease runs ``lease_s`` from a later instant. A write that starts in time can
+        still stall in the transfer engine for up to its stall bound before it fails, so P
+        stops starting writes that much (and at least ``LEASE_MARGIN`` of the lease) early.
+        """
+        bound = self.te.stall_bound_s if self.te is not None else 30.0
+        return sent + max(0.0, lease_s - max(lease_s * LEASE_MARGIN, bound + 0.5))
 
     def _renew_link(self, out: _Outgoing, link: _Link) -> None:
         """Renew one lease now (the sender is about to write); raises if D refuses."""
@@ -714,7 +724,7 @@ class LayerwiseWorker(P2PWorkerBase):
             raise RemoteKVUnavailable("D no longer grants the write lease (request ended or "
                                       "failing on D)", code="revoked")
         with self._plock:
-            link.valid_until = sent + link.lease_s * (1 - LEASE_MARGIN)
+            link.valid_until = self._write_window_end(sent, link.lease_s)
 
     def _write_layer(self, item: _StepItem, link: _Link, layer: int) -> int:
         """Write layer ``layer`` of the step's blocks into the D rank; returns bytes."""
@@ -893,7 +903,7 @@ class LayerwiseWorker(P2PWorkerBase):
                     if link.state != "granted":
                         continue
                     if out.target.request_id in granted:
-                        link.valid_until = sent + link.lease_s * (1 - LEASE_MARGIN)
+                        link.valid_until = self._write_window_end(sent, link.lease_s)
                         continue
                     link.state, link.reason = "revoked", "D revoked the write lease"
                 self.recorder.inc("p2p_failures", cause="revoked")
