@@ -223,7 +223,8 @@ def run_load(task: LoadTask, backend: Backend, guard: StoreGuard,
     ok = len(rcs) - sum(1 for rc in rcs if rc != 0)
     if ok < len(rcs):
         logger.warning("KV pool: %d of %d blocks of %s failed to load (first: %s); vLLM "
-                       "recomputes them", len(rcs) - ok, len(rcs), task.req_id,
+                       "recomputes or fails the request per kv_load_failure_policy",
+                       len(rcs) - ok, len(rcs), task.req_id,
                        backend.describe_rc(next(rc for rc in rcs if rc != 0)))
     recorder.inc("pool_loaded_blocks", ok)
     recorder.inc("pool_failed_load_blocks", len(rcs) - ok)

@@ -7,7 +7,8 @@ Per step the worker receives :class:`~.config_data.AscendConnectorMetadata`:
   ``load_async`` ones on the receive thread, reported through ``get_finished``;
   layerwise ones on the receive thread layer by layer, each awaited by
   ``wait_for_layer_load``. Blocks that fail to load are reported through
-  ``get_block_ids_with_load_errors`` so vLLM recomputes them.
+  ``get_block_ids_with_load_errors``; vLLM recomputes or fails the request per
+  ``kv_load_failure_policy``.
 * saves: after the forward pass (``wait_for_save``, or ``save_kv_layer`` per
   layer) the worker records a device event and queues the job on the send
   thread, which skips what the store already holds. A request whose saves
