@@ -61,3 +61,18 @@ def test_cli_exit_status_and_json(capsys: pytest.CaptureFixture[str], tmp_path: 
     assert main(["doctor", "--kv-transfer-config", cfg, "--json"]) == 1
     out = json.loads(capsys.readouterr().out)
     assert out["ok"] is False and any(c["what"] == "kv_role" for c in out["checks"])
+
+
+def test_stall_bound_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_ascend.distributed.kv_transfer.core.config.p2p import MooncakeP2PConfig
+
+    d = Doctor({})
+    section = MooncakeP2PConfig.from_dict({"lease_ttl_s": 30, "load_timeout_s": 20})
+    monkeypatch.setenv("MC_TCP_PROGRESS_TIMEOUT_SEC", "5")
+    d._check_stall_bound("MooncakeConnectorV1", section)
+    monkeypatch.setenv("MC_TCP_PROGRESS_TIMEOUT_SEC", "30")
+    d._check_stall_bound("MooncakeConnectorV1", section)
+    monkeypatch.setenv("MC_TCP_PROGRESS_TIMEOUT_SEC", "soon")
+    d._check_stall_bound("MooncakeConnectorV1", section)
+    assert [c.status for c in d.checks] == ["ok", "warn", "warn"]
+    assert "load_timeout_s=20" in d.checks[1].detail

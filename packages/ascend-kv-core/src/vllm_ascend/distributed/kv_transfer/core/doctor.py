@@ -172,6 +172,7 @@ class Doctor:
             return
         self.ok(f"{name} configuration", f"{len(extra)} key(s) valid")
         self._check_platform(name, section)
+        self._check_stall_bound(name, section)
         if dist == "ascend-kv-pool":
             self._check_pool_backend(section)
         if dist == "ascend-kv-p2p" and cfg.get("kv_role") in ("kv_producer", "kv_both"):
@@ -204,6 +205,30 @@ class Doctor:
         if kind == "npu" and importlib.util.find_spec("torch_npu") is None:
             self.fail("torch_npu", "not installed on an NPU machine",
                       "pip install 'ascend-kv-core[npu]' (needs the CANN toolkit)")
+
+    def _check_stall_bound(self, name: str, section: Any) -> None:
+        """A transfer stalled by the network stays in flight up to Mooncake's TCP progress
+        timeout: it must end before a P/D deadline and well before a lease runs out."""
+        from .transfer_engine import DEFAULT_TCP_PROGRESS_TIMEOUT_S, TCP_PROGRESS_TIMEOUT_ENV
+
+        if name not in ("MooncakeConnectorV1", "MooncakeLayerwiseConnector"):
+            return
+        raw = os.environ.get(TCP_PROGRESS_TIMEOUT_ENV, str(DEFAULT_TCP_PROGRESS_TIMEOUT_S))
+        try:
+            bound = int(raw)
+        except ValueError:
+            self.warn(TCP_PROGRESS_TIMEOUT_ENV, f"{raw!r} is not an integer; Mooncake then uses "
+                      "its own 30 s", f"set {TCP_PROGRESS_TIMEOUT_ENV} to whole seconds")
+            return
+        lease, deadline = section.lease_ttl_s, section.load_timeout_s
+        if bound >= deadline or bound + 0.5 >= lease * 0.8:
+            self.warn(TCP_PROGRESS_TIMEOUT_ENV,
+                      f"{bound} s lets a stalled transfer outlive load_timeout_s={deadline} or "
+                      f"most of lease_ttl_s={lease}",
+                      f"lower {TCP_PROGRESS_TIMEOUT_ENV} (default here "
+                      f"{DEFAULT_TCP_PROGRESS_TIMEOUT_S}) or raise the lease and deadline")
+        else:
+            self.ok(TCP_PROGRESS_TIMEOUT_ENV, f"{bound} s, below the lease and the deadline")
 
     def _check_pool_backend(self, section: Any) -> None:
         backend = getattr(section, "backend", "local")
