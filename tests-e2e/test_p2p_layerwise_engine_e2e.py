@@ -85,13 +85,16 @@ def lw(model: Path) -> Iterator[Any]:
         except BaseException as exc:
             errors.append(exc)
 
+    # D's 3 s write lease: the transfer engine's stall bound must stay well below it
+    # (P starts no write later than that bound before the lease ends).
+    env = {"MC_TCP_PROGRESS_TIMEOUT_SEC": "1"}
     threads = [
         threading.Thread(target=start, args=("p", kv_config("kv_producer", "lw-prefill",
                                                             connector=LAYERWISE)),
-                         kwargs={"max_num_batched_tokens": 64}),
+                         kwargs={"max_num_batched_tokens": 64, "env": env}),
         threading.Thread(target=start, args=("d", kv_config(
             "kv_consumer", "lw-decode", policy="recompute", connector=LAYERWISE,
-            load_timeout_s=8.0, lease_ttl_s=3.0))),
+            load_timeout_s=8.0, lease_ttl_s=3.0)), kwargs={"env": env}),
     ]
     for t in threads:
         t.start()

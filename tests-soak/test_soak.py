@@ -263,13 +263,16 @@ class Metaserver:
 
 @pytest.fixture(scope="module")
 def layerwise(model: Path) -> Iterator[Any]:
+    # D's short write lease: the transfer engine's stall bound must stay well below it.
+    env = {"MC_TCP_PROGRESS_TIMEOUT_SEC": "1"}
     made = start_in_parallel({
         "p": lambda: EngineProcess(model, kv_config(
             "kv_producer", "soak-lw-p", connector="MooncakeLayerwiseConnector"),
-            max_num_batched_tokens=256),
+            max_num_batched_tokens=256, env=env),
         "d": lambda: EngineProcess(model, kv_config(
             "kv_consumer", "soak-lw-d", policy="recompute",
-            connector="MooncakeLayerwiseConnector", load_timeout_s=20, lease_ttl_s=LEASE_S)),
+            connector="MooncakeLayerwiseConnector", load_timeout_s=20, lease_ttl_s=LEASE_S),
+            env=env),
     })
     meta = Metaserver()
     yield type("LW", (), {**made, "meta": meta})

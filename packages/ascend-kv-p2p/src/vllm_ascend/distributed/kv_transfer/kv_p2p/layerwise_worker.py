@@ -239,6 +239,14 @@ class LayerwiseWorker(P2PWorkerBase):
         """Describe the cache, register it with the transfer engine, start serving/sending."""
         layout = self._register_kv_memory(kv_caches)
         self._layer_index = {layer.name: i for i, layer in enumerate(layout.layers)}
+        assert self.te is not None
+        if self.is_consumer and self._write_window_end(0.0, self.cfg.lease_ttl_s) < (
+                self.cfg.lease_ttl_s / 2):
+            logger.warning(
+                "lease_ttl_s=%.1f is short for the transfer engine's stall bound of %.0f s "
+                "(MC_TCP_PROGRESS_TIMEOUT_SEC): P may start writes only during %.1f s of each "
+                "lease; raise lease_ttl_s or lower the stall bound", self.cfg.lease_ttl_s,
+                self.te.stall_bound_s, self._write_window_end(0.0, self.cfg.lease_ttl_s))
         if self.is_consumer:
             self.server = RpcServer(tcp_endpoint(self.host, self.port), LAYERWISE_CODEC,
                                     self._handle, name=f"layerwise-side-channel-{self.port}"
