@@ -49,11 +49,11 @@ def test_format_then_parse_is_close(n: int) -> None:
 
 def test_p2p_config_defaults_and_nested_values() -> None:
     cfg = MooncakeP2PConfig.from_dict({
-        "prefill": {"tp_size": 2, "dp_size": 2, "pp_size": 2, "pp_layer_partition": "12,12"},
+        "prefill": {"tp_size": 2, "dp_size": 2, "pp_size": 1, "pp_layer_partition": "24"},
         "decode": {"tp_size": "1", "dp_size": 4},
         "protocol": "TCP",
     })
-    assert cfg.prefill.tp_size == 2 and cfg.prefill.pp_layer_partition == [12, 12]
+    assert cfg.prefill.tp_size == 2 and cfg.prefill.pp_layer_partition == [24]
     assert cfg.decode.tp_size == 1 and cfg.decode.dp_size == 4
     assert cfg.protocol == "tcp"
     assert MooncakeP2PConfig.from_dict(None) == MooncakeP2PConfig()
@@ -65,6 +65,7 @@ def test_p2p_config_defaults_and_nested_values() -> None:
     ({"prefill": {"tp_size": True}}, "expected an integer, got True"),
     ({"prefill": {"pp_size": 2, "pp_layer_partition": [4]}}, "has 1 entries but pp_size is 2"),
     ({"decode": {"pp_size": 2}}, "decode.pp_size must be 1"),
+    ({"prefill": {"pp_size": 2}}, "prefill.pp_size must be 1"),
     ({"protocol": "udp"}, "expected one of 'tcp', 'rdma', 'ascend', got 'udp'"),
     ({"prefill": [1, 2]}, "expected an object"),
     ({"lease_ttl_s": "soon"}, "lease_ttl_s: expected a number, got 'soon'"),

@@ -434,3 +434,19 @@ def test_host_staging_path_round_trips() -> None:
     result = b.prefill(req("r2", 3 * BLOCK + 1))
     assert result["external"] == 3 * BLOCK and result["errors"] == set()
     assert_loaded(b, req("r2", 3 * BLOCK + 1), result["blocks"], 3)
+
+
+def test_consumer_putting_for_a_pipeline_parallel_prefill_is_refused() -> None:
+    """Upstream re-keys such saves per prefill stage; ours would store keys that P never
+    hits, so the combination fails at start-up with the key named, not silently."""
+    from vllm_ascend.distributed.kv_transfer.core.errors import ConfigError
+
+    backend = LocalBackend(capacity=64 << 20)
+    ctx = PoolContext(model_name="tiny", block_size=BLOCK, num_kv_heads=2, kv_role="kv_consumer",
+                      salt="test")
+    with pytest.raises(ConfigError, match="prefill_pp_size=2 with consumer_is_to_put") as info:
+        PoolHarness(backend, ctx=ctx, consumer_is_to_put=True, prefill_pp_size=2)
+    assert info.value.key == "prefill_pp_size" and info.value.value == 2
+    # the key alone (a producer, or a consumer that does not put) changes nothing
+    PoolHarness(backend, prefill_pp_size=2)
+    PoolHarness(backend, ctx=ctx, consumer_is_to_load=True, prefill_pp_size=2)

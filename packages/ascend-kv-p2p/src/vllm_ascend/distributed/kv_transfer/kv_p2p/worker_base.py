@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_ascend.distributed.kv_transfer.core.channel import RpcClient, tcp_endpoint
 from vllm_ascend.distributed.kv_transfer.core.config.p2p import MooncakeP2PConfig
+from vllm_ascend.distributed.kv_transfer.core.errors import ConfigError
 from vllm_ascend.distributed.kv_transfer.core.layout import KVCacheLayout, KVRegion
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
 from vllm_ascend.distributed.kv_transfer.core.net import get_host_ip
@@ -65,6 +66,13 @@ class P2PWorkerBase:
         self.model = str(vllm_config.model_config.model).rstrip("/").split("/")[-1]
         self.total_kv_heads = int(vllm_config.model_config.get_total_num_kv_heads())
         self.tp_size = par.tensor_parallel_size
+        if int(getattr(par, "pipeline_parallel_size", 1)) != 1:
+            raise ConfigError(
+                f"{type(self).__name__}: pipeline_parallel_size="
+                f"{par.pipeline_parallel_size} is not supported yet (D pulls every layer from "
+                "P's first pipeline stage); run P/D instances with pipeline_parallel_size 1",
+                key="pipeline_parallel_size", value=par.pipeline_parallel_size,
+                source="parallel_config")
         if tp_rank is None or pp_rank is None:
             from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 

@@ -24,7 +24,10 @@ class ParallelSpec(ConfigSection):
         doc="Tensor-parallel size of the instance; when set, each instance checks its own "
             "size at start-up and D checks P's at the handshake.")
     dp_size: int = option(1, doc="Data-parallel size of the instance.", minimum=1)
-    pp_size: int = option(1, doc="Pipeline-parallel size of the instance.", minimum=1)
+    pp_size: int = option(
+        1, minimum=1,
+        doc="Pipeline-parallel size of the instance; only 1 is supported (kept for upstream "
+            "configs, a larger value is refused at start-up).")
     pp_layer_partition: list[int] | None = option(
         None, doc="Layers per pipeline stage, e.g. '20,20' or [20, 20]; default: even split.")
 
@@ -79,6 +82,12 @@ class MooncakeP2PConfig(ConfigSection):
     num_recv_workers: int = option(4, minimum=1, doc="Threads on D that pull KV from P instances.")
 
     def validate(self, source: str) -> None:
+        if self.prefill.pp_size != 1:
+            raise ConfigError(
+                f"{source}: prefill.pp_size must be 1: D pulls every layer from P's first "
+                f"pipeline stage, so a pipeline-parallel prefill instance is not supported yet, "
+                f"got {self.prefill.pp_size}", key=f"{source}.prefill.pp_size",
+                value=self.prefill.pp_size, source=source)
         if self.decode.pp_size != 1:
             raise ConfigError(f"{source}: decode.pp_size must be 1 (pipeline parallel decode is "
                               f"not supported), got {self.decode.pp_size}",

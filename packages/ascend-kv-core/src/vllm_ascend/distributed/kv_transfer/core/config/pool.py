@@ -126,7 +126,10 @@ class AscendStoreConfig(ConfigSection):
         doc="Suffix of the scheduler->worker lookup socket; instances are told apart by their "
             "engine id already, so only set it to pin a path.")
     prefill_pp_size: int = option(
-        1, minimum=1, doc="Pipeline-parallel size of the prefill instances (P/D deployments).")
+        1, minimum=1,
+        doc="Pipeline-parallel size of the prefill instances (P/D deployments), read by a "
+            "consumer that puts; only 1 is supported there (a larger value with "
+            "consumer_is_to_put is refused at start-up).")
     prefill_pp_layer_partition: list[int] | None = option(
         None, doc="Layers per prefill pipeline stage, e.g. '20,20'; default: even split.")
     local_pool_size: int = option(

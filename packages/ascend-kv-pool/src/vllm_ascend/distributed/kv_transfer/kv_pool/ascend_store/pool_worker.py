@@ -33,6 +33,7 @@ import torch
 
 from vllm_ascend.distributed.kv_transfer.core.config.pool import AscendStoreConfig
 from vllm_ascend.distributed.kv_transfer.core.device import get_device
+from vllm_ascend.distributed.kv_transfer.core.errors import ConfigError
 from vllm_ascend.distributed.kv_transfer.core.layout import KVCacheLayout, KVRegion
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
 
@@ -91,6 +92,16 @@ class KVPoolWorker:
         self.key_meta = ctx.key_metadata()
         self.head_rank, self.put_step = ctx.head_rank_and_step()
         self.can_save = not ctx.is_consumer or cfg.consumer_is_to_put
+        if ctx.is_consumer and cfg.consumer_is_to_put and cfg.prefill_pp_size != 1:
+            # Upstream re-keys a consumer's saves per prefill pipeline stage; ours saves them
+            # in its own layout, which a pipeline-parallel P would never hit: refuse it.
+            raise ConfigError(
+                f"kv_connector_extra_config: prefill_pp_size={cfg.prefill_pp_size} with "
+                "consumer_is_to_put is not supported yet (saves are keyed for this "
+                "instance's own layers; a pipeline-parallel prefill instance would not hit "
+                "them): set prefill_pp_size to 1 or consumer_is_to_put to false",
+                key="prefill_pp_size", value=cfg.prefill_pp_size,
+                source="kv_connector_extra_config")
         self.use_layerwise = cfg.use_layerwise
         self.recorder = MetricsRecorder(WORKER_METRICS)
         self.guard = StoreGuard(cfg.store_retry_interval_s)
