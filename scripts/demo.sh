@@ -6,4 +6,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/bootstrap.sh
+# where bootstrap had to put nox and uv into a tools venv
+[ -x .venv/tools/bin/nox ] && export PATH="$PWD/.venv/tools/bin:$PATH"
 exec nox -s demo "$@"
