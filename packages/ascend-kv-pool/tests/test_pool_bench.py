@@ -52,3 +52,16 @@ def test_trace_command_writes_results(tmp_path: Path) -> None:
     assert result["unbounded"]["hit_rate"] > 0
     for row in result["rows"]:
         assert 0 <= row["hit_rate"] <= row["best_hit_rate"] <= 1
+
+
+def test_trace_command_without_a_trace_says_what_to_pass(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from vllm_ascend.distributed.kv_transfer.core.cli import main
+
+    monkeypatch.delenv(bench.TRACE_ENV, raising=False)
+    assert main(["bench", "trace", "--quick", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "no trace given" in err and bench.TRACE_ENV in err and "Traceback" not in err
+    assert main(["bench", "trace", str(tmp_path / "missing.jsonl"), "--quick",
+                 "--out", str(tmp_path)]) == 2
+    assert "missing.jsonl' not found" in capsys.readouterr().err

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from importlib import metadata
 
 from .__about__ import __version__
+from .errors import KVTransferError
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +149,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except (FileNotFoundError, KVTransferError) as exc:
+        # bad input (a missing file, a bad config, a missing dependency): one clear line
+        print(f"vllm-ascend-kv: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -45,7 +45,6 @@ from vllm_ascend.distributed.kv_transfer.core.benchutil import (
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_TRACE = "/work/shared/data/mooncake-traces/conversation_trace.jsonl"
 TRACE_ENV = "VLLM_ASCEND_KV_TRACE"
 
 
@@ -333,7 +332,11 @@ def run_trace(args: argparse.Namespace) -> dict[str, Any]:
     """Hit rate and throughput of the local pool against capacity, and the unbounded best."""
     from .backend.local_backend import LocalBackend
 
-    path = args.trace or os.environ.get(TRACE_ENV) or DEFAULT_TRACE
+    path = args.trace or os.environ.get(TRACE_ENV, "")
+    if not path:
+        raise FileNotFoundError(
+            f"no trace given: pass a trace file (JSON lines with 'hash_ids', e.g. Mooncake's "
+            f"conversation_trace.jsonl) or set ${TRACE_ENV}")
     if not Path(path).exists():
         raise FileNotFoundError(f"trace {path!r} not found; pass it as an argument")
     requests = load_trace(path, limit=1000 if args.quick else None)
@@ -381,7 +384,7 @@ def add_trace_command(sub: Any) -> None:
     p = sub.add_parser("trace", help="replay a Mooncake trace against the local pool")
     add_common_args(p)
     p.add_argument("trace", nargs="?", default="",
-                   help=f"trace file (default: ${TRACE_ENV} or {DEFAULT_TRACE})")
+                   help=f"trace file (default: ${TRACE_ENV})")
     p.add_argument("--block-bytes", type=int, default=4096,
                    help="bytes stored per 512-token block (scaled down; default %(default)s)")
     p.set_defaults(func=lambda a: _run("trace", run_trace, a))
