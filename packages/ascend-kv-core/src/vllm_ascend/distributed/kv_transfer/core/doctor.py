@@ -12,13 +12,16 @@ right and what to fix. The exit status is 0 only when everything is right.
 from __future__ import annotations
 
 import argparse
+import http.client
 import importlib
 import importlib.util
 import json
 import os
 import socket
 import sys
+import urllib.error
 import urllib.parse
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from importlib import metadata
@@ -39,6 +42,18 @@ PROVIDERS = {
 SECTION_ALIASES = {"MooncakeConnectorStoreV1": "AscendStoreConnector"}
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 POLICIES = ("fail", "recompute")
+DEFAULT_KV_PORT = 14579
+PORT_MIN, PORT_MAX = 1, 65535
+#: Key the doctor reads from the HTTP metadata server; nobody writes it.
+METADATA_PROBE_KEY = "vllm-ascend-kv-doctor-probe"
+
+
+def _kv_port(cfg: dict[str, Any]) -> int | None:
+    """``kv_port`` of the config (vLLM's default when absent), or None when it is not a port."""
+    port = cfg.get("kv_port", DEFAULT_KV_PORT)
+    if isinstance(port, bool) or not isinstance(port, int) or not PORT_MIN <= port <= PORT_MAX:
+        return None
+    return port
 
 
 @dataclass
@@ -118,9 +133,12 @@ class Doctor:
                       "set kv_role to kv_producer (P), kv_consumer (D) or kv_both")
         else:
             self.ok("kv_role", role)
-        port = cfg.get("kv_port", 14579)
-        if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
-            self.fail("kv_port", f"{port!r} is not a TCP port", "use an integer in [1, 65535]")
+        if _kv_port(cfg) is None:
+            value = json.dumps(cfg.get("kv_port"), default=repr)  # as written in the JSON
+            self.fail("kv_port", f"kv_port={value} is not a TCP port (accepted: an integer in "
+                      f"{PORT_MIN}..{PORT_MAX})",
+                      f"set kv_port to an integer in {PORT_MIN}..{PORT_MAX} (default "
+                      f"{DEFAULT_KV_PORT})")
         policy = cfg.get("kv_load_failure_policy", "fail")
         if policy not in POLICIES:
             self.fail("kv_load_failure_policy", f"{policy!r} is not one of {POLICIES}",
@@ -176,7 +194,9 @@ class Doctor:
         if dist == "ascend-kv-pool":
             self._check_pool_backend(section)
         if dist == "ascend-kv-p2p" and cfg.get("kv_role") in ("kv_producer", "kv_both"):
-            self._check_port_free(int(cfg.get("kv_port", 14579)))
+            port = _kv_port(cfg)
+            if port is not None:  # an invalid kv_port is reported by _check_top_level
+                self._check_port_free(port)
 
     def _check_platform(self, name: str, section: Any) -> None:
         from .device import detect_device_kind
@@ -258,24 +278,64 @@ class Doctor:
             return
         self.ok("Mooncake Store config", f"master {store.master_server_address}")
         host, _, port = store.master_server_address.rpartition(":")
+        # Mooncake's Python client has no call to the master short of a full store set-up
+        # (a transfer engine, a mounted segment, metadata written): only the port is checked.
         self._reach("mooncake_master", host, int(port),
                     "start mooncake_master (--rpc_address/--rpc_port) or fix "
-                    "master_server_address")
+                    "master_server_address",
+                    reached="port reachable (TCP connect only; the master RPC is not checked)")
         meta = store.metadata_server
         if meta.startswith(("http://", "https://")):
-            url = urllib.parse.urlparse(meta)
-            self._reach("metadata server", url.hostname or "", url.port or 80,
-                        "start the HTTP metadata server (mooncake_master "
-                        "--enable_http_metadata_server) or fix metadata_server")
+            self._check_metadata_server(meta)
 
-    def _reach(self, what: str, host: str, port: int, fix: str) -> bool:
+    def _reach(self, what: str, host: str, port: int, fix: str, *,
+               reached: str = "reachable") -> bool:
         try:
             with socket.create_connection((host, port), timeout=self.timeout_s):
-                self.ok(what, f"{host}:{port} reachable")
+                self.ok(what, f"{host}:{port} {reached}")
                 return True
         except OSError as exc:
             self.fail(what, f"{host}:{port} not reachable: {exc}", fix)
             return False
+
+    def _check_metadata_server(self, url: str) -> None:
+        """GET a key nobody wrote, the way Mooncake reads metadata (``<url>?key=...``).
+
+        The Mooncake HTTP metadata servers (``mooncake_master --enable_http_metadata_server``
+        and ``mooncake_http_metadata_server``) answer 404 ``metadata not found``: that proves
+        the URL is one (a 200 for that key means something else answers). Another 404 (the
+        wrong path, or another implementation) is a warning; any other answer, or no HTTP at
+        all, is wrong.
+        """
+        what = "metadata server"
+        fix = ("start the HTTP metadata server (mooncake_master "
+               "--enable_http_metadata_server) or fix metadata_server (an "
+               "http://host:port/metadata URL)")
+        sep = "&" if urllib.parse.urlparse(url).query else "?"
+        probe = f"{url}{sep}key={METADATA_PROBE_KEY}"
+        # never through a proxy from the environment: the doctor checks this machine's path
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        try:
+            with opener.open(probe, timeout=self.timeout_s) as resp:
+                status, body = resp.status, resp.read(256)
+        except urllib.error.HTTPError as exc:
+            status, body = exc.code, exc.read(256)
+            exc.close()
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+            kind = "" if isinstance(reason, str) else f"{type(reason).__name__}: "
+            self.fail(what, f"{url}: no HTTP metadata server answers: {kind}{reason}", fix)
+            return
+        text = body.decode("utf-8", "replace").strip()
+        if status == 404 and "metadata not found" in text.lower():
+            self.ok(what, f"{url} answers as a Mooncake HTTP metadata server (a key nobody "
+                    "wrote: 404 'metadata not found')")
+        elif status == 404:  # another implementation, or the wrong path on the right server
+            self.warn(what, f"{url}: an HTTP server answers 404 {text[:80]!r}, not Mooncake's "
+                      "'metadata not found'; is the path /metadata?", fix)
+        else:
+            self.fail(what, f"{url}: GET of a key nobody wrote answered HTTP {status} "
+                      f"{text[:80]!r}, not Mooncake's 404 'metadata not found'", fix)
 
     def _check_port_free(self, port: int) -> None:
         from .net import get_host_ip
