@@ -37,14 +37,18 @@ def test_good_pd_config_passes() -> None:
     assert status_of(report, "package ascend-kv-p2p") == "ok"
 
 
-def test_broken_pd_config_names_the_key() -> None:
+@pytest.mark.parametrize(("extra", "key", "value"), [
+    ({"lease_ttl_s": "soon"}, "lease_ttl_s", "'soon'"),  # a bad value
+    ({"prefil": {"tp_size": 1}}, "'prefil'", "'prefill'"),  # a misspelt key, and the right one
+])
+def test_broken_pd_config_names_the_key(extra: dict[str, Any], key: str, value: str) -> None:
     cfg = {"kv_connector": "MooncakeConnectorV1", "kv_role": "kv_consumer",
-           "kv_connector_extra_config": {"prefil": {"tp_size": 1}, "lease_ttl_s": "soon"}}
+           "kv_connector_extra_config": {"decode": {"tp_size": 1}, **extra}}
     rc, report = doctor(cfg)
     assert rc == 1
-    detail = next(c["detail"] for c in report["checks"]
-                  if c["what"] == "MooncakeConnectorV1 configuration")
-    assert "lease_ttl_s" in detail or "prefil" in detail
+    check = next(c for c in report["checks"] if c["what"] == "MooncakeConnectorV1 configuration")
+    assert check["status"] == "fail"
+    assert key in check["detail"] and value in check["detail"], check["detail"]
 
 
 def test_pool_with_a_real_master(mooncake_master: Any, tmp_path: Path) -> None:
@@ -55,6 +59,11 @@ def test_pool_with_a_real_master(mooncake_master: Any, tmp_path: Path) -> None:
     assert rc == 0, report
     assert status_of(report, "mooncake_master") == "ok"
     assert status_of(report, "metadata server") == "ok"
+    # the master's RPC port is open, but it is no HTTP metadata server
+    wrong = mooncake_master.write_config(
+        tmp_path / "wrong.json", metadata_server=f"http://{mooncake_master.master_address}/metadata")
+    rc, report = doctor(cfg, "--mooncake-config", str(wrong))
+    assert rc == 1 and status_of(report, "metadata server") == "fail", report
 
 
 def test_pool_with_the_master_down(tmp_path: Path) -> None:
