@@ -93,6 +93,69 @@ def test_overlapping_ranges_register_only_the_gaps(peer: Any) -> None:
     assert te.registered_bytes == before
 
 
+class _CountingEngine:
+    """Forwards to the real Mooncake engine and records the size of every batch call."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+        self.calls: list[tuple[str, int]] = []
+
+    def batch_transfer_sync_read(self, peer: str, loc: Any, rem: Any, lens: Any) -> int:
+        self.calls.append(("read", len(loc)))
+        return int(self.real.batch_transfer_sync_read(peer, loc, rem, lens))
+
+    def batch_transfer_sync_write(self, peer: str, loc: Any, rem: Any, lens: Any) -> int:
+        self.calls.append(("write", len(loc)))
+        return int(self.real.batch_transfer_sync_write(peer, loc, rem, lens))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+
+def test_batches_larger_than_max_batch_are_chunked(peer: Any,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    _proc, _q_out, _q_in, (session, src_addr, dst_addr, _digest) = peer
+    te = get_transfer_engine("127.0.0.1", "tcp")
+    counting = _CountingEngine(te.raw)
+    monkeypatch.setattr(te, "_engine", counting)
+    monkeypatch.setattr(te, "max_batch", 3)
+    # 10 ranges of 4 KiB, every other 4 KiB on both sides: none can be coalesced
+    n, size = 10, 4096
+    local = torch.zeros(2 * n * size, dtype=torch.uint8)
+    te.register_memory(local.data_ptr(), local.numel())
+    try:
+        offsets = [2 * i * size for i in range(n)]
+        reads_before = te.stats.reads
+        got = te.read(session, [local.data_ptr() + o for o in offsets],
+                      [src_addr + o for o in offsets], [size] * n)
+        assert got == n * size
+        assert counting.calls == [("read", 3), ("read", 3), ("read", 3), ("read", 1)]
+        assert te.stats.reads - reads_before == 1  # one logical read
+        # the peer's source buffer is arange(int64): every range arrived, in place, the
+        # gaps between them untouched
+        src = torch.arange(SIZE // 8, dtype=torch.int64).view(torch.uint8)
+        for o in offsets:
+            assert torch.equal(local[o:o + size], src[o:o + size])
+            assert not local[o + size:o + 2 * size].any()
+        # writes are chunked the same way: a pattern written to non-adjacent ranges of the
+        # peer's second buffer reads back intact
+        counting.calls.clear()
+        pattern = torch.randint(1, 255, (n * size,), dtype=torch.uint8)
+        for i, o in enumerate(offsets):
+            local[o:o + size] = pattern[i * size:(i + 1) * size]
+        assert te.write(session, [local.data_ptr() + o for o in offsets],
+                        [dst_addr + 8 * o for o in offsets], [size] * n) == n * size
+        assert [c for c in counting.calls if c[0] == "write"] == [
+            ("write", 3), ("write", 3), ("write", 3), ("write", 1)]
+        local.zero_()
+        assert te.read(session, [local.data_ptr() + o for o in offsets],
+                       [dst_addr + 8 * o for o in offsets], [size] * n) == n * size
+        for i, o in enumerate(offsets):
+            assert torch.equal(local[o:o + size], pattern[i * size:(i + 1) * size])
+    finally:
+        te.unregister_memory(local.data_ptr())
+
+
 def test_singleton_and_dead_peer_is_a_fast_clear_error() -> None:
     te = get_transfer_engine("127.0.0.1", "tcp")
     assert get_transfer_engine() is te

@@ -173,8 +173,12 @@ class MooncakeTransferEngine:
                 if rc != 0:
                     for s, _e in done:
                         self._engine.unregister_memory(s)
-                    raise TransferError(f"registering {end - start} bytes at {start:#x} failed: "
-                                        f"rc={rc}", op="register", rc=rc)
+                    whole = "" if (start, end) == key else \
+                        f" (part of {length} bytes at {addr:#x})"
+                    raise TransferError(
+                        f"registering {end - start} bytes at {start:#x}{whole} with the "
+                        f"Mooncake engine {self.session_id} ({self.protocol}) failed: rc={rc}",
+                        op="register", rc=rc)
                 done.append((start, end))
             for seg in done:
                 bisect.insort(self._segments, seg)
