@@ -18,15 +18,12 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from vllm_ascend.distributed.kv_transfer.core.channel import RpcClient, tcp_endpoint
 from vllm_ascend.distributed.kv_transfer.core.config.p2p import MooncakeP2PConfig
-from vllm_ascend.distributed.kv_transfer.core.errors import KVTransferError
 from vllm_ascend.distributed.kv_transfer.core.net import get_host_ip
 
 from .errors import KVParamsError
@@ -37,7 +34,8 @@ from .params import (
     wants_remote_decode,
     wants_remote_prefill,
 )
-from .protocol import CODEC, Renew, side_channel_port, worker_port
+from .protocol import side_channel_port
+from .renewer import LeaseRenewer
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -75,61 +73,6 @@ class MooncakeConnectorMetadata(KVConnectorMetadata):
 
     requests: dict[str, RecvMeta] = field(default_factory=dict)
     requests_to_send: dict[str, SendMeta] = field(default_factory=dict)
-
-
-class LeaseRenewer:
-    """Renews P's leases for requests waiting in D's queue (a daemon thread)."""
-
-    def __init__(self, interval_s: float, timeout_s: float) -> None:
-        self.interval_s = interval_s
-        self.timeout_s = timeout_s
-        self._lock = threading.Lock()
-        self._tracked: dict[str, RemotePrefill] = {}
-        self._clients: dict[str, RpcClient[Any]] = {}
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def track(self, request_id: str, remote: RemotePrefill) -> None:
-        with self._lock:
-            self._tracked[request_id] = remote
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="p2p-lease-renewer",
-                                                daemon=True)
-                self._thread.start()
-
-    def untrack(self, request_id: str) -> None:
-        with self._lock:
-            self._tracked.pop(request_id, None)
-
-    def stop(self) -> None:
-        self._stop.set()
-        with self._lock:
-            for client in self._clients.values():
-                client.close()
-            self._clients.clear()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.renew_once()
-
-    def renew_once(self) -> None:
-        """Send one round of ``Renew`` messages (one per P worker)."""
-        with self._lock:
-            by_endpoint: dict[str, list[str]] = {}
-            for remote in self._tracked.values():
-                for rank in range(remote.tp_size):
-                    port = worker_port(remote.port, tp_rank=rank, tp_size=remote.tp_size)
-                    by_endpoint.setdefault(tcp_endpoint(remote.host, port), []).append(
-                        remote.request_id)
-        for endpoint, ids in by_endpoint.items():
-            client = self._clients.get(endpoint)
-            if client is None:
-                client = self._clients.setdefault(
-                    endpoint, RpcClient(endpoint, CODEC, timeout_s=self.timeout_s))
-            try:
-                client.call(Renew(request_ids=ids))
-            except KVTransferError as exc:
-                logger.debug("lease renewal to %s failed: %s", endpoint, exc)
 
 
 class PullScheduler:

@@ -71,8 +71,9 @@ class MooncakeP2PConfig(ConfigSection):
     device_name: str = option("", doc="RDMA device name(s) handed to the transfer engine.")
     lease_ttl_s: float = option(
         30.0, minimum=0.1,
-        doc="How long P holds a request's blocks for D without hearing from it; D renews the "
-            "lease while it waits, a lapsed lease frees the blocks.")
+        doc="How long P holds a request's blocks for D without hearing from it; D (once its "
+            "scheduler looks at the request) and the P/D proxy (while D has the request) "
+            "renew the lease, a lapsed lease frees the blocks.")
     load_timeout_s: float = option(
         120.0, minimum=0.1,
         doc="Deadline for D to receive a request's KV; afterwards the request fails or is "

@@ -49,6 +49,8 @@ from prometheus_client import (
     generate_latest,
 )
 
+from ..params import RemotePrefill
+from ..renewer import LeaseRenewer
 from .balancer import Instance, Policy, Pool
 
 logger = logging.getLogger(__name__)
@@ -82,6 +84,9 @@ class ProxyConfig:
     mode: str = "pull"
     #: where D instances reach this proxy's metaserver (layerwise mode)
     metaserver_url: str | None = None
+    #: pull mode: renew P's lease on a request's blocks this often while D has the request
+    #: (covers a request queued on D before D's scheduler sees it); 0 turns it off
+    lease_renew_interval_s: float = 5.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -164,6 +169,12 @@ class Proxy:
         self.pending: dict[str, LayerwiseRequest] = {}
         self.history: collections.deque[dict[str, Any]] = collections.deque(maxlen=HISTORY)
         self._tasks: set[asyncio.Task[None]] = set()
+        #: pull mode: P's leases renewed while D has the request (proxy request id -> until)
+        self.renewer: LeaseRenewer | None = None
+        self._renewing: dict[str, float] = {}
+        if cfg.mode == "pull" and cfg.lease_renew_interval_s > 0:
+            self.renewer = LeaseRenewer(cfg.lease_renew_interval_s,
+                                        timeout_s=min(2.0, cfg.lease_renew_interval_s))
 
     def pools(self) -> list[Pool]:
         return [self.prefill, self.decode]
@@ -230,6 +241,7 @@ class Proxy:
                         ok, err = False, f"{type(exc).__name__}: {exc}"
                     pool.mark(inst, ok, "" if ok else err)
                     self.metrics.healthy.labels(pool.role, inst.url).set(1 if ok else 0)
+            self.expire_renewals()
             await asyncio.sleep(self.cfg.health_interval_s)
 
     # ------------------------------------------------------------ P/D flow
@@ -246,10 +258,50 @@ class Proxy:
         d_body = dict(body)
         if kv_params is not None:
             d_body["kv_transfer_params"] = kv_params
+            self.renew_while_decoding(request_id, kv_params)
         else:
             d_body.pop("kv_transfer_params", None)
-        return await self.decode_step(path, d_body, headers, stream=stream,
-                                      request_id=request_id)
+        try:
+            response = await self.decode_step(path, d_body, headers, stream=stream,
+                                              request_id=request_id)
+        except BaseException:
+            self.stop_renewing(request_id)
+            raise
+        if not isinstance(response, StreamingResponse):
+            self.stop_renewing(request_id)  # a stream stops renewing when it ends
+        return response
+
+    # ------------------------------------------------------------ P's leases (pull mode)
+    def renew_while_decoding(self, request_id: str, kv_params: dict[str, Any]) -> None:
+        """Keep P's lease on the request's blocks while D has the request: D's scheduler
+        renews only requests it has looked at, and a request queued behind a full batch on
+        D is not looked at. Params that do not name P's side channel are left to D."""
+        if self.renewer is None:
+            return
+        try:
+            tp = kv_params.get("remote_tp_size", kv_params.get("remote_ptp_size", 1))
+            remote = RemotePrefill(
+                engine_id=str(kv_params.get("remote_engine_id", "")),
+                host=str(kv_params["remote_host"]), port=int(kv_params["remote_port"]),
+                request_id=str(kv_params["remote_request_id"]), block_ids=[],
+                tp_size=int(tp or 1), pcp_size=1, dcp_size=1)
+        except (KeyError, TypeError, ValueError):
+            return
+        if not (0 < remote.port < 65536 and 0 < remote.tp_size <= 1024 and remote.host):
+            return
+        self._renewing[request_id] = time.monotonic() + self.cfg.timeout_s
+        self.renewer.track(request_id, remote)
+
+    def stop_renewing(self, request_id: str) -> None:
+        if self.renewer is not None and self._renewing.pop(request_id, None) is not None:
+            self.renewer.untrack(request_id)
+
+    def expire_renewals(self) -> None:
+        """Stop renewing requests older than the proxy's own timeout (a stream whose
+        client went away before it started)."""
+        now = time.monotonic()
+        for rid in [r for r, until in self._renewing.items() if until < now]:
+            self.stop_renewing(rid)
 
     async def prefill_step(self, path: str, body: dict[str, Any],
                            headers: dict[str, str]) -> dict[str, Any] | None:
@@ -425,6 +477,7 @@ class Proxy:
                     yield chunk
                 ok = True
             finally:
+                self.stop_renewing(request_id)
                 await resp.aclose()
                 self.decode.end(inst, ok=ok, error="" if ok else "stream interrupted")
                 self.metrics.stage.labels("decode").observe(time.perf_counter() - start)
@@ -453,6 +506,8 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
                 t.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+            if proxy.renewer is not None:
+                proxy.renewer.stop()
             await proxy.client.aclose()
 
     app = FastAPI(title="vllm-ascend P/D proxy", lifespan=lifespan)

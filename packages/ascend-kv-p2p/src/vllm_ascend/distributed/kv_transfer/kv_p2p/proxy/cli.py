@@ -47,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="how an instance is chosen (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="seconds to wait for an instance's answer (default: %(default)s)")
+    parser.add_argument("--lease-renew-interval", type=float, default=5.0,
+                        help="pull mode: renew P's lease on a request's blocks this often "
+                             "while D has the request, so a request queued on a busy D keeps "
+                             "its KV; 0 turns it off (default: %(default)s s)")
     parser.add_argument("--health-interval", type=float, default=5.0,
                         help="seconds between health checks (default: %(default)s)")
     parser.add_argument("--log-level", default="info",
@@ -76,6 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     cfg = ProxyConfig(prefill=args.prefill, decode=args.decode, policy=args.policy,
                       timeout_s=args.timeout, health_interval_s=args.health_interval,
+                      lease_renew_interval_s=args.lease_renew_interval,
                       mode=args.mode,
                       metaserver_url=metaserver_url(args) if args.mode == "layerwise" else None)
     uvicorn.run(build_app(cfg), host=args.host, port=args.port, log_level=args.log_level,

@@ -1,0 +1,119 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The proxy keeps P's lease alive while D has the request.
+
+D's scheduler renews only the requests it has looked at; vLLM stops looking at its
+waiting queue once the batch is full, so a request queued on a busy D would lose its KV
+when P's lease lapsed. The proxy, which waits on D for that request anyway, renews it
+until D answers; afterwards the lease lapses as before (a dead D still costs P its
+blocks for one lease only)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from vllm_ascend.distributed.kv_transfer.core.config.p2p import MooncakeP2PConfig
+from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
+from vllm_ascend.distributed.kv_transfer.core.net import free_port
+from vllm_ascend.distributed.kv_transfer.kv_p2p.p2p_metrics import P2P_METRICS
+from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.app import Proxy, ProxyConfig
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_scheduler import (
+    MooncakeConnectorMetadata,
+    SendMeta,
+)
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_worker import PullWorker
+
+LEASE_S = 1.0
+
+
+@pytest.fixture
+def p_worker() -> Iterator[tuple[PullWorker, int]]:
+    port = free_port()
+    kvc = SimpleNamespace(kv_port=port, is_kv_producer=True, is_kv_consumer=False,
+                          kv_connector_extra_config={})
+    vcfg = SimpleNamespace(
+        kv_transfer_config=kvc,
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, data_parallel_rank=0,
+                                        pipeline_parallel_size=1),
+        cache_config=SimpleNamespace(block_size=4),
+        model_config=SimpleNamespace(model="/models/tiny", get_total_num_kv_heads=lambda: 2))
+    worker = PullWorker(vcfg, MooncakeP2PConfig.from_dict({"lease_ttl_s": LEASE_S}), "P",
+                        MetricsRecorder(P2P_METRICS), tp_rank=0, pp_rank=0)
+    worker.register_kv_caches({f"model.layers.{i}.self_attn.attn":
+                               torch.zeros(8, 2, 4, 16) for i in range(2)})
+    yield worker, port
+    worker.shutdown()
+
+
+def _freed(worker: PullWorker) -> list[str]:
+    sending, _recving = worker.get_finished()
+    return sorted(sending or ())
+
+
+def _params(port: int, rid: str) -> dict[str, Any]:
+    return {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": port,
+            "remote_request_id": rid, "remote_engine_id": "P", "remote_block_ids": [1],
+            "remote_tp_size": 1}
+
+
+def test_the_proxy_renews_while_d_has_the_request(p_worker: tuple[PullWorker, int]) -> None:
+    worker, port = p_worker
+    proxy = Proxy(ProxyConfig(prefill=["http://p"], decode=["http://d"],
+                              lease_renew_interval_s=0.25))
+    assert proxy.renewer is not None
+    try:
+        worker.start_load_kv(MooncakeConnectorMetadata(
+            requests_to_send={"r": SendMeta("r", [1]), "unrenewed": SendMeta("unrenewed", [2])}))
+        proxy.renew_while_decoding("pd-1", _params(port, "r"))
+        freed: list[str] = []
+        end = time.monotonic() + 3 * LEASE_S
+        while time.monotonic() < end:
+            freed += _freed(worker)
+            time.sleep(0.05)
+        # the request nobody renews lapses on time; the one D still has is held
+        assert freed == ["unrenewed"]
+        proxy.stop_renewing("pd-1")  # D answered
+        end = time.monotonic() + 3 * LEASE_S
+        while "r" not in freed and time.monotonic() < end:
+            freed += _freed(worker)
+            time.sleep(0.05)
+        assert freed == ["unrenewed", "r"]
+        assert worker.recorder.total("p2p_expired_leases") == 2
+    finally:
+        proxy.renewer.stop()
+
+
+@pytest.mark.parametrize("params", [
+    {}, {"remote_host": "127.0.0.1"}, {"remote_host": "h", "remote_port": "x",
+                                       "remote_request_id": "r"},
+    {"remote_host": "h", "remote_port": 70000, "remote_request_id": "r"},
+    {"remote_host": "h", "remote_port": 1, "remote_request_id": "r", "remote_tp_size": -1},
+])
+def test_params_that_name_no_side_channel_are_left_to_d(params: dict[str, Any]) -> None:
+    proxy = Proxy(ProxyConfig(prefill=["http://p"], decode=["http://d"]))
+    proxy.renew_while_decoding("pd-x", params)
+    assert proxy._renewing == {}
+    proxy.stop_renewing("pd-x")  # idempotent, unknown ids ignored
+
+
+def test_renewals_end_with_the_proxy_timeout_and_can_be_turned_off() -> None:
+    proxy = Proxy(ProxyConfig(prefill=["http://p"], decode=["http://d"], timeout_s=0.01))
+    assert proxy.renewer is not None
+    try:
+        proxy.renew_while_decoding("pd-y", _params(free_port(), "r"))
+        assert list(proxy._renewing) == ["pd-y"]
+        time.sleep(0.05)
+        proxy.expire_renewals()
+        assert proxy._renewing == {}
+    finally:
+        proxy.renewer.stop()
+    off = Proxy(ProxyConfig(prefill=["http://p"], decode=["http://d"],
+                            lease_renew_interval_s=0))
+    assert off.renewer is None
+    off.renew_while_decoding("pd-z", _params(1234, "r"))
+    assert off._renewing == {}
