@@ -42,7 +42,7 @@ class FakeClock:
 
 
 def saved(m: HostBlockManager, hashes: list[bytes], ranks: tuple[int, ...] = (0,)) -> list[int]:
-    job = m.start_save(hashes, ranks=ranks)
+    job = m.start_save(hashes, ranks=ranks, owner="test")
     for r in ranks:
         m.finish_save(job.job_id, r)
     return job.block_ids
@@ -50,7 +50,7 @@ def saved(m: HostBlockManager, hashes: list[bytes], ranks: tuple[int, ...] = (0,
 
 def test_allocation_uses_lowest_free_ids_in_runs() -> None:
     m = HostBlockManager(8)
-    job = m.start_save(chain("a", 3))
+    job = m.start_save(chain("a", 3), owner="test")
     assert job.block_ids == [0, 1, 2] and job.positions == [0, 1, 2]
     assert m.match(chain("a", 3)) == 0, "a pending block must never be matched"
     assert m.finish_save(job.job_id, 0) is True
@@ -71,8 +71,8 @@ def test_save_skips_blocks_already_cached_or_pending() -> None:
     m = HostBlockManager(8)
     a = chain("a", 4)
     saved(m, a[:2])
-    pending = m.start_save([a[2]])
-    job = m.start_save(a)
+    pending = m.start_save([a[2]], owner="test")
+    job = m.start_save(a, owner="test")
     assert job.positions == [3], "only the block neither cached nor pending is new"
     m.finish_save(pending.job_id, 0)
     m.finish_save(job.job_id, 0)
@@ -85,7 +85,7 @@ def test_eviction_takes_least_recently_used_and_tails_before_heads() -> None:
     a, b = chain("a", 2), chain("b", 2)
     saved(m, a)
     saved(m, b)
-    job = m.start_save(chain("c", 1))
+    job = m.start_save(chain("c", 1), owner="test")
     # a is the oldest chain; its tail goes first, its head survives
     assert m.match(a) == 1
     assert m.match(b) == 2
@@ -97,12 +97,12 @@ def test_pins_protect_blocks_from_eviction() -> None:
     m = HostBlockManager(2)
     a = chain("a", 2)
     saved(m, a)
-    assert m.pin("load-1", a) == [0, 1]
-    job = m.start_save(chain("b", 2))
+    assert m.pin("load-1", a, owner="test") == [0, 1]
+    job = m.start_save(chain("b", 2), owner="test")
     assert job.job_id == 0 and job.block_ids == [], "everything is pinned: no room"
     assert m.stats.allocation_failures == 1
     assert m.unpin("load-1") == 2
-    assert m.start_save(chain("b", 1)).block_ids
+    assert m.start_save(chain("b", 1), owner="test").block_ids
     m.check()
 
 
@@ -110,10 +110,10 @@ def test_pin_returns_the_cached_prefix_only() -> None:
     m = HostBlockManager(8)
     a = chain("a", 4)
     saved(m, a[:2])
-    assert m.pin("p", a) == [0, 1]
-    assert m.pin("q", chain("zzz", 2)) == []
+    assert m.pin("p", a, owner="test") == [0, 1]
+    assert m.pin("q", chain("zzz", 2), owner="test") == []
     with pytest.raises(OffloadProtocolError, match="'p' is already held"):
-        m.pin("p", a)
+        m.pin("p", a, owner="test")
     m.check()
 
 
@@ -121,7 +121,7 @@ def test_saving_a_chain_never_evicts_its_own_cached_head() -> None:
     m = HostBlockManager(3)
     a = chain("a", 5)
     saved(m, a[:2])
-    job = m.start_save(a)  # needs 3 blocks, 1 free: allocation stops, a[0:2] survive
+    job = m.start_save(a, owner="test")  # needs 3 blocks, 1 free: allocation stops, a[0:2] survive
     assert job.positions == [2]
     m.finish_save(job.job_id, 0)
     assert m.match(a) == 3
@@ -130,7 +130,7 @@ def test_saving_a_chain_never_evicts_its_own_cached_head() -> None:
 
 def test_commit_needs_every_rank_and_ignores_late_or_unknown_confirmations() -> None:
     m = HostBlockManager(4)
-    job = m.start_save(chain("a", 2), ranks=(0, 1, 2))
+    job = m.start_save(chain("a", 2), ranks=(0, 1, 2), owner="test")
     assert m.finish_save(job.job_id, 1) is False
     assert m.finish_save(job.job_id, 1) is False, "a repeated confirmation changes nothing"
     assert m.match(chain("a", 2)) == 0
@@ -146,7 +146,7 @@ def test_commit_needs_every_rank_and_ignores_late_or_unknown_confirmations() -> 
 def test_expired_save_job_frees_its_blocks_and_late_confirmation_is_ignored() -> None:
     clock = FakeClock()
     m = HostBlockManager(4, save_ttl=10.0, clock=clock)
-    job = m.start_save(chain("a", 3), ranks=(0, 1))
+    job = m.start_save(chain("a", 3), ranks=(0, 1), owner="test")
     m.finish_save(job.job_id, 0)  # renews: rank 1 is the one that died
     clock.now = 5.0
     assert m.expire() == (0, 0)
@@ -187,10 +187,10 @@ def test_drop_rank_and_owner() -> None:
 
 def test_fail_save_and_reset() -> None:
     m = HostBlockManager(6)
-    job = m.start_save(chain("a", 2))
+    job = m.start_save(chain("a", 2), owner="test")
     assert m.fail_save(job.job_id) == 2 and m.fail_save(job.job_id) == 0
     saved(m, chain("b", 3))
-    m.pin("p", chain("b", 1))
+    m.pin("p", chain("b", 1), owner="test")
     assert m.reset() == 2, "the pinned block stays"
     assert m.match(chain("b", 3)) == 1
     m.check()
@@ -229,7 +229,7 @@ class ManagerMachine(RuleBasedStateMachine):
           ranks=st.sampled_from([(0,), (0, 1)]))
     def start_save(self, seq: int, n: int, ranks: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
         before_used = self.m.num_used
-        job = self.m.start_save(chain(f"s{seq}", n), ranks=ranks)
+        job = self.m.start_save(chain(f"s{seq}", n), ranks=ranks, owner="test")
         assert len(set(job.block_ids)) == len(job.block_ids)
         assert self.m.num_used >= before_used or self.m.stats.evictions
         for b in job.block_ids:
@@ -252,7 +252,7 @@ class ManagerMachine(RuleBasedStateMachine):
         key = f"pin{self.n_pins}"
         hashes = chain(f"s{seq}", n)
         expected = self.m.match(hashes)
-        assert len(self.m.pin(key, hashes)) == expected
+        assert len(self.m.pin(key, hashes, owner="test")) == expected
         return key
 
     @rule(key=consumes(pins))

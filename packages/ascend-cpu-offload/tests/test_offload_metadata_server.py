@@ -106,13 +106,13 @@ def test_single_rank_full_cycle(server: MetadataServer, endpoint: str, seg_dir: 
     client.attached(0)
     assert not os.path.exists(info.segment_path), "unlinked once every rank mapped it"
     a = chain("a", 3)
-    reply = client.plan_step([SaveRequest(key="r1", hashes=a)], [])
+    reply = client.plan_step([SaveRequest(key="r1", hashes=a)], [], owner="test")
     (planned,) = reply.saves
     assert planned.positions == [0, 1, 2] and reply.total_blocks == info.num_blocks
     assert client.lookup(a) == 0, "nothing is matched before the rank confirms the save"
     client.save_done(0, [planned.job_id])
     assert client.lookup(a) == 3
-    assert client.pin("k1", a) == planned.block_ids
+    assert client.pin("k1", a, owner="test") == planned.block_ids
     stats = client.stats()
     assert stats.pinned_blocks == 3 and stats.cached_blocks == 3
     client.plan_step([], ["k1"])
@@ -145,7 +145,8 @@ def test_two_ranks_register_concurrently_and_commit_needs_both(endpoint: str,
         # both segments fit the budget together
         assert n * (2 * 512 + 2 * 1024) <= 1 << 20
         client = MetadataClient(endpoint)
-        (planned,) = client.plan_step([SaveRequest(key="r", hashes=chain("x", 2))], []).saves
+        (planned,) = client.plan_step([SaveRequest(key="r", hashes=chain("x", 2))], [],
+                                      owner="test").saves
         client.save_done(0, [planned.job_id])
         assert client.lookup(chain("x", 2)) == 0
         client.save_done(1, [planned.job_id])
@@ -191,7 +192,8 @@ def test_a_dead_rank_frees_its_blocks_by_lease(endpoint: str, seg_dir: str) -> N
         for t in threads:
             t.join(15)
         sched = MetadataClient(endpoint)
-        (planned,) = sched.plan_step([SaveRequest(key="r", hashes=chain("a", 4))], []).saves
+        (planned,) = sched.plan_step([SaveRequest(key="r", hashes=chain("a", 4))], [],
+                                     owner="test").saves
         clients[0].save_done(0, [planned.job_id])
         # rank 1 died before confirming: its blocks are pending, not matched, not free
         stats = sched.stats()
@@ -203,7 +205,8 @@ def test_a_dead_rank_frees_its_blocks_by_lease(endpoint: str, seg_dir: str) -> N
         clients[1].save_done(1, [planned.job_id])  # a late confirmation is ignored
         assert sched.lookup(chain("a", 4)) == 0
         # a rank that says goodbye releases at once
-        (p2,) = sched.plan_step([SaveRequest(key="r", hashes=chain("b", 2))], []).saves
+        (p2,) = sched.plan_step([SaveRequest(key="r", hashes=chain("b", 2))], [],
+                                owner="test").saves
         clients[1].rank_gone(1)
         assert sched.stats().pending_blocks == 0 and p2.job_id
     finally:
@@ -264,7 +267,7 @@ def test_well_formed_but_impossible_requests_are_refused(server: MetadataServer,
     client.register(reg(0), timeout_s=2)
     with pytest.raises(RemoteError, match="different layout"):
         client.register(reg(0, nbytes=64), timeout_s=2)
-    client.pin("dup", [])
+    client.pin("dup", [], owner="test")
     client.close()
 
 

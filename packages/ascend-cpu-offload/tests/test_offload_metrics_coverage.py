@@ -118,7 +118,7 @@ def test_load_batch_bytes_match_the_bytes_loaded(worker: CPUOffloadWorker) -> No
     worker.register_kv_caches(caches)
     hashes = [hashlib.sha256(f"x{i}".encode()).digest() for i in range(3)]
     client = MetadataClient(worker.endpoint)
-    (planned,) = client.plan_step([SaveRequest(key="r1", hashes=hashes)], []).saves
+    (planned,) = client.plan_step([SaveRequest(key="r1", hashes=hashes)], [], owner="test").saves
     client.close()
     save = SaveSpec(req_id="r1", job_id=planned.job_id, host_ids=planned.block_ids,
                     device_ids=[[3, 4, 7][p] for p in planned.positions])

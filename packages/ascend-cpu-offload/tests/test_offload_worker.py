@@ -72,7 +72,7 @@ def plan_save(w: CPUOffloadWorker, req: str, hashes_name: str, device_ids: list[
     hashes = [hashlib.sha256(f"{hashes_name}{i}".encode()).digest()
               for i in range(len(device_ids))]
     client = MetadataClient(w.endpoint)
-    (planned,) = client.plan_step([SaveRequest(key=req, hashes=hashes)], []).saves
+    (planned,) = client.plan_step([SaveRequest(key=req, hashes=hashes)], [], owner="test").saves
     client.close()
     return SaveSpec(req_id=req, job_id=planned.job_id, host_ids=planned.block_ids,
                     device_ids=[device_ids[p] for p in planned.positions])
