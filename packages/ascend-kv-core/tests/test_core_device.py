@@ -49,3 +49,65 @@ def test_npu_device_with_fake_torch_npu(fake_torch_npu: Any) -> None:
     assert d.record_event(s).query()
     d.synchronize()
     assert d.default_protocol == "ascend"
+
+
+def test_cuda_device_calls_through_to_torch_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CudaDevice on a machine without CUDA: torch.cuda is replaced by a recorder."""
+    import contextlib
+
+    calls: list[tuple[Any, ...]] = []
+
+    class Event:
+        def record(self, stream: Any = None) -> None:
+            calls.append(("event.record", stream))
+
+        def query(self) -> bool:
+            return True
+
+    class Stream:
+        def __init__(self, device: Any = None) -> None:
+            calls.append(("Stream", device))
+            self.device = device
+
+    @contextlib.contextmanager
+    def stream(s: Any) -> Any:
+        calls.append(("stream enter", s))
+        yield s
+        calls.append(("stream exit", s))
+
+    current = Stream(device="current")
+    calls.clear()
+    fake = {
+        "set_device": lambda i: calls.append(("set_device", i)),
+        "Stream": Stream,
+        "current_stream": lambda i=None: calls.append(("current_stream", i)) or current,
+        "stream": stream,
+        "Event": lambda: calls.append(("Event",)) or Event(),
+        "synchronize": lambda i=None: calls.append(("synchronize", i)),
+    }
+    for name, value in fake.items():
+        monkeypatch.setattr(torch.cuda, name, value)
+
+    d = dev.CudaDevice(3)
+    assert d.kind == "cuda" and d.default_protocol == "rdma"
+    assert d.torch_device == torch.device("cuda", 3)
+    d.set_device()
+    s = d.new_stream()
+    assert isinstance(s, Stream) and s.device == 3
+    assert d.current_stream() is current
+    with d.stream(s) as entered:
+        assert entered is s
+    e = d.record_event(s)
+    assert e.query()
+    d.record_event()  # on the current stream
+    d.synchronize()
+    with dev.maybe_stream(d, None) as on:
+        assert on is current
+    assert calls == [
+        ("set_device", 3), ("Stream", 3), ("current_stream", 3),
+        ("stream enter", s), ("stream exit", s),
+        ("Event",), ("event.record", s),
+        ("Event",), ("current_stream", 3), ("event.record", current),
+        ("synchronize", 3), ("current_stream", 3),
+    ]
+    assert dev._DEVICES["cuda"] is dev.CudaDevice
