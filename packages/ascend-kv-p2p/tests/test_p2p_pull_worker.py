@@ -3,11 +3,14 @@
 
 KV caches are plain CPU tensors in each supported layout; bytes move through the
 real Mooncake transfer engine over TCP on loopback. vLLM's parallel state is not
-needed: TP ranks are given to the workers directly.
+needed: TP ranks are given to the workers directly. Every test runs with D's claims
+overlapped with its read and with the claims sent first (the default depends on the
+machine's CPUs).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -34,6 +37,15 @@ from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_scheduler import (
 )
 from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_worker import PullWorker
 from vllm_ascend.distributed.kv_transfer.kv_p2p.tp_plan import kv_heads_of_rank
+
+
+@pytest.fixture(autouse=True, params=["overlapped", "claims_first"])
+def claim_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """D workers made in the test overlap their claims with the read, or claim first."""
+    monkeypatch.setattr(pull_worker, "OVERLAP_MIN_CPUS",
+                        0 if request.param == "overlapped" else 1 << 30)
+    return str(request.param)
+
 
 BS = 16      # tokens per block
 NB = 12      # blocks per cache
@@ -356,8 +368,6 @@ def test_a_read_in_flight_at_the_deadline_keeps_the_blocks_until_it_returns(pd: 
     """The transfer engine cannot cancel a read, and a stalled one can complete late (a
     network that comes back): the blocks go back to vLLM only once the read returned,
     failed at the deadline; a pull still queued at its deadline never reads at all."""
-    import threading
-
     d = new_worker("kv_consumer", free_port(), 1, 0, "D-slow", {
         "load_timeout_s": 0.5, "handshake_timeout_s": 2.0, "num_recv_workers": 1})
     d.register_kv_caches(make_caches("cpu", 1, 0, fill=False))
@@ -410,3 +420,126 @@ def wait_recv_none(worker: PullWorker, seconds: float) -> bool:
             return False
         time.sleep(0.02)
     return True
+
+
+def test_wait_loads_returns_once_the_load_ended(pd: Any, claim_mode: str) -> None:
+    assert pd.d.overlap_claims is (claim_mode == "overlapped")
+    pd.p.start_load_kv(MooncakeConnectorMetadata(requests_to_send={"r": SendMeta("r", [5])}))
+    recv(pd, "w", "r", [5], [6])
+    assert pd.d.wait_loads(["w"], timeout=30)
+    _s, recving = pd.d.get_finished()
+    assert recving == {"w"} and pd.d.get_block_ids_with_load_errors() == set()
+    assert pd.d.wait_loads(["w", "never-started"], timeout=0)  # nothing pending: at once
+    pd.p.start_load_kv(MooncakeConnectorMetadata(requests_to_send={"s": SendMeta("s", [6])}))
+    d = pd.d
+    reads: list[str] = []
+    original = d._read
+    release = threading.Event()
+
+    def stalled(meta: RecvMeta, *args: Any) -> int:
+        reads.append(meta.request_id)
+        release.wait(10)
+        return int(original(meta, *args))
+
+    d._read = stalled
+    try:
+        recv(pd, "held", "s", [6], [7])
+        assert not d.wait_loads(["held"], timeout=0.3)  # the read is still in flight
+    finally:
+        release.set()
+    assert d.wait_loads(["held"], timeout=30) and reads == ["held"]
+    assert wait_recv(d, "held") == set()
+
+
+def test_a_read_is_trusted_only_under_a_claim_accepted_at_first_try(
+        pd: Any, claim_mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """P answers the first claim "unknown request" (its metadata is late) and accepts a retry.
+    With the claims overlapped the read that ran meanwhile is not proof of anything: D must read
+    again after the claim was accepted, never report the first read's bytes. Here P's block
+    changes between the two (as if it had held another request's KV at the first read)."""
+
+    monkeypatch.setattr(pull_worker, "CLAIM_RETRY_S", 5.0)
+    monkeypatch.setattr(pull_worker, "CLAIM_WAIT_S", 0.0)  # P answers "unknown" at once
+    p, d = pd.p, pd.d
+    refused = threading.Event()
+    on_claim = p._on_claim
+
+    def counting(msg: Any) -> Any:
+        reply = on_claim(msg)
+        if getattr(reply, "code", None) == "unknown_request":
+            refused.set()
+        return reply
+
+    p._on_claim = counting
+    first_read = threading.Event()
+    reads: list[str] = []
+    original = d._read
+
+    def read(meta: RecvMeta, *args: Any) -> int:
+        n = int(original(meta, *args))
+        reads.append(meta.request_id)
+        first_read.set()
+        return n
+
+    d._read = read
+    recv(pd, "late", "r", [9], [3])
+    assert refused.wait(10)
+    if claim_mode == "overlapped":
+        assert first_read.wait(10)  # the read ran before any claim was accepted
+    else:
+        assert not first_read.wait(0.2)  # claims first: no read before the claim is accepted
+    new_value = 123.0
+    for t in cache_of(p).values():
+        t[9] = new_value  # what P holds for the request once it accepts the claim
+    p.start_load_kv(MooncakeConnectorMetadata(requests_to_send={"r": SendMeta("r", [9])}))
+    assert wait_recv(d, "late") == set()
+    for t in cache_of(d).values():
+        assert bool((t[3] == new_value).all()), "D reported bytes read before the claim"
+    assert reads == (["late", "late"] if claim_mode == "overlapped" else ["late"])
+    wait_sent([p], "r")
+
+
+def test_a_first_try_claim_reads_once(pd: Any) -> None:
+    reads: list[str] = []
+    original = pd.d._read
+
+    def read(meta: RecvMeta, *args: Any) -> int:
+        reads.append(meta.request_id)
+        return int(original(meta, *args))
+
+    pd.d._read = read
+    pd.p.start_load_kv(MooncakeConnectorMetadata(requests_to_send={"r": SendMeta("r", [2])}))
+    recv(pd, "once", "r", [2], [8])
+    assert wait_recv(pd.d, "once") == set()
+    assert reads == ["once"]
+    wait_sent([pd.p], "r")
+
+
+def test_a_refused_claim_fails_the_load_and_gives_back_the_claimed_ranks(
+        claim_mode: str) -> None:
+    """P rank 1 refuses the claim (it does not hold the blocks); rank 0 accepted: the load
+    fails whatever the read did, and rank 0 gets its blocks back at once (Done, not lease)."""
+    p_port, d_port = free_port(), free_port()
+    ps = [new_worker("kv_producer", p_port, 2, r, "P", {"lease_ttl_s": 30.0}) for r in range(2)]
+    d = new_worker("kv_consumer", d_port, 1, 0, "D", {"load_timeout_s": 10.0})
+    try:
+        for r, w in enumerate(ps):
+            w.register_kv_caches(make_caches("cpu", 2, r, fill=True))
+        d.register_kv_caches(make_caches("cpu", 1, 0, fill=False))
+        ps[0].start_load_kv(MooncakeConnectorMetadata(requests_to_send={"r": SendMeta("r", [4])}))
+        ps[1].start_load_kv(MooncakeConnectorMetadata(requests_to_send={"r": SendMeta("r", [5])}))
+        remote = RemotePrefill(engine_id="P", host="127.0.0.1", port=p_port, request_id="r",
+                               block_ids=[4], tp_size=2, pcp_size=1, dcp_size=1)
+        d.start_load_kv(MooncakeConnectorMetadata(requests={"x": RecvMeta(
+            "x", [6], remote, remote_block_ids=[4])}))
+        assert wait_recv(d, "x") == {6}
+        assert d.recorder.total("p2p_failures", cause="bad_blocks") == 1
+        wait_sent([ps[0]], "r", timeout=5.0)  # well within the 30 s lease
+    finally:
+        for w in [*ps, d]:
+            w.shutdown()
+
+
+def cache_of(worker: PullWorker) -> dict[str, Any]:
+    assert worker.layout is not None
+    return {f"r{i}": r.tensor for i, r in enumerate(worker.layout.regions)}

@@ -6,8 +6,17 @@ runs in a spawned process and holds requests of 1, 16 and 128 blocks; the
 decode worker in this process loads them. For each size the same block
 ranges are also read with one raw ``batch_transfer_sync_read`` of the
 Mooncake transfer engine, in the same run: the ratio raw time / connector
-time is the connector's efficiency (the connector adds a claim and a done
-message, and the bookkeeping around them).
+time is the connector's efficiency (the connector adds the claim, the
+hand-off to its pull thread and the bookkeeping; the done message goes to P
+after the load was reported).
+
+The connector's time runs from ``start_load_kv`` until the worker marks the
+request finished receiving (:meth:`PullWorker.wait_loads` wakes up), so it
+includes waking the waiting thread but not a ``get_finished`` polling
+interval, which in vLLM is one engine step and no part of the connector.
+Each load runs in both claim modes of the worker (claims overlapped with the
+read, claims first); ``ratio`` is the mode the worker picks on this machine
+(:data:`~.pull_worker.OVERLAP_MIN_CPUS`), the other is reported beside it.
 """
 
 from __future__ import annotations
@@ -103,7 +112,8 @@ def _raw_read(d: Any, session: str, p_addrs: list[int], p_strides: list[int],
 
 def _connector_load(d: Any, q_in: Any, q_out: Any, rid: str, p_port: int,
                     d_blocks: list[int], p_blocks: list[int]) -> float:
-    """One connector load (claim, read, done) until get_finished reports it; returns seconds."""
+    """One connector load: seconds from ``start_load_kv`` until the worker marks the request
+    finished receiving (then checked with ``get_finished``)."""
     from .params import RemotePrefill
     from .pull_scheduler import MooncakeConnectorMetadata, RecvMeta
 
@@ -112,14 +122,21 @@ def _connector_load(d: Any, q_in: Any, q_out: Any, rid: str, p_port: int,
     remote = RemotePrefill(engine_id="bench-kv_producer", host=d.host, port=p_port,
                            request_id=rid, block_ids=p_blocks, tp_size=1, pcp_size=1,
                            dcp_size=1)
+    metadata = MooncakeConnectorMetadata(requests={rid: RecvMeta(
+        rid, d_blocks, remote, remote_block_ids=p_blocks)})
     t0 = time.perf_counter()
-    d.start_load_kv(MooncakeConnectorMetadata(requests={rid: RecvMeta(
-        rid, d_blocks, remote, remote_block_ids=p_blocks)}))
-    while True:
-        _s, done = d.get_finished()
-        if done and rid in done:
-            return time.perf_counter() - t0
-        time.sleep(0.001)
+    d.start_load_kv(metadata)
+    if not d.wait_loads([rid], timeout=60):
+        raise RuntimeError(f"connector load {rid} did not end within 60 s")
+    elapsed = time.perf_counter() - t0
+    _s, done = d.get_finished()
+    if not done or rid not in done:
+        raise RuntimeError(f"connector load {rid} ended but get_finished did not report it")
+    return float(elapsed)
+
+
+#: the connector's claim modes, as ``PullWorker.overlap_claims``
+MODES = {"overlapped": True, "claims_first": False}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -128,8 +145,10 @@ def run(args: argparse.Namespace) -> int:
     from vllm_ascend.distributed.kv_transfer.core.benchutil import format_table, write_results
     from vllm_ascend.distributed.kv_transfer.core.net import free_port
 
+    from .pull_worker import usable_cpus
+
     sizes = [1, 16] if args.quick else [1, 16, 128]
-    repeats = 2 if args.quick else args.repeats
+    repeats = 3 if args.quick else args.repeats
     p_port = free_port()
     ctx = mp.get_context("spawn")
     q_in, q_out = ctx.Queue(), ctx.Queue()
@@ -137,36 +156,45 @@ def run(args: argparse.Namespace) -> int:
     proc.start()
     d = _worker("kv_consumer", free_port())
     rows: list[dict[str, Any]] = []
+    cpus = usable_cpus()
+    default = ""
     try:
         session, p_addrs, p_strides = q_out.get(timeout=120)
         d.register_kv_caches(_caches(fill=False))
         assert d.layout is not None and d.te is not None
         rng = random.Random(0)
+        auto = d.overlap_claims
+        default = next(m for m, on in MODES.items() if on == auto)
+        paths = ["raw", *MODES]
         for n in sizes:
-            raw_s, conn_s = [], []
+            times: dict[str, list[float]] = {k: [] for k in paths}
             nbytes = n * d.layout.block_bytes
             for rep in range(repeats + 1):  # the first round warms connections up
                 p_blocks = rng.sample(range(NUM_BLOCKS), n)
                 d_blocks = rng.sample(range(NUM_BLOCKS), n)
-                rid = f"bench-{n}-{rep}"
-                # alternate the order so neither path always runs on a warmer machine
-                if rep % 2:
-                    t_conn = _connector_load(d, q_in, q_out, rid, p_port, d_blocks, p_blocks)
-                    t_raw = _raw_read(d, session, p_addrs, p_strides, d_blocks, p_blocks, nbytes)
-                else:
-                    t_raw = _raw_read(d, session, p_addrs, p_strides, d_blocks, p_blocks, nbytes)
-                    t_conn = _connector_load(d, q_in, q_out, rid, p_port, d_blocks, p_blocks)
-                if d.get_block_ids_with_load_errors():
-                    raise RuntimeError(f"connector load of {n} blocks failed")
-                if rep:
-                    raw_s.append(t_raw)
-                    conn_s.append(t_conn)
-            raw, conn = statistics.median(raw_s), statistics.median(conn_s)
+                # the same memory is warm for every path (one untimed read), and each path
+                # runs first in as many rounds as the others (repeats a multiple of 3)
+                _raw_read(d, session, p_addrs, p_strides, d_blocks, p_blocks, nbytes)
+                for kind in paths[rep % 3:] + paths[:rep % 3]:
+                    if kind == "raw":
+                        t = _raw_read(d, session, p_addrs, p_strides, d_blocks, p_blocks, nbytes)
+                    else:
+                        d.overlap_claims = MODES[kind]
+                        t = _connector_load(d, q_in, q_out, f"bench-{n}-{rep}-{kind}", p_port,
+                                            d_blocks, p_blocks)
+                        if d.get_block_ids_with_load_errors():
+                            raise RuntimeError(f"connector load of {n} blocks failed")
+                    if rep:
+                        times[kind].append(t)
+            d.overlap_claims = auto
+            med = {k: statistics.median(times[k]) for k in paths}
+            raw, conn = med["raw"], med[default]
             rows.append({"blocks": n, "bytes": nbytes, "raw_GBps": nbytes / raw / 1e9,
                          "connector_GBps": nbytes / conn / 1e9, "ratio": raw / conn,
-                         "raw_ms": raw * 1e3, "connector_ms": conn * 1e3})
-            print(f"{n} blocks: raw {raw * 1e3:.2f} ms, connector {conn * 1e3:.2f} ms",
-                  flush=True)
+                         "raw_ms": raw * 1e3, "connector_ms": conn * 1e3,
+                         **{f"ratio_{m}": raw / med[m] for m in MODES}})
+            print(f"{n} blocks: raw {raw * 1e3:.2f} ms, connector {conn * 1e3:.2f} ms ({default}; "
+                  + ", ".join(f"{m} {med[m] * 1e3:.2f} ms" for m in MODES) + ")", flush=True)
     finally:
         q_in.put(None)
         proc.join(30)
@@ -174,10 +202,16 @@ def run(args: argparse.Namespace) -> int:
             proc.kill()
         d.shutdown()
     print(format_table(rows, ["blocks", "bytes", "raw_GBps", "connector_GBps", "ratio",
-                              "raw_ms", "connector_ms"]))
+                              "raw_ms", "connector_ms", *(f"ratio_{m}" for m in MODES)]))
     path = write_results("p2p", {
-        "description": "MooncakeConnectorV1 load (claim + read + done) vs one raw Mooncake "
-                       "batch read of the same ranges, TCP on loopback, P in another process",
+        "description": "MooncakeConnectorV1 load (claim + read; done sent after) timed from "
+                       "start_load_kv until the worker marks the request finished receiving, vs "
+                       "one raw Mooncake batch read of the same ranges, TCP on loopback, P in "
+                       f"another process; claims {default.replace('_', ' ')} (the worker's "
+                       f"choice with {cpus} CPUs; ratio_overlapped / ratio_claims_first: both "
+                       "modes, same run)",
+        "claim_mode": default,
+        "cpus": cpus,
         "goal": "ratio >= 0.9",
         "layout": {"layers": LAYERS, "block_bytes_per_layer": HEADS * BLOCK_TOKENS * 2 *
                    HEAD_SIZE * 2},
@@ -192,5 +226,6 @@ def add_parser(subparsers: Any) -> None:
 
     p = subparsers.add_parser("p2p", help="pull connector transfer vs the raw Mooncake engine")
     add_common_args(p)
-    p.add_argument("--repeats", type=int, default=5, help="measurements per size")
+    p.add_argument("--repeats", type=int, default=9,
+                   help="measurements per size and path (the median is reported)")
     p.set_defaults(func=run)

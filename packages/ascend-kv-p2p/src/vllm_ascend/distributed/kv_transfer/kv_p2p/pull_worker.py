@@ -10,8 +10,11 @@ answers a ``Claim`` for blocks it holds for that very request.
 
 D worker: pulls each request on a thread pool: handshake with every P rank it
 needs (cached, with the compatibility check), ``Claim``, one batched read
-through the transfer engine, ``Done``. Every request ends exactly once, as
-loaded or as failed; a failed request's blocks go to
+through the transfer engine, ``Done``. With enough CPUs the claims go out on
+claim threads while the pull thread reads; the read's data is then used only
+when every claim was accepted at its first try, otherwise it is read again
+under the accepted claims (see :meth:`PullWorker._pull`). Every request ends
+exactly once, as loaded or as failed; a failed request's blocks go to
 ``get_block_ids_with_load_errors`` so vLLM recomputes or fails it per
 ``kv_load_failure_policy``; a request still loading at its deadline is
 failed at the deadline, except that its blocks go back to vLLM only once no
@@ -23,9 +26,12 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
+import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -73,6 +79,20 @@ _RELEASED_MEMORY = 16384
 CLAIM_RETRY_S = 10.0
 #: How long P's side channel waits for a request's registration before answering "unknown".
 CLAIM_WAIT_S = 0.2
+#: CPUs this process may run on from which D overlaps its claims with the read. The
+#: transfer engine's synchronous read busy-waits for completion on the pull thread (one
+#: CPU), the transport moves the bytes on its own threads (and, over TCP, the kernel copies
+#: them), and the claim needs a thread and ZeroMQ's I/O thread: with fewer CPUs the claim
+#: only slows the read down (measured on 2 CPUs: 1-block loads ~10% slower overlapped).
+OVERLAP_MIN_CPUS = 4
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 @dataclass
@@ -82,6 +102,17 @@ class Held:
     block_ids: list[int]
     readers_expected: int = 1
     readers_done: set[str] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """P rank's answer to a claim D sent."""
+
+    #: P accepted the first ``Claim`` sent (no "unknown request" retry)
+    first_try: bool
+    #: ``time.monotonic()`` when the accepted ``Claim`` was sent; P renewed the lease to a
+    #: full ``lease_ttl_s`` when it answered, which is later
+    sent_at: float
 
 
 @dataclass
@@ -117,10 +148,19 @@ class PullWorker(P2PWorkerBase):
                                         thread_name_prefix="p2p-pull")
         # Done messages sent after a load was reported (keeps them off the pull threads)
         self._notify = ThreadPoolExecutor(max_workers=1, thread_name_prefix="p2p-done")
+        #: send the claims on claim threads while the pull thread reads (else claim first)
+        self.overlap_claims = usable_cpus() >= OVERLAP_MIN_CPUS
+        # the claim threads (started on demand)
+        self._claims = ThreadPoolExecutor(max_workers=4 * cfg.num_recv_workers,
+                                          thread_name_prefix="p2p-claim")
         self._pending: dict[str, Pending] = {}
         self._done_recving: set[str] = set()
         self._failed_blocks: set[int] = set()
         self._recv_lock = threading.Lock()
+        # notified (under _recv_lock) whenever a load ends: see wait_loads
+        self._recv_ended = threading.Condition(self._recv_lock)
+        # (P's TP size, MLA) -> this rank's pull plan and the readers of each P rank
+        self._plans: dict[tuple[int, bool], tuple[tuple[PullSlice, ...], Mapping[int, int]]] = {}
 
     # ================================================================ set-up
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -140,6 +180,7 @@ class PullWorker(P2PWorkerBase):
             self.server.stop()
             self.server = None
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._claims.shutdown(wait=True)
         self._notify.shutdown(wait=True)
         self._release_resources()
 
@@ -250,7 +291,17 @@ class PullWorker(P2PWorkerBase):
         self._done_recving.add(meta.request_id)
         if not ok:
             self._failed_blocks.update(meta.local_block_ids)
+        self._recv_ended.notify_all()
         return True
+
+    def wait_loads(self, request_ids: Iterable[str], timeout: float | None = None) -> bool:
+        """Block until none of ``request_ids`` (already passed to :meth:`start_load_kv`) is
+        still loading: each ended, loaded or failed, and the next :meth:`get_finished` reports
+        it. False on timeout. For benchmarks and tests; vLLM polls ``get_finished``."""
+        ids = list(request_ids)
+        with self._recv_ended:
+            return self._recv_ended.wait_for(
+                lambda: not any(r in self._pending for r in ids), timeout)
 
     def _finish(self, meta: RecvMeta, *, ok: bool, reason: str = "", cause: str = "") -> None:
         """End a load exactly once (success or failure); later calls are ignored."""
@@ -283,48 +334,67 @@ class PullWorker(P2PWorkerBase):
                                      configured_tp=self.cfg.prefill.tp_size)
 
     def _pull(self, meta: RecvMeta) -> None:
-        """Load one request (pool thread). Every path ends in :meth:`_finish`."""
+        """Load one request (pool thread). Every path ends in :meth:`_finish`.
+
+        With :attr:`overlap_claims` the claims and the read overlap: each P rank's
+        ``Claim`` goes out on a claim thread while this thread reads (the transfer engine
+        releases the GIL while it moves bytes); otherwise every claim is accepted before
+        the read starts, as the first check below requires anyway. Why the data of a read
+        that may have started before its claims were answered can be trusted, and when it
+        cannot:
+
+        * P's scheduler holds the request's blocks continuously from the moment P
+          finished the request (before its ``kv_transfer_params`` reached D, so before
+          this read started) until D's ``Done`` or a lapsed lease; only then does P
+          free them (and remember the id as released).
+        * A claim accepted at its first try proves P still held the blocks for that
+          request when it answered (request ids are unique, and P accepts only block ids
+          it holds for that request), so they were held from before the read started until
+          the answer, and the answer renewed the lease to a full ``lease_ttl_s`` from a
+          moment after the claim was sent. A read that ended before
+          ``sent_at + lease_ttl_s / 2`` (checked below, as before the overlap) therefore
+          read the request's KV.
+        * A claim that was refused, or answered "unknown request" and accepted only on a
+          retry, proves nothing about the time of the read ("unknown" also means a P that
+          restarted or forgot the id): that read's data is never used. A failed claim
+          fails the request (P's error decides the cause); a claim accepted after a retry
+          makes this thread read again, after every claim was accepted.
+        * The claims are always awaited before the request ends, so every rank that
+          accepted one gets ``Done(success=False)`` on failure, and ``_begin_read`` /
+          ``_end_read`` keep the blocks from vLLM while any read into them can land.
+        """
         assert meta.remote is not None and self.layout is not None and self.te is not None
         remote = meta.remote
         start = time.perf_counter()
         claimed: list[int] = []
-        plan: list[PullSlice] = []
-        readers: dict[int, int] = {}
+        readers: Mapping[int, int] = {}
+        p_ranks: list[int] = []
+        loaded = False
         try:
-            plan = plan_pulls(self.total_kv_heads, remote.tp_size, self.tp_size, self.tp_rank,
-                              is_mla=self.layout.is_mla)
-            readers = readers_per_p_rank(self.total_kv_heads, remote.tp_size, self.tp_size,
-                                         is_mla=self.layout.is_mla)
+            plan, readers = self._tp_plan(remote.tp_size)
             p_ranks = sorted({s.p_rank for s in plan})
             metas = {r: self.remote_meta(remote.host, self._port_of(remote, r),
                                          expect_tp=remote.tp_size) for r in p_ranks}
-            # Every claim renews P's lease to a full lease_ttl_s from when P answers,
-            # which is after this moment.
-            claimed_at = time.monotonic()
-            for r in p_ranks:
-                self._claim(meta, r, readers[r])
-                claimed.append(r)
-            # The blocks are written by the transfer engine: they must not go back to vLLM
-            # while a read into them can still land (see _collect_recving).
-            if not self._begin_read(meta):
-                raise RemoteKVUnavailable("the load ended (deadline) before its read started",
-                                          code="deadline")
+            overlapped = self.overlap_claims
+            claims = self._start_claims(meta, p_ranks, readers, overlapped=overlapped)
             nbytes = 0
             try:
-                for r in p_ranks:
-                    slices = [s for s in plan if s.p_rank == r]
-                    nbytes += self._read(meta, metas[r], slices)
+                if not any(f.done() and f.exception() is not None for f in claims.values()):
+                    nbytes = self._read_all(meta, metas, plan, p_ranks)
             finally:
-                wanted = self._end_read(meta)
-            if not wanted:
-                raise RemoteKVUnavailable("the deadline passed during the read",
-                                          code="deadline")
+                # Never end with a claim in flight; a claim error replaces a read error
+                # (P's refusal says more than the failed read of blocks it does not hold).
+                first_try, claimed_at = self._await_claims(claims, claimed)
+            if overlapped and not first_try:
+                logger.info("request %s: a claim was accepted only after a retry; reading "
+                            "again under the accepted claims", meta.request_id)
+                nbytes = self._read_all(meta, metas, plan, p_ranks)
             if time.monotonic() - claimed_at < self.cfg.lease_ttl_s / 2:
                 # The leases were held for the whole read: the data is the request's. P
-                # learns it can free the blocks off the critical path.
+                # learns it can free the blocks off the critical path, once the load was
+                # reported (below).
                 claimed.clear()
-                self._notify.submit(self._done_quietly, meta, p_ranks, readers)
-                valid = True
+                valid = loaded = True
             else:
                 # A slow read: only P can tell whether the lease outlived it.
                 valid = all(self._done(meta, r, readers[r], success=True) for r in p_ranks)
@@ -350,6 +420,8 @@ class PullWorker(P2PWorkerBase):
             self.recorder.observe("p2p_transfer_seconds", elapsed)
             self.recorder.observe("p2p_transfer_request_bytes", nbytes)
             self._finish(meta, ok=True)
+            if loaded:
+                self._notify.submit(self._done_quietly, meta, p_ranks, readers)
         finally:
             for r in claimed:  # give P its blocks back early after a failure
                 try:
@@ -358,7 +430,76 @@ class PullWorker(P2PWorkerBase):
                     pass
             self._release_unread(meta)
 
-    def _done_quietly(self, meta: RecvMeta, p_ranks: list[int], readers: dict[int, int]) -> None:
+    def _tp_plan(self, p_tp: int) -> tuple[tuple[PullSlice, ...], Mapping[int, int]]:
+        """This rank's slices to read from a P instance of TP size ``p_tp``, and how many D
+        ranks read each P rank; computed once per P TP size (shared: never modify)."""
+        is_mla = bool(self.layout and self.layout.is_mla)
+        key = (p_tp, is_mla)
+        cached = self._plans.get(key)
+        if cached is None:
+            plan = tuple(plan_pulls(self.total_kv_heads, p_tp, self.tp_size, self.tp_rank,
+                                    is_mla=is_mla))
+            readers = readers_per_p_rank(self.total_kv_heads, p_tp, self.tp_size, is_mla=is_mla)
+            cached = self._plans[key] = (plan, readers)
+        return cached
+
+    def _start_claims(self, meta: RecvMeta, p_ranks: list[int], readers: Mapping[int, int], *,
+                      overlapped: bool) -> dict[int, Future[Claimed]]:
+        """Claim the request on every P rank: on the claim threads (``overlapped``), or here,
+        one after the other, stopping at the first that fails."""
+        if overlapped:
+            return {r: self._claims.submit(self._claim, meta, r, readers[r]) for r in p_ranks}
+        out: dict[int, Future[Claimed]] = {}
+        for r in p_ranks:
+            fut: Future[Claimed] = Future()
+            out[r] = fut
+            try:
+                fut.set_result(self._claim(meta, r, readers[r]))
+            except Exception as exc:  # raised by _await_claims
+                fut.set_exception(exc)
+                break
+        return out
+
+    def _read_all(self, meta: RecvMeta, metas: dict[int, AgentMeta],
+                  plan: Sequence[PullSlice], p_ranks: list[int]) -> int:
+        """Read every P rank's slices into the local blocks; returns bytes. The blocks are
+        written by the transfer engine: they must not go back to vLLM while a read into them
+        can still land (see :meth:`_collect_recving`)."""
+        if not self._begin_read(meta):
+            raise RemoteKVUnavailable("the load ended (deadline) before its read started",
+                                      code="deadline")
+        nbytes = 0
+        try:
+            for r in p_ranks:
+                nbytes += self._read(meta, metas[r], [s for s in plan if s.p_rank == r])
+        finally:
+            wanted = self._end_read(meta)
+        if not wanted:
+            raise RemoteKVUnavailable("the deadline passed during the read", code="deadline")
+        return nbytes
+
+    def _await_claims(self, claims: dict[int, Future[Claimed]],
+                      claimed: list[int]) -> tuple[bool, float]:
+        """Wait for every claim; ranks that accepted go to ``claimed`` (they are owed a
+        ``Done``). Returns whether every claim was accepted at its first try, and when the
+        earliest accepted claim was sent. Raises the first claim's error."""
+        error: Exception | None = None
+        first_try, sent_at = True, math.inf
+        for r, fut in claims.items():
+            try:
+                answer = fut.result()
+            except Exception as exc:  # re-raised below, once every claim is in
+                error = error or exc
+                continue
+            claimed.append(r)
+            first_try = first_try and answer.first_try
+            sent_at = min(sent_at, answer.sent_at)
+        if error is not None:
+            raise error
+        return first_try, sent_at if claimed else time.monotonic()
+
+    def _done_quietly(self, meta: RecvMeta, p_ranks: list[int],
+                      readers: Mapping[int, int]) -> None:
         """``Done`` to every P rank read from, after a load already reported loaded."""
         for r in p_ranks:
             try:
@@ -370,7 +511,9 @@ class PullWorker(P2PWorkerBase):
     def _port_of(self, remote: Any, p_rank: int) -> int:
         return worker_port(remote.port, tp_rank=p_rank, tp_size=remote.tp_size)
 
-    def _claim(self, meta: RecvMeta, p_rank: int, num_readers: int) -> None:
+    def _claim(self, meta: RecvMeta, p_rank: int, num_readers: int) -> Claimed:
+        """Claim the request's blocks on one P rank (claim thread); retries while P answers
+        "unknown request" (its metadata may not have arrived yet), within the deadline."""
         remote = meta.remote
         assert remote is not None
         client = self._client(remote.host, self._port_of(remote, p_rank))
@@ -378,7 +521,9 @@ class PullWorker(P2PWorkerBase):
                     reader=self.agent_id, num_readers=num_readers)
         give_up = time.monotonic() + CLAIM_RETRY_S
         delay = 0.01
+        first_try = True
         while True:
+            sent_at = time.monotonic()
             try:
                 reply = client.call(msg)
             except RemoteError as exc:
@@ -386,12 +531,13 @@ class PullWorker(P2PWorkerBase):
                         give_up, self._deadline(meta)):
                     time.sleep(delay)
                     delay = min(delay * 2, 0.5)
+                    first_try = False
                     continue
                 raise RemoteKVUnavailable(f"P rank {p_rank} refused the claim: {exc}",
                                           code=exc.code) from exc
             if not isinstance(reply, ClaimOK):
                 raise RemoteKVUnavailable(f"unexpected claim reply {type(reply).__name__}")
-            return
+            return Claimed(first_try=first_try, sent_at=sent_at)
 
     def _begin_read(self, meta: RecvMeta) -> bool:
         """Mark a read into the request's blocks as in flight; False when the load already
@@ -508,11 +654,7 @@ class PullWorker(P2PWorkerBase):
         """Tell every P rank it can free a request D will not read (best effort)."""
         remote = meta.remote
         assert remote is not None
-        is_mla = bool(self.layout and self.layout.is_mla)
-        readers = readers_per_p_rank(self.total_kv_heads, remote.tp_size, self.tp_size,
-                                     is_mla=is_mla)
-        plan = plan_pulls(self.total_kv_heads, remote.tp_size, self.tp_size, self.tp_rank,
-                          is_mla=is_mla)
+        plan, readers = self._tp_plan(remote.tp_size)
         for r in sorted({s.p_rank for s in plan}):
             try:
                 self._done(meta, r, readers[r], success=False)
@@ -526,8 +668,7 @@ class PullWorker(P2PWorkerBase):
         ``p_rank % d_tp`` releases each of them."""
         remote = meta.remote
         assert remote is not None
-        readers = readers_per_p_rank(self.total_kv_heads, remote.tp_size, self.tp_size,
-                                     is_mla=bool(self.layout and self.layout.is_mla))
+        _plan, readers = self._tp_plan(remote.tp_size)
         for r in range(remote.tp_size):
             if r in readers or r % self.tp_size != self.tp_rank:
                 continue

