@@ -6,6 +6,8 @@
 * a read stalled past D's deadline must not land in blocks vLLM handed to another request;
 * D killed while it reads (P granted the claim and holds the blocks for a dead reader);
 * P killed after it granted D's claim, before D's read completed;
+* P killed while a large read is in flight (the read cut into pieces on a slow link: part
+  of the KV has landed in D's blocks when P dies);
 * P killed after D read everything.
 
 Faults are placed exactly with hooks inside the engines (``ascend_kv_testing.fault_hooks``)
@@ -47,11 +49,12 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def engines(model: Path) -> Iterator[dict[str, EngineProcess]]:
-    """P ``pa`` and ``pb`` (leases of 3 s), D ``d`` (recompute, 6 s deadline) and D ``dc``
+    """P ``pa``, ``pb`` and ``pc`` (leases of 3 s), D ``d`` (recompute, 6 s deadline) and D ``dc``
     (fail policy, 3 s deadline, 16 usable blocks)."""
     made = start_in_parallel({
         "pa": lambda: EngineProcess(model, kv_config("kv_producer", "fpd-pa", lease_ttl_s=LEASE_S)),
         "pb": lambda: EngineProcess(model, kv_config("kv_producer", "fpd-pb", lease_ttl_s=LEASE_S)),
+        "pc": lambda: EngineProcess(model, kv_config("kv_producer", "fpd-pc", lease_ttl_s=LEASE_S)),
         "d": lambda: EngineProcess(model, kv_config(
             "kv_consumer", "fpd-d", policy="recompute", load_timeout_s=DEADLINE_S,
             handshake_timeout_s=2.0)),
@@ -185,6 +188,50 @@ def test_p_killed_after_granting_the_claim(engines: dict[str, EngineProcess], tm
     fault_report(fault="P killed after granting D's claim, before D's read completed",
                  happened=f"D's read failed; D recomputed the prompt ({out['took']:.1f}s) and "
                           "served the next request",
+                 deadline=True, survivor=True, zero=True,
+                 client="the right tokens (recompute policy)")
+
+
+def test_p_killed_while_a_large_read_is_in_flight(engines: dict[str, EngineProcess],
+                                                   tmp_path: Path, fault_report: Any) -> None:
+    """P dies while D's read of a long prompt is really on the wire (cut into 64 pieces on
+    a slow link, the kill lands after the first piece): the rest of the read fails, D
+    recomputes within its deadline (no half-loaded block is served) and serves on."""
+    pc, d = engines["pc"], engines["d"]
+    x, z = prompts_of([1400, 60], seed=105)
+    want = baseline(d, [x, z])
+    failures0 = {k: v for k, v in totals(d).items() if k.startswith("p2p_failures")}
+    params = prefill(pc, [x])
+    assert d.call(f"{HOOKS}:slow_read", flag_dir=str(tmp_path), pieces=64, pause_s=0.03)
+    out: dict[str, Any] = {}
+
+    def decode() -> None:
+        t = time.monotonic()
+        out["x"] = d.generate([x], max_tokens=8, kv_params=params)[0]
+        out["took"] = time.monotonic() - t
+
+    thread = threading.Thread(target=decode)
+    thread.start()
+    assert wait_for(lambda: (tmp_path / "reading").exists(), 30, interval_s=0.005)
+    pc.kill()
+    thread.join(120)
+    landed, pieces = map(int, (tmp_path / "pieces").read_text().split())
+    assert 1 <= landed < pieces, (landed, pieces)  # the kill landed mid-read
+    assert out["x"].token_ids == want[0] and out["x"].finish_reason == "length"
+    assert out["took"] < DEADLINE_S + 5
+    failures = {k: v - failures0.get(k, 0) for k, v in totals(d).items()
+                if k.startswith("p2p_failures") and v != failures0.get(k, 0)}
+    assert sum(failures.values()) == 1, failures
+    assert d.generate([z], max_tokens=8)[0].token_ids == want[1]
+    # the same prompt again: nothing half-read was cached under its hashes
+    assert d.generate([x], max_tokens=8)[0].token_ids == want[0]
+    idle_and_empty(d)
+    cause = next(iter(failures)).split("cause=")[-1]
+    fault_report(fault="P killed while D's read of a long prompt is in flight (1400 tokens, "
+                       "the read cut into pieces on a slow link)",
+                 happened=f"{landed} of {pieces} pieces had landed; the rest of the read "
+                          f"failed (cause {cause}); D recomputed the prompt "
+                          f"({out['took']:.1f}s) and served the next request",
                  deadline=True, survivor=True, zero=True,
                  client="the right tokens (recompute policy)")
 

@@ -13,7 +13,9 @@ Real processes on loopback: P and D are ``vllm serve`` with ``MooncakeConnectorV
   JSON, pickles): every request answered, no pickle run, memory bounded, valid traffic
   served afterwards;
 * the proxy killed (SIGKILL) while streaming: the client sees the connection end, D aborts
-  the request and frees its blocks, P holds nothing, a new proxy on the same port serves.
+  the request and frees its blocks, P holds nothing, a new proxy on the same port serves;
+* the layerwise proxy's ``POST /v1/metaserver`` fuzzed (``--mode layerwise`` in front of
+  stub instances: D's posts arrive while the request is really pending) and sent pickles.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from ascend_kv_testing.procs import free_port
 from ascend_kv_testing.serving import (
     MODEL_NAME,
     Server,
+    StubInstance,
     completion,
     http,
     metrics,
@@ -304,3 +307,102 @@ def test_proxy_killed_while_streaming(cluster: dict[str, Server], model: tuple[P
                           "blocks; P held nothing; a proxy restarted on the same port served",
                  deadline=True, survivor=True, zero=True,
                  client="the stream ends (connection closed)")
+
+
+@pytest.fixture(scope="module")
+def lw_proxy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """A real ``--mode layerwise`` proxy in front of a stub P and a stub D; the stub D
+    holds each completion until the test released it (the request stays pending)."""
+    logs = tmp_path_factory.mktemp("proxy-lw-logs")
+    p, d = StubInstance(), StubInstance(hold=True)
+    px = proxy("proxy-lw", logs, [p.url], [d.url], "--mode", "layerwise")
+    try:
+        px.wait_ready(60)
+        yield {"p": p, "d": d, "proxy": px}
+    finally:
+        px.stop()
+        p.close()
+        d.close()
+
+
+def test_layerwise_metaserver_fuzz(lw_proxy: dict[str, Any], tmp_path: Path,
+                                   fault_report: Any) -> None:
+    """Each example: a completion through the proxy (pending at the stub D), then a fuzzed
+    post to /v1/metaserver, carrying the pending request's id or not. The proxy answers
+    every post, forwards a well-addressed one to P as its kv_transfer_params, never runs a
+    pickle, stays bounded, and forgets every request once D answered."""
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.params import params_for_prefill
+
+    p, d, px = lw_proxy["p"], lw_proxy["d"], lw_proxy["proxy"]
+    valid = params_for_prefill(proxy_request_id="placeholder", block_ids=[3, 4, 5],
+                               block_size=BS, engine_id="stub-d", host="127.0.0.1",
+                               port=free_port(), request_id="stub-d-1", tp_size=1,
+                               cached_tokens=0)
+    good = {"model": MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": 2}
+    rss0 = rss_bytes(px.proc.pid)
+    statuses: dict[int, int] = {}
+    clients: dict[int, int] = {}
+    forwarded = [0]
+
+    @settings(max_examples=EXAMPLES, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(body=json_bodies(valid), address=st.booleans())
+    def fuzz(body: bytes, address: bool) -> None:
+        answer_box: dict[str, Any] = {}
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            client = pool.submit(http, px.url + "/v1/completions", good, timeout=60)
+            rid = d.next_request(timeout=30)
+            data = body
+            if address:
+                try:
+                    doc = json.loads(body)
+                except ValueError:
+                    doc = None
+                if isinstance(doc, dict):
+                    data = json.dumps({**doc, "request_id": rid}).encode()
+            n_p = len(p.bodies)
+            status, answer = http(px.url + "/v1/metaserver", raw=data, timeout=30)
+            statuses[status] = statuses.get(status, 0) + 1
+            assert px.proc.poll() is None, "the proxy died"
+            assert isinstance(answer, dict) and status in (200, 400, 404), (status, answer,
+                                                                            data[:200])
+            if status == 200:  # P gets the post as its kv_transfer_params, once
+                assert wait_for(lambda: len(p.bodies) > n_p, 10)
+                assert len(p.bodies) == n_p + 1
+                assert p.bodies[-1]["kv_transfer_params"] == json.loads(data)
+                forwarded[0] += 1
+            d.release(rid)
+            answer_box["c"] = client.result(60)
+        code = answer_box["c"][0]
+        clients[code] = clients.get(code, 0) + 1
+        assert code == 200, answer_box["c"]
+
+    fuzz()
+    marker = tmp_path / "pwned-metaserver"
+    for payload in evil_pickles(marker):
+        status, _answer = http(px.url + "/v1/metaserver", raw=payload,
+                               headers={"Content-Type": "application/octet-stream"})
+        assert status == 400
+    assert not marker.exists()
+    grown = rss_bytes(px.proc.pid) - rss0
+    assert grown < 64 << 20, f"the proxy grew by {grown >> 20} MiB"
+    assert wait_for(lambda: http(px.url + "/status")[1]["pending"] == 0, 10)
+    # valid traffic afterwards: D posts its blocks, P gets exactly them
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        client = pool.submit(http, px.url + "/v1/completions", good, timeout=60)
+        rid = d.next_request(timeout=30)
+        post = {**valid, "request_id": rid}
+        assert http(px.url + "/v1/metaserver", post)[0] == 200
+        assert wait_for(lambda: p.bodies and p.bodies[-1].get("kv_transfer_params") == post, 10)
+        d.release(rid)
+        assert client.result(60)[0] == 200
+    assert http(px.url + "/status")[1]["pending"] == 0
+    fault_report(fault="fuzzing the layerwise proxy's POST /v1/metaserver (mutated D posts "
+                       "for pending and unknown requests, other JSON, non-JSON, pickles)",
+                 happened=f"{sum(statuses.values())} posts answered "
+                          f"({', '.join(f'{k}: {v}' for k, v in sorted(statuses.items()))}; "
+                          f"{forwarded[0]} well-addressed ones went to P once); no pickle ran; "
+                          f"proxy memory {grown / (1 << 20):+.1f} MiB; no request left pending; "
+                          "a valid post worked afterwards",
+                 deadline=True, survivor=True, zero=True,
+                 client="D's post: an HTTP status with a JSON error; the client: D's answer")

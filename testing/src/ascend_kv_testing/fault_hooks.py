@@ -77,3 +77,87 @@ def die_mid_put(llm: Any, after_keys: int = 1) -> bool:
 
     backend.put = dying
     return True
+
+
+def _layer_writes(llm: Any) -> Any:
+    return _worker(llm, "MooncakeLayerwiseConnector")
+
+
+def die_mid_push(llm: Any, after_writes: int = 1) -> bool:
+    """P (layerwise): SIGKILL this process once ``after_writes`` layer writes into D's
+    blocks have completed (D granted the lease and holds part of the prompt's KV)."""
+    worker = _layer_writes(llm)
+    original = worker._write_layer
+    done = [0]
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        nbytes = original(*args, **kwargs)
+        done[0] += 1
+        if done[0] >= after_writes:
+            _die()
+        return nbytes
+
+    worker._write_layer = counting
+    return True
+
+
+def pause_push(llm: Any, flag_dir: str, after_writes: int = 1, max_wait_s: float = 60.0) -> bool:
+    """P (layerwise): once ``after_writes`` layer writes completed, the next one waits until
+    ``flag_dir/go`` exists or ``max_wait_s`` passed; ``flag_dir/pushing`` tells the test
+    that P is mid-push (it holds D's write lease). Later writes are not paused."""
+    worker = _layer_writes(llm)
+    original = worker._write_layer
+    flags = Path(flag_dir)
+    done = [0]
+
+    def paused(*args: Any, **kwargs: Any) -> Any:
+        if done[0] >= after_writes:
+            worker._write_layer = original
+            (flags / "pushing").touch()
+            end = time.monotonic() + max_wait_s
+            while not (flags / "go").exists() and time.monotonic() < end:
+                time.sleep(0.02)
+            (flags / "resumed").touch()
+            return original(*args, **kwargs)
+        done[0] += 1
+        return original(*args, **kwargs)
+
+    worker._write_layer = paused
+    return True
+
+
+def slow_read(llm: Any, flag_dir: str, pieces: int = 64, pause_s: float = 0.03) -> bool:
+    """D (pull): the next transfer-engine read is cut into ``pieces`` reads of about equal
+    size, ``pause_s`` apart (a slow link): the read is really in flight for about
+    ``pieces * pause_s`` seconds. ``flag_dir/reading`` appears once the first piece landed;
+    ``flag_dir/pieces`` holds how many pieces landed when the read returned or raised."""
+    worker = _worker(llm, "MooncakeConnector")
+    te = worker.te
+    original = te.read
+    flags = Path(flag_dir)
+
+    def sliced(peer: str, local: Any, remote: Any, lengths: Any) -> int:
+        te.read = original
+        ranges: list[tuple[int, int, int]] = []
+        total = sum(lengths)
+        step = max(1, -(-total // pieces))
+        for lo, ro, n in zip(local, remote, lengths, strict=True):
+            for off in range(0, n, step):
+                ranges.append((lo + off, ro + off, min(step, n - off)))
+        per = max(1, -(-len(ranges) // pieces))
+        landed = moved = 0
+        try:
+            for i in range(0, len(ranges), per):
+                part = ranges[i:i + per]
+                moved += original(peer, [r[0] for r in part], [r[1] for r in part],
+                                  [r[2] for r in part])
+                landed += 1
+                if landed == 1:
+                    (flags / "reading").touch()
+                time.sleep(pause_s)
+        finally:
+            (flags / "pieces").write_text(f"{landed} {-(-len(ranges) // per)}")
+        return moved
+
+    te.read = sliced
+    return True

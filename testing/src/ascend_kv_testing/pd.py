@@ -45,3 +45,55 @@ def baseline(d: EngineProcess, prompts: list[list[int]], n: int = 8) -> list[lis
     out = [r.token_ids for r in d.generate(prompts, max_tokens=n)]
     d.reset_prefix_cache()
     return out
+
+
+#: The layerwise connector.
+LAYERWISE = "MooncakeLayerwiseConnector"
+
+
+class Metaserver:
+    """Records D's layerwise metaserver posts (the proxy's ``/v1/metaserver`` without the
+    forwarding to P): ``wait(ids)`` returns the posts, which are P's kv_transfer_params."""
+
+    def __init__(self) -> None:
+        import json
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.posts: dict[str, dict[str, Any]] = {}
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.posts[body["request_id"]] = body
+                self.send_response(200)
+                self.send_header("Content-Length", "2")
+                self.end_headers()
+                self.wfile.write(b"{}")
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1/metaserver"
+
+    def params(self, request_id: str) -> dict[str, Any]:
+        """What the proxy gives D for one layerwise request."""
+        return {"do_remote_prefill": True, "metaserver": self.url, "request_id": request_id}
+
+    def wait(self, ids: list[str], timeout: float = 60.0) -> list[dict[str, Any]]:
+        import time
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not all(i in self.posts for i in ids):
+            time.sleep(0.02)
+        missing = [i for i in ids if i not in self.posts]
+        if missing:
+            raise AssertionError(f"D never posted {missing}")
+        return [self.posts[i] for i in ids]
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()

@@ -158,3 +158,89 @@ def metrics(base: str) -> dict[str, float]:
         except ValueError:
             continue
     return out
+
+
+class StubInstance:
+    """An HTTP server in the test process standing in for a ``vllm serve`` instance behind
+    the proxy (proxy tests that exercise the proxy alone: no model, no engine).
+
+    ``GET /health`` and ``/v1/models`` answer 200; ``POST /v1/completions`` records the
+    body in ``bodies`` and answers a one-token completion. A decode stub (``hold=True``)
+    keeps each completion open until the test calls ``release(request_id)`` (or
+    ``hold_s`` passed), the request id being ``kv_transfer_params["request_id"]``, which
+    ``next_request()`` hands to the test: the proxy's layerwise request stays pending while
+    the test posts to its metaserver.
+    """
+
+    def __init__(self, *, hold: bool = False, hold_s: float = 30.0) -> None:
+        import queue
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.bodies: list[Any] = []
+        self._arrived: queue.Queue[str] = queue.Queue()
+        self._released: dict[str, threading.Event] = {}
+        self._lock = threading.Lock()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self, status: int, doc: Any) -> None:
+                data = json.dumps(doc).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                if self.path.startswith("/v1/models"):
+                    self._answer(200, {"object": "list", "data": [{"id": MODEL_NAME}]})
+                else:
+                    self._answer(200, {})
+
+            def do_POST(self) -> None:
+                raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                try:
+                    body = json.loads(raw)
+                except ValueError:
+                    body = None
+                outer.bodies.append(body)
+                kv = body.get("kv_transfer_params") if isinstance(body, dict) else None
+                rid = kv.get("request_id") if isinstance(kv, dict) else None
+                if hold and isinstance(rid, str):
+                    event = outer._event(rid)
+                    outer._arrived.put(rid)
+                    event.wait(hold_s)
+                self._answer(200, {"id": "stub", "object": "text_completion",
+                                   "choices": [{"index": 0, "text": "x", "token_ids": [5],
+                                                "finish_reason": "length"}],
+                                   "kv_transfer_params": kv if isinstance(kv, dict) else None})
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer((HOST, 0), Handler)
+        self.httpd.daemon_threads = True
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.url = f"http://{HOST}:{self.httpd.server_address[1]}"
+
+    def _event(self, rid: str) -> Any:
+        import threading
+
+        with self._lock:
+            return self._released.setdefault(rid, threading.Event())
+
+    def next_request(self, timeout: float = 30.0) -> str:
+        """The request id of the next completion that arrived (held until released)."""
+        return self._arrived.get(timeout=timeout)
+
+    def release(self, rid: str) -> None:
+        """Let the held completion ``rid`` answer."""
+        self._event(rid).set()
+
+    def close(self) -> None:
+        with self._lock:
+            for event in self._released.values():
+                event.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()

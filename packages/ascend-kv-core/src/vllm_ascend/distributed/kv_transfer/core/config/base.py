@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import logging
+import math
 import types
 import typing
 from collections.abc import Iterator, Mapping
@@ -305,6 +306,11 @@ def _convert(value: Any, tp: Any, meta: Mapping[str, Any], *, key: str, source: 
                 raise _fail(key, source, value, "a number") from None
         else:
             raise _fail(key, source, value, "a number")
+        if not math.isfinite(out_f):
+            # NaN passes every range check and never compares true (a lease that never
+            # lapses); infinity overflows the waits and clocks that use it
+            raise ConfigError(f"{source}: {key}: must be finite, got {value!r}",
+                              key=key, value=value, source=source)
         return _check_range(out_f, meta, key, source)
     if tp is str:
         if not isinstance(value, str):
