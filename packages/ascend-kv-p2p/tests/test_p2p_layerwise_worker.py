@@ -511,3 +511,41 @@ def test_failed_metaserver_post_fails_the_request_at_once(pd: Any) -> None:
     assert recving == {"r"} and pd.d.get_block_ids_with_load_errors() == {2, 3}
     assert pd.d.recorder.total("p2p_failed_posts") == 1
     assert pd.d.recorder.total("p2p_failures", cause="metaserver") == 1
+
+
+def test_layers_queued_behind_a_write_go_out_in_one_batch(pd: Any) -> None:
+    """Layers computed faster than the link moves them are merged into one write per D rank
+    (one transfer-engine round instead of one per layer), with every byte in place and the
+    per-layer metrics still one sample per layer."""
+    import threading
+
+    gate = threading.Event()
+    calls: list[int] = []
+    real_write = pd.p.te.write
+
+    def write(session: str, src: list[int], dst: list[int], lengths: list[int]) -> int:
+        calls.append(len(lengths))
+        gate.wait(10)  # the first layer's write stalls until every layer is queued
+        return real_write(session, src, dst, lengths)
+
+    pd.p.te.write = write
+    try:
+        d_expect(pd.d, "m", [4, 5])
+        tgt = target(pd.d_port, "m", [4, 5])
+        meta = MooncakeLayerwiseConnectorMetadata(pushes={"m": PushReq("m", tgt, [0, 1], [8, 9],
+                                                                       last=True)})
+        for name, kv in pd.cp.items():
+            pd.p.save_kv_layer(meta, name, kv)
+        gate.set()
+        pd.p.wait_for_save(meta)
+    finally:
+        pd.p.te.write = real_write
+    assert wait_recv(pd.d, "m") == set()
+    # every layer's 2 blocks went out, in fewer writes than layers (the layers queued while
+    # the sender opened the link or wrote the first one were merged)
+    assert sum(calls) == 2 * LAYERS and len(calls) < LAYERS, calls
+    for i in range(LAYERS):
+        for pb, db in ((8, 4), (9, 5)):
+            torch.testing.assert_close(pd.d.layout.layers[i].regions[0].tensor[db],
+                                       pd.cp[layer_name(i)][pb], rtol=0, atol=0)
+    assert len(pd.p.recorder.take()["histograms"]["p2p_layer_transfer_seconds"]) == LAYERS

@@ -16,7 +16,13 @@ per layer).
   D's scheduler step) are not included, so the pull numbers are a lower bound.
 
 The forward-pass time is reported too: pushing while computing competes for the
-same CPU or link, and the ratio shows what that costs. Nothing here fails on a number.
+same CPU or link, and the ratio shows what that costs.
+
+Against the raw engine, with no compute in between (the connector's own cost): the
+layerwise connector pushing every layer of a request (``save_kv_layer`` per layer,
+then ``wait_for_save``, until D reports it received) against one raw
+``batch_transfer_sync_write`` of exactly the same byte ranges, alternating, same run.
+Nothing here fails on a number.
 """
 
 from __future__ import annotations
@@ -151,6 +157,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     caches = {"lp": p_cache, "pp": p_cache, "ld": _caches(args, nb, fill=False),
               "pd": _caches(args, nb, fill=False)}
     samples: dict[str, list[tuple[float, float]]] = {"layerwise": [], "pull": []}
+    bulk: dict[str, list[float]] = {"raw": [], "connector": []}
     p_blocks = list(range(args.blocks))
     d_blocks = list(range(args.blocks, 2 * args.blocks))
     try:
@@ -198,11 +205,49 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                         layer_names[-1]][d_blocks[-1]], p_cache[layer_names[-1]][p_blocks[-1]]):
                     raise RuntimeError(f"{kind}: D's last block differs from P's")
                 caches["ld" if kind == "layerwise" else "pd"][layer_names[-1]].zero_()
+        # the connector's cost against the raw engine: no compute, same bytes
+        p, d = workers["lp"], workers["ld"]
+        assert p.layout is not None and d.layout is not None and d.meta is not None
+        local, remote, lens = [], [], []
+        for pr, dr in zip(p.layout.regions, d.layout.regions, strict=True):
+            for pb, db in zip(p_blocks, d_blocks, strict=True):
+                local.append(pr.block_addr(pb))
+                remote.append(dr.block_addr(db))
+                lens.append(pr.block_len)
+        for i in progress(range(args.requests + 1), "raw vs connector"):
+            for kind in (("raw", "connector") if i % 2 else ("connector", "raw")):
+                rid = f"bulk-{i}"
+                last = caches["ld"][layer_names[-1]]
+                last.zero_()
+                if kind == "raw":
+                    start = time.perf_counter()
+                    moved = p.te.write(d.meta.session, local, remote, lens)
+                    ready = time.perf_counter()
+                    if moved != sum(lens):
+                        raise RuntimeError(f"raw write moved {moved} of {sum(lens)} bytes")
+                else:
+                    d.start_load_kv(MooncakeLayerwiseConnectorMetadata(
+                        requests={rid: ReqMeta(rid, d_blocks)}))
+                    tgt = PushTarget("bench-ld", d.host, ports["ld"], rid, d_blocks, 0, 1)
+                    meta = MooncakeLayerwiseConnectorMetadata(pushes={rid: PushReq(
+                        rid, tgt, list(range(args.blocks)), p_blocks, last=True)})
+                    start = time.perf_counter()
+                    for name in layer_names:
+                        p.save_kv_layer(meta, name, p_cache[name])
+                    p.wait_for_save(meta)
+                    _wait_recv(d, rid)
+                    ready = time.perf_counter()
+                    p.get_finished({rid})
+                if not torch.equal(last[d_blocks[-1]], p_cache[layer_names[-1]][p_blocks[-1]]):
+                    raise RuntimeError(f"{kind}: D's last block differs from P's")
+                if i:  # the first round warms connections up
+                    bulk[kind].append(ready - start)
     finally:
         for w in workers.values():
             w.shutdown()
     block_bytes = args.heads * args.block_size * 2 * args.head_size * 4
-    return {"samples": samples, "request_bytes": block_bytes * args.blocks * args.layers}
+    return {"samples": samples, "bulk": bulk,
+            "request_bytes": block_bytes * args.blocks * args.layers}
 
 
 def _summary(kind: str, samples: list[tuple[float, float]]) -> dict[str, Any]:
@@ -238,14 +283,29 @@ def run(args: argparse.Namespace) -> int:
         "pull_over_layerwise": ratio,
         "layerwise_forward_slowdown": lw["forward_ms"] / pull["forward_ms"],
         "samples_s": res["samples"],
+        "vs_raw": _vs_raw(res["bulk"], res["request_bytes"]),
     }
     path = write_results(NAME, payload, args.out)
     print(format_table(rows))
     print(f"KV per request: {res['request_bytes'] / 2**20:.1f} MiB; KV ready after the forward "
           f"pass: pull / layerwise = {ratio:.2f}x; forward pass with pushes / without = "
           f"{payload['layerwise_forward_slowdown']:.2f}x")
+    vs = payload["vs_raw"]
+    print(f"no compute, same bytes: raw write {vs['raw_ms']:.2f} ms "
+          f"({vs['raw_GBps']:.2f} GB/s), connector {vs['connector_ms']:.2f} ms "
+          f"({vs['connector_GBps']:.2f} GB/s): connector / raw = {vs['ratio']:.3f}")
     print(f"results: {path}")
     return 0
+
+
+def _vs_raw(bulk: dict[str, list[float]], nbytes: int) -> dict[str, Any]:
+    raw, conn = statistics.median(bulk["raw"]), statistics.median(bulk["connector"])
+    return {"what": "every layer of one request pushed by the connector (save_kv_layer per "
+                    "layer, wait_for_save, until D reports it received) against one raw "
+                    "batch write of the same byte ranges; no compute; median, same run",
+            "bytes": nbytes, "raw_ms": 1000 * raw, "connector_ms": 1000 * conn,
+            "raw_GBps": nbytes / raw / 1e9, "connector_GBps": nbytes / conn / 1e9,
+            "ratio": raw / conn}
 
 
 def main(argv: list[str] | None = None) -> int:

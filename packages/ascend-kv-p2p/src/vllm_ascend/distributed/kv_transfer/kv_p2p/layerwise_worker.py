@@ -84,6 +84,9 @@ BEGIN_WAIT_S = 0.2
 #: P stops writing this fraction of a lease before it runs out (D measures its lease from a
 #: later instant, so P's view always ends first).
 LEASE_MARGIN = 0.2
+#: Layers of one step queued behind each other are pushed in one batch write, at most this
+#: many (a write is one round of the transfer engine; the lease is checked before each).
+MAX_MERGED_LAYERS = 64
 #: How many ended request ids D remembers (to tell "ended" from "never had").
 _ENDED_MEMORY = 16384
 
@@ -223,6 +226,8 @@ class LayerwiseWorker(P2PWorkerBase):
         self._finished_seen: set[str] = set()
         self._plock = threading.Lock()
         self._queue: queue.Queue[Any] = queue.Queue()
+        #: a task the sender took while merging layers that belongs to the next turn
+        self._carry: Any = None
         self._sender: threading.Thread | None = None
         self._renewer: threading.Thread | None = None
         self._stop = threading.Event()
@@ -616,14 +621,34 @@ class LayerwiseWorker(P2PWorkerBase):
                            self.cfg.save_wait_s)
 
     # ---------------------------------------------------------------- sender thread
+    def _next_layers(self, first: _LayerTask) -> list[_LayerTask]:
+        """``first`` and the layer tasks of the same step queued right behind it.
+
+        When layers are computed faster than the link moves them, they queue up; one batch
+        write of all of them costs one round of the transfer engine instead of one a layer.
+        The first task that does not join is kept for the next turn of the loop."""
+        tasks = [first]
+        key = [id(i) for i in first.items]
+        while len(tasks) < MAX_MERGED_LAYERS:
+            try:
+                task = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if not (isinstance(task, _LayerTask) and [id(i) for i in task.items] == key):
+                self._carry = task
+                break
+            tasks.append(task)
+        return tasks
+
     def _send_loop(self) -> None:
         while True:
-            task = self._queue.get()
+            task, self._carry = (self._carry, None) if self._carry is not None else (
+                self._queue.get(), None)
             if task is None or self._stop.is_set():
                 return
             try:
                 if isinstance(task, _LayerTask):
-                    self._run_layer(task)
+                    self._run_layers(self._next_layers(task))
                 elif isinstance(task, _StepEnd):
                     self._run_step_end(task)
                 elif isinstance(task, _Notify):
@@ -635,26 +660,33 @@ class LayerwiseWorker(P2PWorkerBase):
                 if isinstance(task, _StepEnd):
                     task.done.set()
 
-    def _run_layer(self, task: _LayerTask) -> None:
+    def _run_layers(self, tasks: list[_LayerTask]) -> None:
+        """Push the layers of ``tasks`` (one step's, queued together) in one write per D
+        rank; each layer's push time is its share of that write."""
         try:
-            if task.event is not None:
-                task.event.synchronize()
+            for task in tasks:
+                if task.event is not None:
+                    task.event.synchronize()
+            layers = [t.layer for t in tasks]
             start = time.perf_counter()
             moved = 0
-            for item in task.items:
+            for item in tasks[0].items:
                 if not item.positions:
                     continue
                 for link in item.out.links:
-                    moved += self._push_layer(item, link, task.layer)
+                    moved += self._push_layer(item, link, layers)
             if moved:
-                self.recorder.observe("p2p_layer_transfer_seconds", time.perf_counter() - start)
+                share = (time.perf_counter() - start) / len(layers)
+                for _layer in layers:
+                    self.recorder.observe("p2p_layer_transfer_seconds", share)
                 self.recorder.inc("p2p_transfer_bytes", moved)
         finally:
             with self._plock:
-                for item in task.items:
-                    item.out.pending -= 1
+                for task in tasks:
+                    for item in task.items:
+                        item.out.pending -= 1
 
-    def _push_layer(self, item: _StepItem, link: _Link, layer: int) -> int:
+    def _push_layer(self, item: _StepItem, link: _Link, layers: list[int]) -> int:
         out = item.out
         if link.state == "revoked":
             self._close_failed(out, link)
@@ -665,7 +697,7 @@ class LayerwiseWorker(P2PWorkerBase):
                 self._open_link(out, link)
             if time.monotonic() >= link.valid_until:
                 self._renew_link(out, link)
-            nbytes = self._write_layer(item, link, layer)
+            nbytes = self._write_layers(item, link, layers)
             link.nbytes += nbytes
             return nbytes
         except HandshakeMismatchError as exc:
@@ -734,19 +766,22 @@ class LayerwiseWorker(P2PWorkerBase):
         with self._plock:
             link.valid_until = self._write_window_end(sent, link.lease_s)
 
-    def _write_layer(self, item: _StepItem, link: _Link, layer: int) -> int:
-        """Write layer ``layer`` of the step's blocks into the D rank; returns bytes."""
+    def _write_layers(self, item: _StepItem, link: _Link, layers: list[int]) -> int:
+        """Write ``layers`` of the step's blocks into the D rank, one batch; returns bytes."""
         assert self.layout is not None and self.te is not None and link.meta is not None
         d_meta = link.meta
         out = item.out
         regions = self.layout.regions
-        first = sum(len(x.regions) for x in self.layout.layers[:layer])
         p_blocks = self.layout.num_blocks
         d_blocks = d_meta.layout.num_blocks
         src: list[int] = []
         dst: list[int] = []
         lengths: list[int] = []
-        for gi in range(first, first + len(self.layout.layers[layer].regions)):
+        region_ids = []
+        for layer in layers:
+            first = sum(len(x.regions) for x in self.layout.layers[:layer])
+            region_ids += range(first, first + len(self.layout.layers[layer].regions))
+        for gi in region_ids:
             region = regions[gi]
             d_len = d_meta.layout.block_lens[gi]
             d_base, d_stride = d_meta.region_addrs[gi], d_meta.region_strides[gi]
@@ -780,7 +815,7 @@ class LayerwiseWorker(P2PWorkerBase):
                         lengths.append(sl.num_heads * per_head)
                     else:
                         raise HandshakeMismatchError(
-                            f"layer {layer}: D rank {link.d_rank} gave no staging buffer for "
+                            f"region {gi}: D rank {link.d_rank} gave no staging buffer for "
                             f"heads that are not contiguous in its blocks")
         with self._plock:
             # never write without a lease (the renewer may have been refused meanwhile)
