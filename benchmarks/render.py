@@ -133,6 +133,10 @@ def evaluate_goals(res: dict[str, dict[str, Any]]) -> list[Goal]:
                       ", ".join(f"{r.get('blocks')} blocks: {fmt(_num(r.get('ratio')))}"
                                 for r in p2p) or "–",
                       _check(worst, at_least=0.9)))
+    lw_raw = _num((res.get("layerwise", {}).get("vs_raw") or {}).get("ratio"))
+    goals.append(Goal("layerwise push connector >= 0.9 of the raw Mooncake engine (same bytes, "
+                      "no compute)", "issues 5, 8 (bench layerwise)", fmt(lw_raw),
+                      _check(lw_raw, at_least=0.9)))
     pool_rows = res.get("pool", {}).get("rows") or []
     mc = [r for r in pool_rows if str(r.get("path", "")).startswith("mooncake ")
           and "ratio" in r]
@@ -395,10 +399,18 @@ def section_p2p(d: dict[str, Any]) -> str:
 def section_layerwise(d: dict[str, Any]) -> str:
     rows = d.get("rows", [])
     cols = list(dict.fromkeys(k for r in rows for k in r))
-    return (f"{d.get('what', '')}. Pull / layerwise: "
-            f"**{fmt(_num(d.get('pull_over_layerwise')))}x**; P's forward pass with pushes / "
-            f"without: {fmt(_num(d.get('layerwise_forward_slowdown')))}x.\n\n"
-            + md_table(rows, cols))
+    out = (f"{d.get('what', '')}. Pull / layerwise: "
+           f"**{fmt(_num(d.get('pull_over_layerwise')))}x**; P's forward pass with pushes / "
+           f"without: {fmt(_num(d.get('layerwise_forward_slowdown')))}x.\n\n"
+           + md_table(rows, cols))
+    vs = d.get("vs_raw")
+    if isinstance(vs, dict):
+        out += (f"\n\nAgainst the raw engine: {vs.get('what', '')}. "
+                f"{fmt(_num(vs.get('bytes')))} bytes: raw {fmt(_num(vs.get('raw_ms')))} ms "
+                f"({fmt(_num(vs.get('raw_GBps')))} GB/s), connector "
+                f"{fmt(_num(vs.get('connector_ms')))} ms ({fmt(_num(vs.get('connector_GBps')))} "
+                f"GB/s): connector / raw **{fmt(_num(vs.get('ratio')))}**.")
+    return out
 
 
 def section_pool(d: dict[str, Any]) -> str:
