@@ -246,6 +246,33 @@ def test_blocks_p_does_not_hold_for_that_request_are_refused(pd: Any) -> None:
     wait_sent([pd.p], "r")
 
 
+@pytest.mark.parametrize(("asked", "why"), [
+    ([2, 1, 3], "its own blocks reordered"),
+    ([1, 1, 3], "a block repeated"),
+    ([1, 2], "a middle slice, not the suffix after D's prefix"),
+    ([3, 2], "the suffix reversed"),
+])
+def test_the_request_own_blocks_in_the_wrong_order_are_refused(pd: Any, asked: list[int],
+                                                                why: str) -> None:
+    """Well-formed params naming only blocks P holds for the request, but not as the suffix
+    of its list in order, would land KV at the wrong token positions: refused, never read."""
+    pd.p.start_load_kv(MooncakeConnectorMetadata(
+        requests_to_send={"r": SendMeta("r", [1, 2, 3])}))
+    local = [5, 6, 7][: len(asked)]
+    recv(pd, "bad", "r", asked, local)
+    assert wait_recv(pd.d, "bad") == set(local), why
+    assert pd.d.recorder.total("p2p_failures", cause="bad_blocks") == 1
+    # the suffix after a 1-block prefix hit on D is what a correct reader asks for
+    recv(pd, "good", "r", [2, 3], [6, 7])
+    assert wait_recv(pd.d, "good") == set()
+    for layer in range(LAYERS):
+        name = f"model.layers.{layer}.self_attn.attn"
+        torch.testing.assert_close(pd.d.layout.layers[layer].regions[0].tensor[6:8],
+                                   pd.p.layout.layers[layer].regions[0].tensor[2:4],
+                                   rtol=0, atol=0, msg=name)
+    wait_sent([pd.p], "r")
+
+
 def test_released_request_cannot_be_read_twice(pd: Any) -> None:
     pd.p.start_load_kv(MooncakeConnectorMetadata(requests_to_send={"r": SendMeta("r", [4])}))
     recv(pd, "a", "r", [4], [1])

@@ -220,6 +220,16 @@ class PullWorker(P2PWorkerBase):
             return ErrorReply(code="bad_blocks",
                               message=f"request {msg.request_id!r} does not hold blocks {extra[:8]}"
                                       f"{'...' if len(extra) > 8 else ''}")
+        # D reads the blocks P returned in kv_transfer_params, minus those of its own prefix
+        # hit: a suffix of that list, in its order. Anything else (the request's own blocks
+        # reordered, repeated, or a middle slice) would put KV at the wrong token positions.
+        n = len(msg.block_ids)
+        if n > len(held.block_ids) or (n and list(msg.block_ids) != held.block_ids[-n:]):
+            return ErrorReply(
+                code="bad_blocks",
+                message=f"request {msg.request_id!r}: the block ids asked for are not the last "
+                        f"{n} of the {len(held.block_ids)} it holds, in order (they must be "
+                        "the remote_block_ids P returned, minus D's cached prefix)")
         held.readers_expected = max(1, msg.num_readers)
         self.held.renew(msg.request_id)
         return ClaimOK(lease_s=self.cfg.lease_ttl_s)
