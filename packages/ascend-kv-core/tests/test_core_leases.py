@@ -23,7 +23,7 @@ def test_complete_expire_renew_exactly_once() -> None:
     table.add("r2", [3], owner="d0")
     table.add("r3", [4], owner="d1", ttl=1.0)
     with pytest.raises(KeyError):
-        table.add("r1", [9])
+        table.add("r1", [9], owner="d0")
     clock.now = 5.0
     assert table.renew("r1")
     assert table.complete("r2") == [3]
@@ -54,6 +54,18 @@ def test_expire_owner_and_next_deadline() -> None:
     assert table.drop(0) == "p0" and table.stats.dropped == 1
 
 
+def test_owner_is_required() -> None:
+    table: LeaseTable[str, int] = LeaseTable(1.0, name="held")
+    for owner in ("", "  ", None):
+        with pytest.raises(ValueError, match=r"held: 'r1' needs an owner"):
+            table.add("r1", 1, owner=owner)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        table.add("r1", 1)  # type: ignore[call-arg]
+    assert len(table) == 0 and table.stats.added == 0  # nothing was held
+    table.add("r1", 1, owner="d0")
+    assert table.lease("r1").owner == "d0"  # type: ignore[union-attr]
+
+
 ops = st.lists(st.tuples(st.sampled_from(["add", "complete", "renew", "tick", "drop"]),
                          st.integers(0, 5), st.floats(0, 3)), max_size=60)
 
@@ -67,7 +79,7 @@ def test_every_entry_leaves_exactly_once(seq: list[tuple[str, int, float]]) -> N
     for op, key, dt in seq:
         if op == "add":
             if key not in table:
-                table.add(key, key)
+                table.add(key, key, owner=f"o{key % 2}")
                 added += 1
         elif op == "complete":
             left += table.complete(key) is not None

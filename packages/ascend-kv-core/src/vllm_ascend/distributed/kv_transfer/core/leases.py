@@ -66,12 +66,17 @@ class LeaseTable(Generic[K, V]):
         self._entries: dict[K, Lease[V]] = {}
         self.stats = LeaseStats()
 
-    def add(self, key: K, payload: V, *, owner: str = "", ttl: float | None = None) -> None:
-        """Start holding ``key``.
+    def add(self, key: K, payload: V, *, owner: str, ttl: float | None = None) -> None:
+        """Start holding ``key`` for ``owner`` (the peer or component that must release it,
+        and whose death releases it: :meth:`expire_owner`).
 
         Raises:
+            ValueError: ``owner`` is empty (or not a string): nothing is held without an owner.
             KeyError: ``key`` is already held (a request id reused while pending).
         """
+        if not isinstance(owner, str) or not owner.strip():
+            raise ValueError(f"{self.name}: {key!r} needs an owner (the peer or component "
+                             f"that holds it), got {owner!r}")
         ttl = self.default_ttl if ttl is None else ttl
         now = self._clock()
         with self._lock:
