@@ -58,6 +58,22 @@ def test_allocation_uses_lowest_free_ids_in_runs() -> None:
     m.check()
 
 
+@pytest.mark.parametrize("owner", ["", "   "])
+def test_nothing_is_held_without_an_owner(owner: str) -> None:
+    """An ownerless pin or save is refused before a block is taken (its death could never
+    release them early)."""
+    m = HostBlockManager(4)
+    saved(m, chain("c", 2))
+    free, evictable = m.num_free, m.num_evictable
+    with pytest.raises(OffloadProtocolError, match="an owner is required"):
+        m.start_save(chain("a", 2), owner=owner)
+    with pytest.raises(OffloadProtocolError, match="an owner is required"):
+        m.pin("k", chain("c", 2), owner=owner)
+    assert (m.num_free, m.num_evictable) == (free, evictable)
+    assert m.pin_keys() == []
+    m.check()
+
+
 def test_prefix_match_stops_at_the_first_missing_block() -> None:
     m = HostBlockManager(8)
     a = chain("a", 5)

@@ -268,6 +268,8 @@ def test_well_formed_but_impossible_requests_are_refused(server: MetadataServer,
     with pytest.raises(RemoteError, match="different layout"):
         client.register(reg(0, nbytes=64), timeout_s=2)
     client.pin("dup", [], owner="test")
+    with pytest.raises(RemoteError, match="an owner is required"):
+        client.pin("ownerless", [b"x" * 32], owner="")
     client.close()
 
 

@@ -273,7 +273,10 @@ class PullWorker(P2PWorkerBase):
         """Register P's new held requests and start D's pulls."""
         for send in metadata.requests_to_send.values():
             try:
-                self.held.add(send.request_id, Held(list(send.block_ids)))
+                # held for the D instance(s) the request goes to; which D is known only
+                # once it claims, so the owner names the request's readers
+                self.held.add(send.request_id, Held(list(send.block_ids)),
+                              owner=f"readers of {send.request_id}")
             except KeyError:
                 logger.warning("request %s is already held; ignoring a duplicate",
                                send.request_id)

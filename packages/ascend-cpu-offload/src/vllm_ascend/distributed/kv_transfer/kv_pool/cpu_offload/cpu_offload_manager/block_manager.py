@@ -160,14 +160,15 @@ class HostBlockManager:
         return self._pins.keys()
 
     # ------------------------------------------------------------------ loads
-    def pin(self, key: str, hashes: Sequence[bytes], *, owner: str = "") -> list[int]:
+    def pin(self, key: str, hashes: Sequence[bytes], *, owner: str) -> list[int]:
         """Pin the longest cached prefix of ``hashes`` so that it cannot be evicted.
 
         Returns the host block ids of that prefix (possibly fewer than asked).
 
         Raises:
-            OffloadProtocolError: ``key`` already holds a pin.
+            OffloadProtocolError: ``key`` already holds a pin, or ``owner`` is empty.
         """
+        _require_owner(owner)
         if key in self._pins:
             raise OffloadProtocolError(f"pin key {key!r} is already held; unpin it first")
         blocks: list[int] = []
@@ -204,7 +205,7 @@ class HostBlockManager:
 
     # ------------------------------------------------------------------ saves
     def start_save(self, hashes: Sequence[bytes], *, ranks: Iterable[int] = (0,),
-                   owner: str = "") -> SaveJob:
+                   owner: str) -> SaveJob:
         """Reserve host blocks for the ``hashes`` not already cached or being saved.
 
         Blocks come from the free heap, then from the least recently used
@@ -215,7 +216,11 @@ class HostBlockManager:
 
         Returns:
             a :class:`SaveJob`; ``job_id`` 0 and empty lists when nothing is to be copied.
+
+        Raises:
+            OffloadProtocolError: ``owner`` is empty (checked before anything is taken).
         """
+        _require_owner(owner)
         # Cached blocks of this chain leave the LRU while the rest is allocated, so the
         # chain never evicts its own head, and come back most recently used.
         present = [self._index[h] for h in hashes if h in self._index]
@@ -397,3 +402,10 @@ class HostBlockManager:
             assert self._ref[block] == pinned_refs[block], \
                 f"block {block}: ref {self._ref[block]} != pins {pinned_refs[block]}"
         assert len(self._index) == sum(1 for s in self._state if s is not BlockState.FREE)
+
+
+def _require_owner(owner: str) -> None:
+    """Nothing is held without an owner: its death (``drop_owner``) releases what it holds."""
+    if not isinstance(owner, str) or not owner.strip():
+        raise OffloadProtocolError(f"an owner is required to hold host blocks (the scheduler "
+                                   f"that pins or saves them), got {owner!r}")
