@@ -43,5 +43,5 @@ def caches(draw: st.DrawFn, min_blocks: int = 0, block_shape: tuple[int, ...] | 
     if kind == "offset":
         return fill((nb + 2, *shape), dt, seed)[1:-1]
     if kind == "inner_strided" and len(shape) >= 2:
-        return fill((nb, *shape[::-1]), dt, seed).transpose(1, len(shape))
+        return fill((nb, *shape[::-1]), dt, seed).permute(0, *range(len(shape), 0, -1))
     return fill((nb, *shape), dt, seed)

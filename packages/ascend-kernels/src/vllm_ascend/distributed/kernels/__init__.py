@@ -6,6 +6,8 @@ implementation and device fast paths (see :mod:`.dispatch`):
 
 * :func:`gather_blocks` / :func:`scatter_blocks` and their
   ``*_all_layers`` forms: blocks to and from a contiguous buffer;
+  :func:`copy_blocks` / :func:`copy_blocks_all_layers`: blocks between two
+  regions, scattered on both sides (device cache and host pool);
 * :func:`paged_cache_load` / :func:`load_tokens`: the tokens of requests
   from their block tables; :func:`reshape_and_cache` / :func:`store_tokens`:
   token rows into their slots;
@@ -31,6 +33,8 @@ from .errors import (
 )
 from .heads import head_part_shape, merge_head_parts, select_head_part, split_head_parts
 from .ops import (
+    copy_blocks,
+    copy_blocks_all_layers,
     gather_blocks,
     gather_blocks_all_layers,
     load_tokens,
@@ -51,6 +55,8 @@ __all__ = [
     "NpuUnavailableError",
     "UnknownImplError",
     "__version__",
+    "copy_blocks",
+    "copy_blocks_all_layers",
     "gather_blocks",
     "gather_blocks_all_layers",
     "head_part_shape",

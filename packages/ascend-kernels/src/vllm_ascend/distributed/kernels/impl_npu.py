@@ -64,6 +64,34 @@ def scatter(buf: torch.Tensor, cache: torch.Tensor, ids: torch.Tensor) -> None:
         cache.index_copy_(0, ids, buf)
 
 
+def gather_layers(caches: Sequence[torch.Tensor], ids: torch.Tensor,
+                  out: torch.Tensor) -> torch.Tensor:
+    for layer, cache in enumerate(caches):
+        gather(cache, ids, out[layer])
+    return out
+
+
+def scatter_layers(buf: torch.Tensor, caches: Sequence[torch.Tensor], ids: torch.Tensor) -> None:
+    for layer, cache in enumerate(caches):
+        scatter(buf[layer], cache, ids)
+
+
+def copy_layers(srcs: Sequence[torch.Tensor], src_ids: torch.Tensor,
+                dsts: Sequence[torch.Tensor], dst_ids: torch.Tensor) -> None:
+    # two launches a layer (a gather, a scatter)
+    if not src_ids.numel():
+        return
+    shared = ({s.untyped_storage().data_ptr() for s in srcs}
+              & {d.untyped_storage().data_ptr() for d in dsts})
+    if shared:  # every source block is read before the first write
+        picked = [src.index_select(0, src_ids) for src in srcs]
+        for blocks, dst in zip(picked, dsts, strict=True):
+            dst.index_copy_(0, dst_ids, blocks)
+        return
+    for src, dst in zip(srcs, dsts, strict=True):
+        dst.index_copy_(0, dst_ids, src.index_select(0, src_ids))
+
+
 def _i32(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.int32)
 

@@ -8,6 +8,7 @@ tested against these. Arguments arrive validated (see :mod:`.validation`).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import torch
 
@@ -26,6 +27,27 @@ def gather(cache: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> torch.T
 def scatter(buf: torch.Tensor, cache: torch.Tensor, ids: torch.Tensor) -> None:
     for j, b in enumerate(ids.tolist()):
         cache[b].copy_(buf[j])
+
+
+def gather_layers(caches: Sequence[torch.Tensor], ids: torch.Tensor,
+                  out: torch.Tensor) -> torch.Tensor:
+    for layer, cache in enumerate(caches):
+        gather(cache, ids, out[layer])
+    return out
+
+
+def scatter_layers(buf: torch.Tensor, caches: Sequence[torch.Tensor], ids: torch.Tensor) -> None:
+    for layer, cache in enumerate(caches):
+        scatter(buf[layer], cache, ids)
+
+
+def copy_layers(srcs: Sequence[torch.Tensor], src_ids: torch.Tensor,
+                dsts: Sequence[torch.Tensor], dst_ids: torch.Tensor) -> None:
+    # every source block read before any destination block is written
+    picked = [[src[b].clone() for b in src_ids.tolist()] for src in srcs]
+    for blocks, dst in zip(picked, dsts, strict=True):
+        for block, b in zip(blocks, dst_ids.tolist(), strict=True):
+            dst[b].copy_(block)
 
 
 def load_tokens(cache: torch.Tensor, tix: TokenIndex, token_axis: int,

@@ -120,10 +120,7 @@ def gather_blocks_all_layers(caches: Sequence[torch.Tensor], block_ids: BlockIds
         out = torch.empty(shape, dtype=group.dtype, device=group.device)
     else:
         check_buffer(out, shape, group.dtype, group.device, op=op, name="out", contiguous=True)
-    mod = _module(resolve_impl(group.device, impl))
-    for layer, cache in enumerate(caches):
-        mod.gather(cache, ids, out[layer])
-    return out
+    return _module(resolve_impl(group.device, impl)).gather_layers(caches, ids, out)  # type: ignore[no-any-return]
 
 
 def scatter_blocks_all_layers(buffer: torch.Tensor, caches: Sequence[torch.Tensor],
@@ -134,9 +131,63 @@ def scatter_blocks_all_layers(buffer: torch.Tensor, caches: Sequence[torch.Tenso
     ids = as_block_ids(block_ids, group.num_blocks, group.device, op=op, unique=True)
     check_buffer(buffer, (len(caches), ids.numel(), *group.block_shape), group.dtype,
                  group.device, op=op, name="buffer")
-    mod = _module(resolve_impl(group.device, impl))
-    for layer, cache in enumerate(caches):
-        mod.scatter(buffer[layer], cache, ids)
+    _module(resolve_impl(group.device, impl)).scatter_layers(buffer, caches, ids)
+
+
+def copy_blocks(src: torch.Tensor, src_ids: BlockIds, dst: torch.Tensor, dst_ids: BlockIds, *,
+                impl: str | Impl | None = None) -> None:
+    """Copy block ``src_ids[i]`` of ``src`` into block ``dst_ids[i]`` of ``dst``.
+
+    Both sides may be scattered (the CPU offload's device cache and host pool).
+    Every source block is read before any destination block is written.
+
+    Args:
+        src: ``(num_blocks, *block_shape)``.
+        src_ids: Ids in ``[0, src.shape[0])``, repeats allowed.
+        dst: ``(num_blocks', *block_shape)``, same dtype and device, written in place.
+        dst_ids: Distinct ids in ``[0, dst.shape[0])``, as many as ``src_ids``.
+        impl: Implementation override.
+    """
+    copy_blocks_all_layers([src], src_ids, [dst], dst_ids, impl=impl)
+
+
+def copy_blocks_all_layers(srcs: Sequence[torch.Tensor], src_ids: BlockIds,
+                           dsts: Sequence[torch.Tensor], dst_ids: BlockIds, *,
+                           impl: str | Impl | None = None) -> None:
+    """``dsts[l][dst_ids[i]] = srcs[l][src_ids[i]]`` for every layer ``l``.
+
+    On CPU: one call per run of consecutive ids of one side (all layers in it),
+    so blocks move at memcpy speed in few parallel regions; see
+    :func:`.impl_torch.copy_layers`.
+
+    Args:
+        srcs: One region a layer, all of one block shape, dtype and device.
+        src_ids: Ids valid in every source region, repeats allowed.
+        dsts: As many regions, of the sources' block shape, dtype and device.
+        dst_ids: Distinct ids valid in every destination region, as many as ``src_ids``.
+        impl: Implementation override.
+
+    Raises:
+        BlockIdError: An id is out of range (nothing is written).
+        DuplicateIdError: A destination id appears twice.
+        KernelShapeError: Regions that differ, or id lists of different lengths.
+    """
+    op = "copy_blocks"
+    sg = check_caches(srcs, op=op)
+    dg = check_caches(dsts, op=op)
+    if len(srcs) != len(dsts):
+        raise KernelShapeError(f"{op}: {len(srcs)} source regions but {len(dsts)} destinations")
+    if (sg.block_shape, sg.dtype, sg.device) != (dg.block_shape, dg.dtype, dg.device):
+        raise KernelShapeError(
+            f"{op}: source blocks are {sg.block_shape} {sg.dtype} on {sg.device}, destination "
+            f"blocks {dg.block_shape} {dg.dtype} on {dg.device}")
+    sids = as_block_ids(src_ids, sg.num_blocks, sg.device, op=op, what="source block id")
+    dids = as_block_ids(dst_ids, dg.num_blocks, dg.device, op=op, what="destination block id",
+                        unique=True)
+    if sids.numel() != dids.numel():
+        raise KernelShapeError(
+            f"{op}: {sids.numel()} source ids but {dids.numel()} destination ids")
+    _module(resolve_impl(sg.device, impl)).copy_layers(srcs, sids, dsts, dids)
 
 
 # ---------------------------------------------------------------- tokens
