@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vllm_ascend.distributed.kernels import gather_blocks, scatter_blocks
 from vllm_ascend.distributed.kv_transfer.core.channel import RpcServer, tcp_endpoint
 from vllm_ascend.distributed.kv_transfer.core.config.p2p import MooncakeLayerwiseConfig
 from vllm_ascend.distributed.kv_transfer.core.device import device_of
@@ -520,15 +521,16 @@ class LayerwiseWorker(P2PWorkerBase):
                 if buf is None:
                     continue
                 region = regions[i]
-                ids = torch.tensor(inc.push_blocks, dtype=torch.long, device=region.tensor.device)
+                # head resharding with ascend-kernels' block ops (NPU fast paths on NPU)
+                ids = inc.push_blocks
                 axis = (region.head_axis or 0) + 1
-                dst = region.tensor.index_select(0, ids)
+                dst = gather_blocks(region.tensor, ids)
                 for sl in plan:
                     if sl.p_rank != sender.p_rank:
                         continue
                     dst.narrow(axis, sl.local_offset, sl.num_heads).copy_(
                         buf.narrow(axis, sl.remote_offset, sl.num_heads))
-                region.tensor.index_copy_(0, ids, dst)
+                scatter_blocks(dst, region.tensor, ids)
 
     # ================================================================ P side
     def _begin_step(self, metadata: MooncakeLayerwiseConnectorMetadata | None) -> None:

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vllm_ascend.distributed.kernels import gather_blocks, scatter_blocks
 from vllm_ascend.distributed.kv_transfer.core.channel import RpcServer, tcp_endpoint
 from vllm_ascend.distributed.kv_transfer.core.config.p2p import MooncakeP2PConfig
 from vllm_ascend.distributed.kv_transfer.core.errors import (
@@ -656,11 +657,13 @@ class PullWorker(P2PWorkerBase):
                      for rb in meta.remote_block_ids], [nbytes] * n)
             finally:
                 self.te.unregister_memory(buf.data_ptr())
+            # head resharding with ascend-kernels' block ops (NPU fast paths on NPU): the
+            # local blocks out, this P rank's head slice in, the blocks back
             axis = (region.head_axis or 0) + 1
             src = buf.narrow(axis, sl.remote_offset, sl.num_heads)
-            dst = region.tensor.index_select(0, local_ids.to(region.tensor.device))
+            dst = gather_blocks(region.tensor, local_ids)
             dst.narrow(axis, sl.local_offset, sl.num_heads).copy_(src)
-            region.tensor.index_copy_(0, local_ids.to(region.tensor.device), dst)
+            scatter_blocks(dst, region.tensor, local_ids)
         return moved
 
     def _release_remote(self, meta: RecvMeta) -> None:
