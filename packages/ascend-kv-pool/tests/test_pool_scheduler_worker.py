@@ -212,6 +212,50 @@ def test_layerwise_save_and_load_per_layer() -> None:
     assert_loaded(b, r2, blocks2, 3)
 
 
+def test_layerwise_step_without_loads_does_not_wait_for_an_earlier_steps_layers() -> None:
+    """vLLM (0.32+) calls ``start_load_kv`` after the forward pass on steps without
+    synchronous loads: the forward of such a step must not wait for, nor report again, the
+    layer loads of the step before (here: one that timed out)."""
+    import threading
+    import time
+
+    backend = LocalBackend(capacity=64 << 20)
+    a, b = pair(backend, use_layerwise=True, load_timeout_s=0.3)
+    r1 = req("r1", 3 * BLOCK)
+    a.scheduler.get_num_new_matched_tokens(r1, 0)
+    blocks1 = a.alloc(3)
+    a.scheduler.update_state_after_alloc(r1, Blocks(blocks1), 0)
+    meta1 = a.scheduler.build_connector_meta(scheduler_output(new=[("r1", blocks1, 0, 3 * BLOCK)]))
+    a.forward(r1, blocks1, 0, 3 * BLOCK)
+    for name in a.layers:
+        a.worker.save_kv_layer(name, meta1)
+    assert a.worker.wait_idle()
+    r = req("r2", 3 * BLOCK)
+    ext, _ = b.scheduler.get_num_new_matched_tokens(r, 0)
+    assert ext == 3 * BLOCK - 1
+    blocks = b.alloc(3)
+    b.scheduler.update_state_after_alloc(r, Blocks(blocks), ext)
+    gate = threading.Event()
+    original = b.worker._run_load
+    b.worker._run_load = lambda task: (gate.wait(10), original(task))  # the store hangs
+    try:
+        meta = b.scheduler.build_connector_meta(scheduler_output(new=[("r2", blocks, ext, 1)]))
+        b.worker.start_load_kv(meta)  # a step with loads: started before the forward
+        for name in b.layers:
+            b.worker.wait_for_layer_load(name, meta)
+        assert b.worker.get_block_ids_with_load_errors() == set(blocks)  # recomputed
+        # the next step (r2 recomputes): its loads are started after its forward
+        nxt = b.scheduler.build_connector_meta(scheduler_output(cached=[("r2", None, 0, 3 * BLOCK)]))
+        start = time.monotonic()
+        for name in b.layers:
+            b.worker.wait_for_layer_load(name, nxt)
+        assert time.monotonic() - start < 0.2
+        b.worker.start_load_kv(nxt)
+        assert b.worker.get_block_ids_with_load_errors() == set()  # reported once
+    finally:
+        gate.set()
+
+
 # ---------------------------------------------------------------------- failures
 def test_failed_load_reports_its_blocks_for_recompute() -> None:
     backend = LocalBackend(capacity=64 << 20)

@@ -255,7 +255,7 @@ class AscendStoreConnector(ConnectorStatsMixin, KVConnectorBase_V1):
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self.use_layerwise and self.connector_worker is not None:
-            self.connector_worker.wait_for_layer_load(layer_name)
+            self.connector_worker.wait_for_layer_load(layer_name, self._get_connector_metadata())
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:

@@ -120,6 +120,8 @@ class KVPoolWorker:
         # layerwise: per layer name, an event set when that layer's loads of this step are done
         self._layer_events: dict[str, threading.Event] = {}
         self._layer_loads: list[TransferJob] = []
+        # the metadata of the step those layer loads belong to
+        self._layer_meta: AscendConnectorMetadata | None = None
         # KV cache events (kv_events_config): what this rank stored, and what the store dropped
         self.events: PoolEventLog | None = None
         if ctx.kv_events:
@@ -216,6 +218,7 @@ class KVPoolWorker:
         """Start (or, for synchronous loads, run) this step's loads."""
         self._layer_loads = []
         self._layer_events = {}
+        self._layer_meta = meta
         loads = list(meta.loads)
         if not loads:
             return
@@ -275,8 +278,16 @@ class KVPoolWorker:
 
         threading.Thread(target=load_layers, name="ascend-store-layer-load", daemon=True).start()
 
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        """Block until this step's loads of ``layer_name`` are done (layerwise)."""
+    def wait_for_layer_load(self, layer_name: str,
+                            meta: AscendConnectorMetadata | None = None) -> None:
+        """Block until this step's loads of ``layer_name`` are done (layerwise).
+
+        ``meta`` is the step's metadata: on a step without synchronous loads vLLM calls
+        ``start_load_kv`` after the forward pass, so the layer loads known then are an
+        earlier step's (done, or already reported as failed), never waited for again.
+        """
+        if meta is not None and meta is not self._layer_meta:
+            return
         event = self._layer_events.get(layer_name)
         if event is None:
             return
