@@ -208,11 +208,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         # the connector's cost against the raw engine: no compute, same bytes
         p, d = workers["lp"], workers["ld"]
         assert p.layout is not None and d.layout is not None and d.meta is not None
-        local, remote, lens = [], [], []
+        src: list[int] = []
+        dst: list[int] = []
+        lens: list[int] = []
         for pr, dr in zip(p.layout.regions, d.layout.regions, strict=True):
             for pb, db in zip(p_blocks, d_blocks, strict=True):
-                local.append(pr.block_addr(pb))
-                remote.append(dr.block_addr(db))
+                src.append(pr.block_addr(pb))
+                dst.append(dr.block_addr(db))
                 lens.append(pr.block_len)
         for i in progress(range(args.requests + 1), "raw vs connector"):
             for kind in (("raw", "connector") if i % 2 else ("connector", "raw")):
@@ -221,7 +223,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 last.zero_()
                 if kind == "raw":
                     start = time.perf_counter()
-                    moved = p.te.write(d.meta.session, local, remote, lens)
+                    moved = p.te.write(d.meta.session, src, dst, lens)
                     ready = time.perf_counter()
                     if moved != sum(lens):
                         raise RuntimeError(f"raw write moved {moved} of {sum(lens)} bytes")

@@ -779,7 +779,7 @@ class LayerwiseWorker(P2PWorkerBase):
         src: list[int] = []
         dst: list[int] = []
         lengths: list[int] = []
-        region_ids = []
+        region_ids: list[int] = []
         for layer in layers:
             first = sum(len(x.regions) for x in self.layout.layers[:layer])
             region_ids += range(first, first + len(self.layout.layers[layer].regions))
