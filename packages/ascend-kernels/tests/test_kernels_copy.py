@@ -71,13 +71,19 @@ def test_copy_matches_reference(data: st.DataObject, num: int, shape: tuple[int,
     src_ids, dst_ids = data.draw(id_pairs(nb_src, nb_dst))
     before = [s.clone() for s in srcs]
     results = {}
-    for impl in IMPLS:
+    for impl in (*IMPLS, "torch-runs"):
         targets = [d.clone() for d in dsts]
-        copy_blocks_all_layers(srcs, src_ids, targets, dst_ids, impl=impl)
+        # torch-runs: small copies too take the run-by-run path (not the buffer)
+        small, impl_torch._SMALL_COPY = impl_torch._SMALL_COPY, (
+            0 if impl == "torch-runs" else impl_torch._SMALL_COPY)
+        try:
+            copy_blocks_all_layers(srcs, src_ids, targets, dst_ids, impl=impl.split("-")[0])
+        finally:
+            impl_torch._SMALL_COPY = small
         results[impl] = targets
-    for got, want, src, dst in zip(results["torch"], results["reference"], srcs, dsts,
-                                   strict=True):
-        assert torch.equal(got, want)
+    for runs, got, want, src, dst in zip(results["torch-runs"], results["torch"],
+                                         results["reference"], srcs, dsts, strict=True):
+        assert torch.equal(got, want) and torch.equal(runs, want)
         expected = dst.clone()
         for s, d in zip(src_ids, dst_ids, strict=True):
             expected[d] = src[s]
@@ -106,6 +112,7 @@ def test_copy_within_one_region_reads_before_writing(data: st.DataObject, shape:
 
 def test_one_run_moves_every_layer_in_one_call(monkeypatch: pytest.MonkeyPatch) -> None:
     # the offload shape: scattered device blocks, a run of host blocks, layers back to back
+    monkeypatch.setattr(impl_torch, "_SMALL_COPY", 0)
     dev = [fill((32, 4, 16, 64), torch.float32, seed=i) for i in range(6)]
     host = torch.zeros(6, 20, 4, 16, 64)
     dev_ids, host_ids = [30, 2, 17, 9, 11], [7, 8, 9, 10, 11]
@@ -127,6 +134,12 @@ def test_one_run_moves_every_layer_in_one_call(monkeypatch: pytest.MonkeyPatch) 
     copy_blocks_all_layers(list(host.unbind(0)), host_ids, back, dev_ids)
     monkeypatch.undo()
     assert calls == ["index", "index_put_"]
+    # a small copy goes through the buffer instead: two calls that run inline
+    seen: list[int] = []
+    real = impl_torch._copy_through_buffer
+    monkeypatch.setattr(impl_torch, "_copy_through_buffer", lambda *a: (seen.append(1), real(*a)))
+    copy_blocks_all_layers(dev[:1], [3], [host[0]], [19])
+    assert seen == [1] and torch.equal(host[0, 19], dev[0][3])
     for layer, (d, b) in enumerate(zip(dev, back, strict=True)):
         assert torch.equal(b[dev_ids], d[dev_ids])
         assert torch.equal(host[layer, 7:12], d[dev_ids])
@@ -159,6 +172,7 @@ def test_big_blocks_both_directions(direction: str, layout: str) -> None:
 
 
 def test_scattered_on_both_sides_goes_through_a_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(impl_torch, "_SMALL_COPY", 0)  # not for being small: for its 32 runs
     src = [fill((64, 2, 8), torch.float32, seed=80 + i) for i in range(2)]
     dst = [torch.zeros(64, 2, 8) for _ in range(2)]
     src_ids, dst_ids = list(range(0, 64, 2)), list(range(63, 0, -2))

@@ -221,6 +221,8 @@ def scatter(buf: torch.Tensor, cache: torch.Tensor, ids: torch.Tensor) -> None:
 #: A run-by-run copy moves at least this much per call on average, or it goes through a
 #: buffer instead (two copies, two calls): a call costs ~10-20 us, 256 KiB ~25-50 us.
 _MIN_RUN_BYTES = 256 << 10
+#: Copies of fewer elements (in all) go through the buffer, whose two calls run inline.
+_SMALL_COPY = _GRAIN
 
 
 def _runs(ids: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -276,9 +278,10 @@ def copy_layers(srcs: Sequence[torch.Tensor], src_ids: torch.Tensor,
     ``aten.index.Tensor_out`` reads scattered sources into a destination run,
     ``index_put_`` writes a source run into scattered destinations. Both are
     TensorIterator kernels: one parallel region, any strides, no sub-rows.
-    Ids scattered on both sides (runs under ``_MIN_RUN_BYTES`` on average), any
-    memory shared between sources and destinations, or blocks that are not
-    rows go through a buffer: :func:`gather_layers` then :func:`scatter_layers`.
+    Small copies (under ``_SMALL_COPY`` elements in all), ids scattered on both
+    sides (runs under ``_MIN_RUN_BYTES`` on average), any memory shared between
+    sources and destinations, or blocks that are not rows go through a buffer:
+    :func:`gather_layers` then :func:`scatter_layers`.
     """
     n = src_ids.numel()
     if not n:
@@ -289,6 +292,12 @@ def copy_layers(srcs: Sequence[torch.Tensor], src_ids: torch.Tensor,
     d_index = dspan.index(dst_ids) if dspan is not None else None
     if (sspan is None or dspan is None or d_index is None or not dspan.disjoint(d_index)
             or _overlap(sspan.extents, dspan.extents)):
+        _copy_through_buffer(srcs, src_ids, dsts, dst_ids)
+        return
+    if n * len(srcs) * sspan.row < _SMALL_COPY:
+        # small: the buffer's index_select and index_copy_ run inline below _GRAIN elements,
+        # while the index kernels below open a parallel region from 3000 (a stall of a
+        # scheduler slice, milliseconds, whenever another process holds a core)
         _copy_through_buffer(srcs, src_ids, dsts, dst_ids)
         return
     d_runs, s_runs = _runs(dst_ids), _runs(src_ids)
