@@ -14,6 +14,7 @@ from vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.blockcopy import (
     _host_runs,
     block_rows,
     copy_blocks,
+    copy_blocks_all,
     runs,
 )
 
@@ -29,7 +30,7 @@ def test_runs_split_where_either_side_jumps() -> None:
 @settings(max_examples=60, deadline=None)
 @given(data=st.data(), n_src=st.integers(1, 12), n_dst=st.integers(1, 12),
        row=st.integers(1, 96), pad=st.integers(0, 16),
-       path=st.sampled_from(["memmove", "runs", "staged-gather", "staged-scatter"]))
+       path=st.sampled_from(["kernels", "memmove", "runs", "staged-gather", "staged-scatter"]))
 def test_copy_matches_reference(data: st.DataObject, n_src: int, n_dst: int, row: int, pad: int,
                                 path: str) -> None:
     # strided rows (pad > 0) are what a host layer slice looks like
@@ -54,7 +55,7 @@ def test_copy_matches_reference(data: st.DataObject, n_src: int, n_dst: int, row
     assert torch.equal(dst_full, expected), "only the destination rows change, padding intact"
 
 
-@pytest.mark.parametrize("path", ["memmove", "runs", "staged"])
+@pytest.mark.parametrize("path", ["kernels", "memmove", "runs", "staged"])
 def test_bad_ids_raise_before_any_copy(path: str) -> None:
     src = torch.arange(40, dtype=torch.uint8).view(4, 10)
     dst = torch.zeros(3, 10, dtype=torch.uint8)
@@ -138,7 +139,7 @@ def test_large_batches_split_across_threads_match_reference(
     src_ids = torch.randperm(2 * n, generator=g)[:n].tolist()
     # one long run (cut into pieces) and a scattered tail
     dst_ids = list(range(n - 7)) + [n + 4, n + 2, n, n - 3, n - 5, n + 1, n - 1]
-    assert copy_blocks(src_v, src_ids, dst_v, dst_ids) == row * n
+    assert copy_blocks(src_v, src_ids, dst_v, dst_ids, path="memmove") == row * n
     expected = torch.zeros_like(dst_full)
     expected[dst_ids, :row] = src[src_ids, :row]
     assert torch.equal(dst_full, expected)
@@ -153,3 +154,66 @@ def test_bad_thread_setting_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(COPY_THREADS_ENV, "lots")
     with pytest.raises(ValueError, match="VLLM_ASCEND_KV_COPY_THREADS='lots'"):
         copy_threads()
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), layers=st.integers(1, 4), rows=st.lists(st.integers(1, 80), min_size=1,
+                                                              max_size=3),
+       n_dev=st.integers(1, 12), n_host=st.integers(1, 12),
+       path=st.sampled_from(["auto", "kernels", "memmove", "runs", "staged"]))
+def test_copy_all_layers_matches_reference(data: st.DataObject, layers: int, rows: list[int],
+                                           n_dev: int, n_host: int, path: str) -> None:
+    # the worker's shape: region kinds of several row lengths, host rows of one pool
+    # (layer-major, regions side by side in a host row), device regions apart
+    layer_bytes = sum(rows)
+    pool = torch.randint(0, 256, (layers, n_host, layer_bytes), dtype=torch.uint8)
+    host, dev = [], []
+    for layer in range(layers):
+        off = 0
+        for length in rows:
+            host.append(pool[layer, :, off:off + length])
+            dev.append(torch.randint(0, 256, (n_dev, length), dtype=torch.uint8))
+            off += length
+    k = data.draw(st.integers(0, min(n_dev, n_host)))
+    dev_ids = data.draw(st.lists(st.integers(0, n_dev - 1), min_size=k, max_size=k, unique=True))
+    host_ids = data.draw(st.one_of(
+        st.lists(st.integers(0, n_host - 1), min_size=k, max_size=k, unique=True),
+        st.integers(0, n_host - k).map(lambda f: list(range(f, f + k)))))
+    expected_pool = pool.clone()
+    for i, layer in enumerate(range(layers)):
+        off = 0
+        for r, length in enumerate(rows):
+            for d, h in zip(dev_ids, host_ids, strict=True):
+                expected_pool[layer, h, off:off + length] = dev[i * len(rows) + r][d]
+            off += length
+    # save, then load back into zeroed device regions
+    assert copy_blocks_all(dev, dev_ids, host, host_ids, path=path) == layer_bytes * layers * k
+    assert torch.equal(pool, expected_pool)
+    expected_dev = [d.clone() for d in dev]
+    for d in dev:
+        d[dev_ids] = 0
+    assert copy_blocks_all(host, host_ids, dev, dev_ids, path=path) == layer_bytes * layers * k
+    for got, want in zip(dev, expected_dev, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_copy_all_layers_checks_before_copying() -> None:
+    src = [torch.ones(4, 8, dtype=torch.uint8) for _ in range(2)]
+    dst = [torch.zeros(3, 8, dtype=torch.uint8) for _ in range(2)]
+    with pytest.raises(IndexError, match=r"source: block id 4 is outside \[0, 4\)"):
+        copy_blocks_all(src, [4], dst, [0])
+    with pytest.raises(IndexError, match="destination: block id 3"):
+        copy_blocks_all(src, [0], dst, [3])
+    with pytest.raises(ValueError, match="appears more than once"):
+        copy_blocks_all(src, [0, 1], dst, [2, 2])
+    with pytest.raises(ValueError, match="2 source views but 1 destination views"):
+        copy_blocks_all(src, [0], dst[:1], [0])
+    with pytest.raises(ValueError, match="2 source ids but 1 destination ids"):
+        copy_blocks_all(src, [0, 1], dst, [0])
+    with pytest.raises(ValueError, match="source blocks hold 8 bytes, destination blocks 4"):
+        copy_blocks_all(src, [0], [dst[0], torch.zeros(3, 4, dtype=torch.uint8)], [0])
+    with pytest.raises(ValueError, match="uint8 view"):
+        copy_blocks_all([src[0].float()], [0], dst[:1], [0])
+    assert not any(d.any() for d in dst)
+    assert copy_blocks_all(src, [], dst, []) == 0
+    assert copy_blocks_all([], [], [], []) == 0

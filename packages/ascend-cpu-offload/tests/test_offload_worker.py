@@ -86,7 +86,7 @@ def stats(w: CPUOffloadWorker) -> Any:
         client.close()
 
 
-@pytest.mark.parametrize("path", ["auto", "staged", "runs"])
+@pytest.mark.parametrize("path", ["auto", "kernels", "memmove", "staged", "runs"])
 def test_save_then_load_restores_every_layer(make_worker: Callable[..., CPUOffloadWorker],
                                              path: str) -> None:
     w = make_worker()
@@ -274,30 +274,43 @@ def test_layerwise_load_and_background_save_ordering(make_worker: Callable[..., 
     assert dev.log.index(("save.wait_event", fwd[1])) < dev.log.index(("enter", "save")) + 2
 
 
-def test_sync_tail_is_copied_on_the_compute_stream(make_worker: Callable[..., CPUOffloadWorker]
-                                                   ) -> None:
+@pytest.mark.parametrize("path", ["auto", "staged"])
+def test_sync_tail_is_copied_on_the_compute_stream(make_worker: Callable[..., CPUOffloadWorker],
+                                                   path: str) -> None:
+    # auto on CPU: every layer in one call (per step); staged: the per-layer device path
     w = make_worker()
+    w.copy_path = path
     caches = cpu_caches()
     w.register_kv_caches(caches)
     save = plan_save(w, "r", "g", [1, 2])
     w.wait_for_save(CPUOffloadingConnectorMetadata(saves=[save]))
     w.drain(5)
     copies: list[tuple[str, list[int]]] = []
-    original = w._copy_in
+    one_layer, all_layers = w._copy_in, w._copy_in_all
 
     def spy(layer: Any, host_ids: Any, dev_ids: Any, nb: bool) -> int:
         copies.append((w.device.current_stream().name, list(dev_ids)))
-        return original(layer, host_ids, dev_ids, nb)
+        return one_layer(layer, host_ids, dev_ids, nb)
+
+    def spy_all(host_ids: Any, dev_ids: Any, nb: bool) -> int:
+        copies.append((w.device.current_stream().name, list(dev_ids)))
+        return all_layers(host_ids, dev_ids, nb)
 
     dev = RecordingDevice()
     w.device = dev
     w._load_stream = dev._stream("load")
     w._copy_in = spy  # type: ignore[method-assign]
+    w._copy_in_all = spy_all  # type: ignore[method-assign]
+    for t in caches.values():
+        t.zero_()
     w.start_load_kv(CPUOffloadingConnectorMetadata(loads=[
         LoadSpec(req_id="q", host_ids=save.host_ids, device_ids=[5, 6], sync_tail=True)]))
-    n = len(LAYERS)
+    n = len(LAYERS) if path == "staged" else 1
     assert copies[:n] == [("compute", [6])] * n, "the tail block first, on the compute stream"
     assert copies[n:] == [("load", [5])] * n, "the rest on the load stream"
+    for t in caches.values():
+        assert t[5].any() and t[6].any() and not t[1].any()
+    assert len([e for e in dev.log if e[0] == "record"]) == len(LAYERS), "an event per layer"
 
 
 def _register_all(workers: list[CPUOffloadWorker], caches: list[Any]) -> None:

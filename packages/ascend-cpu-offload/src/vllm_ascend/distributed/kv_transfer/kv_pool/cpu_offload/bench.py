@@ -11,14 +11,22 @@ Two parts, both reported as ratios (absolute numbers are in the JSON, with the m
     with scattered device block ids as vLLM hands them out. Goal: at least
     0.8 of memcpy from 64 KiB blocks up.
 ``ttft``
-    Time to first token of a repeated ~2000-token prompt: a real vLLM engine
-    without a connector recomputes it (after ``reset_prefix_cache``), an
-    engine with ``CPUOffloadingConnector`` loads it back from host memory
+    Time to first token of a repeated ~2000-token prompt on real vLLM CPU
+    engines running bench serve's model (``core.bench_serve.BENCH_MODEL``: a
+    random-weight Llama, 8 layers, hidden 512, 8 query heads, 4 KV heads of
+    64, MLP 1280, vocab 8192), float32 and block size 128 like bench serve: an
+    engine without a connector recomputes it (after ``reset_prefix_cache``),
+    an engine with ``CPUOffloadingConnector`` loads it back from host memory
     (after ``reset_prefix_cache``, which keeps the host cache). The engine
     without connector also times a hit in vLLM's own device prefix cache: the
-    floor of any external cache on this engine. Each engine runs in its own
-    process; the first token of both must be equal. Goal: at most 0.1x of
-    recompute. Skipped with ``--quick`` unless ``--ttft`` is given.
+    floor of any external cache on this engine. Reported: host hit /
+    recompute (the goal: at most 0.1) and device hit / recompute (the floor).
+    Each engine runs in its own process; the first token of both must be
+    equal. The dtype sets what a recompute costs: on a CPU with AMX, bfloat16
+    prefills ~3x faster than float32, while a hit costs the engine's fixed
+    ~30 ms a step in both, so bfloat16 (``--dtype bfloat16``) puts even the
+    device hit above 0.1 of recompute. Skipped with ``--quick`` unless
+    ``--ttft`` is given.
 
 Writes ``<out>/offload.json`` and prints a table; never fails on a number.
 """
@@ -40,6 +48,7 @@ from typing import Any
 
 import torch
 
+from vllm_ascend.distributed.kv_transfer.core.bench_serve import BENCH_MODEL
 from vllm_ascend.distributed.kv_transfer.core.benchutil import (
     add_common_args,
     best_rate,
@@ -55,10 +64,11 @@ logger = logging.getLogger(__name__)
 
 BLOCK_SIZES = (64 << 10, 256 << 10, 1 << 20, 2 << 20)
 QUICK_BLOCK_SIZES = (64 << 10, 1 << 20)
-#: The bench model: a random Llama big enough that a 2000-token prefill takes seconds on CPU.
-BENCH_LLAMA = dict(vocab_size=8192, hidden_size=512, intermediate_size=1280,
-                   num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
-                   head_dim=64, max_position_embeddings=4096, initializer_range=0.08)
+#: The bench model: bench serve's random Llama (8 layers, hidden 512, 4 KV heads of 64), so
+#: that both benchmarks of the offload TTFT goal measure the same engine.
+BENCH_LLAMA: dict[str, Any] = dict(BENCH_MODEL)
+#: dtype and KV block size of the TTFT engines: bench serve's.
+TTFT_DTYPE, TTFT_BLOCK_SIZE = "float32", 128
 
 
 # ---------------------------------------------------------------------- bandwidth
@@ -100,14 +110,13 @@ def _bandwidth_row(block_bytes: int, n: int, num_layers: int, repeat: int,
             host_ids = list(range(n))  # the host allocator hands out runs
             nbytes = n * num_layers * block_bytes
 
+            # what the save thread runs for a job, and start_load_kv for a load on CPU
             def save() -> int:
-                for layer in worker._layers:
-                    worker._copy_out(layer, dev_ids, host_ids, False)
+                worker._copy_out_all(dev_ids, host_ids, False)
                 return nbytes
 
             def load() -> int:
-                for layer in worker._layers:
-                    worker._copy_in(layer, host_ids, dev_ids, False)
+                worker._copy_in_all(host_ids, dev_ids, False)
                 return nbytes
 
             src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
@@ -166,7 +175,7 @@ def make_bench_model(path: Path) -> Path:
 
 
 def _ttft_child(conn: Any, model: str, offload: bool, prompts: list[list[int]],
-                shm_dir: str, dtype: str) -> None:
+                shm_dir: str, dtype: str, block_size: int) -> None:
     os.environ.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "2",
                        "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1",
                        "TOKENIZERS_PARALLELISM": "false", SHM_DIR_ENV: shm_dir})
@@ -177,7 +186,7 @@ def _ttft_child(conn: Any, model: str, offload: bool, prompts: list[list[int]],
 
         kw: dict[str, Any] = dict(model=model, skip_tokenizer_init=True, dtype=dtype,
                                   max_model_len=4096, enforce_eager=True, max_num_seqs=4, seed=0,
-                                  enable_prefix_caching=True)
+                                  block_size=block_size, enable_prefix_caching=True)
         if offload:
             kw["kv_transfer_config"] = {
                 "kv_connector": "CPUOffloadingConnector", "kv_role": "kv_both",
@@ -210,11 +219,12 @@ def _ttft_child(conn: Any, model: str, offload: bool, prompts: list[list[int]],
 
 
 def _run_engine(model: str, offload: bool, prompts: list[list[int]], timeout: float,
-                dtype: str) -> list[dict[str, Any]]:
+                dtype: str, block_size: int) -> list[dict[str, Any]]:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     with tempfile.TemporaryDirectory(prefix="bench-offload-shm-") as shm:
-        proc = ctx.Process(target=_ttft_child, args=(child, model, offload, prompts, shm, dtype),
+        proc = ctx.Process(target=_ttft_child,
+                           args=(child, model, offload, prompts, shm, dtype, block_size),
                            daemon=True)
         proc.start()
         try:
@@ -232,28 +242,37 @@ def _run_engine(model: str, offload: bool, prompts: list[list[int]], timeout: fl
 
 
 def run_ttft(model: str, prompt_tokens: int, repeats: int, timeout: float,
-             dtype: str = "bfloat16") -> dict[str, Any]:
+             dtype: str = TTFT_DTYPE, block_size: int = TTFT_BLOCK_SIZE,
+             model_spec: dict[str, Any] | None = None) -> dict[str, Any]:
     """TTFT of a repeated prompt: recompute (no connector) against a host-memory hit.
 
     Also measured, in the engine without connector: the hit of vLLM's own device
     prefix cache, the floor any external cache can reach on this engine.
     """
     rng = random.Random(1)
-    prompts = [[rng.randrange(3, 8000) for _ in range(prompt_tokens)] for _ in range(repeats)]
-    base = _run_engine(model, False, prompts, timeout, dtype)
-    off = _run_engine(model, True, prompts, timeout, dtype)
+    vocab = int((model_spec or BENCH_LLAMA).get("vocab_size", 8000))
+    prompts = [[rng.randrange(3, min(vocab, 8000)) for _ in range(prompt_tokens)]
+               for _ in range(repeats)]
+    base = _run_engine(model, False, prompts, timeout, dtype, block_size)
+    off = _run_engine(model, True, prompts, timeout, dtype, block_size)
     recompute = statistics.median(r["third_s"] for r in base)
     device_hit = statistics.median(r["device_hit_s"] for r in base)
     hit = statistics.median(r["third_s"] for r in off)
     cold = statistics.median(r["first_s"] for r in off)
     same = all(b["first_tokens"] == o["third_tokens"] for b, o in zip(base, off, strict=True))
+
+    def over(a: float, b: float) -> float:
+        return a / b if b else float("nan")
+
     return {
+        "model": {"path": model, "spec": model_spec, "dtype": dtype, "block_size": block_size},
         "prompt_tokens": prompt_tokens, "repeats": repeats, "dtype": dtype,
         "recompute_s": recompute, "device_hit_s": device_hit, "offload_cold_s": cold,
         "offload_hit_s": hit,
-        "hit_over_recompute": hit / recompute if recompute else float("nan"),
-        "hit_over_device_hit": hit / device_hit if device_hit else float("nan"),
-        "cold_over_recompute": cold / recompute if recompute else float("nan"),
+        "hit_over_recompute": over(hit, recompute),
+        "device_hit_over_recompute": over(device_hit, recompute),
+        "hit_over_device_hit": over(hit, device_hit),
+        "cold_over_recompute": over(cold, recompute),
         "hit_cached_tokens": [r["third_cached"] for r in off],
         "baseline_cached_tokens": [r["third_cached"] for r in base],
         "first_token_equal": same,
@@ -275,17 +294,21 @@ def run(args: argparse.Namespace) -> int:
         model = args.model or str(make_bench_model(
             Path(args.model_dir or Path(tempfile.gettempdir()) / "vakv-bench-llama")))
         try:
-            ttft = run_ttft(model, args.prompt_tokens, args.repeats, args.timeout, args.dtype)
+            ttft = run_ttft(model, args.prompt_tokens, args.repeats, args.timeout, args.dtype,
+                            args.block_size, None if args.model else BENCH_LLAMA)
         except (RuntimeError, TimeoutError) as exc:
             logger.error("TTFT part failed: %s", exc)
             ttft = {"error": str(exc)}
         payload["ttft"] = ttft
         if "error" not in ttft:
+            what = ("bench serve's Llama (8 layers, hidden 512, 4 KV heads of 64)"
+                    if not args.model else args.model)
             print(f"\nTTFT of a repeated {ttft['prompt_tokens']}-token prompt (median of "
-                  f"{ttft['repeats']})")
+                  f"{ttft['repeats']}; {what}, {ttft['dtype']}, block size "
+                  f"{ttft['model']['block_size']})")
             print(format_table([{k: ttft[k] for k in (
                 "recompute_s", "device_hit_s", "offload_cold_s", "offload_hit_s",
-                "hit_over_recompute", "hit_over_device_hit", "first_token_equal")}]))
+                "hit_over_recompute", "device_hit_over_recompute", "first_token_equal")}]))
             print(f"host hit cached tokens: {ttft['hit_cached_tokens']}; without offload: "
                   f"{ttft['baseline_cached_tokens']}")
     else:
@@ -303,13 +326,16 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--ttft", dest="ttft", action="store_true", default=None,
                    help="run the TTFT part (default: yes, except with --quick)")
     p.add_argument("--no-ttft", dest="ttft", action="store_false", help="skip the TTFT part")
-    p.add_argument("--model", help="model directory for the TTFT part (default: a random "
-                                   "8-layer Llama made on first use)")
+    p.add_argument("--model", help="model directory for the TTFT part (default: bench serve's "
+                                   "random 8-layer Llama, made on first use)")
     p.add_argument("--model-dir", help="where the default model is saved")
     p.add_argument("--prompt-tokens", type=int, default=2000, help="prompt length (default 2000)")
     p.add_argument("--repeats", type=int, default=3, help="prompts per engine (default 3)")
-    p.add_argument("--dtype", default="bfloat16",
-                   help="model dtype (default bfloat16, as the peer measurements in "
-                        "docs; float32 prefills faster on AVX2 CPUs, which raises the ratio)")
+    p.add_argument("--dtype", default=TTFT_DTYPE,
+                   help="model dtype (default %(default)s, as bench serve; bfloat16 prefills "
+                        "~3x faster on CPUs with AMX, which leaves even vLLM's own device hit "
+                        "above 0.1 of recompute)")
+    p.add_argument("--block-size", type=int, default=TTFT_BLOCK_SIZE,
+                   help="KV block size of the TTFT engines (default %(default)s, as bench serve)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per engine")
     p.set_defaults(func=run)

@@ -6,13 +6,19 @@ block ``i`` (rows may be strided, each row is contiguous). Any KV layout
 :class:`~vllm_ascend.distributed.kv_transfer.core.layout.KVCacheLayout`
 understands becomes such a view through :func:`block_rows`.
 
-Paths (``path`` argument of :func:`copy_blocks`):
+Paths (``path`` argument of :func:`copy_blocks` and :func:`copy_blocks_all`):
 
-* ``memmove`` - CPU to CPU (vLLM's CPU backend, tests): one ``memmove`` per
-  run of consecutive blocks through ``ctypes`` (it releases the GIL and costs
-  well under a microsecond a call; a torch ``copy_`` per block costs several,
-  which halves the bandwidth of 64 KiB blocks), spread over a few threads for
-  batches of 4 MiB and more (:func:`copy_threads`). The default on CPU.
+* ``kernels`` - CPU to CPU (vLLM's CPU backend, tests), the default on CPU:
+  ascend-kernels' ``copy_blocks_all_layers``. Every layer of a batch moves in
+  one call per run of consecutive host ids (the host pool keeps layers equally
+  spaced, host blocks are allocated lowest id first, so runs are long): one
+  TensorIterator kernel reads the scattered device blocks of all layers into
+  the run, or writes the run into them, at memcpy speed and in one parallel
+  region. No Python per block, none per layer.
+* ``memmove`` - CPU to CPU: one ``memmove`` per run of consecutive blocks
+  through ``ctypes`` (it releases the GIL), spread over a few threads for
+  batches of 4 MiB and more (:func:`copy_threads`). Python per block: 64 KiB
+  blocks reached only ~0.7 of memcpy.
 * ``staged`` - device and host (NPU, CUDA): the device side's scattered
   blocks are gathered into (or scattered from) a contiguous device buffer by
   one ascend-kernels call, and the buffer moves to or from host memory with
@@ -125,7 +131,8 @@ def copy_blocks(src: torch.Tensor, src_ids: Sequence[int], dst: torch.Tensor,
         dst: block-row view with the same row length.
         dst_ids: destination block ids (same length as ``src_ids``).
         non_blocking: pass-through to ``copy_`` off CPU.
-        path: ``auto``, ``memmove`` (CPU only), ``staged`` or ``runs`` (see the module doc).
+        path: ``auto``, ``kernels`` or ``memmove`` (CPU only), ``staged`` or ``runs`` (see the
+            module doc).
 
     Raises:
         ValueError: the views are not 2-D ``uint8`` block rows of the same length, or the id
@@ -135,9 +142,7 @@ def copy_blocks(src: torch.Tensor, src_ids: Sequence[int], dst: torch.Tensor,
     if len(src_ids) != len(dst_ids):
         raise ValueError(f"{len(src_ids)} source ids but {len(dst_ids)} destination ids")
     for name, t in (("source", src), ("destination", dst)):
-        if t.dtype != torch.uint8 or t.dim() != 2 or t.stride(1) != 1:
-            raise ValueError(f"{name} must be a (blocks, bytes) uint8 view with contiguous rows, "
-                             f"got {t.dtype} {tuple(t.shape)} strides {t.stride()}")
+        _check_rows(name, t)
     if src.shape[1] != dst.shape[1]:
         raise ValueError(f"source blocks hold {src.shape[1]} bytes, destination blocks "
                          f"{dst.shape[1]}")
@@ -148,8 +153,12 @@ def copy_blocks(src: torch.Tensor, src_ids: Sequence[int], dst: torch.Tensor,
     row = src.shape[1]
     on_cpu = src.device.type == "cpu" and dst.device.type == "cpu"
     if path == "auto":
-        path = "memmove" if on_cpu else "staged"
-    if path == "memmove":
+        path = "kernels" if on_cpu else "staged"
+    if path == "kernels":
+        if not on_cpu:
+            raise ValueError("the kernels path needs both views in CPU memory")
+        _copy_kernels([src], src_ids, [dst], dst_ids)
+    elif path == "memmove":
         if not on_cpu:
             raise ValueError("the memmove path needs both views in CPU memory")
         _copy_memmove(src, src_ids, dst, dst_ids, row)
@@ -159,8 +168,70 @@ def copy_blocks(src: torch.Tensor, src_ids: Sequence[int], dst: torch.Tensor,
         for s, d, n in runs(src_ids, dst_ids):
             dst[d:d + n].copy_(src[s:s + n], non_blocking=non_blocking)
     else:
-        raise ValueError(f"unknown copy path {path!r}; expected auto, memmove, staged or runs")
+        raise ValueError(f"unknown copy path {path!r}; expected auto, kernels, memmove, staged "
+                         "or runs")
     return row * len(src_ids)
+
+
+def copy_blocks_all(srcs: Sequence[torch.Tensor], src_ids: Sequence[int],
+                    dsts: Sequence[torch.Tensor], dst_ids: Sequence[int], *,
+                    non_blocking: bool = False, path: str = "auto") -> int:
+    """:func:`copy_blocks` for pairs of views (one per layer) with the same ids; returns the bytes.
+
+    On the ``kernels`` path (CPU, the default there) views of one row length
+    move in one call for all layers; other paths copy pair by pair.
+
+    Raises:
+        ValueError: the views are not block rows, a pair differs in row length, the id lists
+            differ in length, or a destination id repeats on the kernels path.
+        IndexError: an id is out of range.
+    """
+    if len(srcs) != len(dsts):
+        raise ValueError(f"{len(srcs)} source views but {len(dsts)} destination views")
+    if not srcs:
+        return 0
+    on_cpu = all(t.device.type == "cpu" for t in (*srcs, *dsts))
+    if path == "auto":
+        path = "kernels" if on_cpu else "staged"
+    if path != "kernels":
+        return sum(copy_blocks(s, src_ids, d, dst_ids, non_blocking=non_blocking, path=path)
+                   for s, d in zip(srcs, dsts, strict=True))
+    if not on_cpu:
+        raise ValueError("the kernels path needs both views in CPU memory")
+    if len(src_ids) != len(dst_ids):
+        raise ValueError(f"{len(src_ids)} source ids but {len(dst_ids)} destination ids")
+    groups: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for s, d in zip(srcs, dsts, strict=True):
+        for name, t in (("source", s), ("destination", d)):
+            _check_rows(name, t)
+        if s.shape[1] != d.shape[1]:
+            raise ValueError(f"source blocks hold {s.shape[1]} bytes, destination blocks "
+                             f"{d.shape[1]}")
+        group = groups.setdefault(s.shape[1], ([], []))
+        group[0].append(s)
+        group[1].append(d)
+    if not src_ids:
+        return 0
+    check_ids(src_ids, min(t.shape[0] for t in srcs), "source")
+    check_ids(dst_ids, min(t.shape[0] for t in dsts), "destination")
+    for group_srcs, group_dsts in groups.values():
+        _copy_kernels(group_srcs, src_ids, group_dsts, dst_ids)
+    return sum(t.shape[1] for t in srcs) * len(src_ids)
+
+
+def _check_rows(name: str, t: torch.Tensor) -> None:
+    if t.dtype != torch.uint8 or t.dim() != 2 or t.stride(1) != 1:
+        raise ValueError(f"{name} must be a (blocks, bytes) uint8 view with contiguous rows, "
+                         f"got {t.dtype} {tuple(t.shape)} strides {t.stride()}")
+
+
+def _copy_kernels(srcs: Sequence[torch.Tensor], src_ids: Sequence[int],
+                  dsts: Sequence[torch.Tensor], dst_ids: Sequence[int]) -> None:
+    from vllm_ascend.distributed.kernels import copy_blocks_all_layers
+
+    # ids arrive checked; the kernels check them again (and that destinations do not repeat)
+    copy_blocks_all_layers(srcs, torch.as_tensor(src_ids, dtype=torch.int64), dsts,
+                           torch.as_tensor(dst_ids, dtype=torch.int64))
 
 
 def copy_threads() -> int:

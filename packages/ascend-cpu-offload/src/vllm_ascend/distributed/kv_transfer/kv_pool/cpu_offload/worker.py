@@ -45,7 +45,7 @@ from vllm_ascend.distributed.kv_transfer.core.errors import RemoteError
 from vllm_ascend.distributed.kv_transfer.core.layout import KVCacheLayout
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
 
-from .blockcopy import block_rows, check_ids, copy_blocks
+from .blockcopy import block_rows, check_ids, copy_blocks, copy_blocks_all
 from .cpu_offload_manager.client import MetadataClient, ServerUnavailable
 from .cpu_offload_manager.host_pool import HostSegment
 from .cpu_offload_manager.protocol import RegisterRank
@@ -139,6 +139,8 @@ class CPUOffloadWorker:
         self.device: Device | None = None
         self._layers: list[_LayerCopy] = []
         self._layer_index: dict[str, int] = {}
+        #: per region kind (K, V, ...): every layer's device rows and host rows
+        self._kinds: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
         self._load_stream: Any = None
         self._save_stream: Any = None
         self._layer_events: dict[str, Any] = {}
@@ -197,6 +199,18 @@ class CPUOffloadWorker:
                 offset += region.block_len
             self._layers.append(_LayerCopy(layer.name, host, parts))
             self._layer_index[layer.name] = index
+        # region kind by kind (K of every layer, then V, ...): the regions of one kind sit
+        # at equal distances in the host pool, so on CPU one call moves a run of host
+        # blocks of every layer
+        self._kinds = []
+        for r in range(max(len(lay.parts) for lay in self._layers)):
+            dev_rows, host_rows = [], []
+            for lay in self._layers:
+                if r < len(lay.parts):
+                    rows, off, length = lay.parts[r]
+                    dev_rows.append(rows)
+                    host_rows.append(lay.host[:, off:off + length])
+            self._kinds.append((dev_rows, host_rows))
         _maybe_pin_host(self.device, self.segment)
         self._load_stream = self.device.new_stream()
         self._save_stream = self.device.new_stream()
@@ -247,16 +261,25 @@ class CPUOffloadWorker:
         nb = device.kind != "cpu"
         nbytes = 0
         try:
+            # CPU memory on both sides: each step below moves every layer in one call
+            # (the per-layer events then stand for copies already done)
+            batched = self._batched()
             if tail_host:
                 # on the compute stream: ordered before the forward that rewrites one token
-                for layer in self._layers:
-                    nbytes += self._copy_in(layer, tail_host, tail_dev, nb)
+                if batched:
+                    nbytes += self._copy_in_all(tail_host, tail_dev, nb)
+                else:
+                    for layer in self._layers:
+                        nbytes += self._copy_in(layer, tail_host, tail_dev, nb)
             if host_ids:
                 current = device.current_stream()
                 with device.stream(self._load_stream):
                     self._load_stream.wait_stream(current)
+                    if batched:
+                        nbytes += self._copy_in_all(host_ids, dev_ids, nb)
                     for layer in self._layers:
-                        nbytes += self._copy_in(layer, host_ids, dev_ids, nb)
+                        if not batched:
+                            nbytes += self._copy_in(layer, host_ids, dev_ids, nb)
                         self._layer_events[layer.name] = device.record_event(self._load_stream)
         except (RuntimeError, ValueError, IndexError) as exc:
             logger.error("offload load failed (%s); %d blocks will be recomputed", exc,
@@ -299,6 +322,21 @@ class CPUOffloadWorker:
             n += copy_blocks(layer.host[:, off:off + length], host_ids, rows, dev_ids,
                              non_blocking=nb, path=self.copy_path)
         return n
+
+    def _batched(self) -> bool:
+        """Whether loads move every layer in one call (the kernels path: CPU memory)."""
+        return self.copy_path == "kernels" or (
+            self.copy_path == "auto" and self.device is not None and self.device.kind == "cpu")
+
+    def _copy_in_all(self, host_ids: Sequence[int], dev_ids: Sequence[int], nb: bool) -> int:
+        """Host blocks into device blocks, every layer (on CPU one call per region kind and run)."""
+        return sum(copy_blocks_all(host_rows, host_ids, dev_rows, dev_ids, non_blocking=nb,
+                                   path=self.copy_path) for dev_rows, host_rows in self._kinds)
+
+    def _copy_out_all(self, dev_ids: Sequence[int], host_ids: Sequence[int], nb: bool) -> int:
+        """Device blocks into host blocks, every layer (on CPU one call per region kind and run)."""
+        return sum(copy_blocks_all(dev_rows, dev_ids, host_rows, host_ids, non_blocking=nb,
+                                   path=self.copy_path) for dev_rows, host_rows in self._kinds)
 
     def _copy_out(self, layer: _LayerCopy, dev_ids: Sequence[int], host_ids: Sequence[int],
                   nb: bool) -> int:
@@ -391,8 +429,7 @@ class CPUOffloadWorker:
                 try:
                     check_ids(host_ids, self.segment.num_blocks, f"save job {job.job_id} (host)")
                     check_ids(dev_ids, self.layout.num_blocks, f"save job {job.job_id} (device)")
-                    for layer in self._layers:
-                        nbytes += self._copy_out(layer, dev_ids, host_ids, nb)
+                    nbytes += self._copy_out_all(dev_ids, host_ids, nb)
                     ok.append(job)
                 except (RuntimeError, ValueError, IndexError) as exc:
                     logger.error("offload save job %d of %s failed: %s", job.job_id, job.req_id,
@@ -466,6 +503,7 @@ class CPUOffloadWorker:
             self.client.close()
             self.client = None
         self._layers = []  # drop the views into the mapping before unmapping it
+        self._kinds = []
         self._layer_events.clear()
         if self.segment is not None:
             self.segment.close()
