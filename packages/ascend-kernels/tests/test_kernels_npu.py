@@ -21,6 +21,8 @@ from kernels_strategies import fill
 from ascend_kv_testing import fake_torch_npu as fake
 from vllm_ascend.distributed.kernels import (
     NpuUnavailableError,
+    copy_blocks,
+    copy_blocks_all_layers,
     gather_blocks,
     gather_blocks_all_layers,
     impl_npu,
@@ -59,6 +61,20 @@ def test_whole_blocks(fake_torch_npu: Any) -> None:
     target = torch.zeros_like(cache)
     scatter_blocks(cache[[2, 3]], target, [4, 0], impl="npu")
     assert torch.equal(target[4], cache[2]) and torch.equal(target[0], cache[3])
+
+
+def test_copy_blocks_npu_path(fake_torch_npu: Any) -> None:
+    # device index_select + index_copy_ per layer; reads first when memory is shared
+    src = [fill((6, 16, 2, 8), torch.float16, seed=2 + i) for i in range(2)]
+    dst = [torch.zeros(5, 16, 2, 8, dtype=torch.float16) for _ in range(2)]
+    copy_blocks_all_layers(src, [5, 0, 5], dst, [1, 2, 4], impl="npu")
+    for s_, d in zip(src, dst, strict=True):
+        assert torch.equal(d[[1, 2, 4]], s_[[5, 0, 5]]) and not d[0].any()
+    cache = fill((4, 3), torch.float32, seed=9)
+    expected = cache.clone()
+    expected[[1, 2]] = cache[[0, 1]]
+    copy_blocks(cache, [0, 1], cache, [1, 2], impl="npu")  # block 1 read before it is written
+    assert torch.equal(cache, expected)
 
 
 @SETTINGS
