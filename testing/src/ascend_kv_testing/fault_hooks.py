@@ -84,10 +84,11 @@ def _layer_writes(llm: Any) -> Any:
 
 
 def die_mid_push(llm: Any, after_writes: int = 1) -> bool:
-    """P (layerwise): SIGKILL this process once ``after_writes`` layer writes into D's
-    blocks have completed (D granted the lease and holds part of the prompt's KV)."""
+    """P (layerwise): SIGKILL this process once ``after_writes`` writes into D's blocks have
+    completed (D granted the lease and holds part of the prompt's KV). A write carries one
+    layer, or several of one step when they queued up behind each other."""
     worker = _layer_writes(llm)
-    original = worker._write_layer
+    original = worker._write_layers
     done = [0]
 
     def counting(*args: Any, **kwargs: Any) -> Any:
@@ -97,22 +98,23 @@ def die_mid_push(llm: Any, after_writes: int = 1) -> bool:
             _die()
         return nbytes
 
-    worker._write_layer = counting
+    worker._write_layers = counting
     return True
 
 
 def pause_push(llm: Any, flag_dir: str, after_writes: int = 1, max_wait_s: float = 60.0) -> bool:
-    """P (layerwise): once ``after_writes`` layer writes completed, the next one waits until
+    """P (layerwise): once ``after_writes`` writes (of one or more layers) completed, the next
+    one waits until
     ``flag_dir/go`` exists or ``max_wait_s`` passed; ``flag_dir/pushing`` tells the test
     that P is mid-push (it holds D's write lease). Later writes are not paused."""
     worker = _layer_writes(llm)
-    original = worker._write_layer
+    original = worker._write_layers
     flags = Path(flag_dir)
     done = [0]
 
     def paused(*args: Any, **kwargs: Any) -> Any:
         if done[0] >= after_writes:
-            worker._write_layer = original
+            worker._write_layers = original
             (flags / "pushing").touch()
             end = time.monotonic() + max_wait_s
             while not (flags / "go").exists() and time.monotonic() < end:
@@ -122,7 +124,7 @@ def pause_push(llm: Any, flag_dir: str, after_writes: int = 1, max_wait_s: float
         done[0] += 1
         return original(*args, **kwargs)
 
-    worker._write_layer = paused
+    worker._write_layers = paused
     return True
 
 
