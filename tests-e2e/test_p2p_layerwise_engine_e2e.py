@@ -175,7 +175,8 @@ def test_prefix_hits_on_both_sides_push_only_the_rest(lw: Any) -> None:
     # D and P both hold these prompts' full blocks now: D posts them as cached
     assert [g.token_ids for g in run_pd(lw, prompts)] == want
     posts = list(lw.meta.posts.values())[-2:]
-    assert [p["remote_cached_tokens"] for p in posts] == [96, 160]
+    # the two requests run in one batch: D may post them in either order
+    assert sorted(p["remote_cached_tokens"] for p in posts) == [96, 160]
     second = totals(lw.p)["p2p_transfer_bytes"] - bytes_first
     assert 0 < second < bytes_first / 3
     lw.d.reset_prefix_cache()
