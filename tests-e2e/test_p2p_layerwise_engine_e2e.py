@@ -9,11 +9,9 @@ must produce exactly the tokens a single instance produces (float32, greedy).
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -24,47 +22,10 @@ pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine-no
 
 from ascend_kv_testing.engines import EngineProcess, GenResult
 from ascend_kv_testing.models import make_tiny_llama
-from ascend_kv_testing.pd import PROBES, baseline, kv_config, prompts_of
+from ascend_kv_testing.pd import LAYERWISE, PROBES, Metaserver, baseline, kv_config, prompts_of
 
 BS = 32
-LAYERWISE = "MooncakeLayerwiseConnector"
 STATS = "vllm_ascend.distributed.kv_transfer.kv_p2p.mooncake_layerwise_connector:push_stats"
-
-
-class Metaserver:
-    """Records D's posts (the proxy's /v1/metaserver without the forwarding)."""
-
-    def __init__(self) -> None:
-        self.posts: dict[str, dict[str, Any]] = {}
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                outer.posts[body["request_id"]] = body
-                self.send_response(200)
-                self.send_header("Content-Length", "2")
-                self.end_headers()
-                self.wfile.write(b"{}")
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1/metaserver"
-
-    def wait(self, ids: list[str], timeout: float = 60.0) -> list[dict[str, Any]]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and not all(i in self.posts for i in ids):
-            time.sleep(0.02)
-        missing = [i for i in ids if i not in self.posts]
-        assert not missing, f"D never posted {missing}"
-        return [self.posts[i] for i in ids]
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 @pytest.fixture(scope="module")
