@@ -165,26 +165,34 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             w.register_kv_caches(caches[key])
         compute = _Compute(args.layer_ms)
         layer_names = list(p_cache)
+
+        def push(rid: str, compute: _Compute | None) -> tuple[float, float, float]:
+            """One layerwise request, P pushing each layer after its (simulated) compute;
+            returns when the pushes started, when the forward ended, when D had all KV."""
+            p, d = workers["lp"], workers["ld"]
+            d.start_load_kv(MooncakeLayerwiseConnectorMetadata(
+                requests={rid: ReqMeta(rid, d_blocks)}))
+            tgt = PushTarget("bench-ld", d.host, ports["ld"], rid, d_blocks, 0, 1)
+            meta = MooncakeLayerwiseConnectorMetadata(pushes={rid: PushReq(
+                rid, tgt, list(range(args.blocks)), p_blocks, last=True)})
+            start = time.perf_counter()
+            for name in layer_names:
+                if compute is not None:
+                    compute()
+                p.save_kv_layer(meta, name, p_cache[name])
+            end = time.perf_counter()
+            p.wait_for_save(meta)
+            _wait_recv(d, rid)
+            ready = time.perf_counter()
+            p.get_finished({rid})
+            return start, end, ready
+
         for i in progress(range(args.requests), "requests"):
             order = ("layerwise", "pull") if i % 2 == 0 else ("pull", "layerwise")
             for kind in order:
                 rid = f"{kind}-{i}"
                 if kind == "layerwise":
-                    d, p = workers["ld"], workers["lp"]
-                    d.start_load_kv(MooncakeLayerwiseConnectorMetadata(
-                        requests={rid: ReqMeta(rid, d_blocks)}))
-                    tgt = PushTarget("bench-ld", d.host, ports["ld"], rid, d_blocks, 0, 1)
-                    meta = MooncakeLayerwiseConnectorMetadata(pushes={rid: PushReq(
-                        rid, tgt, list(range(args.blocks)), p_blocks, last=True)})
-                    start = time.perf_counter()
-                    for name in layer_names:
-                        compute()
-                        p.save_kv_layer(meta, name, p_cache[name])
-                    end = time.perf_counter()
-                    p.wait_for_save(meta)
-                    _wait_recv(d, rid)
-                    ready = time.perf_counter()
-                    p.get_finished({rid})
+                    start, end, ready = push(rid, compute)
                 else:
                     d, p = workers["pd"], workers["pp"]
                     start = time.perf_counter()
@@ -228,18 +236,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     if moved != sum(lens):
                         raise RuntimeError(f"raw write moved {moved} of {sum(lens)} bytes")
                 else:
-                    d.start_load_kv(MooncakeLayerwiseConnectorMetadata(
-                        requests={rid: ReqMeta(rid, d_blocks)}))
-                    tgt = PushTarget("bench-ld", d.host, ports["ld"], rid, d_blocks, 0, 1)
-                    meta = MooncakeLayerwiseConnectorMetadata(pushes={rid: PushReq(
-                        rid, tgt, list(range(args.blocks)), p_blocks, last=True)})
-                    start = time.perf_counter()
-                    for name in layer_names:
-                        p.save_kv_layer(meta, name, p_cache[name])
-                    p.wait_for_save(meta)
-                    _wait_recv(d, rid)
-                    ready = time.perf_counter()
-                    p.get_finished({rid})
+                    start, _end, ready = push(rid, None)
                 if not torch.equal(last[d_blocks[-1]], p_cache[layer_names[-1]][p_blocks[-1]]):
                     raise RuntimeError(f"{kind}: D's last block differs from P's")
                 if i:  # the first round warms connections up
