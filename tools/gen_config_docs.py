@@ -35,7 +35,7 @@ CORE_CLI = "vllm_ascend.distributed.kv_transfer.core.cli"
 #: Sections that are not a connector's extra config but are documented beside them.
 EXTRA_SECTIONS = {
     "Mooncake Store client (MOONCAKE_CONFIG_PATH file, or the pool's 'mooncake' key)":
-        "vllm_ascend.distributed.kv_transfer.core.config.pool:MooncakeStoreConfig",
+        "vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.config:MooncakeStoreConfig",
 }
 
 
@@ -91,7 +91,7 @@ def config_sections(root: Path = ROOT) -> dict[str, str]:
     sees them once every package is installed (core's own plus the packages' entry points,
     read from their ``pyproject.toml``)."""
     use_sources(root)
-    sections: dict[str, str] = dict(_load(f"{CORE_CLI}:CONFIG_SECTIONS"))
+    sections: dict[str, str] = {}
     for pyproject in sorted((root / "packages").glob("*/pyproject.toml")):
         data = tomllib.loads(pyproject.read_text())
         eps = data.get("project", {}).get("entry-points", {}).get(CONFIG_GROUP, {})

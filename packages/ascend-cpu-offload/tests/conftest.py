@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from vllm_ascend.distributed.kv_transfer.core.config.offload import CPUOffloadConfig
+from vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.config import CPUOffloadConfig
 from vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.cpu_offload_manager.host_pool import (
     SHM_DIR_ENV,
 )

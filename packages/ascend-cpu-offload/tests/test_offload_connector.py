@@ -52,7 +52,7 @@ def test_the_plugin_entry_point_points_at_register() -> None:
     eps = {ep.name: ep for ep in metadata.entry_points(group="vllm.general_plugins")}
     assert eps["ascend_cpu_offload"].load() is pkg.register
     config_eps = {ep.name: ep for ep in metadata.entry_points(group="vllm_ascend_kv.config")}
-    from vllm_ascend.distributed.kv_transfer.core.config.offload import CPUOffloadConfig
+    from vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.config import CPUOffloadConfig
 
     assert config_eps["CPUOffloadingConnector"].load() is CPUOffloadConfig
 

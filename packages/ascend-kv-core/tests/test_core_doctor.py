@@ -67,7 +67,7 @@ def test_cli_exit_status_and_json(capsys: pytest.CaptureFixture[str], tmp_path: 
 
 
 def test_stall_bound_warning(monkeypatch: pytest.MonkeyPatch) -> None:
-    from vllm_ascend.distributed.kv_transfer.core.config.p2p import MooncakeP2PConfig
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig
 
     d = Doctor({})
     section = MooncakeP2PConfig.from_dict({"lease_ttl_s": 30, "load_timeout_s": 20})

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from vllm_ascend.distributed.kv_transfer.core.channel import RpcClient, tcp_endpoint
-from vllm_ascend.distributed.kv_transfer.core.config.p2p import MooncakeLayerwiseConfig
+from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeLayerwiseConfig
 from vllm_ascend.distributed.kv_transfer.core.errors import RemoteError
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
 from vllm_ascend.distributed.kv_transfer.core.net import free_port

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from vllm_ascend.distributed.kv_transfer.core.channel import RpcServer, tcp_endpoint
-from vllm_ascend.distributed.kv_transfer.core.config.p2p import MooncakeP2PConfig
+from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
 from vllm_ascend.distributed.kv_transfer.core.net import free_port
 

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_ascend.distributed.kv_transfer.core.config.p2p import (
+from vllm_ascend.distributed.kv_transfer.kv_p2p.config import (
     MooncakeLayerwiseConfig,
     MooncakeP2PConfig,
 )

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from vllm_ascend.distributed.kv_transfer.core.config.pool import AscendStoreConfig
+from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.config import AscendStoreConfig
 from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.context import PoolContext
 
 BLOCK = 4

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from vllm_ascend.distributed.kv_transfer.core.config.pool import (
+from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.config import (
     AscendStoreConfig,
     MooncakeStoreConfig,
 )

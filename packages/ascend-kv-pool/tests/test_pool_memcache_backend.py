@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from vllm_ascend.distributed.kv_transfer.core.config.pool import AscendStoreConfig
+from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.config import AscendStoreConfig
 from vllm_ascend.distributed.kv_transfer.core.errors import DependencyError
 from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.backend.memcache_backend import (
     MemcacheBackend,

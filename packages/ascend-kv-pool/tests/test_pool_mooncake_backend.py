@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vllm_ascend.distributed.kv_transfer.core.config.pool import (
+from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.config import (
     MOONCAKE_CONFIG_ENV,
     AscendStoreConfig,
     MooncakeStoreConfig,

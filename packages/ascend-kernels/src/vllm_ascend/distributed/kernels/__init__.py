@@ -31,7 +31,18 @@ from .errors import (
     NpuUnavailableError,
     UnknownImplError,
 )
-from .heads import head_part_shape, merge_head_parts, select_head_part, split_head_parts
+from .heads import (
+    HeadSlice,
+    head_group_of_rank,
+    head_part_shape,
+    kv_heads_of_rank,
+    merge_head_parts,
+    num_head_groups,
+    partners_per_remote_rank,
+    plan_head_slices,
+    select_head_part,
+    split_head_parts,
+)
 from .ops import (
     copy_blocks,
     copy_blocks_all_layers,
@@ -50,6 +61,7 @@ __all__ = [
     "ENV_IMPL",
     "BlockIdError",
     "DuplicateIdError",
+    "HeadSlice",
     "Impl",
     "KernelShapeError",
     "NpuUnavailableError",
@@ -59,10 +71,15 @@ __all__ = [
     "copy_blocks_all_layers",
     "gather_blocks",
     "gather_blocks_all_layers",
+    "head_group_of_rank",
     "head_part_shape",
+    "kv_heads_of_rank",
     "load_tokens",
     "merge_head_parts",
+    "num_head_groups",
     "paged_cache_load",
+    "partners_per_remote_rank",
+    "plan_head_slices",
     "reshape_and_cache",
     "resolve_impl",
     "scatter_blocks",

@@ -27,6 +27,7 @@ orders coincide and nothing moves.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from collections.abc import Sequence
 
 import torch
@@ -185,3 +186,118 @@ def split_raw_parts(blocks: torch.Tensor, num_parts: int, head_axis: int) -> tor
     a = check_axis(head_axis, len(shape), op="split_raw_parts", name="head_axis")
     split = blocks.reshape(k, *shape[:a], num_parts, part[a], *shape[a + 1:])
     return split.movedim(1 + a, 1).contiguous().reshape(k, *shape)
+
+
+# ---------------------------------------------------------------------------- head ownership
+# Which TP rank holds which KV heads: the one place for that arithmetic, used by the
+# P/D connectors (which P rank a D rank reads or writes, and which heads) and by the
+# pool (ranks that hold the same heads share keys).
+
+
+def kv_heads_of_rank(total_heads: int, tp_size: int, tp_rank: int) -> range:
+    """Global KV head indices held by ``tp_rank`` of ``tp_size``.
+
+    With ``H`` KV heads and TP size ``T``, rank ``t`` holds heads
+    ``[t*H/T, (t+1)*H/T)`` when ``H >= T``; when ``H < T`` heads are replicated
+    and rank ``t`` holds head ``t // (T/H)``.
+
+    Raises:
+        KernelShapeError: a rank outside ``[0, tp_size)``, or heads that split
+            unevenly over the ranks (neither count a multiple of the other).
+    """
+    if tp_size < 1 or total_heads < 1:
+        raise KernelShapeError(f"kv_heads_of_rank: tp_size {tp_size} and total_heads "
+                               f"{total_heads} must be positive")
+    if not 0 <= tp_rank < tp_size:
+        raise KernelShapeError(f"kv_heads_of_rank: tp_rank {tp_rank} outside [0, {tp_size})")
+    if total_heads >= tp_size:
+        if total_heads % tp_size:
+            raise KernelShapeError(
+                f"{total_heads} KV heads cannot be split evenly over TP size {tp_size}")
+        per = total_heads // tp_size
+        return range(tp_rank * per, (tp_rank + 1) * per)
+    if tp_size % total_heads:
+        raise KernelShapeError(
+            f"TP size {tp_size} is not a multiple of the {total_heads} KV heads")
+    head = tp_rank // (tp_size // total_heads)
+    return range(head, head + 1)
+
+
+def head_group_of_rank(tp_rank: int, tp_size: int, num_kv_heads: int) -> tuple[int, int]:
+    """``(group, ranks_per_group)``: ranks holding the same heads form one group.
+
+    When KV heads < TP size, ``tp_size // num_kv_heads`` consecutive ranks hold the
+    same head (the group is ``tp_rank // ranks_per_group``); otherwise every rank is
+    its own group. Upstream's pool calls the pair ``(head_or_tp_rank, put_step)``.
+
+    Raises:
+        KernelShapeError: a non-positive size.
+    """
+    if tp_size <= 0 or num_kv_heads <= 0:
+        raise KernelShapeError(
+            f"tp_size {tp_size} and num_kv_heads {num_kv_heads} must be positive")
+    if num_kv_heads < tp_size:
+        step = tp_size // num_kv_heads
+        return tp_rank // step, step
+    return tp_rank, 1
+
+
+def num_head_groups(tp_size: int, num_kv_heads: int) -> int:
+    """Distinct head groups across a TP group (see :func:`head_group_of_rank`)."""
+    return min(tp_size, num_kv_heads)
+
+
+@dataclass(frozen=True)
+class HeadSlice:
+    """Heads ``[local_offset, local_offset + num_heads)`` of a rank's blocks pair with
+    heads ``[remote_offset, ...)`` of the blocks of remote rank ``remote_rank``.
+
+    The same record serves a D rank reading from P ranks (pull) and a P rank's
+    heads being written into D ranks (push): "local" is the rank that holds the
+    plan, "remote" the other instance's rank.
+    """
+
+    remote_rank: int
+    local_offset: int
+    remote_offset: int
+    num_heads: int
+
+
+def plan_head_slices(total_heads: int, remote_tp: int, local_tp: int, local_rank: int, *,
+                     is_mla: bool = False) -> list[HeadSlice]:
+    """The head slices local rank ``local_rank`` exchanges, grouped by remote rank.
+
+    Each head the local rank holds comes from (or goes to) one remote rank holding
+    it; replicas are spread by ``local_rank``. MLA caches have no head axis: every
+    rank holds the same latent, so a rank pairs with one remote rank, whole blocks.
+    """
+    if is_mla:
+        return [HeadSlice(remote_rank=local_rank % remote_tp, local_offset=0, remote_offset=0,
+                          num_heads=1)]
+    mine = kv_heads_of_rank(total_heads, local_tp, local_rank)
+    holders = {r: kv_heads_of_rank(total_heads, remote_tp, r) for r in range(remote_tp)}
+    slices: list[HeadSlice] = []
+    for h in mine:
+        candidates = [r for r, heads in holders.items() if h in heads]
+        remote = candidates[local_rank % len(candidates)]
+        local_off, remote_off = h - mine.start, h - holders[remote].start
+        last = slices[-1] if slices else None
+        if (last and last.remote_rank == remote
+                and last.local_offset + last.num_heads == local_off
+                and last.remote_offset + last.num_heads == remote_off):
+            slices[-1] = HeadSlice(remote, last.local_offset, last.remote_offset,
+                                   last.num_heads + 1)
+        else:
+            slices.append(HeadSlice(remote, local_off, remote_off, 1))
+    return slices
+
+
+def partners_per_remote_rank(total_heads: int, remote_tp: int, local_tp: int, *,
+                             is_mla: bool = False) -> dict[int, int]:
+    """How many local ranks pair with each remote rank (P frees after that many reads)."""
+    counts: dict[int, int] = {}
+    for rank in range(local_tp):
+        for r in {s.remote_rank for s in plan_head_slices(total_heads, remote_tp, local_tp,
+                                                          rank, is_mla=is_mla)}:
+            counts[r] = counts.get(r, 0) + 1
+    return counts

@@ -26,13 +26,6 @@ ENTRY_POINT_GROUP = "vllm_ascend_kv.cli"
 #: Entry points adding ``vllm-ascend-kv bench <name>`` subcommands.
 BENCH_ENTRY_POINT_GROUP = "vllm_ascend_kv.bench"
 
-#: Configuration sections the ``config`` command can describe: name -> "module:Class".
-CONFIG_SECTIONS = {
-    "MooncakeConnectorV1": "vllm_ascend.distributed.kv_transfer.core.config.p2p:MooncakeP2PConfig",
-    "MooncakeLayerwiseConnector":
-        "vllm_ascend.distributed.kv_transfer.core.config.p2p:MooncakeLayerwiseConfig",
-}
-
 DISTRIBUTIONS = ("ascend-kv-core", "ascend-kv-p2p", "ascend-kv-pool", "ascend-cpu-offload",
                  "ascend-dist-utils", "ascend-kernels", "vllm-ascend-distributed")
 
@@ -44,7 +37,7 @@ def _load(path: str) -> object:
 
 def config_sections() -> dict[str, str]:
     """Known configuration sections, including those other packages add."""
-    sections = dict(CONFIG_SECTIONS)
+    sections: dict[str, str] = {}
     for ep in metadata.entry_points(group="vllm_ascend_kv.config"):
         sections[ep.name] = ep.value
     return sections

@@ -262,7 +262,7 @@ class Doctor:
         if backend != "mooncake":
             self.ok("pool backend", f"{backend} (embedded, nothing to reach)")
             return
-        from .config.pool import MOONCAKE_CONFIG_ENV, MooncakeStoreConfig
+        from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.config import MOONCAKE_CONFIG_ENV, MooncakeStoreConfig
 
         store = getattr(section, "mooncake", None)
         try:

@@ -60,7 +60,7 @@ def _caches(fill: bool) -> dict[str, Any]:
 
 
 def _worker(role: str, kv_port: int) -> Any:
-    from vllm_ascend.distributed.kv_transfer.core.config.p2p import MooncakeP2PConfig
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig
     from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
 
     from .p2p_metrics import P2P_METRICS

@@ -122,7 +122,7 @@ def _is_layerwise(worker: Any) -> bool:
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Run both connectors on the same requests; returns per-connector samples."""
-    from vllm_ascend.distributed.kv_transfer.core.config.p2p import (
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.config import (
         MooncakeLayerwiseConfig,
         MooncakeP2PConfig,
     )

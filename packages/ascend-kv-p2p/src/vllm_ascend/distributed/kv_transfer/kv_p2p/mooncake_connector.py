@@ -35,7 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorRole,
 )
 
-from vllm_ascend.distributed.kv_transfer.core.config.p2p import MooncakeP2PConfig  # noqa: E402
+from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig  # noqa: E402
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder  # noqa: E402
 from vllm_ascend.distributed.kv_transfer.core.vllm_metrics import ConnectorStatsMixin  # noqa: E402
 

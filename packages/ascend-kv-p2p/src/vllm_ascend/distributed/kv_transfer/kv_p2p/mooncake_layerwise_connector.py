@@ -47,7 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     SupportsHMA,
 )
 
-from vllm_ascend.distributed.kv_transfer.core.config.p2p import MooncakeLayerwiseConfig  # noqa: E402
+from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeLayerwiseConfig  # noqa: E402
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder  # noqa: E402
 from vllm_ascend.distributed.kv_transfer.core.vllm_metrics import ConnectorStatsMixin  # noqa: E402
 

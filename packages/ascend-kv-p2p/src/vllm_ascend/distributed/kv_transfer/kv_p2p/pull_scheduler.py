@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from vllm_ascend.distributed.kv_transfer.core.config.p2p import MooncakeP2PConfig
+from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig
 from vllm_ascend.distributed.kv_transfer.core.net import get_host_ip
 
 from .errors import KVParamsError

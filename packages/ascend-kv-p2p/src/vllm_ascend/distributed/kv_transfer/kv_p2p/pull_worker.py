@@ -39,7 +39,7 @@ import torch
 
 from vllm_ascend.distributed.kernels import gather_blocks, scatter_blocks
 from vllm_ascend.distributed.kv_transfer.core.channel import RpcServer, tcp_endpoint
-from vllm_ascend.distributed.kv_transfer.core.config.p2p import MooncakeP2PConfig
+from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig
 from vllm_ascend.distributed.kv_transfer.core.errors import (
     KVTransferError,
     PeerTimeoutError,

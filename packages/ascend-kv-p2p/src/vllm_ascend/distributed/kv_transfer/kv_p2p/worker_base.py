@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from vllm_ascend.distributed.kv_transfer.core.channel import RpcClient, tcp_endpoint
-from vllm_ascend.distributed.kv_transfer.core.config.p2p import MooncakeP2PConfig
+from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig
 from vllm_ascend.distributed.kv_transfer.core.errors import ConfigError
 from vllm_ascend.distributed.kv_transfer.core.layout import KVCacheLayout, KVRegion
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder

@@ -55,7 +55,7 @@ from vllm_ascend.distributed.kv_transfer.core.benchutil import (
     format_table,
     write_results,
 )
-from vllm_ascend.distributed.kv_transfer.core.config.offload import CPUOffloadConfig
+from vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.config import CPUOffloadConfig
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
 
 from .cpu_offload_manager.host_pool import SHM_DIR_ENV

@@ -14,7 +14,7 @@ Lifecycle (see the :mod:`.scheduler` and :mod:`.worker` modules for details):
   ``wait_for_save`` saves in the background on a save stream,
   ``get_finished`` reports requests whose saves are done.
 
-Configuration: :class:`~vllm_ascend.distributed.kv_transfer.core.config.offload.CPUOffloadConfig`
+Configuration: :class:`~vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.config.CPUOffloadConfig`
 (``vllm-ascend-kv config CPUOffloadingConnector`` lists the keys)::
 
     --kv-transfer-config '{"kv_connector": "CPUOffloadingConnector", "kv_role": "kv_both",
@@ -36,7 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from vllm_ascend.distributed.kv_transfer.core.config.offload import CPUOffloadConfig
+from vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.config import CPUOffloadConfig
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
 from vllm_ascend.distributed.kv_transfer.core.vllm_metrics import ConnectorStatsMixin
 

@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vllm_ascend.distributed.kv_transfer.core.config.offload import CPUOffloadConfig
+from vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.config import CPUOffloadConfig
 from vllm_ascend.distributed.kv_transfer.core.errors import RemoteError
 from vllm_ascend.distributed.kv_transfer.core.hashing import chained_block_hashes
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from vllm_ascend.distributed.kv_transfer.core.config.offload import CPUOffloadConfig
+from vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.config import CPUOffloadConfig
 from vllm_ascend.distributed.kv_transfer.core.device import Device, device_of
 from vllm_ascend.distributed.kv_transfer.core.errors import RemoteError
 from vllm_ascend.distributed.kv_transfer.core.layout import KVCacheLayout

@@ -185,7 +185,7 @@ def run_pool(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _mooncake_rows(args: argparse.Namespace, blocks: _Blocks, repeat: int) -> dict[str, Any]:
-    from vllm_ascend.distributed.kv_transfer.core.config.pool import MooncakeStoreConfig
+    from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.config import MooncakeStoreConfig
 
     from .backend.mooncake_backend import MooncakeBackend
 
@@ -240,7 +240,7 @@ def _mooncake_rows(args: argparse.Namespace, blocks: _Blocks, repeat: int) -> di
 
 def _lookup_rates(backend: Any, quick: bool, label: str = "local") -> list[dict[str, Any]]:
     """keys/s of ``exists`` in batches, and of the ZeroMQ scheduler->worker lookup."""
-    from vllm_ascend.distributed.kv_transfer.core.config.pool import AscendStoreConfig
+    from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.config import AscendStoreConfig
 
     from .context import PoolContext
     from .lookup import LookupClient, LookupServer, lookup_endpoint

@@ -20,7 +20,7 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from vllm_ascend.distributed.kv_transfer.core.config.pool import AscendStoreConfig
+from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.config import AscendStoreConfig
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
 
 from .config_data import AscendConnectorMetadata, LoadSpec, RequestTracker, TransferJob

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm_ascend.distributed.kv_transfer.core.config.pool import AscendStoreConfig
+from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.config import AscendStoreConfig
 from vllm_ascend.distributed.kv_transfer.core.device import get_device
 from vllm_ascend.distributed.kv_transfer.core.errors import ConfigError
 from vllm_ascend.distributed.kv_transfer.core.layout import KVCacheLayout, KVRegion

@@ -45,7 +45,7 @@ class Backend(ABC):
     Args:
         parallel_config: vLLM's ``ParallelConfig`` (upstream signature), or ``None``.
         **kwargs: backend options (the pool worker passes ``config``, the
-            :class:`~vllm_ascend.distributed.kv_transfer.core.config.pool.AscendStoreConfig`,
+            :class:`~vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.config.AscendStoreConfig`,
             and ``device_id``).
     """
 

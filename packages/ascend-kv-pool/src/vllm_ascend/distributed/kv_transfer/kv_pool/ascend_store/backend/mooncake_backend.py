@@ -23,7 +23,7 @@ import logging
 import threading
 from typing import Any, ClassVar
 
-from vllm_ascend.distributed.kv_transfer.core.config.pool import MooncakeStoreConfig
+from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.config import MooncakeStoreConfig
 from vllm_ascend.distributed.kv_transfer.core.config.sizes import parse_size
 
 from ..errors import BackendError, BackendUnavailableError

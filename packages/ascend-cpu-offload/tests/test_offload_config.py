@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vllm_ascend.distributed.kv_transfer.core.config.offload import (
+from vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.config import (
     DEFAULT_SWAP_SPACE_BYTES,
     CPUOffloadConfig,
 )
