@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """Collectives of vLLM on Ascend: the fc3 all-gather with unpadding, an async all-gather,
-and the P/D head all-to-all.
+the P/D head all-to-all, the decode-context-parallel size and a first-dim split.
 
 ``group`` arguments accept a vLLM ``GroupCoordinator`` (what
 :mod:`.parallel_state` returns; its ``device_group`` is used) or a plain
@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,7 +27,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = ["all_gather_async", "alltoall_and_rearrange", "fc3_all_gather_and_maybe_unpad_impl",
-           "kv_alltoall_and_rearrange", "rearrange_output"]
+           "get_decode_context_model_parallel_rank",
+           "get_decode_context_model_parallel_world_size", "kv_alltoall_and_rearrange",
+           "rearrange_output", "split_tensor_along_first_dim"]
 
 
 def _device_group(group: Any) -> ProcessGroup | None:
@@ -208,3 +211,49 @@ def kv_alltoall_and_rearrange(pd_tp_ratio: int, key: torch.Tensor | None,
         raise ValueError("kv_alltoall_and_rearrange: key or value is None")
     return (alltoall_and_rearrange(pd_tp_ratio, key, group),
             alltoall_and_rearrange(pd_tp_ratio, value, group))
+
+
+def get_decode_context_model_parallel_world_size() -> int:
+    """World size of vLLM's decode context parallel (DCP) group.
+
+    vLLM removed this helper from ``vllm.distributed``; vLLM-Ascend's modules
+    import it from here. As vLLM's ``get_dcp_group()``, it raises
+    ``AssertionError`` before the group exists.
+    """
+    ps = vllm_module("vllm.distributed.parallel_state",
+                     what="get_decode_context_model_parallel_world_size")
+    return int(ps.get_dcp_group().world_size)
+
+
+def get_decode_context_model_parallel_rank() -> int:
+    """This rank's index in vLLM's decode context parallel (DCP) group."""
+    ps = vllm_module("vllm.distributed.parallel_state",
+                     what="get_decode_context_model_parallel_rank")
+    return int(ps.get_dcp_group().rank_in_group)
+
+
+def split_tensor_along_first_dim(tensor: torch.Tensor, num_partitions: int,
+                                 contiguous_split_chunks: bool = False) -> Sequence[torch.Tensor]:
+    """Split ``tensor`` into ``num_partitions`` equal parts along dim 0 (views by default).
+
+    The counterpart of vLLM's ``split_tensor_along_last_dim``.
+
+    Args:
+        tensor: The tensor to split.
+        num_partitions: Number of parts; must divide ``tensor.size(0)``.
+        contiguous_split_chunks: Make each part contiguous (a copy) instead of a view.
+
+    Returns:
+        The parts, in order.
+
+    Raises:
+        SplitSizeError: ``num_partitions`` is not positive or does not divide dim 0.
+    """
+    size = tensor.size(0)
+    if num_partitions <= 0 or size % num_partitions:
+        raise SplitSizeError(f"split_tensor_along_first_dim: dim 0 of size {size} does not "
+                             f"split into {num_partitions} equal parts")
+    parts = torch.split(tensor, size // num_partitions, dim=0)
+    if contiguous_split_chunks:
+        return tuple(part.contiguous() for part in parts)
+    return parts

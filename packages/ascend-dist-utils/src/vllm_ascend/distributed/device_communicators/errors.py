@@ -34,3 +34,21 @@ class DistributedNotInitializedError(RuntimeError):
 
 class VllmUnavailableError(ImportError):
     """vLLM (a peer dependency) is missing or cannot be imported."""
+
+
+class HcclLibraryError(OSError):
+    """``libhccl.so`` could not be loaded, or lacks a symbol (the message names ``HCCL_SO_PATH``)."""
+
+
+class HcclError(RuntimeError):
+    """An HCCL call returned a non-zero ``HcclResult``.
+
+    Attributes:
+        code: The ``HcclResult`` code.
+        call: The C function that returned it.
+    """
+
+    def __init__(self, message: str, *, code: int, call: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.call = call
