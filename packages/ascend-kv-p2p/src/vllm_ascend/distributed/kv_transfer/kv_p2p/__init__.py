@@ -4,7 +4,10 @@
 * ``MooncakeConnectorV1`` -> :mod:`.mooncake_connector` (decode pulls);
 * ``MooncakeLayerwiseConnector`` -> :mod:`.mooncake_layerwise_connector`
   (prefill pushes layer by layer, virtual push);
-* the P/D proxy: the ``vllm-ascend-pd-proxy`` command (:mod:`.proxy`).
+* ``AscendMultiConnector`` -> ``kv_transfer.ascend_multi_connector`` (vLLM's
+  ``MultiConnector`` that gives layerwise children the real blocks);
+* the P/D proxy: the ``vllm-ascend-pd-proxy`` command (:mod:`.proxy`);
+* upstream's ``kv_transfer/utils`` package (``GlobalTE``, the P/D helpers).
 
 Importing this package is cheap: :func:`register` (the ``vllm.general_plugins``
 entry point) registers the connector names lazily.
@@ -23,6 +26,10 @@ CONNECTORS = [
     ("MooncakeConnectorV1", f"{_PKG}.mooncake_connector", "MooncakeConnector"),
     ("MooncakeLayerwiseConnector", f"{_PKG}.mooncake_layerwise_connector",
      "MooncakeLayerwiseConnector"),
+    # vLLM's MultiConnector feeding layerwise children; under its own name, never over
+    # vLLM's "MultiConnector"
+    ("AscendMultiConnector", "vllm_ascend.distributed.kv_transfer.ascend_multi_connector",
+     "AscendMultiConnector"),
 ]
 
 
