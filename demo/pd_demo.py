@@ -67,11 +67,9 @@ def log(msg: str) -> None:
 
 
 def free_port() -> int:
-    import socket
+    from vllm_ascend.distributed.kv_transfer.core.net import free_port as core_free_port
 
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
+    return core_free_port(HOST)
 
 
 def build_model(workdir: Path) -> Path:

@@ -15,7 +15,7 @@ from ascend_kv_testing.procs import free_port
 
 
 def doctor(cfg: Any, *args: str) -> tuple[int, dict[str, Any]]:
-    proc = subprocess.run([sys.executable, "-m", "vllm_ascend.distributed.kv_transfer.core.cli",
+    proc = subprocess.run([sys.executable, "-m", "vllm_ascend.distributed.kv_transfer.core.tooling.cli",
                            "doctor", "--kv-transfer-config", json.dumps(cfg), "--json",
                            "--timeout", "1", *args],
                           capture_output=True, text=True, timeout=120)

@@ -31,7 +31,7 @@ PACKAGES_DIR = ROOT / "packages"
 
 #: The entry-point group through which packages add configuration sections.
 CONFIG_GROUP = "vllm_ascend_kv.config"
-CORE_CLI = "vllm_ascend.distributed.kv_transfer.core.cli"
+CORE_CLI = "vllm_ascend.distributed.kv_transfer.core.tooling.cli"
 #: Sections that are not a connector's extra config but are documented beside them.
 EXTRA_SECTIONS = {
     "Mooncake Store client (MOONCAKE_CONFIG_PATH file, or the pool's 'mooncake' key)":

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_ascend.distributed.kv_transfer.core.cli import main
+from vllm_ascend.distributed.kv_transfer.core.tooling.cli import main
 
 
 def test_quick_bench_writes_ratios(tmp_path: Path) -> None:
@@ -25,8 +25,8 @@ def test_quick_bench_writes_ratios(tmp_path: Path) -> None:
 
 def test_ttft_uses_bench_serves_model_and_reports_both_ratios(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from vllm_ascend.distributed.kv_transfer.core import bench_serve
-    from vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload import bench
+    from vllm_ascend.distributed.kv_transfer.core.tooling import bench_serve
+    from vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.tooling import bench
 
     assert bench.BENCH_LLAMA == bench_serve.BENCH_MODEL  # 8 layers, hidden 512, 4 KV heads of 64
     assert (bench.TTFT_DTYPE, bench.TTFT_BLOCK_SIZE) == ("float32", 128)

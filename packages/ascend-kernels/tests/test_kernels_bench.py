@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from vllm_ascend.distributed.kernels import bench
+from vllm_ascend.distributed.kernels.tooling import bench
 
 
 def test_registered_under_the_bench_entry_point_group() -> None:
     eps = {ep.name: ep.value for ep in metadata.entry_points(group="vllm_ascend_kv.bench")}
-    assert eps.get("kernels") == "vllm_ascend.distributed.kernels.bench:add_parser"
+    assert eps.get("kernels") == "vllm_ascend.distributed.kernels.tooling.bench:add_parser"
 
 
 def test_add_parser_plugs_into_a_cli() -> None:

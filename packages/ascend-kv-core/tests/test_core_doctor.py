@@ -1,20 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``vllm-ascend-kv doctor`` checks that need only ascend-kv-core (the full-stack cases with
-every connector package and a real mooncake_master are in tests-e2e/test_doctor_e2e.py)."""
+"""``vllm-ascend-kv doctor`` checks that need only ascend-kv-core (each connector's own checks
+are tested in its package, ``test_*_doctor.py``; the full-stack cases with every connector
+package and a real mooncake_master are in tests-e2e/test_doctor_e2e.py)."""
 
 from __future__ import annotations
 
 import json
 import socket
 import threading
-import types
 
 import pytest
 
 from vllm_ascend.distributed.kv_transfer.core.channel import RpcServer, tcp_endpoint
-from vllm_ascend.distributed.kv_transfer.core.cli import main
-from vllm_ascend.distributed.kv_transfer.core.doctor import Doctor, render
 from vllm_ascend.distributed.kv_transfer.core.net import free_port
+from vllm_ascend.distributed.kv_transfer.core.tooling.cli import main
+from vllm_ascend.distributed.kv_transfer.core.tooling.doctor import Doctor, render
 from vllm_ascend.distributed.kv_transfer.core.wire import Codec
 
 
@@ -34,14 +34,47 @@ def test_not_an_object_and_bad_top_level_keys() -> None:
     assert "kv_maker" in text and "fix:" in text and "problem(s) to fix" in text
 
 
-def test_missing_provider_package_names_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    from vllm_ascend.distributed.kv_transfer.core import doctor
+def test_unknown_connector_names_the_installed_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_ascend.distributed.kv_transfer.core.tooling import plugins
 
-    monkeypatch.setitem(doctor.PROVIDERS, "ProbeConnector", "no-such-distribution-xyz")
+    monkeypatch.setattr(plugins, "entry_points", lambda group: [_FakeEntryPoint(
+        "KnownConnector", group, lambda *a: None)])
     d = Doctor({"kv_connector": "ProbeConnector", "kv_role": "kv_both"})
     d.run()
-    fail = next(c for c in d.checks if c.what == "package no-such-distribution-xyz")
-    assert fail.status == "fail" and "pip install 'no-such-distribution-xyz" in fail.fix
+    warn = next(c for c in d.checks if c.what == "kv_connector")
+    assert warn.status == "warn" and "ProbeConnector" in warn.detail
+    assert "KnownConnector" in warn.detail and plugins.DOCTOR_GROUP in warn.detail
+
+
+class _FakeEntryPoint:
+    def __init__(self, name: str, group: str, target: object) -> None:
+        self.name, self.group, self.value, self.dist = name, group, "fake:target", None
+        self._target = target
+
+    def load(self) -> object:
+        return self._target
+
+
+def test_a_connector_s_doctor_plugin_gets_the_doctor(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_ascend.distributed.kv_transfer.core.tooling import plugins
+
+    seen: list[tuple[object, ...]] = []
+
+    def check(doctor: Doctor, connector: str, extra: object, where: str, cfg: object) -> None:
+        seen.append((connector, extra, where))
+        doctor.fail("probe", "from the plugin")
+
+    monkeypatch.setattr(plugins, "entry_points", lambda group: [
+        _FakeEntryPoint("ProbeConnector", group, check)] if group == plugins.DOCTOR_GROUP
+        else [])
+    cfg = {"kv_connector": "MultiConnector", "kv_role": "kv_both",
+           "kv_connector_extra_config": {"connectors": [
+               {"kv_connector": "ProbeConnector", "kv_connector_extra_config": {"a": 1}}]}}
+    d = Doctor(cfg)
+    got = statuses(d)
+    assert seen == [("ProbeConnector", {"a": 1}, "connectors[0]")]
+    assert got["probe"] == "fail" and got["package providing ProbeConnector"] == "ok"
+    assert not d.healthy
 
 
 def test_peer_ping() -> None:
@@ -66,62 +99,18 @@ def test_cli_exit_status_and_json(capsys: pytest.CaptureFixture[str], tmp_path: 
     assert out["ok"] is False and any(c["what"] == "kv_role" for c in out["checks"])
 
 
-def test_stall_bound_warning(monkeypatch: pytest.MonkeyPatch) -> None:
-    from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig
-
-    d = Doctor({})
-    section = MooncakeP2PConfig.from_dict({"lease_ttl_s": 30, "load_timeout_s": 20})
-    monkeypatch.setenv("MC_TCP_PROGRESS_TIMEOUT_SEC", "5")
-    d._check_stall_bound("MooncakeConnectorV1", section)
-    monkeypatch.setenv("MC_TCP_PROGRESS_TIMEOUT_SEC", "30")
-    d._check_stall_bound("MooncakeConnectorV1", section)
-    monkeypatch.setenv("MC_TCP_PROGRESS_TIMEOUT_SEC", "soon")
-    d._check_stall_bound("MooncakeConnectorV1", section)
-    assert [c.status for c in d.checks] == ["ok", "warn", "warn"]
-    assert "load_timeout_s=20" in d.checks[1].detail
-
-
-@pytest.mark.parametrize("port", ["abc", 70000, None])
-def test_bad_kv_port_of_a_producer_is_reported_not_a_traceback(
-        port: object, monkeypatch: pytest.MonkeyPatch,
-        capsys: pytest.CaptureFixture[str]) -> None:
-    # The free-port check of a P/D producer used to int() and bind kv_port before it was
-    # validated: "abc" raised ValueError, 70000 OverflowError, null TypeError. The provider
-    # package is faked installed so the check is reached without ascend-kv-p2p.
-    from vllm_ascend.distributed.kv_transfer.core import doctor
-
-    real_version = doctor.metadata.version
-    monkeypatch.setattr(doctor, "metadata", types.SimpleNamespace(
-        version=lambda d: "0.0.test" if d == "ascend-kv-p2p" else real_version(d),
-        PackageNotFoundError=doctor.metadata.PackageNotFoundError))
-    bound: list[int] = []
-    monkeypatch.setattr(Doctor, "_check_port_free", lambda self, p: bound.append(p))
-    for role in ("kv_producer", "kv_both"):
-        cfg = {"kv_connector": "MooncakeConnectorV1", "kv_role": role, "kv_port": port}
-        assert main(["doctor", "--kv-transfer-config", json.dumps(cfg), "--timeout", "0.5"]) == 1
-        out = capsys.readouterr().out
-        line = next(ln for ln in out.splitlines() if ln.startswith("FAIL  kv_port"))
-        assert f"kv_port={json.dumps(port)} " in line and "1..65535" in line, out
-        assert "Traceback" not in out
-    assert bound == []  # no free-port check of an invalid port
-    # a valid port still gets its free-port check
-    cfg = {"kv_connector": "MooncakeConnectorV1", "kv_role": "kv_producer", "kv_port": 15000}
-    main(["doctor", "--kv-transfer-config", json.dumps(cfg)])
-    assert bound == [15000] and "FAIL  kv_port" not in capsys.readouterr().out
-
-
 def test_kv_port_range_and_free_port_check() -> None:
-    from vllm_ascend.distributed.kv_transfer.core.doctor import _kv_port
+    from vllm_ascend.distributed.kv_transfer.core.tooling.doctor import kv_port
 
-    assert _kv_port({}) == 14579
-    assert [_kv_port({"kv_port": p}) for p in (1, 65535)] == [1, 65535]
-    assert {_kv_port({"kv_port": p}) for p in (0, 65536, -1, True, 1.5, "14579", None)} == {None}
+    assert kv_port({}) == 14579
+    assert [kv_port({"kv_port": p}) for p in (1, 65535)] == [1, 65535]
+    assert {kv_port({"kv_port": p}) for p in (0, 65536, -1, True, 1.5, "14579", None)} == {None}
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         d = Doctor({})
-        d._check_port_free(busy.getsockname()[1])
-        d._check_port_free(free_port())
+        d.check_port_free(busy.getsockname()[1])
+        d.check_port_free(free_port())
     assert [c.status for c in d.checks] == ["warn", "ok"]
 
 
@@ -177,7 +166,7 @@ def test_metadata_server_is_checked_over_http(reply: bytes | None, want: str) ->
     try:
         url = f"http://127.0.0.1:{listener.port}/metadata"
         d = Doctor({}, timeout_s=0.5)
-        d._check_metadata_server(url)
+        d.check_metadata_server(url)
         (check,) = d.checks
         assert (check.what, check.status) == ("metadata server", want), check
         assert url in check.detail
@@ -196,24 +185,7 @@ def test_metadata_server_down_and_no_proxy(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.delenv("NO_PROXY", raising=False)
     try:
         d = Doctor({}, timeout_s=0.5)
-        d._check_metadata_server(f"http://127.0.0.1:{free_port()}/metadata")
+        d.check_metadata_server(f"http://127.0.0.1:{free_port()}/metadata")
         assert d.checks[0].status == "fail" and "refused" in d.checks[0].detail.lower()
     finally:
         proxy.close()
-
-
-def test_master_check_says_only_the_port_was_reached(tmp_path: object) -> None:
-    from pathlib import Path
-
-    listener = _Listener(b"")
-    try:
-        path = Path(str(tmp_path)) / "mooncake.json"
-        path.write_text(json.dumps({"master_server_address": f"127.0.0.1:{listener.port}",
-                                    "metadata_server": "P2PHANDSHAKE", "protocol": "tcp"}))
-        d = Doctor({}, mooncake_config=str(path), timeout_s=0.5)
-        d._check_pool_backend(types.SimpleNamespace(backend="mooncake", mooncake=None))
-        master = next(c for c in d.checks if c.what == "mooncake_master")
-        assert master.status == "ok" and "TCP connect only" in master.detail
-        assert not any(c.what == "metadata server" for c in d.checks)  # P2PHANDSHAKE
-    finally:
-        listener.close()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_ascend.distributed.kv_transfer.kv_p2p import bench
+from vllm_ascend.distributed.kv_transfer.kv_p2p.tooling import bench
 
 
 def test_quick_run_reports_the_connector_and_both_claim_modes(

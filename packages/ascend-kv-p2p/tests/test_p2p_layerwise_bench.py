@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_ascend.distributed.kv_transfer.kv_p2p import layerwise_bench
+from vllm_ascend.distributed.kv_transfer.kv_p2p.tooling import layerwise_bench
 
 
 def test_quick_run_writes_both_connectors(tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -34,4 +34,4 @@ def test_registered_as_a_bench_entry_point() -> None:
     pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
     eps = tomllib.loads(pyproject.read_text())["project"]["entry-points"]
     assert eps["vllm_ascend_kv.bench"]["layerwise"] == (
-        "vllm_ascend.distributed.kv_transfer.kv_p2p.layerwise_bench:add_parser")
+        "vllm_ascend.distributed.kv_transfer.kv_p2p.tooling.layerwise_bench:add_parser")

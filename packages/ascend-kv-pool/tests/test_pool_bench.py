@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store import bench
+from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.tooling import bench
 from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.backend import LocalBackend
 
 
@@ -56,7 +56,7 @@ def test_trace_command_writes_results(tmp_path: Path) -> None:
 
 def test_trace_command_without_a_trace_says_what_to_pass(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    from vllm_ascend.distributed.kv_transfer.core.cli import main
+    from vllm_ascend.distributed.kv_transfer.core.tooling.cli import main
 
     monkeypatch.delenv(bench.TRACE_ENV, raising=False)
     assert main(["bench", "trace", "--quick", "--out", str(tmp_path)]) == 2

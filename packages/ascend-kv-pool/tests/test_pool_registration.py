@@ -38,7 +38,7 @@ def test_alias_is_the_same_connector_and_warns(caplog: pytest.LogCaptureFixture)
 
 
 def test_cli_describes_the_pool_config(capsys: pytest.CaptureFixture[str]) -> None:
-    from vllm_ascend.distributed.kv_transfer.core import cli
+    from vllm_ascend.distributed.kv_transfer.core.tooling import cli
 
     if "AscendStoreConnector" not in cli.config_sections():
         pytest.skip("ascend-kv-pool's entry points are not installed in this environment")

@@ -22,19 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-#: Environment of every engine child (loopback only, small KV cache, in-process engine core).
-ENGINE_ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_HOST_IP": "127.0.0.1",
-    "VLLM_ASCEND_KV_HOST": "127.0.0.1",
-    "MC_TCP_BIND_ADDRESS": "127.0.0.1",
-    "MOONCAKE_REQUESTER_LOCAL_HOSTNAME": "127.0.0.1",
-    "TOKENIZERS_PARALLELISM": "false",
-    "VLLM_NO_USAGE_STATS": "1",
-    "HF_HUB_OFFLINE": "1",
-}
+from vllm_ascend.distributed.kv_transfer.core.tooling.engine_env import ENGINE_ENV
 
+__all__ = ["ENGINE_ENV", "EngineProcess", "engine_kwargs"]
 
 def engine_kwargs(model: str | Path, **overrides: Any) -> dict[str, Any]:
     """Keyword arguments of ``vllm.LLM`` for a fast, deterministic CPU engine."""

@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from .__about__ import __version__
-from .ops import gather_blocks, gather_blocks_all_layers, scatter_blocks, scatter_blocks_all_layers
+from ..__about__ import __version__
+from ..ops import gather_blocks, gather_blocks_all_layers, scatter_blocks, scatter_blocks_all_layers
 
 logger = logging.getLogger(__name__)
 

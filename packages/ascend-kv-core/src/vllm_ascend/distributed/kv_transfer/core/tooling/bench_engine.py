@@ -63,7 +63,7 @@ def target_process(host: str, protocol: str, nbytes: int, conn: Any) -> None:
     """The remote side: a registered, patterned buffer, until told to stop."""
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", host)
     try:
-        from .transfer_engine import MooncakeTransferEngine
+        from ..transfer_engine import MooncakeTransferEngine
 
         buf = _pattern(nbytes)
         te = MooncakeTransferEngine(host, protocol)
@@ -260,7 +260,7 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     """The whole benchmark: start the target, verify, sweep; returns the JSON payload."""
     import numpy as np
 
-    from .transfer_engine import MooncakeTransferEngine
+    from ..transfer_engine import MooncakeTransferEngine
 
     quick = args.quick
     block_sizes = tuple(k * KIB for k in args.block_kib) if args.block_kib else (

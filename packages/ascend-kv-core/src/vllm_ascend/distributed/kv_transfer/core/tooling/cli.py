@@ -1,55 +1,43 @@
 # SPDX-License-Identifier: Apache-2.0
 """``vllm-ascend-kv``: the project's command line.
 
-Core provides ``version`` and ``config``; every installed package can add
-subcommands through the ``vllm_ascend_kv.cli`` entry-point group. An entry
-point names a callable ``add_commands(subparsers)`` that adds parsers whose
-``func`` default is called with the parsed arguments and returns an exit code.
+Core provides ``version``, ``config`` and ``doctor``; every installed package
+adds to them through the entry-point groups of :mod:`.plugins` (its config
+section, its doctor checks, its ``bench`` subcommands) and can add subcommands
+through the ``vllm_ascend_kv.cli`` group. Such an entry point names a callable
+``add_commands(subparsers)`` that adds parsers whose ``func`` default is called
+with the parsed arguments and returns an exit code.
+
+Run it as ``vllm-ascend-kv`` or ``python -m vllm_ascend.distributed.kv_transfer.core.tooling.cli``.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import logging
 import sys
 from collections.abc import Sequence
-from importlib import metadata
 
-from .__about__ import __version__
-from .errors import KVTransferError
+from ..__about__ import __version__
+from ..errors import KVTransferError
+from . import plugins
+from .doctor import add_parser as add_doctor
 
 logger = logging.getLogger(__name__)
 
-ENTRY_POINT_GROUP = "vllm_ascend_kv.cli"
+ENTRY_POINT_GROUP = plugins.CLI_GROUP
 #: Entry points adding ``vllm-ascend-kv bench <name>`` subcommands.
-BENCH_ENTRY_POINT_GROUP = "vllm_ascend_kv.bench"
-
-DISTRIBUTIONS = ("ascend-kv-core", "ascend-kv-p2p", "ascend-kv-pool", "ascend-cpu-offload",
-                 "ascend-dist-utils", "ascend-kernels", "vllm-ascend-distributed")
-
-
-def _load(path: str) -> object:
-    module, _, attr = path.partition(":")
-    return getattr(importlib.import_module(module), attr)
+BENCH_ENTRY_POINT_GROUP = plugins.BENCH_GROUP
 
 
 def config_sections() -> dict[str, str]:
     """Known configuration sections, including those other packages add."""
-    sections: dict[str, str] = {}
-    for ep in metadata.entry_points(group="vllm_ascend_kv.config"):
-        sections[ep.name] = ep.value
-    return sections
+    return plugins.config_sections()
 
 
 def _cmd_version(args: argparse.Namespace) -> int:
-    rows = []
-    for dist in DISTRIBUTIONS:
-        try:
-            rows.append((dist, metadata.version(dist)))
-        except metadata.PackageNotFoundError:
-            rows.append((dist, "-"))
+    rows = list(plugins.installed_distributions().items())
     try:
         import vllm
 
@@ -74,7 +62,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
             print(f"unknown connector {name!r}; known: {', '.join(sorted(sections))}",
                   file=sys.stderr)
             return 2
-        cls = _load(sections[name])
+        cls = plugins.load(sections[name])
         out[name] = [d.__dict__ for d in cls.describe()]  # type: ignore[attr-defined]
     if args.json:
         print(json.dumps(out, indent=2, default=str))
@@ -107,8 +95,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_cmd_config)
 
-    from .doctor import add_parser as add_doctor
-
     add_doctor(sub)
 
     bench = sub.add_parser("bench", help="benchmarks: each path against its raw baseline, "
@@ -126,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_plugins(group: str, sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    for ep in sorted(metadata.entry_points(group=group), key=lambda e: e.name):
+    for ep in plugins.entry_points(group):
         try:
             ep.load()(sub)
         except Exception as exc:  # one broken plugin must not take the CLI down

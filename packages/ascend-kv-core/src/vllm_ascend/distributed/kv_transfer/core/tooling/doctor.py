@@ -7,6 +7,15 @@ config classes the connectors use, checks that the package providing the
 connector and the platform extra it needs are installed, reaches the Mooncake
 master and metadata server and the peers it is told about, and prints what is
 right and what to fix. The exit status is 0 only when everything is right.
+
+Core checks what every connector shares (vLLM, the top-level keys, the host,
+the peers). Each connector's own checks come from its package: the
+``vllm_ascend_kv.doctor`` entry point named after the connector (a
+:class:`~.plugins.DoctorCheck`) receives this :class:`Doctor` and uses its
+helpers (:meth:`Doctor.validate_section`, :meth:`Doctor.check_platform`,
+:meth:`Doctor.check_mooncake_store`, :meth:`Doctor.check_port_free`, ...). A
+connector with only a ``vllm_ascend_kv.config`` entry point gets its section
+validated and the platform checked.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ import http.client
 import importlib
 import importlib.util
 import json
+import logging
 import os
 import socket
 import sys
@@ -28,18 +38,11 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError, KVTransferError
+from ..errors import ConfigError, KVTransferError
+from . import plugins
 
-#: Connector name -> distribution that provides it.
-PROVIDERS = {
-    "MooncakeConnectorV1": "ascend-kv-p2p",
-    "MooncakeLayerwiseConnector": "ascend-kv-p2p",
-    "AscendStoreConnector": "ascend-kv-pool",
-    "MooncakeConnectorStoreV1": "ascend-kv-pool",
-    "CPUOffloadingConnector": "ascend-cpu-offload",
-}
-#: Aliases whose configuration section is another connector's.
-SECTION_ALIASES = {"MooncakeConnectorStoreV1": "AscendStoreConnector"}
+logger = logging.getLogger(__name__)
+
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 POLICIES = ("fail", "recompute")
 DEFAULT_KV_PORT = 14579
@@ -48,7 +51,7 @@ PORT_MIN, PORT_MAX = 1, 65535
 METADATA_PROBE_KEY = "vllm-ascend-kv-doctor-probe"
 
 
-def _kv_port(cfg: dict[str, Any]) -> int | None:
+def kv_port(cfg: dict[str, Any]) -> int | None:
     """``kv_port`` of the config (vLLM's default when absent), or None when it is not a port."""
     port = cfg.get("kv_port", DEFAULT_KV_PORT)
     if isinstance(port, bool) or not isinstance(port, int) or not PORT_MIN <= port <= PORT_MAX:
@@ -133,7 +136,7 @@ class Doctor:
                       "set kv_role to kv_producer (P), kv_consumer (D) or kv_both")
         else:
             self.ok("kv_role", role)
-        if _kv_port(cfg) is None:
+        if kv_port(cfg) is None:
             value = json.dumps(cfg.get("kv_port"), default=repr)  # as written in the JSON
             self.fail("kv_port", f"kv_port={value} is not a TCP port (accepted: an integer in "
                       f"{PORT_MIN}..{PORT_MAX})",
@@ -145,7 +148,7 @@ class Doctor:
                       "use 'fail' (default) or 'recompute'")
 
     def _check_vllm(self) -> None:
-        from .vllm_compat import MIN_VLLM_VERSION, vllm_version
+        from ..vllm_compat import MIN_VLLM_VERSION, vllm_version
 
         version = vllm_version()
         wanted = ".".join(map(str, MIN_VLLM_VERSION))
@@ -159,47 +162,57 @@ class Doctor:
             self.ok("vLLM", ".".join(map(str, version)))
 
     def _check_connector(self, name: Any, extra: Any, where: str, cfg: dict[str, Any]) -> None:
+        known = plugins.known_connectors()
         if not isinstance(name, str) or not name:
             self.fail("kv_connector", f"{where}: missing or not a string: {name!r}",
-                      f"set kv_connector to one of {', '.join(PROVIDERS)}")
+                      f"set kv_connector to one of {', '.join(known) or '(none installed)'}")
             return
-        dist = PROVIDERS.get(name)
-        if dist is None:
-            self.warn("kv_connector", f"{name!r} is not a vllm-ascend-distributed connector; "
-                      "only its presence in vLLM can be checked", "")
+        ep = plugins.provider(name)
+        if ep is None:
+            self.warn("kv_connector", f"{name!r} is not a connector of an installed "
+                      "vllm-ascend-distributed package (installed: "
+                      f"{', '.join(known) or 'none'}; entry points of "
+                      f"{plugins.DOCTOR_GROUP} / {plugins.CONFIG_GROUP}); only its presence in "
+                      "vLLM can be checked", "")
             return
+        dist = plugins.dist_name(ep) or f"providing {name}"
         try:
             self.ok(f"package {dist}", f"{metadata.version(dist)} provides {name}")
         except metadata.PackageNotFoundError:
-            self.fail(f"package {dist}", f"not installed, but {name} comes from it",
-                      f"pip install '{dist}[cpu]'  (or [cuda], [npu])")
+            self.ok(f"package {dist}", f"provides {name}")
+        if ep.group == plugins.DOCTOR_GROUP:
+            check: plugins.DoctorCheck = ep.load()
+            check(self, name, extra, where, cfg)
             return
-        from .cli import config_sections
+        section = self.validate_section(name, extra, where)
+        if section is not None:
+            self.check_platform()
 
-        section_path = config_sections().get(SECTION_ALIASES.get(name, name))
-        if section_path is None:
+    def validate_section(self, name: str, extra: Any, where: str, *,
+                         section: str | None = None) -> Any | None:
+        """Parse ``extra`` with the config section of ``section`` (default: ``name``).
+
+        Reports the result; returns the parsed section, or ``None`` when it is
+        invalid or there is no such section.
+        """
+        section = section or name
+        path = plugins.config_sections().get(section)
+        if path is None:
             self.warn("configuration", f"no configuration description for {name}")
-            return
-        module, _, attr = section_path.partition(":")
-        cls = getattr(importlib.import_module(module), attr)
+            return None
+        cls = plugins.load(path)
         try:
-            section = cls.from_dict(extra, source=where, strict=True)
+            parsed = cls.from_dict(extra, source=where, strict=True)
         except ConfigError as exc:
-            self.fail(f"{name} configuration", str(exc),
-                      f"see `vllm-ascend-kv config {SECTION_ALIASES.get(name, name)}`")
-            return
+            self.fail(f"{name} configuration", str(exc), f"see `vllm-ascend-kv config {section}`")
+            return None
         self.ok(f"{name} configuration", f"{len(extra)} key(s) valid")
-        self._check_platform(name, section)
-        self._check_stall_bound(name, section)
-        if dist == "ascend-kv-pool":
-            self._check_pool_backend(section)
-        if dist == "ascend-kv-p2p" and cfg.get("kv_role") in ("kv_producer", "kv_both"):
-            port = _kv_port(cfg)
-            if port is not None:  # an invalid kv_port is reported by _check_top_level
-                self._check_port_free(port)
+        return parsed
 
-    def _check_platform(self, name: str, section: Any) -> None:
-        from .device import detect_device_kind
+    def check_platform(self, *, needs_mooncake: bool = False) -> None:
+        """The device kind, ``torch_npu`` on an NPU, and the Mooncake transfer engine when
+        ``needs_mooncake``."""
+        from ..device import detect_device_kind
 
         try:
             kind = detect_device_kind()
@@ -207,8 +220,6 @@ class Doctor:
             self.fail("device", str(exc), "fix VLLM_ASCEND_KV_DEVICE")
             return
         self.ok("device", kind)
-        needs_mooncake = name in ("MooncakeConnectorV1", "MooncakeLayerwiseConnector") or (
-            getattr(section, "backend", None) == "mooncake")
         extra = {"npu": "npu", "cuda": "cuda"}.get(kind, "cpu")
         if needs_mooncake:
             if importlib.util.find_spec("mooncake") is None:
@@ -226,69 +237,25 @@ class Doctor:
             self.fail("torch_npu", "not installed on an NPU machine",
                       "pip install 'ascend-kv-core[npu]' (needs the CANN toolkit)")
 
-    def _check_stall_bound(self, name: str, section: Any) -> None:
-        """A transfer stalled by the network stays in flight up to Mooncake's TCP progress
-        timeout: it must end before a P/D deadline and well before a lease runs out."""
-        from .transfer_engine import DEFAULT_TCP_PROGRESS_TIMEOUT_S, TCP_PROGRESS_TIMEOUT_ENV
+    def check_mooncake_store(self, store: Any) -> None:
+        """Reach the master of a Mooncake Store client config and its HTTP metadata server.
 
-        if name not in ("MooncakeConnectorV1", "MooncakeLayerwiseConnector"):
-            return
-        raw = os.environ.get(TCP_PROGRESS_TIMEOUT_ENV, str(DEFAULT_TCP_PROGRESS_TIMEOUT_S))
-        try:
-            bound = int(raw)
-        except ValueError:
-            self.warn(TCP_PROGRESS_TIMEOUT_ENV, f"{raw!r} is not an integer; Mooncake then uses "
-                      "its own 30 s", f"set {TCP_PROGRESS_TIMEOUT_ENV} to whole seconds")
-            return
-        lease, deadline = section.lease_ttl_s, section.load_timeout_s
-        if bound >= deadline or bound + 0.5 >= lease * 0.8:
-            self.warn(TCP_PROGRESS_TIMEOUT_ENV,
-                      f"{bound} s lets a stalled transfer outlive load_timeout_s={deadline} or "
-                      f"most of lease_ttl_s={lease}",
-                      f"lower {TCP_PROGRESS_TIMEOUT_ENV} (default here "
-                      f"{DEFAULT_TCP_PROGRESS_TIMEOUT_S}) or raise the lease and deadline")
-        else:
-            self.ok(TCP_PROGRESS_TIMEOUT_ENV, f"{bound} s, below the lease and the deadline")
-
-    def _check_pool_backend(self, section: Any) -> None:
-        backend = getattr(section, "backend", "local")
-        if backend == "memcache":
-            if importlib.util.find_spec("memcache_hybrid") is None:
-                self.fail("Memcache backend", "memcache_hybrid is not installed",
-                          "pip install 'ascend-kv-pool[memcache]'")
-            else:
-                self.ok("Memcache backend", "memcache_hybrid importable")
-            return
-        if backend != "mooncake":
-            self.ok("pool backend", f"{backend} (embedded, nothing to reach)")
-            return
-        from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.config import MOONCAKE_CONFIG_ENV, MooncakeStoreConfig
-
-        store = getattr(section, "mooncake", None)
-        try:
-            if store is None:
-                path = self.mooncake_config or os.environ.get(MOONCAKE_CONFIG_ENV)
-                if not path:
-                    raise ConfigError(f"no Mooncake Store config: give --mooncake-config, set "
-                                      f"{MOONCAKE_CONFIG_ENV}, or put it inline under 'mooncake'")
-                store = MooncakeStoreConfig.from_file(path)
-        except ConfigError as exc:
-            self.fail("Mooncake Store config", str(exc), "see `vllm-ascend-kv config "
-                      "AscendStoreConnector` (keys under 'mooncake')")
-            return
+        Args:
+            store: an object with ``master_server_address`` and ``metadata_server``.
+        """
         self.ok("Mooncake Store config", f"master {store.master_server_address}")
         host, _, port = store.master_server_address.rpartition(":")
         # Mooncake's Python client has no call to the master short of a full store set-up
         # (a transfer engine, a mounted segment, metadata written): only the port is checked.
-        self._reach("mooncake_master", host, int(port),
-                    "start mooncake_master (--rpc_address/--rpc_port) or fix "
-                    "master_server_address",
-                    reached="port reachable (TCP connect only; the master RPC is not checked)")
+        self.reach("mooncake_master", host, int(port),
+                   "start mooncake_master (--rpc_address/--rpc_port) or fix "
+                   "master_server_address",
+                   reached="port reachable (TCP connect only; the master RPC is not checked)")
         meta = store.metadata_server
         if meta.startswith(("http://", "https://")):
-            self._check_metadata_server(meta)
+            self.check_metadata_server(meta)
 
-    def _reach(self, what: str, host: str, port: int, fix: str, *,
+    def reach(self, what: str, host: str, port: int, fix: str, *,
                reached: str = "reachable") -> bool:
         try:
             with socket.create_connection((host, port), timeout=self.timeout_s):
@@ -298,7 +265,7 @@ class Doctor:
             self.fail(what, f"{host}:{port} not reachable: {exc}", fix)
             return False
 
-    def _check_metadata_server(self, url: str) -> None:
+    def check_metadata_server(self, url: str) -> None:
         """GET a key nobody wrote, the way Mooncake reads metadata (``<url>?key=...``).
 
         The Mooncake HTTP metadata servers (``mooncake_master --enable_http_metadata_server``
@@ -337,8 +304,8 @@ class Doctor:
             self.fail(what, f"{url}: GET of a key nobody wrote answered HTTP {status} "
                       f"{text[:80]!r}, not Mooncake's 404 'metadata not found'", fix)
 
-    def _check_port_free(self, port: int) -> None:
-        from .net import get_host_ip
+    def check_port_free(self, port: int) -> None:
+        from ..net import get_host_ip
 
         host = get_host_ip()
         with socket.socket() as s:
@@ -352,7 +319,7 @@ class Doctor:
         self.ok("kv_port", f"{host}:{port} free")
 
     def _check_host(self) -> None:
-        from .net import HOST_ENV_VARS, get_host_ip
+        from ..net import HOST_ENV_VARS, get_host_ip
 
         set_by = next((v for v in HOST_ENV_VARS if os.environ.get(v)), None)
         detail = f"{get_host_ip()} (from {set_by})" if set_by else \
@@ -360,8 +327,8 @@ class Doctor:
         self.ok("advertised address", detail)
 
     def _check_peer(self, peer: str) -> None:
-        from .channel import RpcClient, tcp_endpoint
-        from .wire import Codec, Ping, Pong
+        from ..channel import RpcClient, tcp_endpoint
+        from ..wire import Codec, Ping, Pong
 
         host, _, port = peer.rpartition(":")
         if not host or not port.isdigit():

@@ -16,7 +16,8 @@ includes waking the waiting thread but not a ``get_finished`` polling
 interval, which in vLLM is one engine step and no part of the connector.
 Each load runs in both claim modes of the worker (claims overlapped with the
 read, claims first); ``ratio`` is the mode the worker picks on this machine
-(:data:`~.pull_worker.OVERLAP_MIN_CPUS`), the other is reported beside it.
+(:data:`~vllm_ascend.distributed.kv_transfer.kv_p2p.pull_reader.OVERLAP_MIN_CPUS`), the
+other is reported beside it.
 """
 
 from __future__ import annotations
@@ -60,11 +61,11 @@ def _caches(fill: bool) -> dict[str, Any]:
 
 
 def _worker(role: str, kv_port: int) -> Any:
-    from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig
     from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig
 
-    from .p2p_metrics import P2P_METRICS
-    from .pull_worker import PullWorker
+    from ..p2p_metrics import P2P_METRICS
+    from ..pull_worker import PullWorker
 
     return PullWorker(_vllm_config(role, kv_port), MooncakeP2PConfig(), f"bench-{role}",
                       MetricsRecorder(P2P_METRICS), tp_rank=0, pp_rank=0)
@@ -72,7 +73,7 @@ def _worker(role: str, kv_port: int) -> Any:
 
 def prefill_process(kv_port: int, q_in: Any, q_out: Any) -> None:
     """The P side: hold requests on command, serve the side channel, release on Done."""
-    from .pull_scheduler import MooncakeConnectorMetadata, SendMeta
+    from ..pull_contract import MooncakeConnectorMetadata, SendMeta
 
     worker = _worker("kv_producer", kv_port)
     caches = _caches(fill=True)
@@ -114,8 +115,8 @@ def _connector_load(d: Any, q_in: Any, q_out: Any, rid: str, p_port: int,
                     d_blocks: list[int], p_blocks: list[int]) -> float:
     """One connector load: seconds from ``start_load_kv`` until the worker marks the request
     finished receiving (then checked with ``get_finished``)."""
-    from .params import RemotePrefill
-    from .pull_scheduler import MooncakeConnectorMetadata, RecvMeta
+    from ..params import RemotePrefill
+    from ..pull_contract import MooncakeConnectorMetadata, RecvMeta
 
     q_in.put((rid, p_blocks))
     assert q_out.get(timeout=60) == rid
@@ -142,10 +143,13 @@ MODES = {"overlapped": True, "claims_first": False}
 def run(args: argparse.Namespace) -> int:
     import random
 
-    from vllm_ascend.distributed.kv_transfer.core.benchutil import format_table, write_results
     from vllm_ascend.distributed.kv_transfer.core.net import free_port
+    from vllm_ascend.distributed.kv_transfer.core.tooling.benchutil import (
+        format_table,
+        write_results,
+    )
 
-    from .pull_worker import usable_cpus
+    from ..pull_reader import usable_cpus
 
     sizes = [1, 16] if args.quick else [1, 16, 128]
     repeats = 3 if args.quick else args.repeats
@@ -222,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
 
 def add_parser(subparsers: Any) -> None:
     """Register ``vllm-ascend-kv bench p2p``."""
-    from vllm_ascend.distributed.kv_transfer.core.benchutil import add_common_args
+    from vllm_ascend.distributed.kv_transfer.core.tooling.benchutil import add_common_args
 
     p = subparsers.add_parser("p2p", help="pull connector transfer vs the raw Mooncake engine")
     add_common_args(p)

@@ -35,13 +35,13 @@ from typing import Any
 
 import torch
 
-from vllm_ascend.distributed.kv_transfer.core.benchutil import (
+from vllm_ascend.distributed.kv_transfer.core.net import free_port
+from vllm_ascend.distributed.kv_transfer.core.tooling.benchutil import (
     add_common_args,
     format_table,
     progress,
     write_results,
 )
-from vllm_ascend.distributed.kv_transfer.core.net import free_port
 
 NAME = "layerwise"
 
@@ -115,25 +115,25 @@ def _wait_recv(worker: Any, rid: str, timeout: float = 120.0) -> None:
 
 
 def _is_layerwise(worker: Any) -> bool:
-    from .layerwise_worker import LayerwiseWorker
+    from ..layerwise_worker import LayerwiseWorker
 
     return isinstance(worker, LayerwiseWorker)
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Run both connectors on the same requests; returns per-connector samples."""
+    from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
     from vllm_ascend.distributed.kv_transfer.kv_p2p.config import (
         MooncakeLayerwiseConfig,
         MooncakeP2PConfig,
     )
-    from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
 
-    from .layerwise_scheduler import MooncakeLayerwiseConnectorMetadata, PushReq, ReqMeta
-    from .layerwise_worker import LayerwiseWorker
-    from .p2p_metrics import P2P_METRICS
-    from .params import PushTarget, RemotePrefill
-    from .pull_scheduler import MooncakeConnectorMetadata, RecvMeta, SendMeta
-    from .pull_worker import PullWorker
+    from ..layerwise_scheduler import MooncakeLayerwiseConnectorMetadata, PushReq, ReqMeta
+    from ..layerwise_worker import LayerwiseWorker
+    from ..p2p_metrics import P2P_METRICS
+    from ..params import PushTarget, RemotePrefill
+    from ..pull_contract import MooncakeConnectorMetadata, RecvMeta, SendMeta
+    from ..pull_worker import PullWorker
 
     nb = 2 * args.blocks + 2
     lw_cfg = MooncakeLayerwiseConfig.from_dict({"lease_ttl_s": 60})

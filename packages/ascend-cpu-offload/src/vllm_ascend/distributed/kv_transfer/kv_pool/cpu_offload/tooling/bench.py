@@ -48,17 +48,17 @@ from typing import Any
 
 import torch
 
-from vllm_ascend.distributed.kv_transfer.core.bench_serve import BENCH_MODEL
-from vllm_ascend.distributed.kv_transfer.core.benchutil import (
+from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
+from vllm_ascend.distributed.kv_transfer.core.tooling.bench_serve import BENCH_MODEL
+from vllm_ascend.distributed.kv_transfer.core.tooling.benchutil import (
     add_common_args,
     best_rate,
     format_table,
     write_results,
 )
 from vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.config import CPUOffloadConfig
-from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
 
-from .cpu_offload_manager.host_pool import SHM_DIR_ENV
+from ..cpu_offload_manager.host_pool import SHM_DIR_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ TTFT_DTYPE, TTFT_BLOCK_SIZE = "float32", 128
 # ---------------------------------------------------------------------- bandwidth
 def _bench_worker(block_bytes: int, num_layers: int, num_device_blocks: int,
                   num_host_blocks: int, tmp: str) -> Any:
-    from .worker import CPUOffloadWorker, RankInfo
+    from ..worker import CPUOffloadWorker, RankInfo
 
     budget = (num_host_blocks + 1) * num_layers * block_bytes
     extra = {"metadata_endpoint": f"ipc://{tmp}/bench-offload.ipc", "cpu_swap_space": budget}

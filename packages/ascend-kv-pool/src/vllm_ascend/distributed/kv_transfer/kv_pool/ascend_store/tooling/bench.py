@@ -24,9 +24,6 @@ import json
 import logging
 import os
 import shutil
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -36,12 +33,13 @@ from typing import Any
 
 import numpy as np
 
-from vllm_ascend.distributed.kv_transfer.core.benchutil import (
+from vllm_ascend.distributed.kv_transfer.core.tooling.benchutil import (
     add_common_args,
     format_table,
     progress,
     write_results,
 )
+from vllm_ascend.distributed.kv_transfer.core.tooling.mooncake_store import MooncakeMaster
 
 logger = logging.getLogger(__name__)
 
@@ -49,58 +47,6 @@ TRACE_ENV = "VLLM_ASCEND_KV_TRACE"
 
 
 # ---------------------------------------------------------------------- helpers
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class _Master:
-    """A throwaway ``mooncake_master`` on loopback (explicit ports)."""
-
-    def __init__(self) -> None:
-        exe = Path(sys.executable).parent / "mooncake_master"
-        binary = str(exe) if exe.exists() else shutil.which("mooncake_master")
-        if not binary:
-            raise FileNotFoundError("mooncake_master not found (pip install "
-                                    "'ascend-kv-pool[cpu]'), or pass --master host:port")
-        self.rpc, self.http, self.metrics = _free_port(), _free_port(), _free_port()
-        self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - lives as long as the master
-            prefix="bench-master-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen(
-            [binary, "--rpc_address=127.0.0.1", f"--rpc_port={self.rpc}",
-             "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
-             f"--http_metadata_server_port={self.http}", f"--metrics_port={self.metrics}"],
-            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.rpc), timeout=0.5), \
-                        socket.create_connection(("127.0.0.1", self.http), timeout=0.5):
-                    return
-            except OSError:
-                if self.proc.poll() is not None:
-                    break
-                time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"mooncake_master did not start (log: {self.log.name})")
-
-    def config(self, segment: str) -> dict[str, Any]:
-        return {"master_server_address": f"127.0.0.1:{self.rpc}",
-                "metadata_server": f"http://127.0.0.1:{self.http}/metadata",
-                "global_segment_size": segment, "local_buffer_size": "64MB", "protocol": "tcp"}
-
-    def stop(self) -> None:
-        self.log.close()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-
-
 def _timed(fn: Callable[[], Any], repeat: int) -> float:
     """Best wall time of ``repeat`` runs of ``fn``."""
     best = float("inf")
@@ -137,7 +83,7 @@ class _Blocks:
 # ---------------------------------------------------------------------- pool
 def run_pool(args: argparse.Namespace) -> dict[str, Any]:
     """Put/get through the backends against raw store calls; lookup rates."""
-    from .backend.local_backend import LocalBackend
+    from ..backend.local_backend import LocalBackend
 
     n, parts, part = (32, 4, 64 << 10) if args.quick else (128, 8, 128 << 10)
     repeat = 2 if args.quick else 5
@@ -187,7 +133,7 @@ def run_pool(args: argparse.Namespace) -> dict[str, Any]:
 def _mooncake_rows(args: argparse.Namespace, blocks: _Blocks, repeat: int) -> dict[str, Any]:
     from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.config import MooncakeStoreConfig
 
-    from .backend.mooncake_backend import MooncakeBackend
+    from ..backend.mooncake_backend import MooncakeBackend
 
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
     master = None
@@ -195,8 +141,11 @@ def _mooncake_rows(args: argparse.Namespace, blocks: _Blocks, repeat: int) -> di
         cfg = {"master_server_address": args.master, "metadata_server": args.metadata_server,
                "global_segment_size": "1GB", "local_buffer_size": "64MB", "protocol": "tcp"}
     else:
-        master = _Master()
-        cfg = master.config("1GB")
+        try:
+            master = MooncakeMaster(Path(tempfile.mkdtemp(prefix="bench-master-"))).start(20)
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(f"{exc}, or pass --master host:port") from exc
+        cfg = master.config(global_segment_size="1GB")
     try:
         backend = MooncakeBackend(store_config=MooncakeStoreConfig.from_dict(cfg),
                                   hostname="127.0.0.1")
@@ -236,15 +185,16 @@ def _mooncake_rows(args: argparse.Namespace, blocks: _Blocks, repeat: int) -> di
     finally:
         if master is not None:
             master.stop()
+            shutil.rmtree(master.workdir, ignore_errors=True)
 
 
 def _lookup_rates(backend: Any, quick: bool, label: str = "local") -> list[dict[str, Any]]:
     """keys/s of ``exists`` in batches, and of the ZeroMQ scheduler->worker lookup."""
     from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.config import AscendStoreConfig
 
-    from .context import PoolContext
-    from .lookup import LookupClient, LookupServer, lookup_endpoint
-    from .pool_worker import KVPoolWorker
+    from ..context import PoolContext
+    from ..lookup import LookupClient, LookupServer, lookup_endpoint
+    from ..pool_worker import KVPoolWorker
 
     batch = 1024
     rounds = 5 if quick else 20
@@ -330,7 +280,7 @@ def replay(requests: list[list[int]], backend: Any, block_bytes: int) -> dict[st
 
 def run_trace(args: argparse.Namespace) -> dict[str, Any]:
     """Hit rate and throughput of the local pool against capacity, and the unbounded best."""
-    from .backend.local_backend import LocalBackend
+    from ..backend.local_backend import LocalBackend
 
     path = args.trace or os.environ.get(TRACE_ENV, "")
     if not path:

@@ -1,0 +1,66 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Child processes of tools and tests: started in their own process group, waited for on
+their port, never left behind."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+def wait_port(host: str, port: int, timeout: float = 30.0,
+              proc: subprocess.Popen[bytes] | None = None) -> None:
+    """Wait until ``host:port`` accepts TCP connections.
+
+    Raises:
+        RuntimeError: ``proc`` exited first.
+        TimeoutError: nothing listens after ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process {proc.args!r} exited with {proc.returncode} before "
+                               f"listening on {host}:{port}")
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise TimeoutError(f"nothing listens on {host}:{port} after {timeout}s")
+
+
+def spawn(cmd: list[str], *, log: Path | None = None,
+          env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """Start ``cmd`` in its own process group, output to ``log`` (or discarded)."""
+    out = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115 - the child holds it
+    try:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+    finally:
+        if log:
+            out.close()  # type: ignore[union-attr]
+
+
+def stop(proc: subprocess.Popen[bytes] | None, timeout: float = 5.0) -> None:
+    """SIGTERM, then SIGKILL the whole process group after ``timeout``."""
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout)

@@ -1,0 +1,238 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The engine process of ``bench serve``: one ``vllm.LLM`` driven over JSON lines.
+
+``python -m vllm_ascend.distributed.kv_transfer.core.tooling.serve_child`` is the
+child; :class:`EngineChild` starts and drives it. Commands and answers are JSON
+lines (nothing is unpickled). The child may run another interpreter, e.g. an
+environment holding ``nixl``; that environment needs ``ascend-kv-core`` installed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import selectors
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from .engine_env import ENGINE_ENV
+
+logger = logging.getLogger(__name__)
+
+
+def _child_main() -> int:
+    """The engine process: JSON commands on stdin, JSON answers on the original stdout."""
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # vLLM's own output goes to the log, not into the protocol
+    sys.stdout = sys.stderr
+
+    def answer(status: str, payload: Any = None) -> None:
+        proto.write(json.dumps({"status": status, "payload": payload}, default=str) + "\n")
+        proto.flush()
+
+    spec = json.loads(sys.stdin.readline())
+    try:
+        import importlib
+
+        for path in spec.get("sys_path", []):
+            sys.path.insert(0, path)
+        for mod in spec.get("pre_import", []):
+            importlib.import_module(mod)
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        llm = LLM(**spec["llm"])
+    except BaseException:
+        answer("error", traceback.format_exc())
+        return 1
+    answer("ready")
+    engine = llm.llm_engine
+    sel = selectors.DefaultSelector()
+    sel.register(sys.stdin, selectors.EVENT_READ)
+
+    def pending() -> bool:
+        try:
+            sched = engine.engine_core.engine_core.scheduler
+        except AttributeError:
+            return bool(engine.has_unfinished_requests())
+        return bool(engine.has_unfinished_requests() or getattr(sched, "requests", None)
+                    or getattr(sched, "finished_req_ids", None))
+
+    while True:
+        if not sel.select(0.005):
+            # a P instance holding blocks for D must keep stepping (connectors are polled
+            # inside step())
+            try:
+                if pending():
+                    engine.step()
+            except Exception:
+                answer("error", traceback.format_exc())
+                return 1
+            continue
+        line = sys.stdin.readline()
+        if not line:
+            return 0
+        cmd = json.loads(line)
+        op = cmd.get("op")
+        try:
+            if op == "close":
+                answer("ok")
+                return 0
+            if op == "generate":
+                params = []
+                for kvp in cmd["kv_params"]:
+                    extra = {"kv_transfer_params": kvp} if kvp is not None else None
+                    params.append(SamplingParams(max_tokens=cmd["max_tokens"], temperature=0.0,
+                                                 ignore_eos=True, detokenize=False,
+                                                 extra_args=extra))
+                prompts = [TokensPrompt(prompt_token_ids=p) for p in cmd["prompts"]]
+                start = time.perf_counter()
+                outs = llm.generate(prompts, params, use_tqdm=False)
+                seconds = time.perf_counter() - start
+                answer("ok", {"seconds": seconds, "outputs": [
+                    {"tokens": list(o.outputs[0].token_ids),
+                     "cached": o.num_cached_tokens,
+                     "kv_transfer_params": o.kv_transfer_params,
+                     "finish_reason": o.outputs[0].finish_reason} for o in outs]})
+            elif op == "reset_prefix_cache":
+                answer("ok", bool(llm.reset_prefix_cache()))
+            elif op == "settle":
+                # let background saves finish: step while anything is pending, then wait
+                deadline = time.monotonic() + float(cmd.get("timeout", 10))
+                while pending() and time.monotonic() < deadline:
+                    engine.step()
+                time.sleep(float(cmd.get("sleep", 0.0)))
+                answer("ok", not pending())
+            else:
+                answer("error", f"unknown op {op!r}")
+        except Exception:
+            answer("error", traceback.format_exc())
+
+
+class EngineError(RuntimeError):
+    """An engine process failed to start or to answer; the message holds its error."""
+
+
+class EngineChild:
+    """A ``vllm.LLM`` in a child process (``python -m ...tooling.serve_child``).
+
+    Args:
+        llm_kwargs: keyword arguments of ``vllm.LLM``.
+        env: extra environment.
+        log: file receiving the engine's output.
+        python: interpreter of the child.
+        pre_import: modules imported before the engine starts.
+        sys_path: directories put in front of ``sys.path`` first.
+        timeout: seconds to wait for the engine to start.
+    """
+
+    def __init__(self, llm_kwargs: dict[str, Any], *, env: dict[str, str] | None = None,
+                 log: Path, python: str | None = None, pre_import: list[str] | None = None,
+                 sys_path: list[str] | None = None, timeout: float = 300.0) -> None:
+        self.log = log
+        log.parent.mkdir(parents=True, exist_ok=True)
+        child_env = {**os.environ, **ENGINE_ENV, **(env or {})}
+        with open(log, "ab") as logf:
+            self.proc = subprocess.Popen(
+                [python or sys.executable, "-m", __name__],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logf, env=child_env,
+                start_new_session=True)
+        self._sel = selectors.DefaultSelector()
+        assert self.proc.stdout is not None
+        self._sel.register(self.proc.stdout, selectors.EVENT_READ)
+        self._send({"llm": llm_kwargs, "pre_import": pre_import or [],
+                    "sys_path": sys_path or []})
+        try:
+            self._answer(timeout)
+        except EngineError:
+            self.kill()
+            raise
+
+    def _send(self, obj: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write((json.dumps(obj) + "\n").encode())
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError) as exc:
+            raise EngineError(f"engine process gone ({exc}); log: {self.log}") from exc
+
+    def _answer(self, timeout: float) -> Any:
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._sel.select(min(1.0, max(0.0, deadline - time.monotonic()))):
+                line = self.proc.stdout.readline()
+                if not line:
+                    break
+                msg = json.loads(line)
+                if msg["status"] != "ok" and msg["status"] != "ready":
+                    raise EngineError(str(msg["payload"]).strip())
+                return msg["payload"]
+            if self.proc.poll() is not None:
+                break
+        if self.proc.poll() is not None:
+            raise EngineError(f"engine process exited with {self.proc.returncode}; last log "
+                              f"lines:\n{tail(self.log)}")
+        raise EngineError(f"no answer from the engine within {timeout:.0f}s (log: {self.log})")
+
+    def call(self, op: str, timeout: float = 600.0, **args: Any) -> Any:
+        """Send one command and return its answer's payload."""
+        self._send({"op": op, **args})
+        return self._answer(timeout)
+
+    def generate(self, prompts: list[list[int]], *, max_tokens: int = 1,
+                 kv_params: list[dict[str, Any] | None] | None = None,
+                 timeout: float = 600.0) -> dict[str, Any]:
+        """Greedy generation; returns ``seconds`` (wall, in the child) and ``outputs``."""
+        kv = kv_params if kv_params is not None else [None] * len(prompts)
+        return dict(self.call("generate", timeout, prompts=prompts, max_tokens=max_tokens,
+                              kv_params=kv))
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Ask the engine to stop; kill it if it does not."""
+        if self.proc.poll() is None:
+            try:
+                self.call("close", timeout)
+            except EngineError:
+                pass
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL the engine process if it still runs."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._sel.close()
+        for stream in (self.proc.stdin, self.proc.stdout):
+            if stream is not None:
+                stream.close()
+
+
+def tail(path: Path, lines: int = 15) -> str:
+    """The last ``lines`` lines of a log file (empty if unreadable)."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def short_error(text: str) -> str:
+    """The most telling line of an error text: the last line naming an error."""
+    lines = [ln.strip() for ln in str(text).splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if "Error" in ln or "Exception" in ln:
+            return ln[:400]
+    return lines[-1][:400] if lines else ""
+
+
+if __name__ == "__main__":
+    sys.exit(_child_main())

@@ -1,0 +1,427 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Scenarios of ``bench serve`` and the flows they run on real engines.
+
+A :class:`Scenario` is one engine setup; its ``run`` drives engines through
+:func:`cache_flow` (one engine: cold, device hit, hit after
+``reset_prefix_cache``, throughput) or :func:`pd_flow` (P prefills, D's TTFT is
+timed). Core brings the engine without a connector and vLLM's own connectors
+(:mod:`.serve_peers`); each connector package brings its own scenarios through
+the ``vllm_ascend_kv.serve`` entry points (:func:`all_scenarios` gathers them),
+with the comparisons against vLLM's that it wants reported.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib import metadata, util
+from pathlib import Path
+from typing import Any
+
+from . import plugins
+from .benchutil import Steps, median
+from .mooncake_store import LoopbackMooncakeStore, find_binary
+from .serve_child import EngineChild
+
+logger = logging.getLogger(__name__)
+
+#: ``VLLM_CPU_OMP_THREADS_BIND`` of the P/D engines; empty: vLLM's default. Pinning
+#: both to one core (``"1"``) starves NixlConnector, which also pins its own thread
+#: to the last core: its D-side TTFT then equals a recompute (measured on the 2-core
+#: machine), while ours and vLLM's MooncakeConnector are unaffected.
+PD_THREADS_BIND = ""
+PATCH_MODULE = "vllm_mooncake_cpu_patch"
+PEERS_ENV = "VLLM_ASCEND_KV_BENCH_PEERS"
+#: Run order of the families; within one, ours first, then in declaration order.
+#: The engine process module (an interpreter running ``bench serve`` engines must have it).
+CHILD_MODULE = EngineChild.__module__
+FAMILY_ORDER = ("baseline", "pd", "pool", "offload", "peer")
+
+
+# ====================================================================== configuration
+@dataclass
+class ServeConfig:
+    """What one run measures, and on what."""
+
+    model: str
+    model_spec: dict[str, Any]
+    dtype: str
+    block_size: int
+    lengths: list[int]
+    throughput_batch: int
+    throughput_prompt: int
+    throughput_tokens: int
+    max_model_len: int
+    out: Path
+    nixl_python: str | None = None
+    peers_path: str | None = None
+    startup_timeout: float = 300.0
+    seed: int = 0
+    repeats: int = 1
+    pd_threads_bind: str = PD_THREADS_BIND
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of KV one token occupies across all layers."""
+        s = self.model_spec
+        itemsize = 2 if self.dtype in ("bfloat16", "float16") else 4
+        return (2 * int(s["num_hidden_layers"]) * int(s["num_key_value_heads"])
+                * int(s["head_dim"]) * itemsize)
+
+
+def prompt_lengths(target: int, block: int) -> list[int]:
+    """``k*block``, ``k*block + 1`` and ``k*block + block/2`` with ``k*block`` near ``target``.
+
+    Raises:
+        ValueError: ``block`` is not positive or ``target`` is below one block.
+    """
+    if block <= 0 or target < block:
+        raise ValueError(f"need a prompt of at least one block (target {target}, block {block})")
+    k = max(1, round(target / block))
+    return [k * block, k * block + 1, k * block + block // 2]
+
+
+def make_prompts(lengths: list[int], seed: int, vocab: int) -> list[list[int]]:
+    """Random token-id prompts (reproducible; ids 3..vocab-1, no special tokens)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+def make_model(path: Path, spec: dict[str, Any], dtype: str = "float32") -> Path:
+    """Save a random-weight Llama of ``spec`` to ``path`` once (no download)."""
+    stamp = path / ".bench-serve-spec.json"
+    want = {**spec, "dtype": dtype}
+    if stamp.exists() and json.loads(stamp.read_text()) == want:
+        return path
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**spec)).to(getattr(torch, dtype))
+    model.save_pretrained(path)
+    stamp.write_text(json.dumps(want))
+    return path
+
+
+def llm_kwargs(cfg: ServeConfig, kv: dict[str, Any] | None) -> dict[str, Any]:
+    """``vllm.LLM`` arguments of every engine of the run (only the connector differs)."""
+    kw: dict[str, Any] = dict(model=cfg.model, skip_tokenizer_init=True, dtype=cfg.dtype,
+                              max_model_len=cfg.max_model_len, enforce_eager=True,
+                              max_num_seqs=max(4, cfg.throughput_batch), seed=0,
+                              block_size=cfg.block_size, enable_prefix_caching=True)
+    if kv is not None:
+        kw["kv_transfer_config"] = kv
+    return kw
+
+
+# ====================================================================== scenarios
+@dataclass(frozen=True)
+class Goal:
+    """A goal of a ratio: its text, and the bound it is checked against (if any)."""
+
+    text: str
+    at_most: float | None = None
+    at_least: float | None = None
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One row of the comparisons: a scenario's ``metric`` against a peer scenario's.
+
+    ``inverse`` reports peer / ours (a throughput from a time).
+    """
+
+    what: str
+    metric: str
+    peer: str
+    goal: Goal | None = None
+    inverse: bool = False
+
+
+@dataclass
+class Scenario:
+    """One engine setup of the run."""
+
+    name: str
+    family: str  # baseline | pd | pool | offload | peer
+    who: str  # ours | vllm | -
+    connector: str
+    describe: str
+    needs: list[str] = field(default_factory=list)
+    run: Callable[..., dict[str, Any]] | None = None
+    #: part of ``--quick``
+    quick: bool = False
+    #: rows comparing this scenario with peers
+    comparisons: tuple[Comparison, ...] = ()
+    #: goal of its hit TTFT / recompute
+    hit_goal: Goal | None = None
+
+
+def all_scenarios() -> list[Scenario]:
+    """Core's scenarios and those of every installed package, in run order."""
+    from .serve_peers import builtin_scenarios
+
+    found = list(builtin_scenarios())
+    for ep in plugins.entry_points(plugins.SERVE_GROUP):
+        try:
+            found.extend(ep.load()())
+        except Exception as exc:  # one broken plugin must not take the benchmark down
+            logger.warning("%s %s unavailable: %s", plugins.SERVE_GROUP, ep.name, exc)
+
+    def order(item: tuple[int, Scenario]) -> tuple[int, int, int]:
+        i, sc = item
+        fam = FAMILY_ORDER.index(sc.family) if sc.family in FAMILY_ORDER else len(FAMILY_ORDER)
+        return fam, 0 if sc.who == "ours" else 1, i
+
+    return [sc for _i, sc in sorted(enumerate(found), key=order)]
+
+
+def _installed(dist: str) -> bool:
+    try:
+        metadata.distribution(dist)
+        return True
+    except metadata.PackageNotFoundError:
+        return False
+
+
+def _has_module(name: str) -> bool:
+    try:
+        return util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def peers_path(explicit: str | None) -> str | None:
+    """Directory holding the peer harness modules (``benchmarks/peers``), if found."""
+    for cand in (explicit, os.environ.get(PEERS_ENV), str(Path.cwd() / "benchmarks" / "peers")):
+        if cand and (Path(cand) / f"{PATCH_MODULE}.py").exists():
+            return str(Path(cand).resolve())
+    return None
+
+
+def python_has(python: str, module: str) -> bool:
+    """Whether ``python`` can import ``module`` (a quick child process)."""
+    try:
+        return subprocess.run([python, "-c", f"import {module}"], capture_output=True,
+                              timeout=120).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def skip_reason(sc: Scenario, cfg: ServeConfig) -> str | None:
+    """Why ``sc`` cannot run here, or ``None``."""
+    for need in sc.needs:
+        if need.startswith("dist:") and not _installed(need[5:]):
+            return f"{need[5:]} is not installed"
+        if need == "mooncake" and not _has_module("mooncake.engine"):
+            return "mooncake-transfer-engine is not installed (pip install 'ascend-kv-core[cpu]')"
+        if need == "store" and not (find_binary("mooncake_master")
+                                    and find_binary("mooncake_client")):
+            return "mooncake_master / mooncake_client not found"
+        if need == "patch" and not cfg.peers_path:
+            return (f"needs the CPU patch of torch.accelerator.current_device_index "
+                    f"({PATCH_MODULE}.py of benchmarks/peers, not shipped): pass --peers-path "
+                    f"or set {PEERS_ENV}")
+        if need == "nixl":
+            python = cfg.nixl_python or sys.executable
+            if not python_has(python, "nixl"):
+                return (f"the nixl package is not importable by {python} (nox -s bench builds "
+                        "an environment with it; or pass --nixl-python)")
+            if not python_has(python, CHILD_MODULE):
+                return f"ascend-kv-core is not installed in {python}"
+    return None
+
+
+class Run:
+    """State shared by the scenarios of one run: config, prompts, baseline results."""
+
+    def __init__(self, cfg: ServeConfig, steps: Steps) -> None:
+        self.cfg = cfg
+        self.steps = steps
+        vocab = int(cfg.model_spec["vocab_size"])
+        self.prompts = make_prompts(cfg.lengths, cfg.seed + 1, vocab)
+        self.warmup = make_prompts([max(8, cfg.block_size // 2)], cfg.seed + 2, vocab)[0]
+        # fresh prompts for each throughput sample (no sample hits another's prefix)
+        self.batches = [make_prompts([cfg.throughput_prompt] * cfg.throughput_batch,
+                                     cfg.seed + 10 + r, vocab) for r in range(cfg.repeats)]
+        #: the engine without a connector, kept for the whole run: its recompute and
+        #: throughput are measured again next to every scenario (a shared machine drifts)
+        self.base_engine: EngineChild | None = None
+        self.store: LoopbackMooncakeStore | None = None
+        self.tmp = Path(tempfile.mkdtemp(prefix="bench-serve-"))
+
+    def engine(self, name: str, kv: dict[str, Any] | None, *, env: dict[str, str] | None = None,
+               python: str | None = None, pre_import: list[str] | None = None) -> EngineChild:
+        """Start one engine of scenario ``name`` (its log under ``<out>/serve-logs``)."""
+        self.steps.note(f"starting engine {name}")
+        sys_path = [self.cfg.peers_path] if self.cfg.peers_path else []
+        return EngineChild(llm_kwargs(self.cfg, kv), env=env, python=python,
+                           pre_import=pre_import, sys_path=sys_path,
+                           log=self.cfg.out / "serve-logs" / f"{name.replace('/', '-')}.log",
+                           timeout=self.cfg.startup_timeout)
+
+    def mooncake_store(self) -> LoopbackMooncakeStore:
+        """The run's Mooncake Store (master + pool holder), started on first use."""
+        if self.store is None:
+            self.store = LoopbackMooncakeStore("1GB", self.tmp / "mooncake").start()
+        return self.store
+
+    def close(self) -> None:
+        """Stop what the run started and remove its scratch files (saved KV, Store logs)."""
+        if self.base_engine is not None:
+            self.base_engine.close()
+            self.base_engine = None
+        if self.store is not None:
+            self.store.stop()
+            self.store = None
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _first(out: dict[str, Any]) -> dict[str, Any]:
+    return dict(out["outputs"][0])
+
+
+def cache_flow(run: Run, eng: EngineChild, name: str) -> dict[str, Any]:
+    """Cold TTFT, device-cache hit, and TTFT after ``reset_prefix_cache`` of every prompt
+    (the median of ``repeats`` of those); then the throughput batches (the best).
+    Used for the baseline and every pool/offload connector."""
+    eng.generate([run.warmup])
+    rows = []
+    for prompt in run.prompts:
+        cold = eng.generate([prompt])
+        eng.call("settle", timeout=30, sleep=0.3)  # background saves finish
+        device = eng.generate([prompt])
+        agains = []
+        for _ in range(run.cfg.repeats):
+            eng.call("reset_prefix_cache")
+            agains.append(eng.generate([prompt]))
+            eng.call("settle", timeout=30, sleep=0.1)
+        eng.call("reset_prefix_cache")
+        c = _first(cold)
+        again_s = median(a["seconds"] for a in agains)
+        a = _first(agains[-1])
+        rows.append({"tokens": len(prompt), "cold_s": cold["seconds"],
+                     "device_hit_s": device["seconds"], "again_s": again_s,
+                     "again_samples": [x["seconds"] for x in agains],
+                     "again_cached": a["cached"], "cold_token": (c["tokens"] or [None])[0],
+                     "again_token": (a["tokens"] or [None])[0],
+                     "again_tokens_all": [(_first(x)["tokens"] or [None])[0] for x in agains],
+                     "finish": a["finish_reason"]})
+        run.steps.note(f"{name}: {len(prompt)} tokens: cold {cold['seconds']:.3f}s, "
+                       f"after reset {again_s:.3f}s ({a['cached']} cached)")
+    best: dict[str, Any] | None = None
+    for batch in run.batches:
+        thr = eng.generate(batch, max_tokens=run.cfg.throughput_tokens)
+        out_tokens = sum(len(o["tokens"]) for o in thr["outputs"])
+        in_tokens = sum(len(p) for p in batch)
+        cur = {"seconds": thr["seconds"], "requests": len(batch), "output_tokens": out_tokens,
+               "output_tok_per_s": out_tokens / thr["seconds"],
+               "total_tok_per_s": (out_tokens + in_tokens) / thr["seconds"]}
+        if best is None or cur["output_tok_per_s"] > best["output_tok_per_s"]:
+            best = cur
+    return {"prompts": rows, "throughput": best or {}}
+
+
+def reference(run: Run) -> dict[str, Any] | None:
+    """Recompute TTFT, device-cache hit and throughput of the engine without a connector,
+    measured now (next to the scenario that uses them); ``None`` without that engine."""
+    eng = run.base_engine
+    if eng is None:
+        return None
+    recompute, device = {}, {}
+    for prompt in run.prompts:
+        eng.call("reset_prefix_cache")
+        recompute[len(prompt)] = eng.generate([prompt])["seconds"]
+        device[len(prompt)] = eng.generate([prompt])["seconds"]
+    eng.call("reset_prefix_cache")
+    thr = eng.generate(run.batches[0], max_tokens=run.cfg.throughput_tokens)
+    out_tokens = sum(len(o["tokens"]) for o in thr["outputs"])
+    return {"recompute_s": recompute, "device_hit_s": device,
+            "output_tok_per_s": out_tokens / thr["seconds"]}
+
+
+def run_single(run: Run, name: str, kv: dict[str, Any] | None,
+               env: dict[str, str] | None = None) -> dict[str, Any]:
+    """One engine (baseline, pool or offload connector) through :func:`cache_flow`."""
+    eng = run.engine(name, kv, env=env)
+    try:
+        return cache_flow(run, eng, name)
+    finally:
+        eng.close()
+
+
+def pd_flow(run: Run, p: EngineChild, d: EngineChild, name: str,
+            params: Callable[[str], tuple[dict[str, Any], Callable[[dict[str, Any] | None],
+                                                                 dict[str, Any]]]]
+            ) -> dict[str, Any]:
+    """P prefills each prompt (max_tokens=1) and holds it; D's TTFT with P's KV is timed.
+
+    Each prompt is sent ``repeats`` times (P's own prefix cache makes the repeats
+    cheap on P; D's cache is reset after every request, so D always transfers);
+    the median D TTFT is kept. ``params(key)`` gives P's ``kv_transfer_params``
+    and a function turning P's output params into D's.
+    """
+    rows = []
+    for i, prompt in enumerate([run.warmup, *run.prompts]):
+        samples = []
+        for r in range(1 if i == 0 else run.cfg.repeats):
+            p_in, to_d = params(f"{i}-{r}")
+            pout = p.generate([prompt], kv_params=[p_in])
+            d_in = to_d(_first(pout)["kv_transfer_params"])
+            dout = d.generate([prompt], kv_params=[d_in])
+            d.call("reset_prefix_cache")
+            samples.append((pout, dout))
+        if i == 0:
+            continue  # warm-up: connections, bootstrap queries
+        outs = [_first(dout) for _p, dout in samples]
+        bad = [o for o in outs if o["finish_reason"] not in ("length", "stop")]
+        d_ttft = median(dout["seconds"] for _p, dout in samples)
+        rows.append({"tokens": len(prompt), "prefill_s": samples[0][0]["seconds"],
+                     "d_ttft_s": d_ttft, "d_samples": [x[1]["seconds"] for x in samples],
+                     "d_cached": outs[-1]["cached"],
+                     "d_token": (outs[-1]["tokens"] or [None])[0],
+                     "d_tokens_all": [(o["tokens"] or [None])[0] for o in outs],
+                     "finish": bad[0]["finish_reason"] if bad else outs[-1]["finish_reason"]})
+        run.steps.note(f"{name}: {len(prompt)} tokens: P {samples[0][0]['seconds']:.3f}s, "
+                       f"D TTFT {d_ttft:.3f}s (median of {len(samples)}; "
+                       f"{rows[-1]['finish']})")
+    return {"prompts": rows}
+
+
+def run_pd(run: Run, name: str, p_kv: dict[str, Any], d_kv: dict[str, Any],
+           params: Callable[..., Any], *, p_env: dict[str, str] | None = None,
+           d_env: dict[str, str] | None = None, python: str | None = None,
+           pre_import: list[str] | None = None) -> dict[str, Any]:
+    """Start P and D with the same pinning, run :func:`pd_flow`, stop both."""
+    bind = {"VLLM_CPU_OMP_THREADS_BIND": run.cfg.pd_threads_bind} if run.cfg.pd_threads_bind \
+        else {}
+    p = run.engine(f"{name}-prefill", p_kv, env={**bind, **(p_env or {})}, python=python,
+                   pre_import=pre_import)
+    try:
+        d = run.engine(f"{name}-decode", d_kv, env={**bind, **(d_env or {})}, python=python,
+                       pre_import=pre_import)
+        try:
+            return pd_flow(run, p, d, name, params)
+        finally:
+            d.close()
+    finally:
+        p.close()
+
+
+def require_params(p_out: dict[str, Any] | None) -> dict[str, Any]:
+    """P's ``kv_transfer_params`` for D (a P/D flow's usual hand-over).
+
+    Raises:
+        RuntimeError: P returned none.
+    """
+    if not isinstance(p_out, dict) or not p_out.get("do_remote_prefill"):
+        raise RuntimeError(f"P returned no kv_transfer_params for D: {p_out!r}")
+    return p_out

@@ -1,0 +1,81 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``vllm-ascend-kv doctor`` checks of the P/D connectors (``kv_p2p.tooling.doctor``) and their
+``bench serve`` scenario's declared comparisons."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from vllm_ascend.distributed.kv_transfer.core.tooling.doctor import Doctor
+from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig
+from vllm_ascend.distributed.kv_transfer.kv_p2p.tooling import doctor as p2p_doctor
+from vllm_ascend.distributed.kv_transfer.kv_p2p.tooling import serve as p2p_serve
+
+
+def test_stall_bound_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    d = Doctor({})
+    section = MooncakeP2PConfig.from_dict({"lease_ttl_s": 30, "load_timeout_s": 20})
+    monkeypatch.setenv("MC_TCP_PROGRESS_TIMEOUT_SEC", "5")
+    p2p_doctor.check_stall_bound(d, section)
+    monkeypatch.setenv("MC_TCP_PROGRESS_TIMEOUT_SEC", "30")
+    p2p_doctor.check_stall_bound(d, section)
+    monkeypatch.setenv("MC_TCP_PROGRESS_TIMEOUT_SEC", "soon")
+    p2p_doctor.check_stall_bound(d, section)
+    assert [c.status for c in d.checks] == ["ok", "warn", "warn"]
+    assert "load_timeout_s=20" in d.checks[1].detail
+
+
+def _run(cfg: dict[str, Any]) -> Doctor:
+    d = Doctor(cfg, timeout_s=0.5)
+    d._check_top_level(cfg)
+    p2p_doctor.check(d, "MooncakeConnectorV1", cfg.get("kv_connector_extra_config", {}),
+                     "kv_connector_extra_config", cfg)
+    return d
+
+
+@pytest.mark.parametrize("port", ["abc", 70000, None])
+def test_bad_kv_port_of_a_producer_is_reported_not_a_traceback(
+        port: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The free-port check of a P/D producer used to int() and bind kv_port before it was
+    # validated: "abc" raised ValueError, 70000 OverflowError, null TypeError.
+    bound: list[int] = []
+    monkeypatch.setattr(Doctor, "check_port_free", lambda self, p: bound.append(p))
+    for role in ("kv_producer", "kv_both"):
+        d = _run({"kv_connector": "MooncakeConnectorV1", "kv_role": role, "kv_port": port})
+        fail = next(c for c in d.checks if c.what == "kv_port")
+        assert fail.status == "fail"
+        assert f"kv_port={json.dumps(port)} " in fail.detail and "1..65535" in fail.detail
+    assert bound == []  # no free-port check of an invalid port
+    # a valid port still gets its free-port check, and a consumer none
+    d = _run({"kv_connector": "MooncakeConnectorV1", "kv_role": "kv_producer", "kv_port": 15000})
+    assert bound == [15000] and not any(c.what == "kv_port" for c in d.checks)
+    _run({"kv_connector": "MooncakeConnectorV1", "kv_role": "kv_consumer", "kv_port": 15001})
+    assert bound == [15000]
+
+
+def test_a_bad_key_is_reported_with_the_section_to_read() -> None:
+    d = _run({"kv_connector": "MooncakeConnectorV1", "kv_role": "kv_consumer",
+              "kv_connector_extra_config": {"lease_ttl_s": "soon"}})
+    fail = next(c for c in d.checks if c.what == "MooncakeConnectorV1 configuration")
+    assert fail.status == "fail" and "soon" in fail.detail
+    assert "vllm-ascend-kv config MooncakeConnectorV1" in fail.fix
+
+
+def test_serve_scenario_declares_its_comparisons() -> None:
+    from vllm_ascend.distributed.kv_transfer.core.tooling.serve_report import comparisons
+
+    (sc,) = p2p_serve.scenarios()
+    assert sc.name == "pd/ours" and sc.quick
+    summary = {"pd/ours": {"d_ttft_over_recompute": 0.06},
+               "pd/vllm-nixl": {"d_ttft_over_recompute": 0.11}}
+    comps = {c["what"]: c for c in comparisons(summary, [sc])}
+    c = comps["P/D decode TTFT: ours / NixlConnector"]
+    assert c["ratio"] == pytest.approx(0.06 / 0.11) and c["met"] is True and c["kind"] == "peer"
+    c = comps["P/D KV throughput: ours / NixlConnector"]
+    assert c["ratio"] == pytest.approx(0.11 / 0.06) and c["met"] is True
+    c = comps["P/D decode TTFT: ours / vLLM MooncakeConnector"]
+    assert c["ratio"] is None and c["goal"] == "" and c["met"] is None
+    assert comps["pd/ours D TTFT / recompute"]["kind"] == "recompute"

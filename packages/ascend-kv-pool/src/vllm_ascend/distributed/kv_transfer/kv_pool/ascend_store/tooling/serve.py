@@ -1,0 +1,73 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``bench serve`` scenarios of ascend-kv-pool: ``AscendStoreConnector`` on both backends.
+
+The ``vllm_ascend_kv.serve`` entry point ``pool`` names :func:`scenarios`: the
+embedded ``local`` backend, and the ``mooncake`` backend on the run's Store
+(``mooncake_master`` plus a pool holder). Each is compared with vLLM's
+``MooncakeStoreConnector`` (same Store) and ``ExampleConnector``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm_ascend.distributed.kv_transfer.core.tooling.serve_scenarios import (
+    Comparison,
+    Goal,
+    Run,
+    Scenario,
+    run_single,
+)
+
+logger = logging.getLogger(__name__)
+
+PEERS = (("pool/vllm-mooncake-store", "MooncakeStoreConnector"),
+         ("pool/vllm-example", "ExampleConnector"))
+
+
+def sc_pool_local(run: Run) -> dict[str, Any]:
+    """AscendStoreConnector, embedded ``local`` backend (host memory in the engine)."""
+    return run_single(run, "pool/ours-local", {
+        "kv_connector": "AscendStoreConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"backend": "local", "local_pool_size": "1GB"}})
+
+
+def sc_pool_mooncake(run: Run) -> dict[str, Any]:
+    """AscendStoreConnector, ``mooncake`` backend on the run's Store."""
+    store = run.mooncake_store()
+    return run_single(run, "pool/ours-mooncake", {
+        "kv_connector": "AscendStoreConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"backend": "mooncake", "mooncake": store.config()}})
+
+
+def _versus(short: str) -> tuple[Comparison, ...]:
+    rows: list[Comparison] = []
+    for peer, label in PEERS:
+        has_goal = short == "ours-mooncake" and peer == "pool/vllm-mooncake-store"
+        rows += [
+            Comparison(f"pool hit TTFT: {short} / {label}", "hit_over_recompute", peer,
+                       Goal("<= 0.8", at_most=0.8) if has_goal else Goal("")),
+            # the miss path: prefill plus the save, and serving a batch of new prompts
+            Comparison(f"pool cold TTFT (miss + save): {short} / {label}",
+                       "cold_over_baseline", peer, Goal("")),
+            Comparison(f"pool serving throughput (new prompts, saved): {short} / {label}",
+                       "throughput_over_baseline", peer, Goal("")),
+        ]
+    return tuple(rows)
+
+
+#: The hit of our pool against a recompute.
+HIT_GOAL = Goal("well below 1", at_most=0.5)
+
+
+def scenarios() -> list[Scenario]:
+    """The scenarios of this package (a ``vllm_ascend_kv.serve`` entry point)."""
+    return [
+        Scenario("pool/ours-local", "pool", "ours", "AscendStoreConnector",
+                 "backend local (host memory in the engine)", [], sc_pool_local, quick=True,
+                 comparisons=_versus("ours-local"), hit_goal=HIT_GOAL),
+        Scenario("pool/ours-mooncake", "pool", "ours", "AscendStoreConnector",
+                 "backend mooncake (Store held by mooncake_client)", ["mooncake", "store"],
+                 sc_pool_mooncake, comparisons=_versus("ours-mooncake"), hit_goal=HIT_GOAL),
+    ]

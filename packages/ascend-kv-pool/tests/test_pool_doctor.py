@@ -1,0 +1,67 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``vllm-ascend-kv doctor`` checks of the KV pool (``ascend_store.tooling.doctor``) and its
+``bench serve`` scenarios' declared comparisons."""
+
+from __future__ import annotations
+
+import json
+import socket
+import types
+from pathlib import Path
+
+import pytest
+
+from vllm_ascend.distributed.kv_transfer.core.tooling.doctor import Doctor
+from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.tooling import doctor as pool_doctor
+from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.tooling import serve as pool_serve
+
+
+def test_master_check_says_only_the_port_was_reached(tmp_path: Path) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        path = tmp_path / "mooncake.json"
+        path.write_text(json.dumps({
+            "master_server_address": f"127.0.0.1:{listener.getsockname()[1]}",
+            "metadata_server": "P2PHANDSHAKE", "protocol": "tcp"}))
+        d = Doctor({}, mooncake_config=str(path), timeout_s=0.5)
+        pool_doctor.check_backend(d, types.SimpleNamespace(backend="mooncake", mooncake=None))
+    master = next(c for c in d.checks if c.what == "mooncake_master")
+    assert master.status == "ok" and "TCP connect only" in master.detail
+    assert not any(c.what == "metadata server" for c in d.checks)  # P2PHANDSHAKE
+
+
+def test_no_store_config_and_local_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MOONCAKE_CONFIG_PATH", raising=False)
+    d = Doctor({})
+    pool_doctor.check_backend(d, types.SimpleNamespace(backend="mooncake", mooncake=None))
+    pool_doctor.check_backend(d, types.SimpleNamespace(backend="local"))
+    assert [(c.what, c.status) for c in d.checks] == [("Mooncake Store config", "fail"),
+                                                       ("pool backend", "ok")]
+    assert "vllm-ascend-kv config AscendStoreConnector" in d.checks[0].fix
+
+
+def test_the_alias_is_checked_against_the_pool_section() -> None:
+    cfg = {"kv_connector": "MooncakeConnectorStoreV1", "kv_role": "kv_both",
+           "kv_connector_extra_config": {"backend": "nope"}}
+    d = Doctor(cfg)
+    pool_doctor.check(d, "MooncakeConnectorStoreV1", {"backend": "nope"}, "here", cfg)
+    fail = next(c for c in d.checks if c.what == "MooncakeConnectorStoreV1 configuration")
+    assert fail.status == "fail" and "AscendStoreConnector" in fail.fix
+
+
+def test_serve_scenarios_declare_their_comparisons() -> None:
+    from vllm_ascend.distributed.kv_transfer.core.tooling.serve_report import comparisons
+
+    scs = pool_serve.scenarios()
+    assert [s.name for s in scs] == ["pool/ours-local", "pool/ours-mooncake"]
+    summary = {"pool/ours-mooncake": {"hit_over_recompute": 0.05, "cold_over_baseline": 1.1},
+               "pool/vllm-mooncake-store": {"hit_over_recompute": 0.1,
+                                            "cold_over_baseline": 1.2}}
+    comps = {c["what"]: c for c in comparisons(summary, scs)}
+    c = comps["pool hit TTFT: ours-mooncake / MooncakeStoreConnector"]
+    assert c["ratio"] == pytest.approx(0.5) and c["met"] is True
+    assert comps["pool cold TTFT (miss + save): ours-mooncake / MooncakeStoreConnector"][
+        "ratio"] == pytest.approx(1.1 / 1.2)
+    assert comps["pool serving throughput (new prompts, saved): ours-local / "
+                 "ExampleConnector"]["ratio"] is None  # ours-local was not run
+    hit = comps["pool/ours-mooncake hit TTFT / recompute"]
+    assert hit["kind"] == "recompute" and hit["goal"] == "well below 1" and hit["met"] is True
