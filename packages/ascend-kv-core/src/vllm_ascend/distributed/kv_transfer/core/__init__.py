@@ -12,7 +12,8 @@ Modules (import the one you need; this package imports nothing heavy):
 * :mod:`.hashing` - block-hash keys equal across processes;
 * :mod:`.registration` - lazy, idempotent registration with vLLM;
 * :mod:`.metrics` / :mod:`.vllm_metrics` - counters and histograms for vLLM's stats;
-* :mod:`.cli` - the ``vllm-ascend-kv`` command.
+* :mod:`.tooling` - the ``vllm-ascend-kv`` command and the bench helpers (never imported
+  by the modules above).
 """
 
 from __future__ import annotations
