@@ -5,11 +5,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from vllm_ascend.distributed.kv_transfer.core.errors import ConfigError
 from vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.config import (
     DEFAULT_SWAP_SPACE_BYTES,
     CPUOffloadConfig,
 )
-from vllm_ascend.distributed.kv_transfer.core.errors import ConfigError
 
 
 def test_defaults() -> None:

@@ -13,6 +13,11 @@ import pytest
 import torch
 
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
+from vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.contract import (
+    CPUOffloadingConnectorMetadata,
+    HostLoad,
+    HostSave,
+)
 from vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.cpu_offload_manager import (
     MetadataClient,
     MetadataServer,
@@ -20,11 +25,6 @@ from vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.cpu_offload_manager
 from vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.cpu_offload_manager.protocol import (
     RegisterRank,
     SaveRequest,
-)
-from vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.metadata import (
-    CPUOffloadingConnectorMetadata,
-    LoadSpec,
-    SaveSpec,
 )
 from vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.metrics import OFFLOAD_METRICS
 from vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.scheduler import CPUOffloadScheduler
@@ -104,7 +104,7 @@ def test_expired_save_leases_are_counted_once(sched: CPUOffloadScheduler, clock:
 @pytest.fixture
 def worker(make_vllm_config: Callable[..., Any], offload_cfg: Callable[..., Any]
            ) -> Iterator[CPUOffloadWorker]:
-    from vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.worker import RankInfo
+    from vllm_ascend.distributed.kv_transfer.core.ranks import RankInfo
 
     vc = make_vllm_config(None, block_size=BS)
     w = CPUOffloadWorker(vc, offload_cfg(vc), None, MetricsRecorder(OFFLOAD_METRICS),
@@ -120,14 +120,14 @@ def test_load_batch_bytes_match_the_bytes_loaded(worker: CPUOffloadWorker) -> No
     client = MetadataClient(worker.endpoint)
     (planned,) = client.plan_step([SaveRequest(key="r1", hashes=hashes)], [], owner="test").saves
     client.close()
-    save = SaveSpec(req_id="r1", job_id=planned.job_id, host_ids=planned.block_ids,
+    save = HostSave(req_id="r1", job_id=planned.job_id, host_ids=planned.block_ids,
                     device_ids=[[3, 4, 7][p] for p in planned.positions])
     meta = CPUOffloadingConnectorMetadata(saves=[save])
     worker.start_load_kv(meta)
     worker.wait_for_save(meta)
     assert worker.drain(5)
     meta2 = CPUOffloadingConnectorMetadata(
-        loads=[LoadSpec(req_id="r2", host_ids=save.host_ids, device_ids=[0, 1, 2])])
+        loads=[HostLoad(req_id="r2", host_ids=save.host_ids, device_ids=[0, 1, 2])])
     worker.start_load_kv(meta2)
     for name in caches:
         worker.wait_for_layer_load(name)

@@ -12,15 +12,15 @@ from typing import Any
 import pytest
 
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
+from vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.contract import (
+    CPUOffloadingConnectorMetadata,
+)
 from vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.cpu_offload_manager import (
     MetadataClient,
     MetadataServer,
 )
 from vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.cpu_offload_manager.protocol import (
     RegisterRank,
-)
-from vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.metadata import (
-    CPUOffloadingConnectorMetadata,
 )
 from vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.metrics import OFFLOAD_METRICS
 from vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.scheduler import CPUOffloadScheduler

@@ -13,22 +13,20 @@ import torch
 
 from vllm_ascend.distributed.kv_transfer.core.device import CpuDevice, CpuEvent, CpuStream
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
+from vllm_ascend.distributed.kv_transfer.core.ranks import RankInfo
+from vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.contract import (
+    CPUOffloadingConnectorMetadata,
+    HostLoad,
+    HostSave,
+)
 from vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.cpu_offload_manager import (
     MetadataClient,
 )
 from vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.cpu_offload_manager.protocol import (
     SaveRequest,
 )
-from vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.metadata import (
-    CPUOffloadingConnectorMetadata,
-    LoadSpec,
-    SaveSpec,
-)
 from vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.metrics import OFFLOAD_METRICS
-from vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.worker import (
-    CPUOffloadWorker,
-    RankInfo,
-)
+from vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.worker import CPUOffloadWorker
 
 BS = 4
 NUM_BLOCKS = 10
@@ -65,7 +63,7 @@ def make_worker(make_vllm_config: Callable[..., Any], offload_cfg: Callable[...,
 
 
 def plan_save(w: CPUOffloadWorker, req: str, hashes_name: str, device_ids: list[int]
-              ) -> SaveSpec:
+              ) -> HostSave:
     """Ask the server for host blocks the way the scheduler does."""
     import hashlib
 
@@ -74,7 +72,7 @@ def plan_save(w: CPUOffloadWorker, req: str, hashes_name: str, device_ids: list[
     client = MetadataClient(w.endpoint)
     (planned,) = client.plan_step([SaveRequest(key=req, hashes=hashes)], [], owner="test").saves
     client.close()
-    return SaveSpec(req_id=req, job_id=planned.job_id, host_ids=planned.block_ids,
+    return HostSave(req_id=req, job_id=planned.job_id, host_ids=planned.block_ids,
                     device_ids=[device_ids[p] for p in planned.positions])
 
 
@@ -107,7 +105,7 @@ def test_save_then_load_restores_every_layer(make_worker: Callable[..., CPUOfflo
     assert w.get_finished({"r1"}) == (None, None)
     for t in caches.values():
         t.zero_()
-    load = LoadSpec(req_id="r2", host_ids=save.host_ids, device_ids=[0, 1, 9])
+    load = HostLoad(req_id="r2", host_ids=save.host_ids, device_ids=[0, 1, 9])
     meta2 = CPUOffloadingConnectorMetadata(loads=[load])
     w.start_load_kv(meta2)
     for name in LAYERS:
@@ -169,9 +167,9 @@ def test_bad_load_ids_become_load_errors_not_crashes(make_worker: Callable[..., 
     w.register_kv_caches(caches)
     before = {k: v.clone() for k, v in caches.items()}
     meta = CPUOffloadingConnectorMetadata(loads=[
-        LoadSpec(req_id="x", host_ids=[w.num_host_blocks + 5], device_ids=[2]),
-        LoadSpec(req_id="y", host_ids=[0, 1], device_ids=[3, NUM_BLOCKS]),
-        LoadSpec(req_id="z", host_ids=[0], device_ids=[4, 5]),
+        HostLoad(req_id="x", host_ids=[w.num_host_blocks + 5], device_ids=[2]),
+        HostLoad(req_id="y", host_ids=[0, 1], device_ids=[3, NUM_BLOCKS]),
+        HostLoad(req_id="z", host_ids=[0], device_ids=[4, 5]),
     ])
     w.start_load_kv(meta)
     w.wait_for_save(meta)
@@ -186,7 +184,7 @@ def test_failed_save_frees_host_blocks_and_still_releases_the_request(
     w = make_worker()
     w.register_kv_caches(cpu_caches())
     save = plan_save(w, "r", "d", [1, 2])
-    bad = SaveSpec(req_id="r", job_id=save.job_id, host_ids=save.host_ids,
+    bad = HostSave(req_id="r", job_id=save.job_id, host_ids=save.host_ids,
                    device_ids=[1, NUM_BLOCKS + 3])
     w.wait_for_save(CPUOffloadingConnectorMetadata(saves=[bad]))
     assert w.drain(5)
@@ -250,7 +248,7 @@ def test_layerwise_load_and_background_save_ordering(make_worker: Callable[..., 
     w.wait_for_save(CPUOffloadingConnectorMetadata(saves=[save]))
     w.drain(5)
     dev.log.clear()
-    load = LoadSpec(req_id="q", host_ids=save.host_ids, device_ids=[5, 6, 7], sync_tail=True)
+    load = HostLoad(req_id="q", host_ids=save.host_ids, device_ids=[5, 6, 7], sync_tail=True)
     meta = CPUOffloadingConnectorMetadata(loads=[load])
     w.start_load_kv(meta)
     log = list(dev.log)
@@ -304,7 +302,7 @@ def test_sync_tail_is_copied_on_the_compute_stream(make_worker: Callable[..., CP
     for t in caches.values():
         t.zero_()
     w.start_load_kv(CPUOffloadingConnectorMetadata(loads=[
-        LoadSpec(req_id="q", host_ids=save.host_ids, device_ids=[5, 6], sync_tail=True)]))
+        HostLoad(req_id="q", host_ids=save.host_ids, device_ids=[5, 6], sync_tail=True)]))
     n = len(LAYERS) if path == "staged" else 1
     assert copies[:n] == [("compute", [6])] * n, "the tail block first, on the compute stream"
     assert copies[n:] == [("load", [5])] * n, "the rest on the load stream"
@@ -354,7 +352,7 @@ def test_mla_ranks_save_stripes_of_one_shared_copy(make_worker: Callable[..., CP
         for nope, rope in c.values():
             nope.zero_()
             rope.zero_()
-        load = LoadSpec(req_id="l", host_ids=save.host_ids, device_ids=[5, 6, 7, 8, 9])
+        load = HostLoad(req_id="l", host_ids=save.host_ids, device_ids=[5, 6, 7, 8, 9])
         w.start_load_kv(CPUOffloadingConnectorMetadata(loads=[load]))
         for name in LAYERS:
             for part in (0, 1):
@@ -374,7 +372,7 @@ def test_non_mla_ranks_keep_their_own_heads(make_worker: Callable[..., CPUOffloa
     for w, c in zip(workers, caches, strict=True):
         want = {k: v[2:4].clone() for k, v in c.items()}
         w.start_load_kv(CPUOffloadingConnectorMetadata(loads=[
-            LoadSpec(req_id="l", host_ids=save.host_ids, device_ids=[0, 1])]))
+            HostLoad(req_id="l", host_ids=save.host_ids, device_ids=[0, 1])]))
         assert all(torch.equal(c[k][0:2], want[k]) for k in c)
 
 
@@ -406,7 +404,7 @@ def test_runs_on_the_npu_device_layer_with_fake_torch_npu(
     for v in caches.values():
         v.zero_()
     meta = CPUOffloadingConnectorMetadata(loads=[
-        LoadSpec(req_id="q", host_ids=save.host_ids, device_ids=[0, 1])])
+        HostLoad(req_id="q", host_ids=save.host_ids, device_ids=[0, 1])])
     w.start_load_kv(meta)
     for name in LAYERS:
         w.wait_for_layer_load(name)
@@ -433,5 +431,5 @@ def test_failed_ids_of_a_load_plan_are_reported(make_worker: Callable[..., CPUOf
     w = make_worker()
     w.register_kv_caches(cpu_caches())
     w.start_load_kv(CPUOffloadingConnectorMetadata(loads=[
-        LoadSpec(req_id="x", host_ids=[], device_ids=[], failed_ids=[3, 4])]))
+        HostLoad(req_id="x", host_ids=[], device_ids=[], failed_ids=[3, 4])]))
     assert w.get_block_ids_with_load_errors() == {3, 4}

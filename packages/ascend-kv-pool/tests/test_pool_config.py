@@ -11,12 +11,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from vllm_ascend.distributed.kv_transfer.core.errors import ConfigError
 from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.config import (
     MOONCAKE_CONFIG_ENV,
     AscendStoreConfig,
     MooncakeStoreConfig,
 )
-from vllm_ascend.distributed.kv_transfer.core.errors import ConfigError
 
 GB, MB = 1 << 30, 1 << 20
 

@@ -11,15 +11,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from vllm_ascend.distributed.kernels.heads import head_group_of_rank as head_rank_and_step
+from vllm_ascend.distributed.kernels.heads import num_head_groups
 from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.errors import PoolKeyError
 from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.keys import (
     BlockHasher,
     KeyMetadata,
     LayerPoolKey,
     PoolKey,
-    head_rank_and_step,
     model_key_name,
-    num_head_groups,
     parse_key,
 )
 

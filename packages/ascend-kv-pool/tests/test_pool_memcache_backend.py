@@ -9,13 +9,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.config import AscendStoreConfig
 from vllm_ascend.distributed.kv_transfer.core.errors import DependencyError
 from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.backend.memcache_backend import (
     MemcacheBackend,
     MmcDirect,
     detect_device_type,
 )
+from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.config import AscendStoreConfig
 from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.errors import BackendError
 
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from vllm_ascend.distributed.kv_transfer.core.errors import ConfigError
 from vllm_ascend.distributed.kv_transfer.core.config.base import ConfigSection, option
 from vllm_ascend.distributed.kv_transfer.core.config.sizes import format_size
+from vllm_ascend.distributed.kv_transfer.core.errors import ConfigError
 
 #: Host capacity used when neither ``cpu_swap_space_gb`` nor ``cpu_swap_space`` is given.
 #: Upstream defaulted to 800 GiB, which no development machine has; the pool is

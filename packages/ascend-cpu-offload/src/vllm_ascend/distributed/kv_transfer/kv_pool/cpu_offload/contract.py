@@ -1,9 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
-"""What the scheduler-side connector tells the workers each step."""
+"""The contract between the scheduler side and the workers of ``CPUOffloadingConnector``.
+
+What the scheduler tells the workers each step (:class:`CPUOffloadingConnectorMetadata`,
+vLLM's name for a step's payload, holding :class:`HostLoad` and :class:`HostSave`
+records), and the facts both sides derive alike from vLLM's config: the metadata
+server's endpoint (:func:`endpoint_for`) and the tokens per block
+(:func:`block_size_of`). The workers import this module, never the scheduler.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm_ascend.distributed.kv_transfer.core.vllm_compat import require_vllm
 
@@ -13,9 +21,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorMetadata,
 )
 
+from .config import CPUOffloadConfig  # noqa: E402
+from .cpu_offload_manager.client import default_endpoint  # noqa: E402
+
+__all__ = ["CPUOffloadingConnectorMetadata", "HostLoad", "HostSave", "block_size_of",
+           "endpoint_for"]
+
 
 @dataclass
-class LoadSpec:
+class HostLoad:
     """Blocks of one request to copy from host memory into the device cache this step.
 
     Attributes:
@@ -37,7 +51,7 @@ class LoadSpec:
 
 
 @dataclass
-class SaveSpec:
+class HostSave:
     """Device blocks of one request to copy into host memory after this step's forward.
 
     Attributes:
@@ -57,8 +71,8 @@ class SaveSpec:
 class CPUOffloadingConnectorMetadata(KVConnectorMetadata):
     """One step's loads and saves."""
 
-    loads: list[LoadSpec] = field(default_factory=list)
-    saves: list[SaveSpec] = field(default_factory=list)
+    loads: list[HostLoad] = field(default_factory=list)
+    saves: list[HostSave] = field(default_factory=list)
     #: requests preempted before this step: their blocks may be reused by it
     preempted_req_ids: set[str] = field(default_factory=set)
 
@@ -66,3 +80,24 @@ class CPUOffloadingConnectorMetadata(KVConnectorMetadata):
     def is_empty(self) -> bool:
         """No load and no save."""
         return not self.loads and not self.saves
+
+
+def endpoint_for(vllm_config: Any, cfg: CPUOffloadConfig) -> str:
+    """The metadata server endpoint of this instance (same in scheduler and workers)."""
+    if cfg.metadata_endpoint:
+        return cfg.metadata_endpoint
+    kv = vllm_config.kv_transfer_config
+    engine_id = str(getattr(kv, "engine_id", None) or "default")
+    dp_rank = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
+    return default_endpoint(engine_id, dp_rank)
+
+
+def block_size_of(vllm_config: Any, kv_cache_config: Any) -> int:
+    """Tokens per block: the KV cache group's block size, else the cache config's."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if len(groups) > 1:
+        raise ValueError(f"CPUOffloadingConnector supports one KV cache group, the model has "
+                         f"{len(groups)} (hybrid attention); disable the connector for it")
+    if groups:
+        return int(groups[0].kv_cache_spec.block_size)
+    return int(vllm_config.cache_config.block_size)

@@ -36,11 +36,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.config import CPUOffloadConfig
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
 from vllm_ascend.distributed.kv_transfer.core.vllm_metrics import ConnectorStatsMixin
+from vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.config import CPUOffloadConfig
 
-from .metadata import CPUOffloadingConnectorMetadata
+from .contract import CPUOffloadingConnectorMetadata
 from .metrics import OFFLOAD_METRICS
 from .scheduler import CPUOffloadScheduler
 from .worker import CPUOffloadWorker

@@ -14,10 +14,10 @@ Per step:
    prompt token (vLLM must compute one), and nothing below
    ``swap_in_threshold``.
 2. ``update_state_after_alloc`` turns an admitted hit into a
-   :class:`~.metadata.LoadSpec` (host blocks -> the request's device blocks).
+   :class:`~.contract.HostLoad` (host blocks -> the request's device blocks).
 3. ``build_connector_meta`` asks the server for host blocks for every block
    that becomes full this step and is not in host memory yet (LRU eviction
-   happens there), emits :class:`~.metadata.SaveSpec` s, and releases the
+   happens there), emits :class:`~.contract.HostSave` records, and releases the
    step's pins.
 4. ``request_finished`` keeps the device blocks of a request with saves until
    every worker reports them done, so a background save never reads a block
@@ -36,14 +36,20 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.config import CPUOffloadConfig
 from vllm_ascend.distributed.kv_transfer.core.errors import RemoteError
 from vllm_ascend.distributed.kv_transfer.core.hashing import chained_block_hashes
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
+from vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.config import CPUOffloadConfig
 
-from .cpu_offload_manager.client import MetadataClient, ServerUnavailable, default_endpoint
+from .contract import (
+    CPUOffloadingConnectorMetadata,
+    HostLoad,
+    HostSave,
+    block_size_of,
+    endpoint_for,
+)
+from .cpu_offload_manager.client import MetadataClient, ServerUnavailable
 from .cpu_offload_manager.protocol import SaveRequest
-from .metadata import CPUOffloadingConnectorMetadata, LoadSpec, SaveSpec
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -75,27 +81,6 @@ class _Pin:
     host_ids: list[int]
 
 
-def endpoint_for(vllm_config: Any, cfg: CPUOffloadConfig) -> str:
-    """The metadata server endpoint of this instance (same in scheduler and workers)."""
-    if cfg.metadata_endpoint:
-        return cfg.metadata_endpoint
-    kv = vllm_config.kv_transfer_config
-    engine_id = str(getattr(kv, "engine_id", None) or "default")
-    dp_rank = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
-    return default_endpoint(engine_id, dp_rank)
-
-
-def block_size_of(vllm_config: Any, kv_cache_config: Any) -> int:
-    """Tokens per block: the KV cache group's block size, else the cache config's."""
-    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
-    if len(groups) > 1:
-        raise ValueError(f"CPUOffloadingConnector supports one KV cache group, the model has "
-                         f"{len(groups)} (hybrid attention); disable the connector for it")
-    if groups:
-        return int(groups[0].kv_cache_spec.block_size)
-    return int(vllm_config.cache_config.block_size)
-
-
 class CPUOffloadScheduler:
     """Scheduler-side logic (one per engine core).
 
@@ -121,7 +106,7 @@ class CPUOffloadScheduler:
         #: device prefix hit each request was queried with this step (for hit/miss metrics)
         self._queried: dict[str, int] = {}
         self._release: list[str] = []
-        self._loads: list[LoadSpec] = []
+        self._loads: list[HostLoad] = []
         self._keys = itertools.count(1)
 
     # ------------------------------------------------------------------ state
@@ -215,7 +200,7 @@ class CPUOffloadScheduler:
                          "%d device blocks allocated; the rest is recomputed",
                          request.request_id, num_external_tokens, n_blocks, len(pin.host_ids),
                          len(wanted))
-        self._loads.append(LoadSpec(req_id=request.request_id, host_ids=pin.host_ids[:k],
+        self._loads.append(HostLoad(req_id=request.request_id, host_ids=pin.host_ids[:k],
                                     device_ids=wanted[:k], failed_ids=wanted[k:],
                                     sync_tail=k == n_blocks and end_token % bs != 0))
 
@@ -242,7 +227,7 @@ class CPUOffloadScheduler:
         for req_id in list(self._pins):
             self._drop_pin(req_id)
         self._queried.clear()
-        saves: list[SaveSpec] = []
+        saves: list[HostSave] = []
         if requests or self._release:
             try:
                 reply = self.client.plan_step(requests, self._release, owner=self.owner)
@@ -261,7 +246,7 @@ class CPUOffloadScheduler:
                     if planned.job_id == 0:
                         continue
                     device_ids = [st.block_ids[start + p] for p in planned.positions]
-                    saves.append(SaveSpec(req_id=req_id, job_id=planned.job_id,
+                    saves.append(HostSave(req_id=req_id, job_id=planned.job_id,
                                           host_ids=list(planned.block_ids),
                                           device_ids=device_ids))
                     st.had_save = True

@@ -39,59 +39,27 @@ from typing import Any
 
 import torch
 
-from vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.config import CPUOffloadConfig
 from vllm_ascend.distributed.kv_transfer.core.device import Device, device_of
 from vllm_ascend.distributed.kv_transfer.core.errors import RemoteError
 from vllm_ascend.distributed.kv_transfer.core.layout import KVCacheLayout
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
+from vllm_ascend.distributed.kv_transfer.core.ranks import RankInfo, rank_info_from_vllm
+from vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.config import CPUOffloadConfig
 
 from .blockcopy import block_rows, check_ids, copy_blocks, copy_blocks_all
+from .contract import (
+    CPUOffloadingConnectorMetadata,
+    HostLoad,
+    HostSave,
+    block_size_of,
+    endpoint_for,
+)
 from .cpu_offload_manager.client import MetadataClient, ServerUnavailable
 from .cpu_offload_manager.host_pool import HostSegment
 from .cpu_offload_manager.protocol import RegisterRank
 from .cpu_offload_manager.server import MetadataServer
-from .metadata import CPUOffloadingConnectorMetadata, LoadSpec, SaveSpec
-from .scheduler import block_size_of, endpoint_for
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RankInfo:
-    """Where this worker sits in the instance."""
-
-    tp_rank: int = 0
-    tp_size: int = 1
-    pp_rank: int = 0
-    pp_size: int = 1
-
-    @property
-    def rank(self) -> int:
-        """Rank within the instance (TP inner, PP outer)."""
-        return self.pp_rank * self.tp_size + self.tp_rank
-
-    @property
-    def world_size(self) -> int:
-        """Ranks of the instance."""
-        return self.tp_size * self.pp_size
-
-
-def rank_info_from_vllm() -> RankInfo:
-    """This worker's TP/PP position from vLLM's parallel state (0 of 1 when not initialised)."""
-    try:
-        from vllm.distributed.parallel_state import (
-            get_pp_group,
-            get_tensor_model_parallel_rank,
-            get_tensor_model_parallel_world_size,
-        )
-
-        pp = get_pp_group()
-        return RankInfo(tp_rank=get_tensor_model_parallel_rank(),
-                        tp_size=get_tensor_model_parallel_world_size(),
-                        pp_rank=pp.rank_in_group, pp_size=pp.world_size)
-    except (AssertionError, AttributeError, ImportError, RuntimeError):
-        logger.debug("vLLM parallel state not initialised; assuming a single rank")
-        return RankInfo()
 
 
 @dataclass
@@ -106,7 +74,7 @@ class _LayerCopy:
 @dataclass
 class _SaveBatch:
     event: Any
-    jobs: list[SaveSpec]
+    jobs: list[HostSave]
 
 
 _STOP = object()
@@ -299,7 +267,7 @@ class CPUOffloadWorker:
             last = list(self._layer_events.values())[-1]
             self._queue.put(("load_timer", last, start))
 
-    def _valid_load(self, load: LoadSpec, num_host: int) -> bool:
+    def _valid_load(self, load: HostLoad, num_host: int) -> bool:
         assert self.layout is not None
         try:
             if len(load.host_ids) != len(load.device_ids) or not load.host_ids:
@@ -380,7 +348,7 @@ class CPUOffloadWorker:
         event = self.device.record_event(self.device.current_stream())
         self._queue.put(_SaveBatch(event=event, jobs=list(meta.saves)))
 
-    def _my_part(self, job: SaveSpec) -> tuple[list[int], list[int]]:
+    def _my_part(self, job: HostSave) -> tuple[list[int], list[int]]:
         ri = self.rank_info
         if not self._shared or ri.tp_size == 1:
             return job.device_ids, job.host_ids
@@ -419,8 +387,8 @@ class CPUOffloadWorker:
         assert device is not None and self.segment is not None and self.layout is not None
         nb = device.kind != "cpu"
         start = time.perf_counter()
-        ok: list[SaveSpec] = []
-        failed: list[SaveSpec] = []
+        ok: list[HostSave] = []
+        failed: list[HostSave] = []
         nbytes = 0
         with device.stream(self._save_stream):
             self._save_stream.wait_event(batch.event)

@@ -42,10 +42,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
 )
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash  # noqa: E402
 
-from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.config import AscendStoreConfig  # noqa: E402
 from vllm_ascend.distributed.kv_transfer.core.vllm_metrics import (  # noqa: E402
     ConnectorStatsMixin,
 )
+from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.config import AscendStoreConfig  # noqa: E402
 
 from .config_data import AscendConnectorMetadata  # noqa: E402
 from .context import context_from_vllm  # noqa: E402

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from vllm_ascend.distributed.kv_transfer.core.errors import ConfigError
 from vllm_ascend.distributed.kv_transfer.core.config.base import ConfigSection, option
+from vllm_ascend.distributed.kv_transfer.core.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -1,10 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Metadata of the pool: what the scheduler hands the workers each step.
+"""The pool's contract: what the scheduler hands the workers each step.
 
 The scheduler decides which blocks to load and which to save; the workers do
-it. A :class:`~.jobs.TransferJob` names a request, the pool hashes of a run of its
-blocks and the vLLM block ids that hold (or will hold) them. Keys and hashes
-live in :mod:`.keys` (re-exported here under the upstream names).
+it. :class:`AscendConnectorMetadata` (vLLM's name for a step's payload) carries
+:class:`~.jobs.TransferJob` records: a request, the pool hashes of a run of its
+blocks and the vLLM block ids that hold (or will hold) them, with the
+:class:`~.jobs.BlockEventSpec` a save announces. The workers import this
+module, never the scheduler; the plain records live in the vLLM-free
+:mod:`.jobs`.
+
+Upstream's ``config_data`` names are kept: keys and hashes from :mod:`.keys`,
+and the scheduler's per-request state from :mod:`.tracking`
+(``LoadSpec`` is :class:`~.tracking.PoolHit`).
 """
 
 from __future__ import annotations
@@ -17,11 +24,15 @@ require_vllm("AscendStoreConnector")
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata  # noqa: E402
 
-from .jobs import LoadSpec, RequestTracker, TransferJob  # noqa: E402
+from .jobs import BlockEventSpec, TransferJob  # noqa: E402
 from .keys import BlockHasher, KeyMetadata, LayerPoolKey, PoolKey  # noqa: E402
+from .tracking import PoolHit, RequestTracker  # noqa: E402
 
-__all__ = ["AscendConnectorMetadata", "BlockHasher", "KeyMetadata", "LayerPoolKey", "LoadSpec",
-           "PoolKey", "RequestTracker", "TransferJob"]
+#: upstream's name for :class:`~.tracking.PoolHit`
+LoadSpec = PoolHit
+
+__all__ = ["AscendConnectorMetadata", "BlockEventSpec", "BlockHasher", "KeyMetadata",
+           "LayerPoolKey", "LoadSpec", "PoolHit", "PoolKey", "RequestTracker", "TransferJob"]
 
 
 @dataclass

@@ -12,7 +12,10 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from .keys import KeyMetadata, head_rank_and_step, model_key_name, num_head_groups
+from vllm_ascend.distributed.kernels.heads import head_group_of_rank, num_head_groups
+from vllm_ascend.distributed.kv_transfer.core.ranks import rank_info_from_vllm
+
+from .keys import KeyMetadata, model_key_name
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +58,7 @@ class PoolContext:
 
     def head_rank_and_step(self) -> tuple[int, int]:
         """``(head_or_tp_rank, put_step)`` of this rank."""
-        return head_rank_and_step(self.tp_rank, self.tp_size, self.key_heads)
+        return head_group_of_rank(self.tp_rank, self.tp_size, self.key_heads)
 
     def num_head_groups(self) -> int:
         """Distinct head groups across the TP group."""
@@ -85,7 +88,8 @@ def context_from_vllm(vllm_config: Any) -> PoolContext:
                          f"decode_context_parallel_size={dcp})")
     tp_size = int(parallel.tensor_parallel_size)
     pp_size = int(parallel.pipeline_parallel_size)
-    tp_rank, pp_rank = _ranks(parallel, tp_size, pp_size)
+    # worker ranks from vLLM's groups; the scheduler process derives them from the config
+    ranks = rank_info_from_vllm(parallel)
     use_mla = bool(getattr(model, "use_mla", False))
     try:
         num_kv_heads = int(model.get_total_num_kv_heads())
@@ -111,20 +115,9 @@ def context_from_vllm(vllm_config: Any) -> PoolContext:
     return PoolContext(
         model_name=model_key_name(str(model.model)),
         block_size=int(cache.block_size),
-        tp_size=tp_size, tp_rank=tp_rank, pp_size=pp_size, pp_rank=pp_rank,
-        dp_rank=int(getattr(parallel, "data_parallel_rank", 0) or 0),
+        tp_size=tp_size, tp_rank=ranks.tp_rank, pp_size=pp_size, pp_rank=ranks.pp_rank,
+        dp_rank=ranks.dp_rank,
         num_kv_heads=num_kv_heads, use_mla=use_mla,
         kv_role=str(getattr(kv, "kv_role", "kv_both") or "kv_both"),
         engine_id=str(getattr(kv, "engine_id", None) or "engine"),
         salt=salt, num_layers=num_layers, kv_events=kv_events)
-
-
-def _ranks(parallel: Any, tp_size: int, pp_size: int) -> tuple[int, int]:
-    """TP and PP rank of this worker (0, 0 in the scheduler process)."""
-    try:
-        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
-
-        return int(get_tp_group().rank_in_group), int(get_pp_group().rank_in_group)
-    except Exception:  # groups not initialised (scheduler side): derive from the global rank
-        rank = int(getattr(parallel, "rank", 0) or 0)
-        return rank % tp_size, (rank // tp_size) % pp_size

@@ -1,50 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Plain records of the pool's plans (no vLLM needed): hits, per-request state, transfer jobs.
+"""The records the pool's scheduler sends its workers (no vLLM needed): transfer jobs.
 
-:mod:`.config_data` wraps them into vLLM's ``KVConnectorMetadata``.
+The vLLM-free half of the pool's contract: :mod:`.config_data` (the contract
+module the workers import) wraps them into vLLM's ``KVConnectorMetadata``.
+Kept free of vLLM so the worker side and the benchmarks import without it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["BlockEventSpec", "LoadSpec", "RequestTracker", "TransferJob"]
-
-
-@dataclass
-class LoadSpec:
-    """A pool hit found by the scheduler's lookup.
-
-    Attributes:
-        vllm_cached_tokens: tokens vLLM already has (local prefix cache).
-        kvpool_cached_tokens: tokens the pool holds (one less than the prompt on a full hit).
-        can_load: set once vLLM allocated blocks for the hit.
-        is_async: the load runs between steps (``load_async``).
-        token_end: tokens covered by the hashes the lookup was asked about.
-    """
-
-    vllm_cached_tokens: int
-    kvpool_cached_tokens: int
-    can_load: bool = False
-    is_async: bool = False
-    token_end: int = 0
-
-
-@dataclass
-class RequestTracker:
-    """Scheduler-side state of one request."""
-
-    req_id: str
-    block_ids: list[int] = field(default_factory=list)
-    #: tokens whose blocks are saved (or known to be in the pool)
-    num_saved_tokens: int = 0
-    #: tokens computed once the current step ends
-    num_computed_tokens: int = 0
-    #: pool hashes of the prompt's blocks, computed once
-    hashes: list[str] = field(default_factory=list)
-    hashes_cover: int = 0
-    #: blocks allocated for a load that has not been emitted yet
-    load_block_ids: list[int] = field(default_factory=list)
+__all__ = ["BlockEventSpec", "TransferJob"]
 
 
 @dataclass

@@ -111,25 +111,6 @@ def model_key_name(model: str) -> str:
     return model.rstrip("/").split("/")[-1]
 
 
-def head_rank_and_step(tp_rank: int, tp_size: int, num_kv_heads: int) -> tuple[int, int]:
-    """``(head_or_tp_rank, put_step)`` of a rank.
-
-    When KV heads < TP size, ``put_step = tp_size // num_kv_heads`` ranks hold
-    the same heads and share keys (``head_or_tp_rank = tp_rank // put_step``).
-    """
-    if tp_size <= 0 or num_kv_heads <= 0:
-        raise ValueError(f"tp_size {tp_size} and num_kv_heads {num_kv_heads} must be positive")
-    if num_kv_heads < tp_size:
-        step = tp_size // num_kv_heads
-        return tp_rank // step, step
-    return tp_rank, 1
-
-
-def num_head_groups(tp_size: int, num_kv_heads: int) -> int:
-    """Distinct ``head_or_tp_rank`` values across a TP group."""
-    return min(tp_size, num_kv_heads)
-
-
 class BlockHasher:
     """Chained block hashes of a token sequence, in pool blocks.
 

@@ -6,9 +6,10 @@ queue is bounded, so a store slower than the engine drops saves (counted)
 instead of holding blocks forever. A :class:`SaveTask` waits for the device
 event recorded after the forward pass, skips the blocks the store already
 holds and puts the rest; a :class:`LoadTask` gets blocks and reports the ones
-that failed. The :class:`StoreGuard` is a circuit breaker: once the store is
-unreachable, saves are dropped and lookups miss at once until the retry
-interval passed, so a dead store never slows the engine down.
+that failed. The :class:`StoreGuard` (core's retry guard) is a circuit
+breaker: once the store is unreachable, saves are dropped and lookups miss at
+once until the retry interval passed, so a dead store never slows the engine
+down.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
+from vllm_ascend.distributed.kv_transfer.core.retry import RetryGuard
 
 from .backend.backend import Backend
 from .errors import BackendUnavailableError
@@ -30,8 +32,10 @@ from .errors import BackendUnavailableError
 logger = logging.getLogger(__name__)
 
 
-class StoreGuard:
-    """Open (store usable) or tripped until a deadline.
+class StoreGuard(RetryGuard):
+    """The store's :class:`~vllm_ascend.distributed.kv_transfer.core.retry.RetryGuard`.
+
+    Warns once per outage that lookups miss and saves are dropped.
 
     Args:
         retry_interval_s: how long to stay tripped after a failure.
@@ -40,26 +44,20 @@ class StoreGuard:
 
     def __init__(self, retry_interval_s: float,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.retry_interval_s = retry_interval_s
-        self._clock = clock
-        self._down_until = 0.0
-        self._lock = threading.Lock()
-        self.trips = 0
+        super().__init__(retry_interval_s, clock)
 
-    def available(self) -> bool:
-        """True when the store may be used now."""
-        with self._lock:
-            return self._clock() >= self._down_until
+    @property
+    def retry_interval_s(self) -> float:
+        """How long a failure keeps the store unused (the config's name for it)."""
+        return self.retry_after_s
 
-    def trip(self, exc: BaseException) -> None:
+    def trip(self, exc: BaseException | None = None) -> bool:
         """The store failed: stop using it for ``retry_interval_s``."""
-        with self._lock:
-            first = self._clock() >= self._down_until
-            self._down_until = self._clock() + self.retry_interval_s
-            self.trips += 1
+        first = super().trip()
         if first:
             logger.warning("KV pool store unavailable (%s): lookups miss and saves are dropped "
                            "for %.1fs", exc, self.retry_interval_s)
+        return first
 
 
 class PendingSaves:

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The scheduler asks the workers how much of a prefix the pool holds.
 
-Worker rank 0 (per data-parallel rank) serves :class:`LookupRequest` on a
+Worker rank 0 (per data-parallel rank) serves :class:`PoolLookupRequest` on a
 ZeroMQ socket (``ipc://`` under vLLM's RPC base path, named after the engine
 id and DP rank so instances on one machine never collide); the scheduler's
 :class:`LookupClient` asks it with a deadline. Messages are msgspec structs
@@ -16,7 +16,6 @@ import hashlib
 import logging
 import os
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 
@@ -26,12 +25,13 @@ from vllm_ascend.distributed.kv_transfer.core.errors import (
     RemoteError,
     WireFormatError,
 )
+from vllm_ascend.distributed.kv_transfer.core.retry import RetryGuard
 from vllm_ascend.distributed.kv_transfer.core.wire import Codec, Message
 
 logger = logging.getLogger(__name__)
 
 
-class LookupRequest(Message):
+class PoolLookupRequest(Message):
     """How many leading tokens of these blocks does the pool hold?"""
 
     hashes: list[str]
@@ -39,14 +39,14 @@ class LookupRequest(Message):
     token_end: int
 
 
-class LookupReply(Message):
+class PoolLookupReply(Message):
     """Leading tokens held by the pool (0 on a miss)."""
 
     hit_tokens: int
 
 
-LOOKUP_CODEC: Codec[LookupRequest | LookupReply] = Codec((LookupRequest, LookupReply),
-                                                          max_size=4 << 20)
+LOOKUP_CODEC: Codec[PoolLookupRequest | PoolLookupReply] = Codec(
+    (PoolLookupRequest, PoolLookupReply), max_size=4 << 20)
 
 
 def lookup_endpoint(engine_id: str, dp_rank: int, port: int = 0,
@@ -89,11 +89,11 @@ class LookupServer:
         self.endpoint = self._server.endpoint
 
     def _answer(self, request: Message) -> Message:
-        if not isinstance(request, LookupRequest):
-            raise TypeError(f"expected LookupRequest, got {type(request).__name__}")
+        if not isinstance(request, PoolLookupRequest):
+            raise TypeError(f"expected PoolLookupRequest, got {type(request).__name__}")
         if request.token_end < 0:
             raise ValueError(f"token_end must be >= 0, got {request.token_end}")
-        return LookupReply(hit_tokens=int(self._handler(list(request.hashes),
+        return PoolLookupReply(hit_tokens=int(self._handler(list(request.hashes),
                                                         request.token_end)))
 
     def close(self) -> None:
@@ -121,30 +121,29 @@ class LookupClient:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self.retry_interval_s = retry_interval_s
-        self._clock = clock
-        self._client: RpcClient[LookupRequest | LookupReply] = RpcClient(
+        self._client: RpcClient[PoolLookupRequest | PoolLookupReply] = RpcClient(
             endpoint, LOOKUP_CODEC, timeout_s=timeout_s)
-        self._down_until = 0.0
-        self._lock = threading.Lock()
-        self.failures = 0
+        self.guard = RetryGuard(retry_interval_s, clock)
+
+    @property
+    def failures(self) -> int:
+        """Lookups that failed since creation."""
+        return self.guard.trips
 
     def lookup(self, hashes: list[str], token_end: int) -> int:
         """Leading tokens of ``hashes`` in the pool; 0 when the worker side cannot answer."""
         if not hashes:
             return 0
-        with self._lock:
-            if self._clock() < self._down_until:
-                return 0
+        if not self.guard.available():
+            return 0
         try:
-            reply = self._client.call(LookupRequest(hashes=hashes, token_end=token_end))
+            reply = self._client.call(PoolLookupRequest(hashes=hashes, token_end=token_end))
         except (PeerTimeoutError, RemoteError, WireFormatError) as exc:
-            self.failures += 1
-            with self._lock:
-                self._down_until = self._clock() + self.retry_interval_s
+            self.guard.trip()
             logger.warning("pool lookup at %s failed (%s); lookups are misses for %.1fs",
                            self.endpoint, exc, self.retry_interval_s)
             return 0
-        if not isinstance(reply, LookupReply):
+        if not isinstance(reply, PoolLookupReply):
             logger.warning("pool lookup at %s: unexpected reply %s", self.endpoint,
                            type(reply).__name__)
             return 0

@@ -20,15 +20,15 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.config import AscendStoreConfig
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
+from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.config import AscendStoreConfig
 
-from .config_data import AscendConnectorMetadata, LoadSpec, RequestTracker, TransferJob
+from .config_data import AscendConnectorMetadata, BlockEventSpec, TransferJob
 from .context import PoolContext
-from .jobs import BlockEventSpec
 from .keys import BlockHasher
 from .lookup import LookupClient, lookup_endpoint
 from .metrics import SCHEDULER_METRICS
+from .tracking import PoolHit, RequestTracker
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class KVPoolScheduler:
         self.recorder = MetricsRecorder(SCHEDULER_METRICS)
         self._trackers: OrderedDict[str, RequestTracker] = OrderedDict()
         self._requests: dict[str, Any] = {}
-        self._load_specs: dict[str, LoadSpec] = {}
+        self._load_specs: dict[str, PoolHit] = {}
         self._delay_free: set[str] = set()
 
     # ------------------------------------------------------------ hashing
@@ -131,7 +131,7 @@ class KVPoolScheduler:
         self.recorder.inc("pool_query_tokens", query)
         self.recorder.inc("pool_hit_tokens", need)
         self.recorder.inc("pool_miss_tokens", query - need)
-        self._load_specs[request.request_id] = LoadSpec(
+        self._load_specs[request.request_id] = PoolHit(
             vllm_cached_tokens=num_computed_tokens, kvpool_cached_tokens=hit,
             is_async=self.load_async, token_end=token_end)
         logger.debug("pool hit for %s: %d of %d tokens (%d computed locally)",

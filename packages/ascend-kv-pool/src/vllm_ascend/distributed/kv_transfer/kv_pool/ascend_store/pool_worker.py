@@ -31,18 +31,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.config import AscendStoreConfig
 from vllm_ascend.distributed.kv_transfer.core.device import get_device
 from vllm_ascend.distributed.kv_transfer.core.errors import ConfigError
 from vllm_ascend.distributed.kv_transfer.core.layout import KVCacheLayout, KVRegion
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
+from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.config import AscendStoreConfig
 
 from .backend import backend_class
 from .backend.backend import Backend
 from .context import PoolContext
 from .errors import BackendUnavailableError
 from .events import PoolEvent, PoolEventLog, stored_blocks
-from .jobs import TransferJob
 from .keys import KeyMetadata, LayerPoolKey, PoolKey
 from .kv_transfer import (
     LoadTask,
@@ -57,7 +56,8 @@ from .lookup import LookupServer, lookup_endpoint
 from .metrics import WORKER_METRICS
 
 if TYPE_CHECKING:
-    from .config_data import AscendConnectorMetadata
+    # the contract; at run time the worker needs no vLLM
+    from .config_data import AscendConnectorMetadata, TransferJob
 
 logger = logging.getLogger(__name__)
 

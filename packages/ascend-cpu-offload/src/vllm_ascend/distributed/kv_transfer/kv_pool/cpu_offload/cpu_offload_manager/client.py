@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -23,6 +22,7 @@ from vllm_ascend.distributed.kv_transfer.core.errors import (
     RemoteError,
     WireFormatError,
 )
+from vllm_ascend.distributed.kv_transfer.core.retry import RetryGuard
 from vllm_ascend.distributed.kv_transfer.core.wire import Ack, Message
 
 from ..errors import OffloadError, PoolNotReadyError
@@ -77,16 +77,18 @@ class MetadataClient:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self.retry_after_s = retry_after_s
-        self._clock = clock
         self._rpc: RpcClient[Message] = RpcClient(endpoint, make_codec(), timeout_s=timeout_s)
-        self._down_until = 0.0
-        self._lock = threading.Lock()
-        self.failures = 0
+        self.guard = RetryGuard(retry_after_s, clock)
 
     @property
     def available(self) -> bool:
         """False while in the back-off window after a failure."""
-        return self._clock() >= self._down_until
+        return self.guard.available()
+
+    @property
+    def failures(self) -> int:
+        """Calls that failed since creation."""
+        return self.guard.trips
 
     def _call(self, request: Message, reply_type: type[R], *, timeout_s: float | None = None,
               backoff: bool = True) -> R:
@@ -103,13 +105,11 @@ class MetadataClient:
                                    f"{type(reply).__name__}, expected {reply_type.__name__}")
             self._failed(exc2)
             raise ServerUnavailable(str(exc2)) from exc2
-        self._down_until = 0.0
+        self.guard.reset()
         return reply
 
     def _failed(self, exc: Exception) -> None:
-        with self._lock:
-            self.failures += 1
-            self._down_until = self._clock() + self.retry_after_s
+        self.guard.trip()
         logger.warning("offload metadata server %s failed: %s; serving without the host cache "
                        "for %.0fs", self.endpoint, exc, self.retry_after_s)
 

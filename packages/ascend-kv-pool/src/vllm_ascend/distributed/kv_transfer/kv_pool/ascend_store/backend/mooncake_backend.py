@@ -23,8 +23,8 @@ import logging
 import threading
 from typing import Any, ClassVar
 
-from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.config import MooncakeStoreConfig
 from vllm_ascend.distributed.kv_transfer.core.config.sizes import parse_size
+from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.config import MooncakeStoreConfig
 
 from ..errors import BackendError, BackendUnavailableError
 from .backend import RC_ERROR, Backend, chunks
