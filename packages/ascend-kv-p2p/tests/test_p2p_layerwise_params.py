@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -109,16 +110,31 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_
                     | st.dictionaries(st.text(max_size=4), kids, max_size=4), max_leaves=10)
 
 
+#: posted key -> the PushTarget field it becomes
+TARGET_FIELDS = {"remote_engine_id": "engine_id", "remote_host": "host", "remote_port": "port",
+                 "remote_request_id": "request_id", "remote_block_ids": "block_ids",
+                 "remote_cached_tokens": "cached_tokens", "remote_tp_size": "tp_size"}
+
+
 @given(key=st.sampled_from(sorted(posted())), value=JSON)
 def test_any_bad_value_is_a_params_error_never_a_crash(key: str, value: Any) -> None:
-    """Whatever a client or a broken D puts in any key: parsed, or a KVParamsError."""
-    p = posted(**{key: value})
+    """Whatever a client or a broken D puts in any key: parsed, or a KVParamsError naming it."""
+    base = parse_push_target(posted(), prompt_len=70, block_size=BS)
     try:
-        parse_push_target(p, prompt_len=70, block_size=BS)
-    except KVParamsError:
-        pass
+        got = parse_push_target(posted(**{key: value}), prompt_len=70, block_size=BS)
+    except KVParamsError as err:
+        assert repr(key) in str(err), (key, value, str(err))
+    else:  # accepted: the target holds exactly what was posted
+        field = TARGET_FIELDS.get(key)
+        assert got == (dataclasses.replace(base, **{field: value}) if field else base)
+    if value is None or isinstance(value, bool):
+        assert wants_virtual({"do_virtual": value}) is (value is True)
+    else:
+        with pytest.raises(KVParamsError, match="'do_virtual' must be true or false"):
+            wants_virtual({"do_virtual": value})
     try:
-        wants_virtual({"do_virtual": value})
-        metaserver_url({"metaserver": value})
-    except KVParamsError:
-        pass
+        url = metaserver_url({"metaserver": value})
+    except KVParamsError as err:
+        assert "'metaserver' must be" in str(err), (value, str(err))
+    else:
+        assert url == value and url.startswith(("http://", "https://"))
