@@ -18,27 +18,27 @@ from typing import Any
 import pytest
 import torch
 
+from vllm_ascend.distributed.kernels.heads import kv_heads_of_rank
 from vllm_ascend.distributed.kv_transfer.core.channel import RpcServer, tcp_endpoint
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
 from vllm_ascend.distributed.kv_transfer.core.net import free_port
-from vllm_ascend.distributed.kv_transfer.kv_p2p import pull_worker
+from vllm_ascend.distributed.kv_transfer.kv_p2p import pull_holder, pull_reader
 from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig
 from vllm_ascend.distributed.kv_transfer.kv_p2p.p2p_metrics import P2P_METRICS
 from vllm_ascend.distributed.kv_transfer.kv_p2p.params import RemotePrefill
 from vllm_ascend.distributed.kv_transfer.kv_p2p.protocol import CODEC, worker_port
-from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_scheduler import (
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_contract import (
     MooncakeConnectorMetadata,
     RecvMeta,
     SendMeta,
 )
 from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_worker import PullWorker
-from vllm_ascend.distributed.kv_transfer.kv_p2p.tp_plan import kv_heads_of_rank
 
 
 @pytest.fixture(autouse=True, params=["overlapped", "claims_first"])
 def claim_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """D workers made in the test overlap their claims with the read, or claim first."""
-    monkeypatch.setattr(pull_worker, "OVERLAP_MIN_CPUS",
+    monkeypatch.setattr(pull_reader, "OVERLAP_MIN_CPUS",
                         0 if request.param == "overlapped" else 1 << 30)
     return str(request.param)
 
@@ -154,7 +154,7 @@ def wait_sent(workers: list[PullWorker], rid: str, timeout: float = 10.0) -> Non
 
 @pytest.mark.parametrize(("layout", "p_tp", "d_tp"), [
     ("cpu", 1, 1), ("cpu", 2, 1), ("cpu", 1, 2), ("cpu", 4, 2),
-    ("npu", 1, 1), ("npu", 2, 1), ("npu", 1, 2),
+    ("npu", 1, 1), ("npu", 2, 1), ("npu", 1, 2), ("npu", 4, 2),
     ("mla", 2, 1), ("mla", 1, 2),
 ])
 def test_pull_moves_the_right_bytes(layout: str, p_tp: int, d_tp: int) -> None:
@@ -203,7 +203,7 @@ def test_pull_moves_the_right_bytes(layout: str, p_tp: int, d_tp: int) -> None:
 
 @pytest.fixture
 def pd(monkeypatch: pytest.MonkeyPatch) -> Any:
-    monkeypatch.setattr(pull_worker, "CLAIM_RETRY_S", 0.5)
+    monkeypatch.setattr(pull_reader, "CLAIM_RETRY_S", 0.5)
     p_port, d_port = free_port(), free_port()
     p = new_worker("kv_producer", p_port, 1, 0, "P", {"lease_ttl_s": 1.0})
     d = new_worker("kv_consumer", d_port, 1, 0, "D", {"load_timeout_s": 5.0,
@@ -394,7 +394,7 @@ def test_a_read_in_flight_at_the_deadline_keeps_the_blocks_until_it_returns(pd: 
     d = new_worker("kv_consumer", free_port(), 1, 0, "D-slow", {
         "load_timeout_s": 0.5, "handshake_timeout_s": 2.0, "num_recv_workers": 1})
     d.register_kv_caches(make_caches("cpu", 1, 0, fill=False))
-    original = d._read
+    original = d.reader._read
     release = threading.Event()
     reads: list[str] = []
 
@@ -410,7 +410,7 @@ def test_a_read_in_flight_at_the_deadline_keeps_the_blocks_until_it_returns(pd: 
         d.start_load_kv(MooncakeConnectorMetadata(requests={rid: RecvMeta(
             rid, [local_block], remote, remote_block_ids=[remote_block])}))
 
-    d._read = stalled
+    d.reader._read = stalled
     try:
         pd.p.start_load_kv(MooncakeConnectorMetadata(requests_to_send={"r": SendMeta("r", [1])}))
         load("slow", "r", 1, 2)
@@ -422,7 +422,7 @@ def test_a_read_in_flight_at_the_deadline_keeps_the_blocks_until_it_returns(pd: 
         wait_sent([pd.p], "r")  # D's Done gave P its blocks back
         # a load whose deadline passed while its pull waited for a thread never reads
         release.clear()
-        d._pool.submit(time.sleep, 1.5)  # the only pull thread is busy past the deadline
+        d.reader._pool.submit(time.sleep, 1.5)  # the only pull thread is busy past the deadline
         pd.p.start_load_kv(MooncakeConnectorMetadata(requests_to_send={"q": SendMeta("q", [3])}))
         load("queued", "q", 3, 4)
         assert wait_recv(d, "queued") == {4}
@@ -456,7 +456,7 @@ def test_wait_loads_returns_once_the_load_ended(pd: Any, claim_mode: str) -> Non
     pd.p.start_load_kv(MooncakeConnectorMetadata(requests_to_send={"s": SendMeta("s", [6])}))
     d = pd.d
     reads: list[str] = []
-    original = d._read
+    original = d.reader._read
     release = threading.Event()
 
     def stalled(meta: RecvMeta, *args: Any) -> int:
@@ -464,7 +464,7 @@ def test_wait_loads_returns_once_the_load_ended(pd: Any, claim_mode: str) -> Non
         release.wait(10)
         return int(original(meta, *args))
 
-    d._read = stalled
+    d.reader._read = stalled
     try:
         recv(pd, "held", "s", [6], [7])
         assert not d.wait_loads(["held"], timeout=0.3)  # the read is still in flight
@@ -481,11 +481,11 @@ def test_a_read_is_trusted_only_under_a_claim_accepted_at_first_try(
     again after the claim was accepted, never report the first read's bytes. Here P's block
     changes between the two (as if it had held another request's KV at the first read)."""
 
-    monkeypatch.setattr(pull_worker, "CLAIM_RETRY_S", 5.0)
-    monkeypatch.setattr(pull_worker, "CLAIM_WAIT_S", 0.0)  # P answers "unknown" at once
+    monkeypatch.setattr(pull_reader, "CLAIM_RETRY_S", 5.0)
+    monkeypatch.setattr(pull_holder, "CLAIM_WAIT_S", 0.0)  # P answers "unknown" at once
     p, d = pd.p, pd.d
     refused = threading.Event()
-    on_claim = p._on_claim
+    on_claim = p.holder._on_claim
 
     def counting(msg: Any) -> Any:
         reply = on_claim(msg)
@@ -493,10 +493,10 @@ def test_a_read_is_trusted_only_under_a_claim_accepted_at_first_try(
             refused.set()
         return reply
 
-    p._on_claim = counting
+    p.holder._on_claim = counting
     first_read = threading.Event()
     reads: list[str] = []
-    original = d._read
+    original = d.reader._read
 
     def read(meta: RecvMeta, *args: Any) -> int:
         n = int(original(meta, *args))
@@ -504,7 +504,7 @@ def test_a_read_is_trusted_only_under_a_claim_accepted_at_first_try(
         first_read.set()
         return n
 
-    d._read = read
+    d.reader._read = read
     recv(pd, "late", "r", [9], [3])
     assert refused.wait(10)
     if claim_mode == "overlapped":
@@ -524,13 +524,13 @@ def test_a_read_is_trusted_only_under_a_claim_accepted_at_first_try(
 
 def test_a_first_try_claim_reads_once(pd: Any) -> None:
     reads: list[str] = []
-    original = pd.d._read
+    original = pd.d.reader._read
 
     def read(meta: RecvMeta, *args: Any) -> int:
         reads.append(meta.request_id)
         return int(original(meta, *args))
 
-    pd.d._read = read
+    pd.d.reader._read = read
     pd.p.start_load_kv(MooncakeConnectorMetadata(requests_to_send={"r": SendMeta("r", [2])}))
     recv(pd, "once", "r", [2], [8])
     assert wait_recv(pd.d, "once") == set()

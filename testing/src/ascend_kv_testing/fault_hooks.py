@@ -33,12 +33,12 @@ def pause_before_read(llm: Any, flag_dir: str, max_wait_s: float = 60.0) -> bool
     """D (pull): the next read waits, after P granted the claim, until ``flag_dir/go``
     exists or ``max_wait_s`` passed (a read stalled on the network); ``flag_dir/reading``
     tells the test that the read is waiting. Later reads are not paused."""
-    worker = _worker(llm, "MooncakeConnector")
-    original = worker._read
+    reader = _worker(llm, "MooncakeConnector").reader  # the D-side puller
+    original = reader._read
     flags = Path(flag_dir)
 
     def paused(*args: Any, **kwargs: Any) -> Any:
-        worker._read = original
+        reader._read = original
         (flags / "reading").touch()
         end = time.monotonic() + max_wait_s
         while not (flags / "go").exists() and time.monotonic() < end:
@@ -46,19 +46,19 @@ def pause_before_read(llm: Any, flag_dir: str, max_wait_s: float = 60.0) -> bool
         (flags / "resumed").touch()
         return original(*args, **kwargs)
 
-    worker._read = paused
+    reader._read = paused
     return True
 
 
 def die_on_read(llm: Any) -> bool:
     """D (pull): SIGKILL this process when the first read starts (P granted the claim and
     holds the blocks for a reader that is now dead)."""
-    worker = _worker(llm, "MooncakeConnector")
+    reader = _worker(llm, "MooncakeConnector").reader  # the D-side puller
 
     def dying(*args: Any, **kwargs: Any) -> Any:
         _die()
 
-    worker._read = dying
+    reader._read = dying
     return True
 
 

@@ -111,11 +111,13 @@ def leak_state(llm: Any) -> dict[str, int]:
         worker = _worker_of(conn)
         if worker is None:
             continue
-        held_table = getattr(worker, "held", None)
-        if held_table is not None:
-            held += len(held_table)
-        pending += len(getattr(worker, "_pending", {}) or {}) if isinstance(
-            getattr(worker, "_pending", None), dict) else 0
+        # the pull worker keeps P's leases in its holder and D's loads in its load tracker
+        for part in (worker, getattr(worker, "holder", None), getattr(worker, "loads", None)):
+            held_table = getattr(part, "held", None)
+            if held_table is not None:
+                held += len(held_table)
+            pending += len(getattr(part, "_pending", {}) or {}) if isinstance(
+                getattr(part, "_pending", None), dict) else 0
         pending += len(getattr(worker, "_incoming", {}) or {})
         pushes += len(getattr(worker, "_sessions", {}) or {})
         pool_pending = getattr(worker, "_pending", None)

@@ -17,7 +17,9 @@ Lifecycle (vLLM ``KVConnectorBase_V1``):
    ``kv_load_failure_policy`` decides between failing and recomputing.
 
 The class is thin: scheduler-side work is in :mod:`.pull_scheduler`,
-worker-side work in :mod:`.pull_worker`.
+worker-side work in :mod:`.pull_worker` (which composes the P-side
+:mod:`.pull_holder` and the D-side :mod:`.pull_reader`); the records the
+scheduler sends the worker are :mod:`.pull_contract`.
 """
 
 from __future__ import annotations
@@ -35,17 +37,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorRole,
 )
 
-from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig  # noqa: E402
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder  # noqa: E402
 from vllm_ascend.distributed.kv_transfer.core.vllm_metrics import ConnectorStatsMixin  # noqa: E402
+from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig  # noqa: E402
 
 from .p2p_metrics import P2P_METRICS  # noqa: E402
-from .pull_scheduler import (  # noqa: E402
-    MooncakeConnectorMetadata,
-    PullScheduler,
-    RecvMeta,
-    SendMeta,
-)
+from .pull_contract import MooncakeConnectorMetadata, RecvMeta, SendMeta  # noqa: E402
+from .pull_scheduler import PullScheduler  # noqa: E402
 from .pull_worker import PullWorker  # noqa: E402
 
 if TYPE_CHECKING:
@@ -60,7 +58,8 @@ __all__ = ["MooncakeConnector", "MooncakeConnectorMetadata", "RecvMeta", "ReqMet
 
 logger = logging.getLogger(__name__)
 
-#: Upstream name of the per-request metadata.
+#: Upstream's name (``mooncake_connector.ReqMeta``) of the per-request record D pulls by;
+#: kept as an alias of :class:`~.pull_contract.RecvMeta` for code written against upstream.
 ReqMeta = RecvMeta
 
 

@@ -7,7 +7,8 @@ D needs; the worker learns which blocks it holds through the metadata.
 
 On D (``kv_consumer``): a request with ``do_remote_prefill`` reports its
 prompt as an asynchronous external hit; after vLLM allocates blocks, the
-worker is told to pull the matching P blocks. Malformed params still go
+worker is told to pull the matching P blocks. What the workers are told is
+:mod:`.pull_contract`. Malformed params still go
 through the asynchronous path so the worker can fail (or recompute) that one
 request through vLLM's ``kv_load_failure_policy``; the engine serves on.
 While a request waits in D's queue, a background thread renews P's lease on
@@ -18,13 +19,10 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
-
-from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig
 from vllm_ascend.distributed.kv_transfer.core.net import get_host_ip
+from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig
 
 from .errors import KVParamsError
 from .params import (
@@ -35,6 +33,7 @@ from .params import (
     wants_remote_prefill,
 )
 from .protocol import side_channel_port
+from .pull_contract import MooncakeConnectorMetadata, RecvMeta, SendMeta
 from .renewer import LeaseRenewer
 
 if TYPE_CHECKING:
@@ -44,35 +43,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class RecvMeta:
-    """D: pull ``remote.block_ids[-len(local_block_ids):]`` into ``local_block_ids``."""
-
-    request_id: str
-    local_block_ids: list[int]
-    remote: RemotePrefill | None
-    remote_block_ids: list[int] = field(default_factory=list)
-    error: str | None = None
-    #: nothing to read (local prefix hit or aborted before allocation): just release P's blocks
-    release_only: bool = False
-
-
-@dataclass
-class SendMeta:
-    """P: hold ``block_ids`` of ``request_id`` for D."""
-
-    request_id: str
-    block_ids: list[int]
-
-
-@dataclass
-class MooncakeConnectorMetadata(KVConnectorMetadata):
-    """Scheduler -> worker payload of one step."""
-
-    requests: dict[str, RecvMeta] = field(default_factory=dict)
-    requests_to_send: dict[str, SendMeta] = field(default_factory=dict)
 
 
 class PullScheduler:
@@ -92,8 +62,8 @@ class PullScheduler:
         self.side_port = side_channel_port(kvc.kv_port, dp_rank=par.data_parallel_rank,
                                            tp_size=par.tensor_parallel_size,
                                            pp_size=par.pipeline_parallel_size)
-        self._recv: dict[str, RecvMeta] = {}
-        self._send: dict[str, SendMeta] = {}
+        self._to_pull: dict[str, RecvMeta] = {}
+        self._to_hold: dict[str, SendMeta] = {}
         self._parsed: dict[str, RemotePrefill | KVParamsError] = {}
         self.renewer = (LeaseRenewer(cfg.lease_ttl_s / 3, cfg.handshake_timeout_s)
                         if self.is_consumer else None)
@@ -137,11 +107,11 @@ class PullScheduler:
         params["do_remote_prefill"] = False
         if num_external_tokens <= 0:
             if isinstance(parsed, RemotePrefill):
-                self._recv[rid] = RecvMeta(rid, [], parsed, release_only=True)
+                self._to_pull[rid] = RecvMeta(rid, [], parsed, release_only=True)
             return
         local = list(blocks.get_unhashed_block_ids())
         if isinstance(parsed, KVParamsError):
-            self._recv[rid] = RecvMeta(rid, local, None, error=str(parsed))
+            self._to_pull[rid] = RecvMeta(rid, local, None, error=str(parsed))
             return
         prompt_len = len(request.prompt_token_ids or ())
         computed_blocks = (prompt_len - num_external_tokens) // self.block_size
@@ -151,13 +121,13 @@ class PullScheduler:
         if len(remote_ids) != len(local):
             msg = (f"remote_block_ids cover {len(remote_ids)} blocks beyond the local prefix "
                    f"but {len(local)} blocks were allocated")
-            self._recv[rid] = RecvMeta(rid, local, parsed, error=msg)
+            self._to_pull[rid] = RecvMeta(rid, local, parsed, error=msg)
             return
-        self._recv[rid] = RecvMeta(rid, local, parsed, remote_block_ids=remote_ids)
+        self._to_pull[rid] = RecvMeta(rid, local, parsed, remote_block_ids=remote_ids)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> MooncakeConnectorMetadata:
-        meta = MooncakeConnectorMetadata(requests=self._recv, requests_to_send=self._send)
-        self._recv, self._send = {}, {}
+        meta = MooncakeConnectorMetadata(requests=self._to_pull, requests_to_send=self._to_hold)
+        self._to_pull, self._to_hold = {}, {}
         return meta
 
     def request_finished(self, request: Request,
@@ -175,7 +145,7 @@ class PullScheduler:
             # Finished (aborted) before blocks were allocated: let P free its blocks now.
             parsed = parsed or self._parse(request)
             if isinstance(parsed, RemotePrefill):
-                self._recv[rid] = RecvMeta(rid, [], parsed, release_only=True)
+                self._to_pull[rid] = RecvMeta(rid, [], parsed, release_only=True)
             params["do_remote_prefill"] = False
             return False, None
         if not (self.is_producer and wants_remote_decode(params)):
@@ -186,7 +156,7 @@ class PullScheduler:
         held = list(block_ids[: math.ceil(prompt_len / self.block_size)])
         if not held:
             return False, None
-        self._send[rid] = SendMeta(rid, held)
+        self._to_hold[rid] = SendMeta(rid, held)
         out = request.output_token_ids
         return True, params_for_decode(
             block_ids=held, engine_id=self.engine_id, host=self.host, port=self.side_port,

@@ -16,17 +16,24 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from vllm_ascend.distributed.kernels import KernelShapeError
+from vllm_ascend.distributed.kernels.heads import (
+    HeadSlice,
+    partners_per_remote_rank,
+    plan_head_slices,
+)
 from vllm_ascend.distributed.kv_transfer.core.channel import RpcClient, tcp_endpoint
-from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig
 from vllm_ascend.distributed.kv_transfer.core.errors import ConfigError
 from vllm_ascend.distributed.kv_transfer.core.layout import KVCacheLayout, KVRegion
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
 from vllm_ascend.distributed.kv_transfer.core.net import get_host_ip
+from vllm_ascend.distributed.kv_transfer.core.ranks import rank_info_from_vllm
 from vllm_ascend.distributed.kv_transfer.core.transfer_engine import (
     MooncakeTransferEngine,
     get_transfer_engine,
 )
 from vllm_ascend.distributed.kv_transfer.core.wire import Codec, Message
+from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig
 
 from .errors import HandshakeMismatchError, RemoteKVUnavailable
 from .protocol import PROTOCOL_VERSION, AgentMeta, GetMeta, side_channel_port, worker_port
@@ -46,8 +53,9 @@ class P2PWorkerBase:
         engine_id: this instance's ``engine_id``.
         recorder: where metrics go.
         codec: the side-channel protocol of the connector.
-        tp_rank: this worker's TP rank (default: from vLLM's parallel state).
-        pp_rank: this worker's PP rank (default: from vLLM's parallel state).
+        tp_rank: this worker's TP rank (default: from vLLM's parallel state, through
+            :func:`~vllm_ascend.distributed.kv_transfer.core.ranks.rank_info_from_vllm`).
+        pp_rank: this worker's PP rank (default: likewise).
     """
 
     def __init__(self, vllm_config: VllmConfig, cfg: MooncakeP2PConfig, engine_id: str,
@@ -74,10 +82,9 @@ class P2PWorkerBase:
                 key="pipeline_parallel_size", value=par.pipeline_parallel_size,
                 source="parallel_config")
         if tp_rank is None or pp_rank is None:
-            from vllm.distributed.parallel_state import get_pp_group, get_tp_group
-
-            tp_rank = get_tp_group().rank_in_group if tp_rank is None else tp_rank
-            pp_rank = get_pp_group().rank_in_group if pp_rank is None else pp_rank
+            ranks = rank_info_from_vllm(par)
+            tp_rank = ranks.tp_rank if tp_rank is None else tp_rank
+            pp_rank = ranks.pp_rank if pp_rank is None else pp_rank
         self.tp_rank = tp_rank
         self.pp_rank = pp_rank
         self.host = get_host_ip()
@@ -162,6 +169,34 @@ class P2PWorkerBase:
         logger.info("handshake with %s %s (engine %s, tp %d/%d) ok", peer, endpoint,
                     meta.engine_id, meta.tp_rank, meta.tp_size)
         return meta
+
+
+def head_slices(total_heads: int, remote_tp: int, local_tp: int, local_rank: int, *,
+                is_mla: bool = False) -> list[HeadSlice]:
+    """The head slices local rank ``local_rank`` exchanges with the remote instance's ranks
+    (:func:`~vllm_ascend.distributed.kernels.heads.plan_head_slices`).
+
+    Raises:
+        HandshakeMismatchError: the heads do not split over one of the TP sizes.
+    """
+    try:
+        return plan_head_slices(total_heads, remote_tp, local_tp, local_rank, is_mla=is_mla)
+    except KernelShapeError as exc:
+        raise HandshakeMismatchError(str(exc)) from exc
+
+
+def head_partners(total_heads: int, remote_tp: int, local_tp: int, *,
+                  is_mla: bool = False) -> dict[int, int]:
+    """How many local ranks pair with each remote rank
+    (:func:`~vllm_ascend.distributed.kernels.heads.partners_per_remote_rank`).
+
+    Raises:
+        HandshakeMismatchError: the heads do not split over one of the TP sizes.
+    """
+    try:
+        return partners_per_remote_rank(total_heads, remote_tp, local_tp, is_mla=is_mla)
+    except KernelShapeError as exc:
+        raise HandshakeMismatchError(str(exc)) from exc
 
 
 def heads_in_block(region: KVRegion) -> int:

@@ -1,0 +1,179 @@
+# SPDX-License-Identifier: Apache-2.0
+"""P side of ``MooncakeConnectorV1``: the blocks P holds for D, as leases.
+
+P serves a side channel (one ZeroMQ socket a worker rank). Every request the
+scheduler holds for D (a :class:`~.pull_contract.SendMeta`) is a lease: D's
+``Claim`` and ``Renew`` extend it, D's ``Done`` (from every expected reader)
+releases it, and a lease that lapses frees the blocks anyway, reported exactly
+once through ``get_finished``. P only answers a ``Claim`` for blocks it holds for
+that very request.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from vllm_ascend.distributed.kv_transfer.core.channel import RpcServer, tcp_endpoint
+from vllm_ascend.distributed.kv_transfer.core.leases import LeaseTable
+from vllm_ascend.distributed.kv_transfer.core.wire import ErrorReply, Message
+
+from .protocol import CODEC, Claim, ClaimOK, Done, DoneAck, GetMeta, Renew, RenewReply
+from .pull_contract import SendMeta
+from .worker_base import P2PWorkerBase
+
+logger = logging.getLogger(__name__)
+
+#: How many released request ids P remembers (to tell "freed" from "never had").
+RELEASED_MEMORY = 16384
+#: How long P's side channel waits for a request's registration before answering "unknown".
+CLAIM_WAIT_S = 0.2
+
+
+@dataclass
+class Held:
+    """Blocks P holds for one request."""
+
+    block_ids: list[int]
+    readers_expected: int = 1
+    readers_done: set[str] = field(default_factory=set)
+
+
+class LeaseHolder:
+    """P's leases on held blocks and the side channel D claims them through.
+
+    Args:
+        shared: the worker's identity, KV cache registration and metrics (its
+            ``meta`` answers ``GetMeta``).
+    """
+
+    def __init__(self, shared: P2PWorkerBase) -> None:
+        self.shared = shared
+        self.held: LeaseTable[str, Held] = LeaseTable(shared.cfg.lease_ttl_s, name="p2p-held")
+        self._released: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._finished: set[str] = set()
+        self._lock = threading.Lock()
+        # signalled when the scheduler's metadata registers new held requests
+        self._held_cv = threading.Condition()
+        self.server: RpcServer[Message] | None = None
+
+    # ------------------------------------------------------------ life cycle
+    def serve(self) -> None:
+        """Start the side channel on this rank's port."""
+        s = self.shared
+        self.server = RpcServer(tcp_endpoint(s.host, s.port), CODEC, self.handle,
+                                name=f"p2p-side-channel-{s.port}").start()
+
+    def stop(self) -> None:
+        """Stop serving."""
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+    def hold(self, requests: Iterable[SendMeta]) -> None:
+        """Hold the blocks of the scheduler's newly finished requests until D is done."""
+        added = False
+        for req in requests:
+            added = True
+            try:
+                # held for the D instance(s) the request goes to; which D is known only
+                # once it claims, so the owner names the request's readers
+                self.held.add(req.request_id, Held(list(req.block_ids)),
+                              owner=f"readers of {req.request_id}")
+            except KeyError:
+                logger.warning("request %s is already held; ignoring a duplicate",
+                               req.request_id)
+        if added:
+            with self._held_cv:
+                self._held_cv.notify_all()
+
+    # ------------------------------------------------------------ side channel
+    def handle(self, msg: Message) -> Message:
+        """Side-channel handler (runs on the server thread)."""
+        if isinstance(msg, GetMeta):
+            assert self.shared.meta is not None
+            return self.shared.meta
+        if isinstance(msg, Claim):
+            return self._on_claim(msg)
+        if isinstance(msg, Renew):
+            return RenewReply(held=[r for r in msg.request_ids if self.held.renew(r)])
+        if isinstance(msg, Done):
+            return self._on_done(msg)
+        return ErrorReply(code="unsupported", message=f"{type(msg).__name__} is not a request")
+
+    def _on_claim(self, msg: Claim) -> Message:
+        held = self.held.get(msg.request_id)
+        if held is None:
+            # D can be faster than P's next engine step, which registers the request:
+            # wait a little for it instead of making D retry.
+            deadline = time.monotonic() + CLAIM_WAIT_S
+            with self._held_cv:
+                while held is None and time.monotonic() < deadline:
+                    self._held_cv.wait(max(0.0, deadline - time.monotonic()))
+                    held = self.held.get(msg.request_id)
+        if held is None:
+            with self._lock:
+                released = msg.request_id in self._released
+            code = "released" if released else "unknown_request"
+            why = ("was already freed (read, released or its lease lapsed)" if released
+                   else "is not held here")
+            return ErrorReply(code=code, message=f"request {msg.request_id!r} {why}")
+        extra = sorted(set(msg.block_ids) - set(held.block_ids))
+        if extra:
+            return ErrorReply(code="bad_blocks",
+                              message=f"request {msg.request_id!r} does not hold blocks {extra[:8]}"
+                                      f"{'...' if len(extra) > 8 else ''}")
+        # D reads the blocks P returned in kv_transfer_params, minus those of its own prefix
+        # hit: a suffix of that list, in its order. Anything else (the request's own blocks
+        # reordered, repeated, or a middle slice) would put KV at the wrong token positions.
+        n = len(msg.block_ids)
+        if n > len(held.block_ids) or (n and list(msg.block_ids) != held.block_ids[-n:]):
+            return ErrorReply(
+                code="bad_blocks",
+                message=f"request {msg.request_id!r}: the block ids asked for are not the last "
+                        f"{n} of the {len(held.block_ids)} it holds, in order (they must be "
+                        "the remote_block_ids P returned, minus D's cached prefix)")
+        held.readers_expected = max(1, msg.num_readers)
+        self.held.renew(msg.request_id)
+        return ClaimOK(lease_s=self.shared.cfg.lease_ttl_s)
+
+    def _on_done(self, msg: Done) -> Message:
+        held = self.held.get(msg.request_id)
+        if held is None:
+            self.shared.recorder.inc("p2p_late_completions")
+            return DoneAck(valid=False)
+        held.readers_expected = max(held.readers_expected, msg.num_readers)
+        held.readers_done.add(msg.reader)
+        if len(held.readers_done) < held.readers_expected:
+            return DoneAck(valid=msg.request_id in self.held)
+        if self.held.complete(msg.request_id) is None:
+            return DoneAck(valid=False)  # expired between the two calls
+        self._release(msg.request_id)
+        if msg.success:
+            self.shared.recorder.inc("p2p_requests_served")
+        return DoneAck(valid=True)
+
+    def _release(self, request_id: str) -> None:
+        with self._lock:
+            self._finished.add(request_id)
+            self._released[request_id] = None
+            while len(self._released) > RELEASED_MEMORY:
+                self._released.popitem(last=False)
+
+    # ------------------------------------------------------------ vLLM hooks
+    def collect_finished(self) -> set[str]:
+        """Requests whose blocks P may free now (D done, or the lease lapsed); each once."""
+        recorder = self.shared.recorder
+        for rid, _held in self.held.expire():
+            logger.warning("request %s: no Done from D within the %.1fs lease; freeing its "
+                           "blocks", rid, self.shared.cfg.lease_ttl_s)
+            recorder.inc("p2p_expired_leases")
+            self._release(rid)
+        recorder.set("p2p_held_requests", len(self.held))
+        with self._lock:
+            out, self._finished = self._finished, set()
+        return out

@@ -1,0 +1,378 @@
+# SPDX-License-Identifier: Apache-2.0
+"""D side of ``MooncakeConnectorV1``: the puller.
+
+D pulls each request on a thread pool: handshake with every P rank it needs
+(cached, with the compatibility check), ``Claim``, one batched read through the
+transfer engine (:mod:`.pull_transfer`), ``Done``. With enough CPUs the claims go
+out on claim threads while the pull thread reads; the read's data is then used
+only when every claim was accepted at its first try, otherwise it is read again
+under the accepted claims (see :meth:`PullReader._pull`). How each load ends is
+kept by :class:`~.pull_loads.LoadTracker`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_ascend.distributed.kernels.heads import HeadSlice
+from vllm_ascend.distributed.kv_transfer.core.errors import (
+    KVTransferError,
+    PeerTimeoutError,
+    RemoteError,
+    TransferError,
+)
+
+from .errors import HandshakeMismatchError, RemoteKVUnavailable
+from .protocol import AgentMeta, Claim, ClaimOK, Done, DoneAck, compatibility_problem, worker_port
+from .pull_contract import RecvMeta
+from .pull_loads import LoadTracker
+from .pull_transfer import read_request
+from .worker_base import P2PWorkerBase, head_partners, head_slices
+
+logger = logging.getLogger(__name__)
+
+#: How long D retries a Claim that P answers "unknown request" (P may not have the
+#: request's metadata yet: it arrives with P's next engine step).
+CLAIM_RETRY_S = 10.0
+#: CPUs this process may run on from which D overlaps its claims with the read. The
+#: transfer engine's synchronous read busy-waits for completion on the pull thread (one
+#: CPU), the transport moves the bytes on its own threads (and, over TCP, the kernel copies
+#: them), and the claim needs a thread and ZeroMQ's I/O thread: with fewer CPUs the claim
+#: only slows the read down (measured on 2 CPUs: 1-block loads ~10% slower overlapped).
+OVERLAP_MIN_CPUS = 4
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """P rank's answer to a claim D sent."""
+
+    #: P accepted the first ``Claim`` sent (no "unknown request" retry)
+    first_try: bool
+    #: ``time.monotonic()`` when the accepted ``Claim`` was sent; P renewed the lease to a
+    #: full ``lease_ttl_s`` when it answered, which is later
+    sent_at: float
+
+
+class PullReader:
+    """D's pulls: claims on P's ranks, reads, retries, and the ``Done`` that frees P.
+
+    Args:
+        shared: the worker's identity, KV cache registration, peers and handshake.
+        loads: where each load's deadline and end are kept.
+    """
+
+    def __init__(self, shared: P2PWorkerBase, loads: LoadTracker) -> None:
+        self.shared = shared
+        self.loads = loads
+        cfg = shared.cfg
+        self._pool = ThreadPoolExecutor(max_workers=cfg.num_recv_workers,
+                                        thread_name_prefix="p2p-pull")
+        # Done messages sent after a load was reported (keeps them off the pull threads)
+        self._notify = ThreadPoolExecutor(max_workers=1, thread_name_prefix="p2p-done")
+        #: send the claims on claim threads while the pull thread reads (else claim first)
+        self.overlap_claims = usable_cpus() >= OVERLAP_MIN_CPUS
+        # the claim threads (started on demand)
+        self._claims = ThreadPoolExecutor(max_workers=4 * cfg.num_recv_workers,
+                                          thread_name_prefix="p2p-claim")
+        # (P's TP size, MLA) -> this rank's head plan and the readers of each P rank
+        self._plans: dict[tuple[int, bool], tuple[tuple[HeadSlice, ...], Mapping[int, int]]] = {}
+
+    def start(self, requests: Iterable[RecvMeta]) -> None:
+        """Start the pulls (and the releases) of the scheduler's new requests."""
+        now = time.monotonic()
+        for meta in requests:
+            if meta.release_only:
+                if meta.remote is not None:
+                    self._pool.submit(self._release_remote, meta)
+                continue
+            self.loads.add(meta, now)
+            if meta.error is not None or meta.remote is None:
+                self.loads.fail(meta, f"bad kv_transfer_params: {meta.error}", cause="bad_params")
+                continue
+            self._pool.submit(self._pull, meta)
+
+    def shutdown(self) -> None:
+        """Stop pulling (queued pulls are dropped)."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._claims.shutdown(wait=True)
+        self._notify.shutdown(wait=True)
+
+    # ------------------------------------------------------------ handshake
+    def remote_meta(self, host: str, port: int, *, expect_tp: int) -> AgentMeta:
+        """P rank's metadata, fetched once and checked against this instance."""
+        return self.shared._peer_meta(host, port, peer="P", problem_of=lambda m: (
+            self.compatibility_problem(m, expect_tp=expect_tp)))
+
+    def compatibility_problem(self, remote: AgentMeta, *, expect_tp: int) -> str:
+        """Why P's cache cannot be read into ours, naming both sides' values; '' if it can."""
+        assert self.shared.meta is not None
+        return compatibility_problem(self.shared.meta, remote, expect_tp=expect_tp,
+                                     configured_tp=self.shared.cfg.prefill.tp_size)
+
+    def _head_plan(self, p_tp: int) -> tuple[tuple[HeadSlice, ...], Mapping[int, int]]:
+        """This rank's head slices to read from a P instance of TP size ``p_tp``, and how
+        many D ranks read each P rank; computed once per P TP size (shared: never modify).
+
+        Raises:
+            HandshakeMismatchError: the KV heads do not split over one of the TP sizes.
+        """
+        s = self.shared
+        is_mla = bool(s.layout and s.layout.is_mla)
+        key = (p_tp, is_mla)
+        cached = self._plans.get(key)
+        if cached is None:
+            plan = tuple(head_slices(s.total_kv_heads, p_tp, s.tp_size, s.tp_rank,
+                                     is_mla=is_mla))
+            readers = head_partners(s.total_kv_heads, p_tp, s.tp_size, is_mla=is_mla)
+            cached = self._plans[key] = (plan, readers)
+        return cached
+
+    def _pull(self, meta: RecvMeta) -> None:
+        """Load one request (pool thread). Every path ends the load in :attr:`loads`.
+
+        With :attr:`overlap_claims` the claims and the read overlap: each P rank's
+        ``Claim`` goes out on a claim thread while this thread reads (the transfer engine
+        releases the GIL while it moves bytes); otherwise every claim is accepted before
+        the read starts, as the first check below requires anyway. Why the data of a read
+        that may have started before its claims were answered can be trusted, and when it
+        cannot:
+
+        * P's scheduler holds the request's blocks continuously from the moment P
+          finished the request (before its ``kv_transfer_params`` reached D, so before
+          this read started) until D's ``Done`` or a lapsed lease; only then does P
+          free them (and remember the id as released).
+        * A claim accepted at its first try proves P still held the blocks for that
+          request when it answered (request ids are unique, and P accepts only block ids
+          it holds for that request), so they were held from before the read started until
+          the answer, and the answer renewed the lease to a full ``lease_ttl_s`` from a
+          moment after the claim was sent. A read that ended before
+          ``sent_at + lease_ttl_s / 2`` (checked below, as before the overlap) therefore
+          read the request's KV.
+        * A claim that was refused, or answered "unknown request" and accepted only on a
+          retry, proves nothing about the time of the read ("unknown" also means a P that
+          restarted or forgot the id): that read's data is never used. A failed claim
+          fails the request (P's error decides the cause); a claim accepted after a retry
+          makes this thread read again, after every claim was accepted.
+        * The claims are always awaited before the request ends, so every rank that
+          accepted one gets ``Done(success=False)`` on failure, and ``begin_read`` /
+          ``end_read`` keep the blocks from vLLM while any read into them can land.
+        """
+        assert meta.remote is not None
+        remote = meta.remote
+        start = time.perf_counter()
+        claimed: list[int] = []
+        readers: Mapping[int, int] = {}
+        p_ranks: list[int] = []
+        loaded = False
+        try:
+            plan, readers = self._head_plan(remote.tp_size)
+            p_ranks = sorted({s.remote_rank for s in plan})
+            metas = {r: self.remote_meta(remote.host, self._port_of(remote, r),
+                                         expect_tp=remote.tp_size) for r in p_ranks}
+            overlapped = self.overlap_claims
+            claims = self._start_claims(meta, p_ranks, readers, overlapped=overlapped)
+            nbytes = 0
+            try:
+                if not any(f.done() and f.exception() is not None for f in claims.values()):
+                    nbytes = self._read_all(meta, metas, plan)
+            finally:
+                # Never end with a claim in flight; a claim error replaces a read error
+                # (P's refusal says more than the failed read of blocks it does not hold).
+                first_try, claimed_at = self._await_claims(claims, claimed)
+            if overlapped and not first_try:
+                logger.info("request %s: a claim was accepted only after a retry; reading "
+                            "again under the accepted claims", meta.request_id)
+                nbytes = self._read_all(meta, metas, plan)
+            if time.monotonic() - claimed_at < self.shared.cfg.lease_ttl_s / 2:
+                # The leases were held for the whole read: the data is the request's. P
+                # learns it can free the blocks off the critical path, once the load was
+                # reported (below).
+                claimed.clear()
+                valid = loaded = True
+            else:
+                # A slow read: only P can tell whether the lease outlived it.
+                valid = all(self._done(meta, r, readers[r], success=True) for r in p_ranks)
+                claimed.clear()
+            if not valid:
+                raise RemoteKVUnavailable("P freed the blocks before the read finished (lease "
+                                          "lapsed); the data read cannot be trusted",
+                                          code="lease_lapsed")
+        except HandshakeMismatchError as exc:
+            self.loads.fail(meta, str(exc), cause="handshake_mismatch")
+        except RemoteKVUnavailable as exc:
+            self.loads.fail(meta, str(exc), cause=exc.code)
+        except PeerTimeoutError as exc:
+            self.loads.fail(meta, f"P did not answer: {exc}", cause="peer_timeout")
+        except TransferError as exc:
+            self.loads.fail(meta, str(exc), cause="transfer")
+        except Exception as exc:  # never leave a request waiting forever
+            logger.exception("request %s: unexpected error while pulling KV", meta.request_id)
+            self.loads.fail(meta, f"{type(exc).__name__}: {exc}", cause="internal")
+        else:
+            elapsed = time.perf_counter() - start
+            self.shared.recorder.inc("p2p_transfer_bytes", nbytes)
+            self.shared.recorder.observe("p2p_transfer_seconds", elapsed)
+            self.shared.recorder.observe("p2p_transfer_request_bytes", nbytes)
+            self.loads.finish(meta, ok=True)
+            if loaded:
+                self._notify.submit(self._done_quietly, meta, p_ranks, readers)
+        finally:
+            for r in claimed:  # give P its blocks back early after a failure
+                try:
+                    self._done(meta, r, readers.get(r, 1), success=False)
+                except KVTransferError:
+                    pass
+            self._release_unread(meta)
+
+    def _start_claims(self, meta: RecvMeta, p_ranks: list[int], readers: Mapping[int, int], *,
+                      overlapped: bool) -> dict[int, Future[Claimed]]:
+        """Claim the request on every P rank: on the claim threads (``overlapped``), or here,
+        one after the other, stopping at the first that fails."""
+        if overlapped:
+            return {r: self._claims.submit(self._claim, meta, r, readers[r]) for r in p_ranks}
+        out: dict[int, Future[Claimed]] = {}
+        for r in p_ranks:
+            fut: Future[Claimed] = Future()
+            out[r] = fut
+            try:
+                fut.set_result(self._claim(meta, r, readers[r]))
+            except Exception as exc:  # raised by _await_claims
+                fut.set_exception(exc)
+                break
+        return out
+
+    def _read_all(self, meta: RecvMeta, metas: dict[int, AgentMeta],
+                  plan: Sequence[HeadSlice]) -> int:
+        """Read every P rank's slices into the local blocks; returns bytes. The blocks are
+        written by the transfer engine: they must not go back to vLLM while a read into them
+        can still land (see :meth:`~.pull_loads.LoadTracker.collect_finished`)."""
+        if not self.loads.begin_read(meta):
+            raise RemoteKVUnavailable("the load ended (deadline) before its read started",
+                                      code="deadline")
+        try:
+            nbytes = self._read(meta, metas, plan)
+        finally:
+            wanted = self.loads.end_read(meta)
+        if not wanted:
+            raise RemoteKVUnavailable("the deadline passed during the read", code="deadline")
+        return nbytes
+
+    def _await_claims(self, claims: dict[int, Future[Claimed]],
+                      claimed: list[int]) -> tuple[bool, float]:
+        """Wait for every claim; ranks that accepted go to ``claimed`` (they are owed a
+        ``Done``). Returns whether every claim was accepted at its first try, and when the
+        earliest accepted claim was sent. Raises the first claim's error."""
+        error: Exception | None = None
+        first_try, sent_at = True, math.inf
+        for r, fut in claims.items():
+            try:
+                answer = fut.result()
+            except Exception as exc:  # re-raised below, once every claim is in
+                error = error or exc
+                continue
+            claimed.append(r)
+            first_try = first_try and answer.first_try
+            sent_at = min(sent_at, answer.sent_at)
+        if error is not None:
+            raise error
+        return first_try, sent_at if claimed else time.monotonic()
+
+    def _done_quietly(self, meta: RecvMeta, p_ranks: list[int],
+                      readers: Mapping[int, int]) -> None:
+        """``Done`` to every P rank read from, after a load already reported loaded."""
+        for r in p_ranks:
+            try:
+                self._done(meta, r, readers[r], success=True)
+            except KVTransferError as exc:
+                logger.info("Done for request %s to P rank %d failed: %s (its lease will lapse)",
+                            meta.request_id, r, exc)
+
+    def _port_of(self, remote: Any, p_rank: int) -> int:
+        return worker_port(remote.port, tp_rank=p_rank, tp_size=remote.tp_size)
+
+    def _claim(self, meta: RecvMeta, p_rank: int, num_readers: int) -> Claimed:
+        """Claim the request's blocks on one P rank (claim thread); retries while P answers
+        "unknown request" (its metadata may not have arrived yet), within the deadline."""
+        remote = meta.remote
+        assert remote is not None
+        client = self.shared._client(remote.host, self._port_of(remote, p_rank))
+        msg = Claim(request_id=remote.request_id, block_ids=meta.remote_block_ids,
+                    reader=self.shared.agent_id, num_readers=num_readers)
+        give_up = time.monotonic() + CLAIM_RETRY_S
+        delay = 0.01
+        first_try = True
+        while True:
+            sent_at = time.monotonic()
+            try:
+                reply = client.call(msg)
+            except RemoteError as exc:
+                if exc.code == "unknown_request" and time.monotonic() < min(
+                        give_up, self.loads.deadline(meta)):
+                    time.sleep(delay)
+                    delay = min(delay * 2, 0.5)
+                    first_try = False
+                    continue
+                raise RemoteKVUnavailable(f"P rank {p_rank} refused the claim: {exc}",
+                                          code=exc.code) from exc
+            if not isinstance(reply, ClaimOK):
+                raise RemoteKVUnavailable(f"unexpected claim reply {type(reply).__name__}")
+            return Claimed(first_try=first_try, sent_at=sent_at)
+
+    def _done(self, meta: RecvMeta, p_rank: int, num_readers: int, *, success: bool) -> bool:
+        remote = meta.remote
+        assert remote is not None
+        client = self.shared._client(remote.host, self._port_of(remote, p_rank))
+        reply = client.call(Done(request_id=remote.request_id, reader=self.shared.agent_id,
+                                 success=success, num_readers=num_readers))
+        return isinstance(reply, DoneAck) and reply.valid
+
+    def _release_remote(self, meta: RecvMeta) -> None:
+        """Tell every P rank it can free a request D will not read (best effort)."""
+        remote = meta.remote
+        assert remote is not None
+        plan, readers = self._head_plan(remote.tp_size)
+        for r in sorted({s.remote_rank for s in plan}):
+            try:
+                self._done(meta, r, readers[r], success=False)
+            except KVTransferError as exc:
+                logger.info("could not release request %s on P rank %d: %s (its lease will "
+                            "lapse)", remote.request_id, r, exc)
+        self._release_unread(meta)
+
+    def _release_unread(self, meta: RecvMeta) -> None:
+        """P ranks no D rank reads (MLA, replicated heads) still hold the request: the D rank
+        ``p_rank % d_tp`` releases each of them."""
+        remote = meta.remote
+        assert remote is not None
+        _plan, readers = self._head_plan(remote.tp_size)
+        for r in range(remote.tp_size):
+            if r in readers or r % self.shared.tp_size != self.shared.tp_rank:
+                continue
+            try:
+                self._done(meta, r, 1, success=True)
+            except KVTransferError as exc:
+                logger.info("could not release request %s on unread P rank %d: %s",
+                            remote.request_id, r, exc)
+
+    def _read(self, meta: RecvMeta, remotes: dict[int, AgentMeta],
+              plan: Sequence[HeadSlice]) -> int:
+        """Read this rank's head slices of every P rank in ``remotes`` into the local blocks;
+        returns bytes. (One call a read of the request: the fault tests hook it.)"""
+        s = self.shared
+        assert s.layout is not None and s.te is not None
+        return read_request(s.te, s.layout, meta, remotes, plan)

@@ -1,0 +1,140 @@
+# SPDX-License-Identifier: Apache-2.0
+"""D side of ``MooncakeConnectorV1``: the bytes of one request, from P's blocks into D's.
+
+What D holds of each block is given by its head plan
+(:func:`~.worker_base.head_slices`): which heads of which P rank go where. A region
+whose heads are contiguous in a block (vLLM's CPU layout, MLA, or a whole block)
+is read straight into the local blocks, one batched transfer-engine read per P
+rank. Heads that are not contiguous in a block (the NPU layout under
+heterogeneous TP) are staged: P's whole blocks are read into a buffer, then
+:mod:`ascend-kernels' head ops <vllm_ascend.distributed.kernels.heads>` select
+each P rank's part, merge the parts in head order, and the merged blocks are
+scattered into the local cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from vllm_ascend.distributed.kernels import scatter_blocks
+from vllm_ascend.distributed.kernels.heads import HeadSlice, merge_head_parts, select_head_part
+from vllm_ascend.distributed.kv_transfer.core.layout import KVCacheLayout, KVRegion
+from vllm_ascend.distributed.kv_transfer.core.transfer_engine import MooncakeTransferEngine
+
+from .errors import HandshakeMismatchError, RemoteKVUnavailable
+from .protocol import AgentMeta
+from .pull_contract import RecvMeta
+from .worker_base import heads_in_block
+
+logger = logging.getLogger(__name__)
+
+
+def read_request(te: MooncakeTransferEngine, layout: KVCacheLayout, meta: RecvMeta,
+                 remotes: Mapping[int, AgentMeta], plan: Sequence[HeadSlice]) -> int:
+    """Read every P rank's slices of the request into the local blocks; returns bytes.
+
+    Args:
+        te: the transfer engine (the local cache is registered with it).
+        layout: the local KV cache.
+        meta: the request: local and remote block ids.
+        remotes: the metadata of every P rank to read from, by P rank.
+        plan: this rank's head slices (``remote_rank`` is the P rank).
+    """
+    staged: dict[int, list[HeadSlice]] = {}
+    moved = 0
+    for p_rank, remote in remotes.items():
+        slices = [s for s in plan if s.remote_rank == p_rank]
+        moved += _read_direct(te, layout, meta, remote, slices, staged)
+    for i, slices in staged.items():
+        moved += _read_staged(te, layout.regions[i], i, meta, remotes, slices)
+    return moved
+
+
+def _read_direct(te: MooncakeTransferEngine, layout: KVCacheLayout, meta: RecvMeta,
+                 remote: AgentMeta, slices: list[HeadSlice],
+                 staged: dict[int, list[HeadSlice]]) -> int:
+    """Read P rank ``remote``'s contiguous slices; the others go to ``staged`` by region."""
+    local_regions = layout.regions
+    if len(remote.region_addrs) != len(local_regions):
+        raise HandshakeMismatchError(
+            f"P has {len(remote.region_addrs)} KV regions, D has {len(local_regions)}")
+    layout.check_block_ids(meta.local_block_ids, what="local block ids")
+    p_blocks = remote.layout.num_blocks
+    for b in meta.remote_block_ids:
+        if not 0 <= b < p_blocks:
+            raise RemoteKVUnavailable(f"remote block id {b} is outside P's cache "
+                                      f"[0, {p_blocks})", code="bad_blocks")
+    local_addrs: list[int] = []
+    remote_addrs: list[int] = []
+    lengths: list[int] = []
+    for i, region in enumerate(local_regions):
+        r_len = remote.layout.block_lens[i]
+        r_base, r_stride = remote.region_addrs[i], remote.region_strides[i]
+        for sl in slices:
+            if region.head_axis is None or (sl.num_heads == heads_in_block(region)
+                                            and r_len == region.block_len):
+                off_l = off_r = 0
+                length = region.block_len
+            elif region.head_axis == 0:
+                per_head = region.block_len // heads_in_block(region)
+                off_l, off_r = sl.local_offset * per_head, sl.remote_offset * per_head
+                length = sl.num_heads * per_head
+            else:
+                staged.setdefault(i, []).append(sl)
+                continue
+            for lb, rb in zip(meta.local_block_ids, meta.remote_block_ids, strict=True):
+                local_addrs.append(region.base_addr + lb * region.block_stride + off_l)
+                remote_addrs.append(r_base + rb * r_stride + off_r)
+                lengths.append(length)
+    if not lengths:
+        return 0
+    return te.read(remote.session, local_addrs, remote_addrs, lengths)
+
+
+def _read_staged(te: MooncakeTransferEngine, region: KVRegion, index: int, meta: RecvMeta,
+                 remotes: Mapping[int, AgentMeta], slices: list[HeadSlice]) -> int:
+    """Region ``index``'s heads that are not contiguous in a block (NPU layout): read the
+    whole P blocks into staging buffers, select each slice's heads, merge them in local
+    head order and scatter the merged blocks into the local cache."""
+    axis = region.head_axis
+    assert axis is not None
+    heads_local = heads_in_block(region)
+    if sum(s.num_heads for s in slices) != heads_local:
+        raise HandshakeMismatchError(
+            f"the head plan covers {sum(s.num_heads for s in slices)} of the {heads_local} "
+            f"KV heads of region {index}")
+    per_head = region.block_len // heads_local
+    n = len(meta.local_block_ids)
+    moved = 0
+    buffers: dict[int, torch.Tensor] = {}
+    for p_rank in sorted({s.remote_rank for s in slices}):
+        remote = remotes[p_rank]
+        shape = list(region.block_shape)
+        shape[axis] = remote.layout.block_lens[index] // per_head
+        buf = torch.empty((n, *shape), dtype=region.tensor.dtype, device=region.tensor.device)
+        nbytes = buf[0].numel() * buf.element_size()
+        te.register_memory(buf.data_ptr(), buf.numel() * buf.element_size())
+        try:
+            moved += te.read(
+                remote.session, [buf.data_ptr() + k * nbytes for k in range(n)],
+                [remote.region_addrs[index] + rb * remote.region_strides[index]
+                 for rb in meta.remote_block_ids], [nbytes] * n)
+        finally:
+            te.unregister_memory(buf.data_ptr())
+        buffers[p_rank] = buf
+    # head resharding with ascend-kernels' head and block ops (NPU fast paths on NPU):
+    # parts of ``unit`` heads, so that every slice is a whole number of equal parts
+    heads_of = {r: int(b.shape[axis + 1]) for r, b in buffers.items()}
+    unit = math.gcd(*(s.num_heads for s in slices), *(s.remote_offset for s in slices),
+                    *heads_of.values())
+    parts = [select_head_part(buffers[s.remote_rank], heads_of[s.remote_rank] // unit,
+                              s.remote_offset // unit + k, axis)
+             for s in sorted(slices, key=lambda s: s.local_offset)
+             for k in range(s.num_heads // unit)]
+    merged = merge_head_parts(parts, axis)
+    scatter_blocks(merged, region.tensor, torch.tensor(meta.local_block_ids, dtype=torch.long))
+    return moved
