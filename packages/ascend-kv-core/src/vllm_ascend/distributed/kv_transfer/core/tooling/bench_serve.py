@@ -200,10 +200,11 @@ def add_parser(subparsers: Any) -> None:
         "serve", help="real vLLM CPU engines with and without each connector (ours and vLLM's "
                       "own): TTFT and throughput")
     add_common_args(p)
+    known = scenarios()
     p.add_argument("--only", default="",
                    help="comma-separated scenarios (default: all; quick: "
-                        f"{','.join(quick_scenarios())}); known: "
-                        + ",".join(s.name for s in scenarios()))
+                        f"{','.join(s.name for s in known if s.quick)}); known: "
+                        + ",".join(s.name for s in known))
     p.add_argument("--model", help="model directory (default: a random Llama made on first use)")
     p.add_argument("--model-dir", help="where the default model is saved")
     p.add_argument("--dtype", default="float32",
