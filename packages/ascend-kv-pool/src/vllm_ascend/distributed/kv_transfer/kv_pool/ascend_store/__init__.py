@@ -19,11 +19,21 @@ CONNECTORS = (
     ("MooncakeConnectorStoreV1", CONNECTOR_MODULE, "MooncakeConnectorStoreV1"),
 )
 
-__all__ = ["CONNECTORS", "__version__", "register"]
+#: Upstream's thin shells over third-party engines (``uc-manager``, LMCache-Ascend), at the
+#: kv_pool level; their modules import those engines, so only when vLLM creates the connector.
+THIRD_PARTY_CONNECTORS = (
+    ("UCMConnector", "vllm_ascend.distributed.kv_transfer.kv_pool.ucm_connector",
+     "UCMConnectorV1"),
+    ("LMCacheAscendConnector",
+     "vllm_ascend.distributed.kv_transfer.kv_pool.lmcache_ascend_connector",
+     "LMCacheConnectorV1"),
+)
+
+__all__ = ["CONNECTORS", "THIRD_PARTY_CONNECTORS", "__version__", "register"]
 
 
 def register() -> list[str]:
     """Register the pool connectors with vLLM (lazy, idempotent); returns names newly added."""
     from vllm_ascend.distributed.kv_transfer.core.registration import register_connectors
 
-    return register_connectors(CONNECTORS)
+    return register_connectors((*CONNECTORS, *THIRD_PARTY_CONNECTORS))
