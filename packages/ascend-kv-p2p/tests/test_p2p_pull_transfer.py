@@ -1,0 +1,73 @@
+# SPDX-License-Identifier: Apache-2.0
+"""D's byte plan (``pull_transfer``) for every head split, with a transfer engine that
+copies memory in-process: the staged NPU-layout path merges P ranks' head parts,
+equal or not, through ascend-kernels' head ops."""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from vllm_ascend.distributed.kernels.heads import kv_heads_of_rank
+from vllm_ascend.distributed.kv_transfer.core.layout import KVCacheLayout
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_contract import RecvMeta
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_transfer import read_request
+from vllm_ascend.distributed.kv_transfer.kv_p2p.worker_base import head_slices
+
+BS, NB, HD = 4, 6, 3
+
+
+class MemcpyEngine:
+    """Reads by ``memmove`` within this process (every "session" is this process)."""
+
+    def read(self, peer: str, local: Sequence[int], remote: Sequence[int],
+             lengths: Sequence[int]) -> int:
+        for dst, src, n in zip(local, remote, lengths, strict=True):
+            ctypes.memmove(dst, src, n)
+        return sum(lengths)
+
+    def register_memory(self, addr: int, length: int) -> None:
+        pass
+
+    def unregister_memory(self, addr: int, length: int | None = None) -> None:
+        pass
+
+
+def npu_caches(heads: list[int], fill: bool) -> dict[str, Any]:
+    k = torch.zeros(NB, BS, len(heads), HD)
+    v = torch.zeros_like(k)
+    if fill:
+        for i, h in enumerate(heads):
+            k[:, :, i] = h + 1
+            v[:, :, i] = -(h + 1)
+    return {"model.layers.0.self_attn.attn": (k, v)}
+
+
+@pytest.mark.parametrize(("total", "p_tp", "d_tp"), [
+    (4, 2, 1), (4, 4, 2), (4, 1, 2), (12, 3, 2), (12, 4, 6), (2, 4, 1)])
+def test_every_d_rank_ends_with_exactly_its_heads(total: int, p_tp: int, d_tp: int) -> None:
+    p_caches = [npu_caches(list(kv_heads_of_rank(total, p_tp, r)), True) for r in range(p_tp)]
+    remotes = {}
+    for r, caches in enumerate(p_caches):
+        layout = KVCacheLayout.from_kv_caches(caches, block_size=BS)
+        remotes[r] = SimpleNamespace(
+            session="self", layout=layout.descriptor(),
+            region_addrs=[g.base_addr for g in layout.regions],
+            region_strides=[g.block_stride for g in layout.regions])
+    for d in range(d_tp):
+        mine = list(kv_heads_of_rank(total, d_tp, d))
+        d_caches = npu_caches(mine, False)
+        layout = KVCacheLayout.from_kv_caches(d_caches, block_size=BS)
+        plan = head_slices(total, p_tp, d_tp, d)
+        used = {s.remote_rank: remotes[s.remote_rank] for s in plan}
+        meta = RecvMeta("r", [1, 4], None, remote_block_ids=[5, 2])
+        assert read_request(MemcpyEngine(), layout, meta, dict(sorted(used.items())), plan) > 0
+        k, v = d_caches["model.layers.0.self_attn.attn"]
+        for i, h in enumerate(mine):
+            assert bool((k[[1, 4], :, i] == h + 1).all()) and bool((v[[1, 4], :, i] == -(h + 1)).all())
+        assert k[[0, 2, 3, 5]].abs().sum() == 0  # blocks not pulled stay untouched
