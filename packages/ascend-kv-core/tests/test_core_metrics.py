@@ -5,6 +5,7 @@ import threading
 
 import pytest
 
+from ascend_kv_testing.requires import require
 from vllm_ascend.distributed.kv_transfer.core.metrics import (
     MetricSpec,
     MetricsRecorder,
@@ -58,7 +59,7 @@ def test_merge_and_reduce() -> None:
 
 
 def test_vllm_stats_and_prometheus() -> None:
-    pytest.importorskip("vllm", reason="KVStats subclasses vLLM's KVConnectorStats")
+    require("vllm", why="KVStats subclasses vLLM's KVConnectorStats")
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
     from vllm_ascend.distributed.kv_transfer.core.vllm_metrics import KVPromMetrics, KVStats

@@ -15,14 +15,15 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.config import (
-    AscendStoreConfig,
-    MooncakeStoreConfig,
-)
+from ascend_kv_testing.requires import require
 from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.backend import (
     Backend,
     LocalBackend,
     backend_class,
+)
+from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.config import (
+    AscendStoreConfig,
+    MooncakeStoreConfig,
 )
 
 BACKENDS = ["local", "mooncake", "memcache"]
@@ -34,7 +35,7 @@ def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
     if name == "local":
         b: Backend = LocalBackend(capacity=32 << 20, max_batch_keys=3)
     elif name == "mooncake":
-        pytest.importorskip("mooncake.store", reason="mooncake-transfer-engine not installed")
+        require("mooncake.store")
         master = request.getfixturevalue("mooncake_master")
         from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.backend import (
             MooncakeBackend,

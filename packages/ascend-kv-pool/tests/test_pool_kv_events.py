@@ -27,6 +27,7 @@ from pool_test_harness import (
     scheduler_output,
 )
 
+from ascend_kv_testing.requires import require
 from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.backend import LocalBackend
 from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.context import PoolContext
 from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.events import (
@@ -340,7 +341,7 @@ def _container(put_step: int, events: list[Any]) -> Any:
 
 
 def test_vllm_events_carry_the_pool_medium_and_hashes() -> None:
-    pytest.importorskip("vllm")
+    require("vllm")
     from vllm.distributed.kv_events import BlockRemoved, BlockStored
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as conv
 
@@ -361,7 +362,7 @@ def test_vllm_events_carry_the_pool_medium_and_hashes() -> None:
 
 
 def test_event_is_published_once_every_rank_reported_it() -> None:
-    pytest.importorskip("vllm")
+    require("vllm")
     r = req("r1", 2 * BLOCK)
     e0, e1 = stored(r, range(2))
     sched = _connector_side()
@@ -375,7 +376,7 @@ def test_event_is_published_once_every_rank_reported_it() -> None:
 
 
 def test_ranks_sharing_keys_each_report_their_share() -> None:
-    pytest.importorskip("vllm")
+    require("vllm")
     backend = LocalBackend(capacity=64 << 20)
     # 4 TP ranks, 2 KV heads: ranks (0, 1) and (2, 3) split each head group's blocks
     workers = [PoolHarness(backend, ctx=events_ctx(tp_size=4, tp_rank=rank),
