@@ -15,16 +15,17 @@ from typing import Any
 import pytest
 import torch
 
+from vllm_ascend.distributed.kernels.heads import kv_heads_of_rank, plan_head_slices
 from vllm_ascend.distributed.kv_transfer.core.channel import RpcClient, tcp_endpoint
 from vllm_ascend.distributed.kv_transfer.core.errors import RemoteError
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
 from vllm_ascend.distributed.kv_transfer.core.net import free_port
-from vllm_ascend.distributed.kv_transfer.kv_p2p import layerwise_worker
+from vllm_ascend.distributed.kv_transfer.kv_p2p import layerwise_links
 from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeLayerwiseConfig
-from vllm_ascend.distributed.kv_transfer.kv_p2p.layerwise_scheduler import (
+from vllm_ascend.distributed.kv_transfer.kv_p2p.layerwise_contract import (
     MooncakeLayerwiseConnectorMetadata,
     PushReq,
-    ReqMeta,
+    RecvReq,
 )
 from vllm_ascend.distributed.kv_transfer.kv_p2p.layerwise_worker import LayerwiseWorker
 from vllm_ascend.distributed.kv_transfer.kv_p2p.p2p_metrics import P2P_METRICS
@@ -39,7 +40,6 @@ from vllm_ascend.distributed.kv_transfer.kv_p2p.protocol import (
     PushRenewReply,
     worker_port,
 )
-from vllm_ascend.distributed.kv_transfer.kv_p2p.tp_plan import kv_heads_of_rank, plan_pulls
 
 BS = 16      # tokens per block
 NB = 12      # blocks per cache
@@ -166,7 +166,7 @@ def target(d_port: int, d_rid: str, d_blocks: list[int], *, cached: int = 0,
 def d_expect(d: LayerwiseWorker, rid: str, blocks: list[int], cached: int = 0,
              **kw: Any) -> None:
     d.start_load_kv(MooncakeLayerwiseConnectorMetadata(
-        requests={rid: ReqMeta(rid, blocks, cached, **kw)}))
+        requests={rid: RecvReq(rid, blocks, cached, **kw)}))
 
 
 @pytest.mark.parametrize(("layout", "p_tp", "d_tp"), [
@@ -217,8 +217,8 @@ def test_chunked_push_moves_the_right_bytes(layout: str, p_tp: int, d_tp: int) -
             assert w.recorder.take()["histograms"]["p2p_transfer_request_bytes"][0] > 0
         assert sum(w.recorder.total("p2p_transfer_bytes") for w in p_workers) > 0
         # every (P rank, D rank) pair of the head plan sent exactly one Done
-        pairs = sum(len({s.p_rank for s in plan_pulls(HEADS, p_tp, d_tp, d,
-                                                       is_mla=layout == "mla")})
+        pairs = sum(len({s.remote_rank for s in plan_head_slices(HEADS, p_tp, d_tp, d,
+                                                                  is_mla=layout == "mla")})
                     for d in range(d_tp))
         assert sum(w.recorder.total("p2p_requests_served") for w in p_workers) == pairs
     finally:
@@ -228,7 +228,7 @@ def test_chunked_push_moves_the_right_bytes(layout: str, p_tp: int, d_tp: int) -
 
 @pytest.fixture
 def pd(monkeypatch: pytest.MonkeyPatch) -> Any:
-    monkeypatch.setattr(layerwise_worker, "BEGIN_RETRY_S", 0.5)
+    monkeypatch.setattr(layerwise_links, "BEGIN_RETRY_S", 0.5)
     p_port, d_port = free_port(), free_port()
     p = new_worker("kv_producer", p_port, 1, 0, "P", {"lease_ttl_s": 2.5,
                                                        "handshake_timeout_s": 2.0})
@@ -274,7 +274,7 @@ def test_virtual_requests_finish_at_once_beside_ordinary_ones(pd: Any) -> None:
     assert pd.d.get_finished(set()) == (None, None)  # reported once; others still wait
     assert pd.d.recorder.total("p2p_virtual_requests") == 1
     assert pd.d.recorder.total("p2p_transfer_bytes") == 0
-    assert set(pd.d._incoming) == {"o", "n", "m"}
+    assert set(pd.d.receiver.incoming) == {"o", "n", "m"}
     bad = MooncakeLayerwiseConnectorMetadata().add_new_req("b", [1], {"do_virtual": "yes"})
     assert bad.do_virtual is False and "'do_virtual' must be true or false" in (bad.error or "")
 
@@ -295,7 +295,7 @@ def test_completion_counts_every_sender(monkeypatch: pytest.MonkeyPatch) -> None
         p_step(ps[:1], caches[:1], push)
         time.sleep(0.2)
         assert d.get_finished(set()) == (None, None)  # 1 of 2 senders
-        assert d._incoming["r"].expected == {0, 1}
+        assert d.receiver.incoming["r"].expected == {0, 1}
         p_step(ps[1:], caches[1:], push)
         assert wait_recv(d, "r") == set()
     finally:
@@ -325,7 +325,7 @@ def test_scheduler_abort_notice_fails_d(pd: Any) -> None:
     tgt = target(pd.d_port, "r", [1, 2])
     p_step([pd.p], [pd.cp], {"r": PushReq("r", tgt, abort="ended on P before any push")})
     assert wait_recv(pd.d, "r") == {1, 2}
-    assert pd.p._sessions == {}  # an abort notice is not a held request
+    assert pd.p.sender.sessions == {}  # an abort notice is not a held request
 
 
 def test_request_finished_early_on_p_tells_d(pd: Any) -> None:
@@ -434,7 +434,7 @@ def test_push_to_a_dead_d_stops_and_frees(pd: Any) -> None:
     assert time.monotonic() - start < 5.0  # one handshake timeout, not one per layer
     assert pd.p.recorder.total("p2p_failures", cause="peer_timeout") == 1
     assert p_step([pd.p], [pd.cp], {}, finished={"r"}) == [{"r"}]
-    assert pd.p._sessions == {}
+    assert pd.p.sender.sessions == {}
 
 
 def test_p_retries_until_d_knows_the_request(pd: Any) -> None:

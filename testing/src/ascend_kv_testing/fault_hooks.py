@@ -80,15 +80,17 @@ def die_mid_put(llm: Any, after_keys: int = 1) -> bool:
 
 
 def _layer_writes(llm: Any) -> Any:
-    return _worker(llm, "MooncakeLayerwiseConnector")
+    """The object whose ``write_layers`` does P's batched writes into D's blocks (the
+    layerwise worker's P sender's links)."""
+    return _worker(llm, "MooncakeLayerwiseConnector").sender.links
 
 
 def die_mid_push(llm: Any, after_writes: int = 1) -> bool:
     """P (layerwise): SIGKILL this process once ``after_writes`` writes into D's blocks have
     completed (D granted the lease and holds part of the prompt's KV). A write carries one
     layer, or several of one step when they queued up behind each other."""
-    worker = _layer_writes(llm)
-    original = worker._write_layers
+    links = _layer_writes(llm)
+    original = links.write_layers
     done = [0]
 
     def counting(*args: Any, **kwargs: Any) -> Any:
@@ -98,7 +100,7 @@ def die_mid_push(llm: Any, after_writes: int = 1) -> bool:
             _die()
         return nbytes
 
-    worker._write_layers = counting
+    links.write_layers = counting
     return True
 
 
@@ -107,14 +109,14 @@ def pause_push(llm: Any, flag_dir: str, after_writes: int = 1, max_wait_s: float
     one waits until
     ``flag_dir/go`` exists or ``max_wait_s`` passed; ``flag_dir/pushing`` tells the test
     that P is mid-push (it holds D's write lease). Later writes are not paused."""
-    worker = _layer_writes(llm)
-    original = worker._write_layers
+    links = _layer_writes(llm)
+    original = links.write_layers
     flags = Path(flag_dir)
     done = [0]
 
     def paused(*args: Any, **kwargs: Any) -> Any:
         if done[0] >= after_writes:
-            worker._write_layers = original
+            links.write_layers = original
             (flags / "pushing").touch()
             end = time.monotonic() + max_wait_s
             while not (flags / "go").exists() and time.monotonic() < end:
@@ -124,7 +126,7 @@ def pause_push(llm: Any, flag_dir: str, after_writes: int = 1, max_wait_s: float
         done[0] += 1
         return original(*args, **kwargs)
 
-    worker._write_layers = paused
+    links.write_layers = paused
     return True
 
 

@@ -118,8 +118,9 @@ def leak_state(llm: Any) -> dict[str, int]:
                 held += len(held_table)
             pending += len(getattr(part, "_pending", {}) or {}) if isinstance(
                 getattr(part, "_pending", None), dict) else 0
-        pending += len(getattr(worker, "_incoming", {}) or {})
-        pushes += len(getattr(worker, "_sessions", {}) or {})
+        # the layerwise worker keeps D's waiting requests in its receiver, P's in its sender
+        pending += len(getattr(getattr(worker, "receiver", None), "incoming", {}) or {})
+        pushes += len(getattr(getattr(worker, "sender", None), "sessions", {}) or {})
         pool_pending = getattr(worker, "_pending", None)
         if pool_pending is not None and hasattr(pool_pending, "total"):
             saves += int(pool_pending.total())

@@ -7,7 +7,8 @@ their ids and its address to the proxy's metaserver (``metaserver`` URL in
 the params, optional TLS, retries) and tells its workers to expect pushes. A
 *virtual* request (``do_virtual: true``) is not posted: its workers report it
 loaded at once. A post that fails for good reaches the workers with the next
-step's metadata and fails the request at once instead of at its deadline.
+step's metadata and fails the request at once instead of at its deadline
+(the posts: :mod:`.layerwise_metaserver`).
 
 On P (``kv_producer``): a request with ``do_remote_decode`` carries what D
 posted. Every step that computes part of its prompt emits a :class:`PushReq`
@@ -16,6 +17,8 @@ step computes), so chunked prefill is pushed chunk by chunk; the step that
 completes the prompt is flagged ``last``. When such a request finishes, its
 blocks stay held (``request_finished`` returns ``True``) until the workers'
 pushes that read them are over.
+
+What the scheduler tells the workers is :mod:`.layerwise_contract`.
 
 ``kv_transfer_params`` that are ``None``, empty, or without ``do_virtual``
 make an ordinary request on every path.
@@ -26,19 +29,16 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import ssl
 import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
-
-from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeLayerwiseConfig, TLSConfig
 from vllm_ascend.distributed.kv_transfer.core.net import get_host_ip
+from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeLayerwiseConfig
 
 from .errors import KVParamsError
+from .layerwise_contract import MooncakeLayerwiseConnectorMetadata, PushReq, RecvReq
+from .layerwise_metaserver import MetaserverClient
 from .params import (
     PushTarget,
     metaserver_url,
@@ -52,7 +52,6 @@ from .params import (
 from .protocol import side_channel_port
 
 if TYPE_CHECKING:
-    import httpx
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -62,158 +61,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class ReqMeta:
-    """D: a request whose KV P will push into ``local_block_ids``.
-
-    ``local_block_ids`` are D's blocks of the whole prompt in token order; the first
-    ``cached_tokens // block_size`` of them already hold D's own prefix-cache hit.
-    """
-
-    request_id: str
-    local_block_ids: list[int]
-    cached_tokens: int = 0
-    do_virtual: bool = False
-    #: malformed params: the worker fails the request at once
-    error: str | None = None
-
-
-@dataclass
-class PushReq:
-    """P: push the blocks at ``positions`` (block indices in token order) of one request.
-
-    ``local_block_ids[i]`` is P's block at ``positions[i]``; D's block there is
-    ``target.block_ids[positions[i]]``. ``last``: this step completes the prompt, so
-    the workers tell D the request is complete after the step's last layer.
-    """
-
-    request_id: str
-    target: PushTarget | None
-    positions: list[int] = field(default_factory=list)
-    local_block_ids: list[int] = field(default_factory=list)
-    last: bool = False
-    #: the request ended on P before any push (or its params are bad): tell D it failed
-    abort: str | None = None
-    #: ``(host, port, D request id, D TP size)`` when ``target`` could not be parsed
-    endpoint: tuple[str, int, str, int] | None = None
-
-
-@dataclass
-class MooncakeLayerwiseConnectorMetadata(KVConnectorMetadata):
-    """Scheduler -> worker payload of one step."""
-
-    requests: dict[str, ReqMeta] = field(default_factory=dict)
-    pushes: dict[str, PushReq] = field(default_factory=dict)
-    #: D requests whose metaserver post failed for good: request id -> reason
-    failed_posts: dict[str, str] = field(default_factory=dict)
-
-    def add_new_req(self, request_id: str, local_block_ids: list[int],
-                    kv_transfer_params: dict[str, Any] | None, *,
-                    cached_tokens: int = 0) -> ReqMeta:
-        """Upstream's helper: ``do_virtual`` is copied from the params (``None``-safe)."""
-        try:
-            virtual, error = wants_virtual(kv_transfer_params), None
-        except KVParamsError as exc:
-            virtual, error = False, str(exc)
-        meta = ReqMeta(request_id, list(local_block_ids), cached_tokens, virtual, error)
-        self.requests[request_id] = meta
-        return meta
-
-
-# ============================================================================ metaserver
-def build_ssl_context(tls: TLSConfig) -> ssl.SSLContext | None:
-    """The client TLS context of ``tls_config`` (``None`` when TLS is off)."""
-    if not tls.ssl_enable:
-        return None
-    ctx = ssl.create_default_context(cafile=tls.ssl_ca_certs)
-    if tls.ssl_certfile:
-        ctx.load_cert_chain(tls.ssl_certfile, tls.ssl_keyfile, tls.ssl_keyfile_password)
-    return ctx
-
-
-class MetaserverError(RuntimeError):
-    """A metaserver POST failed after every retry; the message names URL and cause."""
-
-
-class MetaserverClient:
-    """POSTs D's block ids to the proxy's metaserver on a small thread pool.
-
-    Args:
-        tls: ``tls_config`` of the connector.
-        timeout_s: timeout of one POST.
-        retries: extra attempts after a failed one (connection errors and 5xx answers;
-            a 4xx answer is final).
-        workers: threads posting concurrently.
-    """
-
-    def __init__(self, tls: TLSConfig, *, timeout_s: float, retries: int,
-                 workers: int = 4) -> None:
-        self.tls = tls
-        self.timeout_s = timeout_s
-        self.retries = retries
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="metaserver")
-        self._lock = threading.Lock()
-        self._client: httpx.Client | None = None
-        self.posts = 0
-
-    def _http(self) -> httpx.Client:
-        import httpx
-
-        with self._lock:
-            if self._client is None:
-                ctx = build_ssl_context(self.tls)
-                self._client = httpx.Client(timeout=self.timeout_s,
-                                            verify=ctx if ctx is not None else True)
-            return self._client
-
-    def post(self, url: str, payload: dict[str, Any]) -> None:
-        """POST ``payload`` to ``url``, retrying; raises :class:`MetaserverError` at the end."""
-        import httpx
-
-        delay = 0.05
-        last = ""
-        for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(delay)
-                delay = min(delay * 2, 1.0)
-            try:
-                resp = self._http().post(url, json=payload)
-            except (httpx.HTTPError, ssl.SSLError, OSError) as exc:
-                last = f"{type(exc).__name__}: {exc}"
-                continue
-            with self._lock:
-                self.posts += 1
-            if resp.status_code < 300:
-                return
-            last = f"HTTP {resp.status_code}: {resp.text[:200]}"
-            if resp.status_code < 500:
-                break  # the proxy refused this request: retrying cannot help
-        raise MetaserverError(f"POST {url} failed after {attempt + 1} attempt(s): {last}")
-
-    def submit(self, url: str, payload: dict[str, Any],
-               on_failure: Any) -> None:
-        """Post in the background; ``on_failure(reason)`` is called if it fails for good."""
-        def run() -> None:
-            try:
-                self.post(url, payload)
-            except MetaserverError as exc:
-                on_failure(str(exc))
-            except Exception as exc:  # never lose a failure: the request would wait forever
-                logger.exception("metaserver post to %s failed unexpectedly", url)
-                on_failure(f"{type(exc).__name__}: {exc}")
-
-        self._pool.submit(run)
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        with self._lock:
-            if self._client is not None:
-                self._client.close()
-                self._client = None
-
-
-# ============================================================================ scheduler
-@dataclass
-class _Push:
+class _PushProgress:
     """P: push progress of one request."""
 
     request: Any
@@ -264,8 +112,8 @@ class LayerwiseScheduler:
         self.side_port = side_channel_port(kvc.kv_port, dp_rank=par.data_parallel_rank,
                                            tp_size=par.tensor_parallel_size,
                                            pp_size=par.pipeline_parallel_size)
-        self._recv: dict[str, ReqMeta] = {}
-        self._push: dict[str, _Push] = {}
+        self._recv: dict[str, RecvReq] = {}
+        self._push: dict[str, _PushProgress] = {}
         self._pending_pushes: dict[str, PushReq] = {}
         self._failed_posts: dict[str, str] = {}
         self._lock = threading.Lock()
@@ -303,7 +151,7 @@ class LayerwiseScheduler:
         cached = prompt_len - num_external_tokens
         n_blocks = math.ceil(prompt_len / self.block_size)
         local = list(blocks.get_block_ids()[0][:n_blocks])
-        meta = ReqMeta(rid, local, cached)
+        meta = RecvReq(rid, local, cached)
         try:
             meta.do_virtual = wants_virtual(params)
             if meta.do_virtual:
@@ -353,7 +201,7 @@ class LayerwiseScheduler:
                 endpoint = None  # D cannot even be told; it fails at its deadline
         state = self._push.get(rid)
         if state is None:
-            state = _Push(request, target, endpoint, error)
+            state = _PushProgress(request, target, endpoint, error)
             self._push[rid] = state
         if target is None:
             if not state.notified:

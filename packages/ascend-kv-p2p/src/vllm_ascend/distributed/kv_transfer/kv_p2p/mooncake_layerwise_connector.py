@@ -24,11 +24,13 @@ Lifecycle (vLLM ``KVConnectorBase_V1``):
 
 **Virtual push**: a request with ``"do_virtual": true`` is not posted to the
 metaserver; D's workers report it loaded at once with nothing transferred
-(``ReqMeta.do_virtual``, the worker's ``virtual_request`` set). ``None``, empty or
-``do_virtual``-less params are ordinary requests.
+(``ReqMeta.do_virtual``, upstream's name of :class:`~.layerwise_contract.RecvReq`, and
+the worker's ``virtual_request`` set). ``None``, empty or ``do_virtual``-less params are
+ordinary requests.
 
-The class is thin: scheduler-side work is in :mod:`.layerwise_scheduler`,
-worker-side work in :mod:`.layerwise_worker`.
+The class is thin: scheduler-side work is in :mod:`.layerwise_scheduler`, worker-side
+work in :mod:`.layerwise_worker` (a P sender and a D receiver), and the records the
+scheduler sends the workers in :mod:`.layerwise_contract`.
 """
 
 from __future__ import annotations
@@ -47,16 +49,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     SupportsHMA,
 )
 
-from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeLayerwiseConfig  # noqa: E402
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder  # noqa: E402
 from vllm_ascend.distributed.kv_transfer.core.vllm_metrics import ConnectorStatsMixin  # noqa: E402
+from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeLayerwiseConfig  # noqa: E402
 
-from .layerwise_scheduler import (  # noqa: E402
-    LayerwiseScheduler,
+from .layerwise_contract import (  # noqa: E402
     MooncakeLayerwiseConnectorMetadata,
     PushReq,
+    RecvReq,
     ReqMeta,
 )
+from .layerwise_scheduler import LayerwiseScheduler  # noqa: E402
 from .layerwise_worker import LayerwiseWorker  # noqa: E402
 from .p2p_metrics import P2P_METRICS  # noqa: E402
 
@@ -69,7 +72,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 __all__ = ["MooncakeLayerwiseConnector", "MooncakeLayerwiseConnectorMetadata", "PushReq",
-           "ReqMeta"]
+           "RecvReq", "ReqMeta"]
 
 logger = logging.getLogger(__name__)
 

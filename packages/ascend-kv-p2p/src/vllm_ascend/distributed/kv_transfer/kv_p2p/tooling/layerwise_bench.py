@@ -128,7 +128,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         MooncakeP2PConfig,
     )
 
-    from ..layerwise_scheduler import MooncakeLayerwiseConnectorMetadata, PushReq, ReqMeta
+    from ..layerwise_contract import MooncakeLayerwiseConnectorMetadata, PushReq, RecvReq
     from ..layerwise_worker import LayerwiseWorker
     from ..p2p_metrics import P2P_METRICS
     from ..params import PushTarget, RemotePrefill
@@ -171,7 +171,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             returns when the pushes started, when the forward ended, when D had all KV."""
             p, d = workers["lp"], workers["ld"]
             d.start_load_kv(MooncakeLayerwiseConnectorMetadata(
-                requests={rid: ReqMeta(rid, d_blocks)}))
+                requests={rid: RecvReq(rid, d_blocks)}))
             tgt = PushTarget("bench-ld", d.host, ports["ld"], rid, d_blocks, 0, 1)
             meta = MooncakeLayerwiseConnectorMetadata(pushes={rid: PushReq(
                 rid, tgt, list(range(args.blocks)), p_blocks, last=True)})
