@@ -113,7 +113,7 @@ class CPUOffloadScheduler:
     def _state(self, request: Request) -> _ReqState:
         st = self._reqs.get(request.request_id)
         if st is None:
-            st = _ReqState(request=request, extra=_extra_key(request), skip=_unsupported(request))
+            st = _ReqState(request=request, extra=extra_key_of(request), skip=_unsupported(request))
             self._reqs[request.request_id] = st
         else:
             st.request = request
@@ -301,7 +301,8 @@ class CPUOffloadScheduler:
         self.client.close()
 
 
-def _extra_key(request: Any) -> Any:
+def extra_key_of(request: Any) -> Any:
+    """What besides token ids a request's block hashes cover (LoRA name, cache salt)."""
     lora = getattr(request, "lora_request", None)
     salt = getattr(request, "cache_salt", None)
     if lora is None and not salt:

@@ -122,6 +122,10 @@ class HostBlockManager:
         """True when ``block_hash`` is cached or being saved."""
         return block_hash in self._index
 
+    def block_of(self, block_hash: bytes) -> int | None:
+        """Host block holding ``block_hash`` (cached or being saved), or None."""
+        return self._index.get(block_hash)
+
     def state_of(self, block_id: int) -> BlockState:
         """State of one block."""
         return self._state[block_id]

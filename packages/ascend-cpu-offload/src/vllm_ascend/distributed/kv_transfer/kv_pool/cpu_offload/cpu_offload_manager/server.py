@@ -96,6 +96,34 @@ class MetadataServer:
         self._rpc: RpcServer[Message] = RpcServer(endpoint, self.codec, self._handle, name=name)
         self.endpoint = self._rpc.endpoint
 
+    @classmethod
+    def from_vllm_config(cls, vllm_config: Any, *, endpoint: str | None = None
+                         ) -> MetadataServer:
+        """The server of an instance, as upstream builds it from the engine's config.
+
+        Capacity, leases and the endpoint come from ``CPUOffloadingConnector``'s extra
+        config (also when it is a child of a ``MultiConnector``); the world is TP x PP.
+
+        Raises:
+            ValueError: the config names no ``CPUOffloadingConnector``.
+        """
+        from ..config import CPUOffloadConfig
+        from ..contract import endpoint_for
+        from ..metadata import get_cpu_offload_connector
+
+        kv = get_cpu_offload_connector(vllm_config)
+        if kv is None:
+            raise ValueError("kv_transfer_config names no CPUOffloadingConnector (directly or "
+                             "as a MultiConnector child)")
+        extra = getattr(kv, "kv_connector_extra_config", None) or {}
+        cfg = CPUOffloadConfig.from_dict(
+            extra, source="kv_connector_extra_config of CPUOffloadingConnector")
+        parallel = vllm_config.parallel_config
+        world = int(parallel.tensor_parallel_size) * int(parallel.pipeline_parallel_size)
+        return cls(endpoint or endpoint_for(vllm_config, cfg), world_size=world,
+                   budget_bytes=cfg.swap_space_bytes, save_ttl=cfg.save_timeout_s,
+                   preallocate=cfg.preallocate)
+
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> MetadataServer:
         """Serve on a daemon thread; returns ``self``."""
@@ -115,6 +143,10 @@ class MetadataServer:
         if self._ipc_path:
             with contextlib.suppress(OSError):
                 os.unlink(self._ipc_path)
+
+    def shutdown(self) -> None:
+        """Upstream's name for :meth:`stop`."""
+        self.stop()
 
     @property
     def rpc_stats(self) -> dict[str, int]:
