@@ -2,7 +2,8 @@
 """Clients of the metadata server: typed calls, timeouts, and a back-off when it is gone.
 
 The scheduler must never wait on a dead server step after step: after a
-failed call the client reports itself unavailable for ``retry_after_s`` and
+failed call the client reports itself unavailable for ``retry_after_s`` (core's
+:class:`~vllm_ascend.distributed.kv_transfer.core.retry.RetryGuard`) and
 every call in that window fails at once with :class:`ServerUnavailable`; the
 scheduler then serves without the host cache (no hits, no saves).
 """
