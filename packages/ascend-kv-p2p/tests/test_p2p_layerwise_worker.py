@@ -171,7 +171,7 @@ def d_expect(d: LayerwiseWorker, rid: str, blocks: list[int], cached: int = 0,
 
 @pytest.mark.parametrize(("layout", "p_tp", "d_tp"), [
     ("cpu", 1, 1), ("cpu", 2, 1), ("cpu", 1, 2), ("cpu", 4, 2),
-    ("npu", 1, 1), ("npu", 2, 1), ("npu", 1, 2),
+    ("npu", 1, 1), ("npu", 2, 1), ("npu", 1, 2), ("npu", 4, 2), ("npu", 2, 4),
     ("mla", 2, 1), ("mla", 1, 2),
 ])
 def test_chunked_push_moves_the_right_bytes(layout: str, p_tp: int, d_tp: int) -> None:
