@@ -76,10 +76,16 @@ def failures(engine: EngineProcess) -> dict[str, float]:
             if k.startswith("p2p_failures")}
 
 
-def empty(engine: EngineProcess) -> dict[str, int]:
-    """Wait until the engine holds nothing; its leak state."""
-    assert engine.wait_idle(30)
+def empty(engine: EngineProcess, report: Any = None) -> dict[str, int]:
+    """Wait until the engine holds nothing; its leak state (observed as ``zero`` on
+    ``report``)."""
+    idle = engine.wait_idle(30)
     s = state(engine)
+    if report is not None:
+        report.check("zero", idle and s["requests"] == s["used_blocks"] == 0
+                     and s["p2p_held"] == s["p2p_pending"] == s["p2p_pushes"] == 0,
+                     f"idle={idle}, {s}")
+    assert idle, s
     assert s["requests"] == 0 and s["used_blocks"] == 0, s
     assert s["p2p_held"] == s["p2p_pending"] == s["p2p_pushes"] == 0, s
     return s
@@ -141,22 +147,23 @@ def test_d_killed_while_p_pushes(lw: dict[str, Any], tmp_path: Path,
     assert p_out["r"].finish_reason == "length"  # P's own client got its prefill answer
     freed = wait_for(lambda: p.call(f"{PROBES}:step_for", seconds=0.2)["requests"] == 0, 20)
     took = time.monotonic() - killed
-    assert freed and took < LEASE_S + 15, took
-    s = empty(p)
+    assert fault_report.check("deadline", freed and took < LEASE_S + 15,
+                              f"P freed the blocks {took:.1f}s after the kill"), took
+    empty(p, fault_report)
     fail1 = failures(p)
     causes = {k: v - fail0.get(k, 0) for k, v in fail1.items() if v != fail0.get(k, 0)}
     assert sum(causes.values()) >= 1, causes  # the push was stopped and counted
     # P serves on: a new layerwise request to the surviving D
     got = pd_once(p, d, meta, w)
-    assert got.token_ids == want_w and got.finish_reason == "length"
-    empty(p)
-    empty(d)
+    assert fault_report.check("survivor", got.token_ids == want_w
+                              and got.finish_reason == "length", "P/D answer after the kill")
+    empty(p, fault_report)
+    empty(d, fault_report)
     fault_report(fault="layerwise: D killed (SIGKILL) while P pushes into its blocks",
                  happened=f"P's next write found the lease lapsed and D gone; P stopped the push "
                           f"({', '.join(sorted(causes))}), freed the blocks and its push state "
                           f"{took:.1f}s after the kill (lease {LEASE_S:.0f}s); P served the "
                           "next P/D request",
-                 deadline=True, survivor=True, zero=s["used_blocks"] == 0,
                  client="P's client: its prefill answer; D's client: connection lost")
 
 
@@ -178,15 +185,16 @@ def test_p_killed_mid_push(lw: dict[str, Any], fault_report: Any) -> None:
     thread.join(60)
     got = out["d"]
     assert got.token_ids == want[0] and got.finish_reason == "length"
-    assert out["took"] < DEADLINE_S + 5, out["took"]
+    assert fault_report.check("deadline", out["took"] < DEADLINE_S + 5,
+                              f"D's request took {out['took']:.1f}s"), out["took"]
     fail1 = failures(d)
     causes = {k: v - fail0.get(k, 0) for k, v in fail1.items() if v != fail0.get(k, 0)}
     assert causes == {"peer_lost": 1}, causes  # P's lease lapsed, not the deadline
-    assert d.generate([z], max_tokens=8)[0].token_ids == want[1]
-    s = empty(d)
+    assert fault_report.check("survivor", d.generate([z], max_tokens=8)[0].token_ids == want[1],
+                              "D's next answer")
+    empty(d, fault_report)
     fault_report(fault="layerwise: P killed (SIGKILL) mid-push (after 2 layer writes)",
                  happened=f"D failed the load when P's write lease lapsed (cause peer_lost), "
                           f"recomputed the prompt ({out['took']:.1f}s, deadline "
                           f"{DEADLINE_S:.0f}s) and served the next request",
-                 deadline=True, survivor=True, zero=s["p2p_pending"] == 0,
                  client="the right tokens (recompute policy)")

@@ -198,8 +198,12 @@ def test_offload_client_killed_holding_a_pin_and_a_pending_save(
         assert pin_gone is not None, f"the dead client's pin was still held: {s}"
         assert save_gone is not None, f"the dead client's save was still pending: {s}"
         # not before the lease (nothing else releases a SIGKILLed owner), not much after
-        assert held["t_pin"] + PIN_TTL_S <= pin_gone <= held["t_pin"] + PIN_TTL_S + MARGIN_S
-        assert held["t_save"] + SAVE_TTL_S <= save_gone <= held["t_save"] + SAVE_TTL_S + MARGIN_S
+        assert fault_report.check(
+            "deadline", held["t_pin"] + PIN_TTL_S <= pin_gone <= held["t_pin"] + PIN_TTL_S
+            + MARGIN_S, f"the pin lapsed {pin_gone - held['t_pin']:.1f}s after it was taken")
+        assert fault_report.check(
+            "deadline", held["t_save"] + SAVE_TTL_S <= save_gone <= held["t_save"] + SAVE_TTL_S
+            + MARGIN_S, f"the save lapsed {save_gone - held['t_save']:.1f}s after it began")
 
         # each lease lapsed once: blocks back where they belong, counted once
         s = stats()
@@ -211,7 +215,8 @@ def test_offload_client_killed_holding_a_pin_and_a_pending_save(
             m = server.manager
             assert m is not None
             m.check()
-            assert m.pin_keys() == [] and m.pending_jobs() == []
+            assert fault_report.check("zero", m.pin_keys() == [] and m.pending_jobs() == [],
+                                      f"pins {m.pin_keys()}, jobs {m.pending_jobs()}")
             assert m.num_evictable == CACHED
         # what the dead client saved before it died stays a valid hit; its unfinished save never
         assert sched.lookup(chain("a", CACHED)) == CACHED
@@ -229,8 +234,11 @@ def test_offload_client_killed_holding_a_pin_and_a_pending_save(
         assert read_json(newcomer, logs["newcomer"], 60)["state"] == "ready"
         got = read_json(newcomer, logs["newcomer"], 30)
         assert newcomer.wait(10) == 0, logs["newcomer"].read_text()[-3000:]
-        assert got["ready"] and got["num_blocks"] == total
-        assert got["hit_a"] == CACHED and got["pinned"] == held["cached_ids"]
+        assert fault_report.check("survivor", got["ready"] and got["num_blocks"] == total,
+                                  f"the new process: {got}")
+        assert fault_report.check("survivor", got["hit_a"] == CACHED
+                                  and got["pinned"] == held["cached_ids"],
+                                  "the new process's hits and pins")
         saves = {sv["key"]: sv for sv in got["saves"]}
         n_c = total - CACHED - PENDING
         assert saves["b"]["positions"] == list(range(PENDING)), "the aborted hashes were freed"
@@ -241,13 +249,14 @@ def test_offload_client_killed_holding_a_pin_and_a_pending_save(
         assert got["evictions"] == 0
         assert (got["hit_b"], got["hit_c"]) == (PENDING, n_c)
         assert (got["full_free"], got["full_pinned"], got["pinned_after"]) == (0, CACHED, 0)
-        assert got["slowest"] < CALL_TIMEOUT_S
+        assert fault_report.check("deadline", got["slowest"] < CALL_TIMEOUT_S,
+                                  f"the new process's slowest call took {got['slowest']:.2f}s")
 
         # and back to zero
         assert sched.reset() == total
         s = stats()
-        assert (s.free_blocks, s.cached_blocks, s.pinned_blocks, s.pending_blocks) == (
-            total, 0, 0, 0)
+        assert fault_report.check("zero", (s.free_blocks, s.cached_blocks, s.pinned_blocks,
+                                           s.pending_blocks) == (total, 0, 0, 0), f"{s}")
         with server._lock:
             server.manager.check()  # type: ignore[union-attr]
         assert server.rpc_stats["handler_errors"] == 0
@@ -275,5 +284,4 @@ def test_offload_client_killed_holding_a_pin_and_a_pending_save(
                  f"them and saved into all {total - CACHED} free blocks without an eviction",
         deadline=f"yes (every call answered, slowest {max(slowest, got['slowest']):.2f}s; "
                  f"call timeout {CALL_TIMEOUT_S:.0f}s)",
-        survivor=True, zero=True,
         client="the new process: hits, pins and saves as before; the killed one: none (dead)")

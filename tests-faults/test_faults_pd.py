@@ -72,10 +72,16 @@ def totals(engine: EngineProcess) -> dict[str, float]:
     return engine.call(f"{PROBES}:connector_totals")
 
 
-def idle_and_empty(engine: EngineProcess) -> dict[str, int]:
-    """Wait until the engine holds nothing; its leak state."""
-    assert engine.wait_idle(30)
+def idle_and_empty(engine: EngineProcess, report: Any = None) -> dict[str, int]:
+    """Wait until the engine holds nothing; its leak state (observed as ``zero`` on
+    ``report``)."""
+    idle = engine.wait_idle(30)
     s = state(engine)
+    empty = idle and s["requests"] == 0 and s["used_blocks"] == 0
+    empty = empty and s["p2p_held"] == 0 and s["p2p_pending"] == 0
+    if report is not None:
+        report.check("zero", empty, f"idle={idle}, {s}")
+    assert idle, s
     assert s["requests"] == 0 and s["used_blocks"] == 0, s
     assert s["p2p_held"] == 0 and s["p2p_pending"] == 0, s
     return s
@@ -102,21 +108,24 @@ def test_a_read_stalled_past_the_deadline_never_lands_in_reused_blocks(
     time.sleep(1.0)  # the stalled read has resumed and finished by now
     again_y = dc.generate([y], max_tokens=8)[0]
     assert again_y.num_cached_tokens and again_y.num_cached_tokens >= 13 * BS
-    assert first_y.token_ids == want_y
-    assert again_y.token_ids == want_y, "a late read overwrote blocks vLLM had reused"
+    assert fault_report.check("survivor", first_y.token_ids == want_y, "Y's first answer")
+    assert fault_report.check("survivor", again_y.token_ids == want_y,
+                              "a late read overwrote blocks vLLM had reused")
     # X ended once its read could no longer land: the stall, not the deadline, bounds it
-    assert SMALL_DEADLINE_S <= x_took < stall_s + 5
+    assert fault_report.check("deadline", SMALL_DEADLINE_S <= x_took < stall_s + 5,
+                              f"X ended after {x_took:.1f}s")
     t = totals(dc)
     assert t.get("p2p_failures|cause=deadline", 0) == 1
-    idle_and_empty(dc)
-    assert wait_for(lambda: state(pb)["p2p_held"] == 0, 10)  # D's Done released P
+    idle_and_empty(dc, fault_report)
+    assert fault_report.check("zero", wait_for(lambda: state(pb)["p2p_held"] == 0, 10),
+                              "P still held X's blocks")  # D's Done released P
     fault_report(fault="D's read stalls past D's deadline (network stall, then resumes)",
                  happened=f"X failed at its deadline; its blocks went back to vLLM only when "
                           f"the stalled read returned ({x_took:.1f}s); the reused blocks kept "
                           "their KV (Y's cached prefix gave Y's tokens)",
                  deadline=f"failed at {SMALL_DEADLINE_S:.0f}s, released after the read "
                           f"({x_took:.1f}s)",
-                 survivor=True, zero=True, client="clear error (fail policy)")
+                 client="clear error (fail policy)")
 
 
 def test_d_killed_while_p_holds_its_blocks(engines: dict[str, EngineProcess],
@@ -138,18 +147,18 @@ def test_d_killed_while_p_holds_its_blocks(engines: dict[str, EngineProcess],
     freed = wait_for(lambda: pb.call(f"{PROBES}:step_for", seconds=0.2)["requests"] == 0,
                      LEASE_S + 5)
     took = time.monotonic() - start
-    assert freed and took < LEASE_S + 5
-    s = idle_and_empty(pb)
+    assert fault_report.check("deadline", freed and took < LEASE_S + 5,
+                              f"P freed the blocks after {took:.1f}s")
+    idle_and_empty(pb, fault_report)
     assert totals(pb).get("p2p_expired_leases", 0) - expired0 == 1
     # P serves on: a new P/D request with the surviving D
     got = d.generate([w], max_tokens=8, kv_params=prefill(pb, [w]))[0]
-    assert got.token_ids == want_w
-    idle_and_empty(pb)
-    idle_and_empty(d)
+    assert fault_report.check("survivor", got.token_ids == want_w, "P/D answer after the kill")
+    idle_and_empty(pb, fault_report)
+    idle_and_empty(d, fault_report)
     fault_report(fault="D killed (SIGKILL) during its read, P holding the blocks",
                  happened=f"P's lease lapsed and P freed the blocks once after {took:.1f}s "
                           f"(lease {LEASE_S:.0f}s); P served the next P/D request",
-                 deadline=True, survivor=True, zero=s["used_blocks"] == 0,
                  client="D's client: connection lost (D is gone)")
 
 
@@ -177,15 +186,16 @@ def test_p_killed_after_granting_the_claim(engines: dict[str, EngineProcess], tm
     (tmp_path / "go").touch()
     thread.join(120)
     assert out["x"].token_ids == want[0] and out["x"].finish_reason == "length"
-    assert out["took"] < DEADLINE_S + 5
+    assert fault_report.check("deadline", out["took"] < DEADLINE_S + 5,
+                              f"X took {out['took']:.1f}s")
     failures = sum(v for k, v in totals(d).items() if k.startswith("p2p_failures"))
     assert failures - failures0 == 1
-    assert d.generate([z], max_tokens=8)[0].token_ids == want[1]
-    idle_and_empty(d)
+    assert fault_report.check("survivor", d.generate([z], max_tokens=8)[0].token_ids == want[1],
+                              "D's next answer")
+    idle_and_empty(d, fault_report)
     fault_report(fault="P killed after granting D's claim, before D's read completed",
                  happened=f"D's read failed; D recomputed the prompt ({out['took']:.1f}s) and "
                           "served the next request",
-                 deadline=True, survivor=True, zero=True,
                  client="the right tokens (recompute policy)")
 
 
@@ -215,21 +225,23 @@ def test_p_killed_while_a_large_read_is_in_flight(engines: dict[str, EngineProce
     landed, pieces = map(int, (tmp_path / "pieces").read_text().split())
     assert 1 <= landed < pieces, (landed, pieces)  # the kill landed mid-read
     assert out["x"].token_ids == want[0] and out["x"].finish_reason == "length"
-    assert out["took"] < DEADLINE_S + 5
+    assert fault_report.check("deadline", out["took"] < DEADLINE_S + 5,
+                              f"X took {out['took']:.1f}s")
     failures = {k: v - failures0.get(k, 0) for k, v in totals(d).items()
                 if k.startswith("p2p_failures") and v != failures0.get(k, 0)}
     assert sum(failures.values()) == 1, failures
-    assert d.generate([z], max_tokens=8)[0].token_ids == want[1]
+    assert fault_report.check("survivor", d.generate([z], max_tokens=8)[0].token_ids == want[1],
+                              "D's next answer")
     # the same prompt again: nothing half-read was cached under its hashes
-    assert d.generate([x], max_tokens=8)[0].token_ids == want[0]
-    idle_and_empty(d)
+    assert fault_report.check("survivor", d.generate([x], max_tokens=8)[0].token_ids == want[0],
+                              "the same prompt again")
+    idle_and_empty(d, fault_report)
     cause = next(iter(failures)).split("cause=")[-1]
     fault_report(fault="P killed while D's read of a long prompt is in flight (1400 tokens, "
                        "the read cut into pieces on a slow link)",
                  happened=f"{landed} of {pieces} pieces had landed; the rest of the read "
                           f"failed (cause {cause}); D recomputed the prompt "
                           f"({out['took']:.1f}s) and served the next request",
-                 deadline=True, survivor=True, zero=True,
                  client="the right tokens (recompute policy)")
 
 
@@ -246,9 +258,11 @@ def test_p_killed_after_d_read_everything(engines: dict[str, EngineProcess],
     pb.kill()
     # D's lease renewer and handshake cache still name the dead P: nothing may hang on it
     state_after = d.call(f"{PROBES}:step_for", seconds=2.0)
-    assert state_after["requests"] == 0
-    assert d.generate([z], max_tokens=8)[0].token_ids == want[1]
-    idle_and_empty(d)
+    assert fault_report.check("deadline", state_after["requests"] == 0,
+                              f"D still ran {state_after['requests']} request(s) 2s later")
+    assert fault_report.check("survivor", d.generate([z], max_tokens=8)[0].token_ids == want[1],
+                              "D's next answer")
+    idle_and_empty(d, fault_report)
     fault_report(fault="P killed after D read everything",
                  happened="D's request had completed; D served the next request",
-                 deadline=True, survivor=True, zero=True, client="the right tokens")
+                 client="the right tokens")

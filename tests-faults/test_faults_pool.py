@@ -34,10 +34,15 @@ def pool(engine: EngineProcess) -> dict[str, float]:
     return engine.call(f"{PROBES}:pool_totals")
 
 
-def empty(engine: EngineProcess) -> None:
-    assert engine.wait_idle(30)
+def empty(engine: EngineProcess, report: Any = None) -> None:
+    """Wait until the engine holds nothing (observed as ``zero`` on ``report``)."""
+    idle = engine.wait_idle(30)
     s = engine.call(f"{PROBES}:leak_state")
-    assert s["requests"] == 0 and s["used_blocks"] == 0 and s["pool_pending_saves"] == 0, s
+    ok = s["requests"] == 0 and s["used_blocks"] == 0 and s["pool_pending_saves"] == 0
+    if report is not None:
+        report.check("zero", idle and ok, f"idle={idle}, {s}")
+    assert idle, s
+    assert ok, s
 
 
 @pytest.fixture(scope="module")
@@ -85,22 +90,26 @@ def test_client_killed_mid_put(store: Any, fault_report: Any) -> None:
     a1.proc.join(30)
     assert not a1.proc.is_alive()
     before = pool(b)
+    start = time.monotonic()
     got = b.generate(prompt, max_tokens=8)[0]
+    took = time.monotonic() - start
     after = pool(b)
+    assert fault_report.check("deadline", took < 30, f"the survivor's request took {took:.1f}s")
     # exactly the one object A finished is a hit; the rest was recomputed and saved by B
-    assert got.token_ids == want
+    assert fault_report.check("survivor", got.token_ids == want, "the survivor's answer")
     assert got.num_cached_tokens == BS
     assert after.get("pool_loaded_blocks", 0) - before.get("pool_loaded_blocks", 0) == 1
     assert after.get("pool_failed_load_blocks", 0) == before.get("pool_failed_load_blocks", 0)
-    empty(b)
+    empty(b, fault_report)
     b.reset_prefix_cache()
     again = b.generate(prompt, max_tokens=8)[0]
-    assert again.token_ids == want and again.num_cached_tokens == 4 * BS
-    empty(b)
+    assert fault_report.check("survivor", again.token_ids == want, "the survivor's next answer")
+    assert again.num_cached_tokens == 4 * BS
+    empty(b, fault_report)
     fault_report(fault="pool client killed (SIGKILL) half-way through a put",
                  happened="the object it had finished was a hit for another instance, the "
                           "unfinished ones were never hits (recomputed, saved by the survivor)",
-                 deadline=True, survivor=True, zero=True,
+                 deadline=f"yes ({took:.1f}s)",
                  client="survivor: the right tokens; killed client: connection lost")
 
 
@@ -131,15 +140,18 @@ def test_client_holding_the_segment_killed(store: Any, fault_report: Any) -> Non
     got = b.generate(prompt, max_tokens=8)[0]
     took = time.monotonic() - start
     after = pool(b)
-    assert got.token_ids == want and got.finish_reason == "length"
+    assert fault_report.check("survivor", got.token_ids == want
+                              and got.finish_reason == "length", "the survivor's answer")
     lookups_hit = after.get("pool_hit_tokens", 0) - before.get("pool_hit_tokens", 0)
     failed = after.get("pool_failed_load_blocks", 0) - before.get("pool_failed_load_blocks", 0)
     # the master may still list A2's objects: every hit lives in a dead segment, its load
     # fails and is recomputed
     assert failed * BS == lookups_hit, (lookups_hit, failed)
-    assert took < 30
-    assert len(b.generate(prompts_of([70], seed=403), max_tokens=8)[0].token_ids) == 8
-    empty(b)
+    assert fault_report.check("deadline", took < 30, f"the survivor's request took {took:.1f}s")
+    assert fault_report.check("survivor", len(b.generate(prompts_of([70], seed=403),
+                                                         max_tokens=8)[0].token_ids) == 8,
+                              "the survivor's next answer")
+    empty(b, fault_report)
     store.holder = MooncakeSegmentHolder(store.master, segment_size="64MB").start()
     fault_report(fault="pool client holding the objects' segment killed",
                  happened=("the master still listed its objects; loading them from the dead "
@@ -149,7 +161,7 @@ def test_client_holding_the_segment_killed(store: Any, fault_report: Any) -> Non
                           + (f"; before that, {dropped_puts} prompt(s) of A2's saves were "
                              "dropped (placed in the dead segment), never an error to the client"
                              if dropped_puts else ""),
-                 deadline=True, survivor=True, zero=True, client="the right tokens")
+                 deadline=f"yes ({took:.1f}s)", client="the right tokens")
 
 
 def test_master_killed_and_restarted_mid_run(store: Any, fault_report: Any) -> None:
@@ -165,9 +177,12 @@ def test_master_killed_and_restarted_mid_run(store: Any, fault_report: Any) -> N
     start = time.monotonic()
     outs = [b.generate(p, max_tokens=8)[0] for p in (first, during)]
     down_s = time.monotonic() - start
-    assert [o.token_ids for o in outs] == [want[tuple(first[0])], want[tuple(during[0])]]
-    assert down_s < 10
-    empty(b)
+    assert fault_report.check("survivor", [o.token_ids for o in outs]
+                              == [want[tuple(first[0])], want[tuple(during[0])]],
+                              "answers while the master was down")
+    assert fault_report.check("deadline", down_s < 10,
+                              f"2 requests took {down_s:.1f}s while down")
+    empty(b, fault_report)
     dropped = pool(b).get("pool_dropped_save_blocks|cause=store_unavailable", 0)
     assert dropped > 0
     # the same ports again: the clients find it, the holder mounts its segment again
@@ -184,11 +199,12 @@ def test_master_killed_and_restarted_mid_run(store: Any, fault_report: Any) -> N
 
     assert wait_for(pool_hits_again, 60, interval_s=RETRY_S)
     recovered_s = time.monotonic() - back
-    assert b.generate(after, max_tokens=8)[0].token_ids == want[tuple(after[0])]
-    empty(b)
+    assert fault_report.check("survivor", b.generate(after, max_tokens=8)[0].token_ids
+                              == want[tuple(after[0])], "the answer after the restart")
+    empty(b, fault_report)
     fault_report(fault="mooncake_master killed and restarted mid-run",
                  happened=f"while down, lookups missed and saves were dropped at once "
                           f"({dropped:.0f} blocks); once restarted on the same ports the pool "
                           f"served hits again after {recovered_s:.1f}s",
-                 deadline=f"yes (2 requests in {down_s:.1f}s while down)", survivor=True,
-                 zero=True, client="the right tokens")
+                 deadline=f"yes (2 requests in {down_s:.1f}s while down)",
+                 client="the right tokens")

@@ -106,12 +106,22 @@ def reference(d: Server, batch: list[list[int]]) -> list[list[int]]:
     return want
 
 
-def idle(server: Server, timeout: float = 30.0) -> dict[str, float]:
-    """Wait until the instance runs nothing and uses no KV block; its metrics."""
+def idle(server: Server, timeout: float = 30.0, report: Any = None) -> dict[str, float]:
+    """Wait until the instance runs nothing and uses no KV block; its metrics (observed as
+    ``zero`` on ``report``)."""
     keys = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
-    assert wait_for(lambda: all(metrics(server.url).get(k, 0) == 0 for k in keys), timeout,
-                    interval_s=0.5), {k: metrics(server.url).get(k) for k in keys}
+    ok = wait_for(lambda: all(metrics(server.url).get(k, 0) == 0 for k in keys), timeout,
+                  interval_s=0.5)
+    if report is not None:
+        report.check("zero", ok, f"{ {k: metrics(server.url).get(k) for k in keys} }")
+    assert ok, {k: metrics(server.url).get(k) for k in keys}
     return metrics(server.url)
+
+
+def no_held(p: Server, report: Any) -> bool:
+    """P holds no request within its lease (observed as ``zero`` on ``report``)."""
+    return report.check("zero", wait_for(lambda: held(p) == 0, LEASE_S + 10, interval_s=0.5),
+                        f"P still held {held(p):.0f} request(s)")
 
 
 def held(p: Server) -> float:
@@ -150,19 +160,24 @@ def test_client_params_never_pass_the_proxy(cluster: dict[str, Server],
     want = reference(d, batch)
     hostile = [{**valid_looking_params(70), **change} for _n, change in BAD_PARAMS]
     hostile += [{"do_remote_prefill": True, "remote_block_ids": [0] * 10**4}, {"x": {"y": []}}]
+    start = time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         answers = list(pool.map(lambda args: completion(px.url, args[0],
                                                         kv_transfer_params=args[1]),
                                 zip(batch, hostile, strict=True)))
-    assert [a[0] for a in answers] == [200] * len(batch), answers
-    assert [token_ids(a[1]) for a in answers] == want
-    idle(d)
-    assert wait_for(lambda: held(cluster["p"]) == 0, LEASE_S + 10, interval_s=0.5)
+    took = time.monotonic() - start
+    assert fault_report.check("deadline", [a[0] for a in answers] == [200] * len(batch),
+                              f"HTTP statuses {sorted({a[0] for a in answers})}"), answers
+    assert fault_report.check("survivor", [token_ids(a[1]) for a in answers] == want,
+                              "tokens differ from the single instance's")
+    idle(d, report=fault_report)
+    assert no_held(cluster["p"], fault_report)
     fault_report(fault=f"malformed kv_transfer_params from a client, through the proxy "
                        f"({len(hostile)} kinds)",
                  happened="the proxy sent P its prefill params and D P's answer, never the "
                           "client's; every request gave the single-instance tokens",
-                 deadline=True, survivor=True, zero=True, client="the right tokens")
+                 deadline=f"yes ({len(batch)} requests in {took:.1f}s)",
+                 client="the right tokens")
 
 
 @pytest.mark.parametrize(("what", "change"), BAD_PARAMS, ids=[n for n, _c in BAD_PARAMS])
@@ -180,19 +195,23 @@ def test_malformed_params_straight_to_d(cluster: dict[str, Server], model: tuple
                    pool.submit(completion, d.url, batch[2])]
         answers = [f.result() for f in futures]
     # recompute policy: the bad request is computed locally; with "fail" it would be an error
-    assert answers[0][0] == 200 and token_ids(answers[0][1]) == want[0], answers[0]
-    assert [token_ids(a[1]) for a in answers[1:]] == want[1:]
-    m = idle(d)
+    assert fault_report.check("deadline", answers[0][0] == 200,
+                              f"HTTP {answers[0][0]} for the bad request"), answers[0]
+    assert fault_report.check("survivor", token_ids(answers[0][1]) == want[0],
+                              "the bad request's tokens"), answers[0]
+    assert fault_report.check("survivor", [token_ids(a[1]) for a in answers[1:]] == want[1:],
+                              "the requests beside it")
+    m = idle(d, report=fault_report)
     assert wait_for(lambda: metrics(d.url).get("vllm:ascend_kv_p2p_failures_total", 0)
                     - failures0 == 1, 10, interval_s=0.5)
-    assert m.get("vllm:ascend_kv_p2p_pending_loads", 0) == 0
+    assert fault_report.check("zero", m.get("vllm:ascend_kv_p2p_pending_loads", 0) == 0,
+                              f"{m.get('vllm:ascend_kv_p2p_pending_loads')} pending loads")
     if what == BAD_PARAMS[0][0]:
         fault_report(fault="malformed kv_transfer_params straight to D (wrong types, negative "
                            "or huge block ids, too many blocks, bad port/host/tp, missing keys)",
                      happened="that request's load failed at once (cause bad_params, counted, "
                               "logged with the key and value) and was recomputed; the requests "
                               "beside it were untouched",
-                     deadline=True, survivor=True, zero=True,
                      client="the right tokens (recompute policy; with `fail`, vLLM answers "
                             "HTTP 500)")
 
@@ -221,6 +240,7 @@ def test_proxy_http_fuzz(cluster: dict[str, Server], model: tuple[Path, int],
             "max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
     rss0 = rss_bytes(px.proc.pid)
     statuses: dict[int, int] = {}
+    slowest = [0.0]
 
     @settings(max_examples=EXAMPLES, deadline=None, database=None,
               suppress_health_check=list(HealthCheck))
@@ -228,7 +248,9 @@ def test_proxy_http_fuzz(cluster: dict[str, Server], model: tuple[Path, int],
            path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/metaserver",
                                  "/v1/completions/../../x", "/status?x=%00"]))
     def fuzz(body: bytes, path: str) -> None:
+        start = time.monotonic()
         status, answer = http(px.url + path, raw=body, timeout=120)
+        slowest[0] = max(slowest[0], time.monotonic() - start)
         statuses[status] = statuses.get(status, 0) + 1
         assert px.proc.poll() is None, "the proxy died"
         # an unhandled exception in the proxy is Starlette's bare-text 500; the proxy's own
@@ -236,6 +258,7 @@ def test_proxy_http_fuzz(cluster: dict[str, Server], model: tuple[Path, int],
         assert isinstance(answer, dict) or status < 500, (status, answer, body[:200])
 
     fuzz()
+    fault_report.check("deadline", slowest[0] < 120, f"slowest answer {slowest[0]:.1f}s")
     marker = tmp_path / "pwned-proxy"
     for payload in evil_pickles(marker):
         for path in ("/v1/completions", "/v1/metaserver"):
@@ -246,17 +269,18 @@ def test_proxy_http_fuzz(cluster: dict[str, Server], model: tuple[Path, int],
     grown = rss_bytes(px.proc.pid) - rss0
     assert grown < 64 << 20, f"the proxy grew by {grown >> 20} MiB"
     status, answer = completion(px.url, good["prompt"], max_tokens=4)
-    assert status == 200 and len(token_ids(answer)) == 4
+    assert fault_report.check("survivor", status == 200 and len(token_ids(answer)) == 4,
+                              f"a valid request afterwards: HTTP {status}")
     assert http(px.url + "/health")[0] == 200
-    idle(d)
-    assert wait_for(lambda: held(cluster["p"]) == 0, LEASE_S + 10, interval_s=0.5)
+    idle(d, report=fault_report)
+    assert no_held(cluster["p"], fault_report)
     fault_report(fault="fuzzing the proxy's HTTP socket (mutated bodies, other JSON, "
                        "non-JSON, pickles)",
                  happened=f"{sum(statuses.values())} requests answered "
                           f"({', '.join(f'{k}: {v}' for k, v in sorted(statuses.items()))}); no "
                           f"pickle ran; proxy memory {grown / (1 << 20):+.1f} MiB; a valid "
                           "request worked afterwards",
-                 deadline=True, survivor=True, zero=True,
+                 deadline=f"yes (slowest answer {slowest[0]:.1f}s)",
                  client="an HTTP status with an error body naming the problem")
 
 
@@ -289,19 +313,21 @@ def test_proxy_killed_while_streaming(cluster: dict[str, Server], model: tuple[P
         client_error = f"{type(exc).__name__}"
     finally:
         resp.close()
-    m = idle(d, timeout=30)  # D noticed the closed connection and aborted the request
+    m = idle(d, timeout=30, report=fault_report)  # D noticed the closed connection, aborted
     aborted_s = time.monotonic() - start
-    assert wait_for(lambda: held(p) == 0, LEASE_S + 10, interval_s=0.5)
-    idle(p)
-    assert m.get("vllm:ascend_kv_p2p_pending_loads", 0) == 0
+    fault_report.check("deadline", aborted_s < 30, f"D aborted after {aborted_s:.1f}s")
+    assert no_held(p, fault_report)
+    idle(p, report=fault_report)
+    assert fault_report.check("zero", m.get("vllm:ascend_kv_p2p_pending_loads", 0) == 0,
+                              f"{m.get('vllm:ascend_kv_p2p_pending_loads')} pending loads")
     px.restart().wait_ready()
     status, answer = completion(px.url, prompt, max_tokens=4)
-    assert status == 200 and len(token_ids(answer)) == 4
+    assert fault_report.check("survivor", status == 200 and len(token_ids(answer)) == 4,
+                              f"the restarted proxy: HTTP {status}")
     fault_report(fault="proxy killed (SIGKILL) while streaming a response",
                  happened=f"the client's stream ended ({client_error}); D saw the closed "
                           f"connection and aborted the request ({aborted_s:.1f}s), freeing its "
                           "blocks; P held nothing; a proxy restarted on the same port served",
-                 deadline=True, survivor=True, zero=True,
                  client="the stream ends (connection closed)")
 
 
@@ -339,6 +365,7 @@ def test_layerwise_metaserver_fuzz(lw_proxy: dict[str, Any], tmp_path: Path,
     statuses: dict[int, int] = {}
     clients: dict[int, int] = {}
     forwarded = [0]
+    slowest = [0.0]
 
     @settings(max_examples=EXAMPLES, deadline=None, database=None,
               suppress_health_check=list(HealthCheck))
@@ -357,7 +384,9 @@ def test_layerwise_metaserver_fuzz(lw_proxy: dict[str, Any], tmp_path: Path,
                 if isinstance(doc, dict):
                     data = json.dumps({**doc, "request_id": rid}).encode()
             n_p = len(p.bodies)
+            start = time.monotonic()
             status, answer = http(px.url + "/v1/metaserver", raw=data, timeout=30)
+            slowest[0] = max(slowest[0], time.monotonic() - start)
             statuses[status] = statuses.get(status, 0) + 1
             assert px.proc.poll() is None, "the proxy died"
             assert isinstance(answer, dict) and status in (200, 400, 404), (status, answer,
@@ -374,6 +403,7 @@ def test_layerwise_metaserver_fuzz(lw_proxy: dict[str, Any], tmp_path: Path,
         assert code == 200, answer_box["c"]
 
     fuzz()
+    fault_report.check("deadline", slowest[0] < 30, f"slowest answer {slowest[0]:.1f}s")
     marker = tmp_path / "pwned-metaserver"
     for payload in evil_pickles(marker):
         status, _answer = http(px.url + "/v1/metaserver", raw=payload,
@@ -382,7 +412,8 @@ def test_layerwise_metaserver_fuzz(lw_proxy: dict[str, Any], tmp_path: Path,
     assert not marker.exists()
     grown = rss_bytes(px.proc.pid) - rss0
     assert grown < 64 << 20, f"the proxy grew by {grown >> 20} MiB"
-    assert wait_for(lambda: http(px.url + "/status")[1]["pending"] == 0, 10)
+    assert fault_report.check("zero", wait_for(
+        lambda: http(px.url + "/status")[1]["pending"] == 0, 10), "requests left pending")
     # valid traffic afterwards: D posts its blocks, P gets exactly them
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         client = pool.submit(http, px.url + "/v1/completions", good, timeout=60)
@@ -391,8 +422,10 @@ def test_layerwise_metaserver_fuzz(lw_proxy: dict[str, Any], tmp_path: Path,
         assert http(px.url + "/v1/metaserver", post)[0] == 200
         assert wait_for(lambda: p.bodies and p.bodies[-1].get("kv_transfer_params") == post, 10)
         d.release(rid)
-        assert client.result(60)[0] == 200
-    assert http(px.url + "/status")[1]["pending"] == 0
+        assert fault_report.check("survivor", client.result(60)[0] == 200,
+                                  "a valid post afterwards")
+    assert fault_report.check("zero", http(px.url + "/status")[1]["pending"] == 0,
+                              "requests left pending")
     fault_report(fault="fuzzing the layerwise proxy's POST /v1/metaserver (mutated D posts "
                        "for pending and unknown requests, other JSON, non-JSON, pickles)",
                  happened=f"{sum(statuses.values())} posts answered "
@@ -400,5 +433,5 @@ def test_layerwise_metaserver_fuzz(lw_proxy: dict[str, Any], tmp_path: Path,
                           f"{forwarded[0]} well-addressed ones went to P once); no pickle ran; "
                           f"proxy memory {grown / (1 << 20):+.1f} MiB; no request left pending; "
                           "a valid post worked afterwards",
-                 deadline=True, survivor=True, zero=True,
+                 deadline=f"yes (slowest answer {slowest[0]:.1f}s)",
                  client="D's post: an HTTP status with a JSON error; the client: D's answer")
