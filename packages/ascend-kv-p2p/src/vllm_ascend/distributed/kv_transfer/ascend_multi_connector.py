@@ -18,6 +18,11 @@ That is the production shape "layerwise P/D plus a shared prefix pool"::
         {"kv_connector": "MooncakeLayerwiseConnector", ...},
         {"kv_connector": "AscendStoreConnector", ...}]}
 
+vLLM's ``MultiConnector`` declares HMA support and then asserts that every child has it;
+ours do not, so run it with the hybrid KV cache manager off
+(``--disable-hybrid-kv-cache-manager``). ``tests-e2e/test_multi_connector_e2e.py`` runs
+this shape on real engines.
+
 Registered as ``AscendMultiConnector``. Upstream replaces vLLM's own
 ``MultiConnector`` name with this class; we never override a name vLLM owns,
 so select it by its own name (or by ``kv_connector_module_path``).
