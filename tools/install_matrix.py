@@ -36,6 +36,15 @@ PUBLIC_IMPORTS = [
     "from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.ascend_store_connector import AscendStoreConnector",
     "from vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.cpu_offload_connector import CPUOffloadingConnector",
     "from vllm_ascend.distributed.utils import fc3_all_gather_and_maybe_unpad_impl",
+    # the rest of the refactor's upstream paths (LMCacheAscendConnector's module is left out:
+    # importing it imports lmcache_ascend, which is not on PyPI)
+    "from vllm_ascend.distributed.utils import get_decode_context_model_parallel_world_size, split_tensor_along_first_dim",
+    "from vllm_ascend.distributed.device_communicators.pyhccl import PyHcclCommunicator",
+    "from vllm_ascend.distributed.device_communicators.pyhccl_wrapper import HCCLLibrary, hcclUniqueId",
+    "from vllm_ascend.distributed.kv_transfer.ascend_multi_connector import AscendMultiConnector",
+    "from vllm_ascend.distributed.kv_transfer.utils.mooncake_transfer_engine import GlobalTE, global_te",
+    "from vllm_ascend.distributed.kv_transfer.utils.utils import get_transfer_timeout_value, parallel_info, align_memory, kv_alltoall_and_rearrange",
+    "from vllm_ascend.distributed.kv_transfer.kv_pool.ucm_connector import UCMConnectorV1",
 ]
 
 
