@@ -96,7 +96,7 @@ def test_head_mappings() -> None:
 
 def test_upstream_only_planners_say_why() -> None:
     for fn in (pd.get_local_remote_block_port_mappings, pd.get_transfer_mappings):
-        with pytest.raises(NotImplementedError, match="kv_p2p.tp_plan"):
+        with pytest.raises(NotImplementedError, match="kv_p2p.worker_base.head_slices"):
             fn()
 
 

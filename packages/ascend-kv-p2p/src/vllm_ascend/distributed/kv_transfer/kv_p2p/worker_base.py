@@ -7,6 +7,11 @@ this worker shows its peers, the side-channel clients, and the handshake: a
 peer's metadata is fetched once and checked with
 :func:`~.protocol.compatibility_problem`; a mismatch is remembered, so every
 later request to that peer fails at once with the same message.
+
+Also the head plan both connectors pair ranks by (:func:`head_slices`,
+:func:`head_partners`): ascend-kernels' head ownership
+(:mod:`vllm_ascend.distributed.kernels.heads`), its shape errors raised as the
+connectors' :class:`~.errors.HandshakeMismatchError`.
 """
 
 from __future__ import annotations

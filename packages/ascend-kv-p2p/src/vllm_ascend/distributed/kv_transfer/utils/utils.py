@@ -16,7 +16,7 @@
 
 ``get_local_remote_block_port_mappings`` and ``get_transfer_mappings`` plan
 upstream's layerwise transfers from its own ``ReqMeta`` with P-side PCP/DCP;
-our layerwise connector plans its transfers in ``kv_p2p.tp_plan`` and does not
+our layerwise connector plans its transfers with ``kv_p2p.worker_base.head_slices`` and does not
 use upstream's request metadata, so those two raise ``NotImplementedError``.
 """
 
@@ -219,7 +219,7 @@ def get_local_remote_block_port_mappings(*args: Any, **kwargs: Any) -> Any:
     raise NotImplementedError(
         "get_local_remote_block_port_mappings plans upstream's layerwise PCP/DCP transfers "
         "from upstream's ReqMeta; ascend-kv-p2p's MooncakeLayerwiseConnector plans its "
-        "transfers in vllm_ascend.distributed.kv_transfer.kv_p2p.tp_plan instead")
+        "transfers with vllm_ascend.distributed.kv_transfer.kv_p2p.worker_base.head_slices instead")
 
 
 def get_transfer_mappings(*args: Any, **kwargs: Any) -> Any:
@@ -231,4 +231,5 @@ def get_transfer_mappings(*args: Any, **kwargs: Any) -> Any:
     raise NotImplementedError(
         "get_transfer_mappings consumes get_local_remote_block_port_mappings' plan of "
         "upstream's layerwise PCP/DCP transfers; ascend-kv-p2p's MooncakeLayerwiseConnector "
-        "plans its transfers in vllm_ascend.distributed.kv_transfer.kv_p2p.tp_plan instead")
+        "plans its transfers with vllm_ascend.distributed.kv_transfer.kv_p2p.worker_base.head_slices "
+        "instead")
