@@ -74,3 +74,28 @@ def test_head_groups_share_heads(tp: int, heads: int) -> None:
     assert len(groups) == num_head_groups(tp, heads)
     with pytest.raises(KernelShapeError):
         head_group_of_rank(0, 0, 4)
+
+
+@pytest.mark.parametrize(("heads", "remote_tp", "local_tp"),
+                         [(8, 4, 2), (8, 2, 1), (12, 3, 2), (8, 1, 2), (2, 1, 4)])
+def test_merge_head_slices_rebuilds_the_local_heads(heads: int, remote_tp: int,
+                                                    local_tp: int) -> None:
+    import torch
+
+    from vllm_ascend.distributed.kernels import merge_head_slices
+
+    n, block, size = 3, 4, 2
+    # the global cache in the NPU layout (n, block_size, heads, head_size), heads numbered
+    full = torch.arange(n * block * heads * size, dtype=torch.float32).reshape(
+        n, block, heads, size)
+    remote = {r: full[:, :, kv_heads_of_rank(heads, remote_tp, r).start:
+                      kv_heads_of_rank(heads, remote_tp, r).stop].contiguous()
+              for r in range(remote_tp)}
+    for rank in range(local_tp):
+        mine = kv_heads_of_rank(heads, local_tp, rank)
+        slices = plan_head_slices(heads, remote_tp, local_tp, rank)
+        used = {s.remote_rank: remote[s.remote_rank] for s in slices}
+        merged = merge_head_slices(used, slices, head_axis=1)
+        assert torch.equal(merged, full[:, :, mine.start:mine.stop])
+    with pytest.raises(KernelShapeError, match="no blocks of remote ranks"):
+        merge_head_slices({}, plan_head_slices(heads, remote_tp, local_tp, 0), head_axis=1)

@@ -27,8 +27,9 @@ orders coincide and nothing moves.
 from __future__ import annotations
 
 import logging
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from collections.abc import Sequence
 
 import torch
 
@@ -301,3 +302,38 @@ def partners_per_remote_rank(total_heads: int, remote_tp: int, local_tp: int, *,
                                                           rank, is_mla=is_mla)}:
             counts[r] = counts.get(r, 0) + 1
     return counts
+
+
+def merge_head_slices(blocks_of: Mapping[int, torch.Tensor], slices: Sequence[HeadSlice],
+                      head_axis: int) -> torch.Tensor:
+    """Merge the heads a rank's ``slices`` take from remote ranks' whole blocks.
+
+    Args:
+        blocks_of: per remote rank, its whole blocks ``(n, *remote block shape)``
+            (every slice's ``remote_rank`` must be a key).
+        slices: the local rank's head slices (:func:`plan_head_slices`).
+        head_axis: the head axis of a block.
+
+    Returns:
+        ``(n, *local block shape)``: the local rank's heads in local head order.
+
+    The slices may have unequal sizes and offsets: they are cut into parts of the
+    greatest common head count, so every slice is a whole number of equal parts.
+
+    Raises:
+        KernelShapeError: a slice names a rank missing from ``blocks_of``, or parts
+            whose shapes do not fit together.
+    """
+    missing = sorted({s.remote_rank for s in slices} - set(blocks_of))
+    if missing or not slices:
+        raise KernelShapeError(f"merge_head_slices: no blocks of remote ranks {missing}"
+                               if missing else "merge_head_slices: no slices")
+    heads_of = {r: int(_blocks(b, "merge_head_slices").shape[head_axis + 1])
+                for r, b in blocks_of.items()}
+    unit = math.gcd(*(s.num_heads for s in slices), *(s.remote_offset for s in slices),
+                    *heads_of.values())
+    parts = [select_head_part(blocks_of[s.remote_rank], heads_of[s.remote_rank] // unit,
+                              s.remote_offset // unit + k, head_axis)
+             for s in sorted(slices, key=lambda s: s.local_offset)
+             for k in range(s.num_heads // unit)]
+    return merge_head_parts(parts, head_axis)

@@ -18,13 +18,12 @@ is the D rank, "remote" the P rank.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Mapping, Sequence
 
 import torch
 
-from vllm_ascend.distributed.kernels import merge_head_parts, scatter_blocks, select_head_part
-from vllm_ascend.distributed.kernels.heads import HeadSlice
+from vllm_ascend.distributed.kernels import scatter_blocks
+from vllm_ascend.distributed.kernels.heads import HeadSlice, merge_head_slices
 from vllm_ascend.distributed.kv_transfer.core.layout import KVRegion
 from vllm_ascend.distributed.kv_transfer.core.transfer_engine import MooncakeTransferEngine
 
@@ -99,13 +98,5 @@ def merge_staged_heads(region: KVRegion, staged: Mapping[int, torch.Tensor],
             f"the head plan takes {sum(s.num_heads for s in slices)} heads from P ranks "
             f"{sorted({s.remote_rank for s in slices})}, P ranks {sorted(staged)} staged "
             f"theirs, and this rank's blocks hold {heads_local} KV heads")
-    # parts of ``unit`` heads, so that every slice is a whole number of equal parts
-    heads_of = {r: int(b.shape[axis + 1]) for r, b in staged.items()}
-    unit = math.gcd(*(s.num_heads for s in slices), *(s.remote_offset for s in slices),
-                    *heads_of.values())
-    parts = [select_head_part(staged[s.remote_rank], heads_of[s.remote_rank] // unit,
-                              s.remote_offset // unit + k, axis)
-             for s in sorted(slices, key=lambda s: s.local_offset)
-             for k in range(s.num_heads // unit)]
-    merged = merge_head_parts(parts, axis)
+    merged = merge_head_slices(staged, slices, axis)
     scatter_blocks(merged, region.tensor, torch.tensor(list(block_ids), dtype=torch.long))

@@ -15,13 +15,12 @@ scattered into the local cache.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Mapping, Sequence
 
 import torch
 
 from vllm_ascend.distributed.kernels import scatter_blocks
-from vllm_ascend.distributed.kernels.heads import HeadSlice, merge_head_parts, select_head_part
+from vllm_ascend.distributed.kernels.heads import HeadSlice, merge_head_slices
 from vllm_ascend.distributed.kv_transfer.core.layout import KVCacheLayout, KVRegion
 from vllm_ascend.distributed.kv_transfer.core.transfer_engine import MooncakeTransferEngine
 
@@ -126,15 +125,7 @@ def _read_staged(te: MooncakeTransferEngine, region: KVRegion, index: int, meta:
         finally:
             te.unregister_memory(buf.data_ptr())
         buffers[p_rank] = buf
-    # head resharding with ascend-kernels' head and block ops (NPU fast paths on NPU):
-    # parts of ``unit`` heads, so that every slice is a whole number of equal parts
-    heads_of = {r: int(b.shape[axis + 1]) for r, b in buffers.items()}
-    unit = math.gcd(*(s.num_heads for s in slices), *(s.remote_offset for s in slices),
-                    *heads_of.values())
-    parts = [select_head_part(buffers[s.remote_rank], heads_of[s.remote_rank] // unit,
-                              s.remote_offset // unit + k, axis)
-             for s in sorted(slices, key=lambda s: s.local_offset)
-             for k in range(s.num_heads // unit)]
-    merged = merge_head_parts(parts, axis)
+    # head resharding with ascend-kernels' head and block ops (NPU fast paths on NPU)
+    merged = merge_head_slices(buffers, slices, axis)
     scatter_blocks(merged, region.tensor, torch.tensor(meta.local_block_ids, dtype=torch.long))
     return moved
