@@ -10,12 +10,12 @@ from types import SimpleNamespace
 
 import pytest
 
+from vllm_ascend.distributed.kv_transfer.core.errors import ConfigError
+from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
 from vllm_ascend.distributed.kv_transfer.kv_p2p.config import (
     MooncakeLayerwiseConfig,
     MooncakeP2PConfig,
 )
-from vllm_ascend.distributed.kv_transfer.core.errors import ConfigError
-from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
 from vllm_ascend.distributed.kv_transfer.kv_p2p.p2p_metrics import P2P_METRICS
 from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_worker import PullWorker
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.tooling import bench
 from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.backend import LocalBackend
+from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.tooling import bench
 
 
 def _trace(tmp_path: Path, records: list[list[int]]) -> Path:

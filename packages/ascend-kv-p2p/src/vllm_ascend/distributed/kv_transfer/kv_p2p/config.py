@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from vllm_ascend.distributed.kv_transfer.core.errors import ConfigError
 from vllm_ascend.distributed.kv_transfer.core.config.base import ConfigSection, option
+from vllm_ascend.distributed.kv_transfer.core.errors import ConfigError
 
 
 @dataclass(frozen=True)
