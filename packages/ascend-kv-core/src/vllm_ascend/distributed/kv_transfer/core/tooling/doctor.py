@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, KVTransferError
-from . import plugins
+from . import doctor_provenance, plugins
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +109,7 @@ class Doctor:
                       "pass the same JSON object as to `vllm serve --kv-transfer-config`")
             return self.checks
         self._check_vllm()
+        doctor_provenance.check(self)
         for name, extra, where in self._connectors(cfg):
             self._check_connector(name, extra, where, cfg)
         self._check_top_level(cfg)
