@@ -7,6 +7,13 @@ unknown message types and handler exceptions are answered with an
 :class:`~.wire.ErrorReply` (or dropped by ZeroMQ when over the size limit);
 the thread keeps serving. :class:`RpcClient` sends one request at a time
 with a timeout and survives a peer that never answers.
+
+With a deployment key configured (:mod:`.auth`), both ends seal every frame in
+a signed envelope and open the peer's: a request that fails the check never
+reaches the handler (it is answered ``ErrorReply(code="auth_refused")`` and
+counted), and a reply is accepted only if it is signed for the very request it
+answers. Without a key the bytes on the wire are exactly the plain
+:mod:`.wire` frames.
 """
 
 from __future__ import annotations
@@ -18,12 +25,28 @@ from typing import Any, Generic
 
 import zmq
 
+from . import auth as _auth
 from .errors import PeerTimeoutError, RemoteError, WireFormatError
 from .wire import Codec, ErrorReply, M, Message, Ping, Pong
 
 logger = logging.getLogger(__name__)
 
 Handler = Callable[[Any], Message]
+
+
+class _FromEnv:
+    """Marker: take the authenticator from the environment (:func:`.auth.from_env`)."""
+
+    def __repr__(self) -> str:
+        return "FROM_ENV"
+
+
+#: Default of the ``auth`` argument: the process's deployment key, if any.
+FROM_ENV: Any = _FromEnv()
+
+
+def _resolve(auth: _auth.Authenticator | None) -> _auth.Authenticator | None:
+    return _auth.from_env() if isinstance(auth, _FromEnv) else auth
 
 
 def tcp_endpoint(host: str, port: int) -> str:
@@ -42,11 +65,14 @@ class RpcServer(Generic[M]):
         codec: the protocol spoken on this socket.
         handler: called with each decoded request, returns the reply. Exceptions
             become an ``ErrorReply(code="internal")``.
-        name: thread name, for logs.
+        name: thread name, for logs and the ``socket`` label of ``auth_refused``.
+        auth: the deployment key check (default: from the environment; ``None``: none).
     """
 
     def __init__(self, endpoint: str, codec: Codec[M], handler: Handler, *, name: str = "rpc",
-                 context: zmq.Context[Any] | None = None, poll_interval_ms: int = 100) -> None:
+                 context: zmq.Context[Any] | None = None, poll_interval_ms: int = 100,
+                 auth: _auth.Authenticator | None = FROM_ENV) -> None:
+        self.auth = _resolve(auth)
         self.codec = codec
         self.handler = handler
         self.name = name
@@ -60,7 +86,7 @@ class RpcServer(Generic[M]):
         self._poll_ms = poll_interval_ms
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.stats = {"requests": 0, "bad_messages": 0, "handler_errors": 0}
+        self.stats = {"requests": 0, "bad_messages": 0, "handler_errors": 0, "auth_refused": 0}
 
     def _bind(self, endpoint: str) -> str:
         if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
@@ -105,14 +131,32 @@ class RpcServer(Generic[M]):
             if len(frames) < 2:
                 continue
             envelope = [f.bytes for f in frames[:-1]]
-            reply = self._answer(frames[-1].buffer)
+            reply, reply_to = self._answer(frames[-1].buffer)
             try:
-                self._sock.send_multipart([*envelope, self.codec.encode(reply)])
+                data = self.codec.encode(reply)
+                if self.auth is not None and reply_to is not None:
+                    data, _nonce = self.auth.seal(data, reply_to=reply_to)
+                self._sock.send_multipart([*envelope, data])
             except (zmq.ZMQError, WireFormatError) as exc:
                 logger.warning("%s: reply failed: %s", self.name, exc)
 
-    def _answer(self, payload: memoryview) -> Message:
+    def _answer(self, payload: memoryview) -> tuple[Message, bytes | None]:
+        """The reply to one frame, and the request nonce to sign it for (``None``: the
+        request failed the key check, the refusal goes out unsigned)."""
         self.stats["requests"] += 1
+        nonce: bytes | None = None
+        if self.auth is not None:
+            try:
+                payload, nonce = self.auth.open(payload)
+            except _auth.AuthError as exc:
+                self.stats["auth_refused"] += 1
+                _auth.count_refusal(self.name, exc.reason)
+                logger.warning("%s: refused a request (%s): %s", self.name, exc.reason, exc)
+                return ErrorReply(code="auth_refused", message=f"refused ({exc.reason}): the "
+                                  "deployment key check failed"), None
+        return self._dispatch(payload), nonce
+
+    def _dispatch(self, payload: memoryview) -> Message:
         try:
             request = self.codec.decode(payload)
         except WireFormatError as exc:
@@ -138,7 +182,9 @@ class RpcClient(Generic[M]):
     """
 
     def __init__(self, endpoint: str, codec: Codec[M], *, timeout_s: float = 10.0,
-                 context: zmq.Context[Any] | None = None) -> None:
+                 context: zmq.Context[Any] | None = None,
+                 auth: _auth.Authenticator | None = FROM_ENV) -> None:
+        self.auth = _resolve(auth)
         self.endpoint = endpoint
         self.codec = codec
         self.timeout_s = timeout_s
@@ -162,9 +208,13 @@ class RpcClient(Generic[M]):
             PeerTimeoutError: no reply within the timeout.
             RemoteError: the peer answered with an :class:`ErrorReply`.
             WireFormatError: the reply was not a valid message.
+            AuthError: with a key configured, the reply was not signed for this request.
         """
         timeout = self.timeout_s if timeout_s is None else timeout_s
         payload = self.codec.encode(request)
+        nonce: bytes | None = None
+        if self.auth is not None:
+            payload, nonce = self.auth.seal(payload)
         with self._lock:
             try:
                 self._sock.send(payload, copy=False)
@@ -178,11 +228,31 @@ class RpcClient(Generic[M]):
                 self._sock.close(0)
                 self._sock = self._make_socket()
                 raise PeerTimeoutError(f"{self.endpoint}: {exc}") from exc
-        reply: M = self.codec.decode(data.buffer)
+        reply: M = self._open(data.buffer, nonce)
         if isinstance(reply, ErrorReply):
             raise RemoteError(f"{self.endpoint} rejected {type(request).__name__}: "
                               f"{reply.message}", code=reply.code)
         return reply
+
+    def _open(self, frame: memoryview, nonce: bytes | None) -> M:
+        if self.auth is None or nonce is None:
+            return self.codec.decode(frame)
+        try:
+            payload, _reply_nonce = self.auth.open(frame, reply_to=nonce)
+        except _auth.AuthError as exc:
+            _auth.count_refusal(f"client:{self.endpoint}", exc.reason)
+            if exc.reason == "unauthenticated":
+                # An unsigned refusal can only fail this call (as a dropped reply would):
+                # pass on its code, so a peer without our key says why.
+                try:
+                    plain = self.codec.decode(frame)
+                except WireFormatError:
+                    plain = None
+                if isinstance(plain, ErrorReply):
+                    raise RemoteError(f"{self.endpoint} refused the request (unsigned reply): "
+                                      f"{plain.message}", code=plain.code) from exc
+            raise _auth.AuthError(f"{self.endpoint}: {exc}", reason=exc.reason) from exc
+        return self.codec.decode(payload)
 
     def close(self) -> None:
         """Close the socket."""

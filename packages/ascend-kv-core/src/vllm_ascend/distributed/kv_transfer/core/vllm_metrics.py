@@ -24,6 +24,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
+from .auth import AUTH_METRICS
+from .auth import RECORDER as AUTH_RECORDER
 from .metrics import (
     MetricSpec,
     MetricsRecorder,
@@ -116,7 +118,11 @@ class ConnectorStatsMixin:
 
     def get_kv_connector_stats(self) -> KVStats | None:
         recorder = self.stats_recorder()
-        return KVStats.from_recorder(recorder) if recorder is not None else None
+        if recorder is None:
+            return None
+        # the process's refused control-plane frames (core.auth) ride along
+        data = merge_data(recorder.take(), AUTH_RECORDER.take())
+        return None if is_empty(data) else KVStats(data=data)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVStats:
@@ -127,4 +133,4 @@ class ConnectorStatsMixin:
                            labelnames: list[str],
                            per_engine_labelvalues: dict[int, list[object]]) -> KVPromMetrics:
         return KVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues,
-                             specs=cls.metric_specs)
+                             specs=(*cls.metric_specs, *AUTH_METRICS))

@@ -19,6 +19,7 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 
+from .auth import AUTH_MAGIC
 from .errors import WireFormatError
 
 MAGIC = b"VAKV"
@@ -97,6 +98,10 @@ class Codec(Generic[M]):
         if len(view) > self.max_size:
             raise WireFormatError(f"message of {len(view)} bytes is over the "
                                   f"{self.max_size}-byte limit")
+        if bytes(view[:4]) == AUTH_MAGIC:
+            raise WireFormatError("not a vllm-ascend-kv message this side can read: an "
+                                  "authenticated frame (deployment-key envelope), but this "
+                                  "side has no key configured")
         if len(view) < len(HEADER) or bytes(view[:4]) != MAGIC:
             head = bytes(view[:8])
             raise WireFormatError(f"not a vllm-ascend-kv message (starts with {head!r})")

@@ -1,0 +1,368 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The deployment secret that authenticates the control plane.
+
+Every instance of one deployment shares a key. With a key configured, every
+control-plane frame (:mod:`.channel`, both directions) travels in an envelope::
+
+    b"VAKA" | version (1) | timestamp ms (8) | nonce (16) | HMAC-SHA256 (32) | wire frame
+
+The MAC covers the envelope's header fields, a direction tag (a reply is bound
+to the nonce of the request it answers) and the :mod:`.wire` frame itself. A
+receiver refuses, with an :class:`AuthError` naming the reason, and counts in
+the ``auth_refused`` metric (``vllm:ascend_kv_auth_refused_total{socket,reason}``):
+
+* ``unauthenticated``: a plain wire frame (no envelope) where a key is configured;
+* ``bad_mac``: the MAC matches none of the active keys;
+* ``stale``: the timestamp is further than the window (default 30 s) from the clock;
+* ``replay``: a nonce already seen within the window (or too old to tell, once the
+  bounded replay cache overflowed);
+* ``malformed``: an envelope too short to hold its header.
+
+Configuration (environment, read once per process):
+
+* ``VLLM_ASCEND_KV_AUTH_KEY``: the key(s), comma-separated;
+* ``VLLM_ASCEND_KV_AUTH_KEY_FILE``: file(s), comma-separated, one key per line
+  (blank lines and ``#`` comments ignored); set one of the two, not both;
+* ``VLLM_ASCEND_KV_AUTH_WINDOW_S``: the timestamp window in seconds (default 30).
+
+Several keys may be active at once, for a rotation without downtime: the first
+signs, every one verifies. Roll out ``old,new`` everywhere (everyone accepts the
+new key), then ``new,old`` (everyone signs with it), then ``new``.
+
+Without a key nothing changes on the wire (same bytes as before) and the first
+socket built logs, once, a WARNING that the control plane is unauthenticated.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import secrets
+import struct
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+
+from .errors import ConfigError, WireFormatError
+from .metrics import MetricSpec, MetricsRecorder
+
+logger = logging.getLogger(__name__)
+
+ENV_KEY = "VLLM_ASCEND_KV_AUTH_KEY"
+ENV_KEY_FILE = "VLLM_ASCEND_KV_AUTH_KEY_FILE"
+ENV_WINDOW = "VLLM_ASCEND_KV_AUTH_WINDOW_S"
+
+AUTH_MAGIC = b"VAKA"
+AUTH_VERSION = 1
+NONCE_BYTES = 16
+MAC_BYTES = 32
+#: magic, version, timestamp (ms since the epoch), nonce, MAC
+_HEADER = struct.Struct(f">4sBQ{NONCE_BYTES}s{MAC_BYTES}s")
+HEADER_BYTES = _HEADER.size
+#: The part of the header the MAC covers (all but the MAC).
+_SIGNED = struct.Struct(f">4sBQ{NONCE_BYTES}s")
+MIN_KEY_BYTES = 16
+DEFAULT_WINDOW_S = 30.0
+DEFAULT_MAX_NONCES = 1 << 17
+
+#: Refusal reasons (the ``reason`` label of ``auth_refused``).
+REASONS = ("unauthenticated", "bad_mac", "stale", "replay", "malformed")
+
+AUTH_METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec("auth_refused", "counter",
+               "Control-plane frames refused by the deployment-key check.",
+               labels=("socket", "reason")),
+)
+#: Process-wide recorder of refusals; connectors merge its interval data into theirs
+#: (:class:`~.vllm_metrics.ConnectorStatsMixin`), tests read :meth:`MetricsRecorder.total`.
+RECORDER = MetricsRecorder(AUTH_METRICS)
+
+
+class AuthError(WireFormatError):
+    """A frame failed the deployment-key check.
+
+    Attributes:
+        reason: one of :data:`REASONS`.
+    """
+
+    def __init__(self, message: str, *, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def count_refusal(socket: str, reason: str) -> None:
+    """Count one refused frame (or bearer token) on ``socket``."""
+    RECORDER.inc("auth_refused", socket=socket, reason=reason)
+
+
+def _parse_keys(text: str, source: str, *, sep: str) -> list[bytes]:
+    keys: list[bytes] = []
+    for raw in text.split(sep):
+        item = raw.strip()
+        if not item or item.startswith("#"):
+            continue
+        key = item.encode()
+        if len(key) < MIN_KEY_BYTES:
+            # never echo the key itself
+            raise ConfigError(f"a key in {source} is {len(key)} bytes; at least "
+                              f"{MIN_KEY_BYTES} are required (e.g. `openssl rand -hex 32`)",
+                              key=source, source=source)
+        keys.append(key)
+    return keys
+
+
+def load_keys(env: Mapping[str, str] | None = None) -> tuple[bytes, ...]:
+    """The active keys from the environment, signing key first; ``()`` when none is set.
+
+    Raises:
+        ConfigError: both variables set, an unreadable file, a file without a key, or a
+            key shorter than :data:`MIN_KEY_BYTES`.
+    """
+    env = os.environ if env is None else env
+    inline = env.get(ENV_KEY, "").strip()
+    files = env.get(ENV_KEY_FILE, "").strip()
+    if inline and files:
+        raise ConfigError(f"set {ENV_KEY} or {ENV_KEY_FILE}, not both", key=ENV_KEY,
+                          source="environment")
+    if inline:
+        return tuple(_parse_keys(inline, ENV_KEY, sep=","))
+    keys: list[bytes] = []
+    for path in (p.strip() for p in files.split(",")):
+        if not path:
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+            mode = os.stat(path).st_mode
+        except OSError as exc:
+            raise ConfigError(f"cannot read the key file {path!r} named by {ENV_KEY_FILE}: "
+                              f"{exc}", key=ENV_KEY_FILE, value=path,
+                              source="environment") from exc
+        if mode & 0o077:
+            logger.warning("key file %s is readable by group or others (mode %o); "
+                           "chmod 600 it", path, mode & 0o777)
+        found = _parse_keys(text, f"{ENV_KEY_FILE} file {path}", sep="\n")
+        if not found:
+            raise ConfigError(f"key file {path!r} named by {ENV_KEY_FILE} holds no key",
+                              key=ENV_KEY_FILE, value=path, source="environment")
+        keys.extend(found)
+    return tuple(keys)
+
+
+def load_window(env: Mapping[str, str] | None = None) -> float:
+    """The timestamp window from :data:`ENV_WINDOW` (seconds, default 30)."""
+    env = os.environ if env is None else env
+    raw = env.get(ENV_WINDOW, "").strip()
+    if not raw:
+        return DEFAULT_WINDOW_S
+    try:
+        window = float(raw)
+    except ValueError:
+        window = -1.0
+    if not window > 0:
+        raise ConfigError(f"{ENV_WINDOW}={raw!r} is not a positive number of seconds",
+                          key=ENV_WINDOW, value=raw, source="environment")
+    return window
+
+
+class ReplayCache:
+    """Nonces seen within the window, bounded.
+
+    When more than ``max_entries`` nonces are inside the window, the oldest is
+    forgotten and every frame stamped at or before it is refused from then on
+    (a replay of it could no longer be told apart).
+    """
+
+    def __init__(self, window_s: float, max_entries: int = DEFAULT_MAX_NONCES) -> None:
+        self.window_ms = int(window_s * 1000)
+        self.max_entries = max_entries
+        self._seen: OrderedDict[bytes, int] = OrderedDict()
+        self._floor_ms = -1
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def add(self, nonce: bytes, ts_ms: int, now_ms: int) -> bool:
+        """Remember ``nonce``; False if it was seen (or cannot be told apart from a replay)."""
+        with self._lock:
+            horizon = now_ms - 2 * self.window_ms
+            while self._seen:
+                first_nonce, first_ts = next(iter(self._seen.items()))
+                if first_ts >= horizon:
+                    break
+                del self._seen[first_nonce]
+            if ts_ms <= self._floor_ms or nonce in self._seen:
+                return False
+            self._seen[nonce] = ts_ms
+            while len(self._seen) > self.max_entries:
+                _n, ts = self._seen.popitem(last=False)
+                self._floor_ms = max(self._floor_ms, ts)
+            return True
+
+
+class Authenticator:
+    """Seals and opens control-plane frames with the deployment key(s).
+
+    Args:
+        keys: active keys, the first signs; at least one.
+        window_s: how far a frame's timestamp may be from this clock.
+        max_nonces: bound of the replay cache.
+        clock: seconds since the epoch (tests pass their own).
+    """
+
+    def __init__(self, keys: Sequence[bytes], *, window_s: float = DEFAULT_WINDOW_S,
+                 max_nonces: int = DEFAULT_MAX_NONCES,
+                 clock: Callable[[], float] = time.time) -> None:
+        if not keys:
+            raise ConfigError("an Authenticator needs at least one key")
+        self.keys = tuple(keys)
+        self.window_s = window_s
+        self.clock = clock
+        self.replays = ReplayCache(window_s, max_nonces)
+
+    # ------------------------------------------------------------ frames
+    @staticmethod
+    def _context(reply_to: bytes | None) -> bytes:
+        # a request and a reply never verify as each other; a reply verifies only
+        # against the request it answers
+        return b"Q" if reply_to is None else b"R" + reply_to
+
+    def _mac(self, key: bytes, signed: bytes, context: bytes, payload: bytes | memoryview
+             ) -> bytes:
+        h = hmac.new(key, signed, hashlib.sha256)
+        h.update(context)
+        h.update(payload)
+        return h.digest()
+
+    def seal(self, payload: bytes, *, reply_to: bytes | None = None) -> tuple[bytes, bytes]:
+        """Wrap a wire frame in a signed envelope.
+
+        Args:
+            payload: the encoded :mod:`.wire` frame.
+            reply_to: the nonce of the request this frame answers (replies only).
+
+        Returns:
+            The envelope and its nonce (a client checks the reply against it).
+        """
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        signed = _SIGNED.pack(AUTH_MAGIC, AUTH_VERSION, int(self.clock() * 1000), nonce)
+        mac = self._mac(self.keys[0], signed, self._context(reply_to), payload)
+        return signed + mac + payload, nonce
+
+    def open(self, frame: bytes | memoryview, *, reply_to: bytes | None = None
+             ) -> tuple[memoryview, bytes]:
+        """Check an envelope; returns the wire frame inside and the envelope's nonce.
+
+        Requests (``reply_to`` None) go through the replay cache; a reply is bound to
+        its request's nonce instead.
+
+        Raises:
+            AuthError: the frame is refused (``reason`` says why).
+        """
+        view = memoryview(frame)
+        if len(view) < 4 or bytes(view[:4]) != AUTH_MAGIC:
+            raise AuthError("frame is not authenticated (no deployment-key envelope); "
+                            "the peer has no key configured", reason="unauthenticated")
+        if len(view) < HEADER_BYTES:
+            raise AuthError(f"authenticated frame of {len(view)} bytes is shorter than its "
+                            f"{HEADER_BYTES}-byte header", reason="malformed")
+        _magic, version, ts_ms, nonce, mac = _HEADER.unpack_from(view)
+        if version != AUTH_VERSION:
+            raise AuthError(f"envelope version {version} is not supported (this side speaks "
+                            f"{AUTH_VERSION})", reason="malformed")
+        signed = bytes(view[:_SIGNED.size])
+        payload = view[HEADER_BYTES:]
+        context = self._context(reply_to)
+        if not any(hmac.compare_digest(self._mac(k, signed, context, payload), mac)
+                   for k in self.keys):
+            raise AuthError("frame MAC matches none of the configured keys",
+                            reason="bad_mac")
+        now_ms = int(self.clock() * 1000)
+        if abs(now_ms - ts_ms) > self.window_s * 1000:
+            raise AuthError(f"frame timestamp is {(now_ms - ts_ms) / 1000:.1f}s from this "
+                            f"clock, outside the {self.window_s:g}s window", reason="stale")
+        if reply_to is None and not self.replays.add(nonce, ts_ms, now_ms):
+            raise AuthError("frame nonce was already seen (replay)", reason="replay")
+        return payload, nonce
+
+    # ------------------------------------------------------------ bearer tokens
+    def bearer_token(self, purpose: str) -> str:
+        """The bearer token of ``purpose`` (e.g. ``"metaserver"``) under the signing key."""
+        return _token(self.keys[0], purpose)
+
+    def check_bearer(self, presented: str | None, purpose: str) -> bool:
+        """True if ``presented`` is the token of ``purpose`` under any active key."""
+        if not presented:
+            return False
+        given = presented.encode()
+        return any(hmac.compare_digest(_token(k, purpose).encode(), given) for k in self.keys)
+
+    def check_header(self, header: str | None, purpose: str) -> bool:
+        """True if an HTTP ``Authorization`` header carries the bearer token of ``purpose``."""
+        if not header:
+            return False
+        scheme, _, token = header.partition(" ")
+        return scheme.lower() == "bearer" and self.check_bearer(token.strip(), purpose)
+
+
+def _token(key: bytes, purpose: str) -> str:
+    return hmac.new(key, b"vllm-ascend-kv bearer " + purpose.encode(),
+                    hashlib.sha256).hexdigest()
+
+
+def capability_token() -> str:
+    """An unguessable per-request token (a capability P hands out with a held request)."""
+    return secrets.token_urlsafe(24)
+
+
+def tokens_match(expected: str, presented: str) -> bool:
+    """Constant-time comparison of two capability tokens."""
+    return hmac.compare_digest(expected.encode(), presented.encode())
+
+
+# ---------------------------------------------------------------- process default
+_cache_lock = threading.Lock()
+_cached: tuple[tuple[str, str, str], Authenticator | None] | None = None
+_warned = False
+
+
+def from_env(env: Mapping[str, str] | None = None) -> Authenticator | None:
+    """The process's authenticator from the environment, or ``None`` without a key.
+
+    Built once per distinct setting and shared by every socket of the process (one
+    replay cache). Without a key, logs once, as a WARNING, that the control plane
+    is unauthenticated.
+
+    Raises:
+        ConfigError: see :func:`load_keys` and :func:`load_window`.
+    """
+    global _cached, _warned
+    env = os.environ if env is None else env
+    ident = (env.get(ENV_KEY, ""), env.get(ENV_KEY_FILE, ""), env.get(ENV_WINDOW, ""))
+    with _cache_lock:
+        if _cached is not None and _cached[0] == ident:
+            return _cached[1]
+        keys = load_keys(env)
+        auth = Authenticator(keys, window_s=load_window(env)) if keys else None
+        _cached = (ident, auth)
+        if auth is None and not _warned:
+            _warned = True
+            logger.warning(
+                "The KV control plane is UNAUTHENTICATED: anyone who reaches a side channel, "
+                "lookup or metadata socket can read KV memory addresses and hold or free "
+                "blocks. Set %s or %s to a shared deployment key (see docs/security.md).",
+                ENV_KEY_FILE, ENV_KEY)
+        elif auth is not None:
+            logger.info("KV control plane authenticated with %d active key(s), %gs window",
+                        len(auth.keys), auth.window_s)
+        return auth
+
+
+def configured(env: Mapping[str, str] | None = None) -> bool:
+    """Whether a deployment key is set in the environment (without loading it)."""
+    env = os.environ if env is None else env
+    return bool(env.get(ENV_KEY, "").strip() or env.get(ENV_KEY_FILE, "").strip())

@@ -1,0 +1,295 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The deployment key: envelopes, rotation, stale and replayed frames, the channel with and
+without a key, and the environment it is read from."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+
+import pytest
+import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vllm_ascend.distributed.kv_transfer.core import auth
+from vllm_ascend.distributed.kv_transfer.core.auth import (
+    AUTH_MAGIC,
+    HEADER_BYTES,
+    Authenticator,
+    AuthError,
+    ReplayCache,
+)
+from vllm_ascend.distributed.kv_transfer.core.channel import RpcClient, RpcServer, tcp_endpoint
+from vllm_ascend.distributed.kv_transfer.core.errors import ConfigError, RemoteError
+from vllm_ascend.distributed.kv_transfer.core.wire import Codec, Message
+
+OLD = b"old-deployment-key-0123456789"
+NEW = b"new-deployment-key-9876543210"
+OTHER = b"someone-elses-key-abcdefghijk"
+
+
+class Echo(Message):
+    text: str
+
+
+CODEC: Codec[Message] = Codec([Echo], max_size=1 << 16)
+
+
+class Clock:
+    def __init__(self, t: float = 1_700_000_000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def refused(socket: str, reason: str) -> float:
+    return auth.RECORDER.total("auth_refused", socket=socket, reason=reason)
+
+
+# ---------------------------------------------------------------- envelopes
+def test_seal_then_open_gives_the_frame_back() -> None:
+    a = Authenticator([NEW])
+    frame = CODEC.encode(Echo(text="hi"))
+    sealed, nonce = a.seal(frame)
+    assert sealed.startswith(AUTH_MAGIC) and len(sealed) == HEADER_BYTES + len(frame)
+    payload, got_nonce = a.open(sealed)
+    assert bytes(payload) == frame and got_nonce == nonce
+    assert CODEC.decode(payload) == Echo(text="hi")
+
+
+def test_wrong_key_and_tampering_are_bad_mac() -> None:
+    sealed, _ = Authenticator([OTHER]).seal(CODEC.encode(Echo(text="x")))
+    with pytest.raises(AuthError) as err:
+        Authenticator([NEW]).open(sealed)
+    assert err.value.reason == "bad_mac"
+    good, _ = Authenticator([NEW]).seal(CODEC.encode(Echo(text="x")))
+    for i in (5, 20, HEADER_BYTES - 1, len(good) - 1):  # timestamp, nonce, MAC, payload
+        bad = bytearray(good)
+        bad[i] ^= 1
+        with pytest.raises(AuthError) as err:
+            Authenticator([NEW]).open(bytes(bad))
+        assert err.value.reason == "bad_mac"
+
+
+def test_rotation_first_key_signs_every_key_verifies() -> None:
+    rotating = Authenticator([NEW, OLD])
+    old_only, new_only = Authenticator([OLD]), Authenticator([NEW])
+    frame = CODEC.encode(Echo(text="r"))
+    rotating.open(old_only.seal(frame)[0])        # an instance not yet rotated
+    rotating.open(new_only.seal(frame)[0])        # one already rotated
+    new_only.open(rotating.seal(frame)[0])        # the new key signs
+    with pytest.raises(AuthError):
+        old_only.open(rotating.seal(frame)[0])
+    assert rotating.check_bearer(Authenticator([OLD]).bearer_token("metaserver"), "metaserver")
+    assert not rotating.check_bearer(Authenticator([OTHER]).bearer_token("metaserver"),
+                                     "metaserver")
+
+
+def test_stale_and_future_timestamps_are_refused() -> None:
+    clock = Clock()
+    sender, receiver = Authenticator([NEW], clock=clock), Authenticator([NEW], window_s=30,
+                                                                         clock=Clock(clock.t))
+    frame = CODEC.encode(Echo(text="t"))
+    receiver.clock = Clock(clock.t + 29)
+    receiver.open(sender.seal(frame)[0])
+    for skew in (31, -31):
+        receiver.clock = Clock(clock.t + skew)
+        with pytest.raises(AuthError) as err:
+            receiver.open(sender.seal(frame)[0])
+        assert err.value.reason == "stale"
+
+
+def test_replayed_request_is_refused_but_a_reply_is_bound_to_its_request() -> None:
+    a = Authenticator([NEW])
+    sealed, nonce = a.seal(CODEC.encode(Echo(text="once")))
+    a.open(sealed)
+    with pytest.raises(AuthError) as err:
+        a.open(sealed)
+    assert err.value.reason == "replay"
+    reply, _ = a.seal(CODEC.encode(Echo(text="ok")), reply_to=nonce)
+    a.open(reply, reply_to=nonce)
+    with pytest.raises(AuthError, match="MAC"):  # an old reply to another request
+        a.open(reply, reply_to=os.urandom(16))
+    with pytest.raises(AuthError, match="MAC"):  # a request is not a reply, nor the reverse
+        a.open(a.seal(b"x")[0], reply_to=nonce)
+    with pytest.raises(AuthError, match="MAC"):
+        a.open(reply)
+
+
+def test_replay_cache_is_bounded_and_refuses_what_it_forgot() -> None:
+    cache = ReplayCache(window_s=30, max_entries=3)
+    now = 1_000_000
+    for i in range(3):
+        assert cache.add(bytes([i]) * 16, now + i, now)
+    assert cache.add(b"\x09" * 16, now + 3, now)  # overflows: forgets nonce 0 (ts now)
+    assert len(cache) == 3
+    assert not cache.add(b"\x00" * 16, now, now)  # can no longer tell: refused
+    assert not cache.add(b"\x01" * 16, now + 1, now)  # still remembered
+    assert cache.add(b"\x0a" * 16, now + 10, now)
+    later = now + 61_000  # entries out of the (doubled) window are dropped
+    assert cache.add(b"\x0b" * 16, later, later) and len(cache) == 1
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=600))
+def test_garbage_envelopes_are_a_typed_error(data: bytes) -> None:
+    a = Authenticator([NEW])
+    for frame in (data, AUTH_MAGIC + data, AUTH_MAGIC + b"\x01" + data):
+        with pytest.raises(AuthError) as err:
+            a.open(frame)
+        assert err.value.reason in auth.REASONS
+
+
+def test_a_pickle_is_never_executed_even_when_signed(tmp_path: object) -> None:
+    class Boom:
+        def __reduce__(self) -> tuple[object, tuple[str]]:
+            return (os.system, ("touch /tmp/vakv-auth-pwned",))
+
+    a = Authenticator([NEW])
+    payload, _ = a.open(a.seal(pickle.dumps(Boom()))[0])
+    with pytest.raises(Exception, match="not a vllm-ascend-kv message"):
+        CODEC.decode(payload)
+    assert not os.path.exists("/tmp/vakv-auth-pwned")
+
+
+# ---------------------------------------------------------------- environment
+def test_keys_from_env_and_files(tmp_path: object, caplog: pytest.LogCaptureFixture) -> None:
+    from pathlib import Path
+    d = Path(str(tmp_path))
+    assert auth.load_keys({}) == ()
+    assert auth.load_keys({auth.ENV_KEY: f"{NEW.decode()}, {OLD.decode()}"}) == (NEW, OLD)
+    f1, f2 = d / "new.key", d / "old.key"
+    f1.write_text(f"# rotated 2026-12\n{NEW.decode()}\n")
+    f2.write_text(OLD.decode() + "\n")
+    f1.chmod(0o600)
+    f2.chmod(0o644)
+    with caplog.at_level(logging.WARNING):
+        assert auth.load_keys({auth.ENV_KEY_FILE: f"{f1},{f2}"}) == (NEW, OLD)
+    assert "chmod 600" in caplog.text and str(f2) in caplog.text
+    with pytest.raises(ConfigError, match="not both"):
+        auth.load_keys({auth.ENV_KEY: NEW.decode(), auth.ENV_KEY_FILE: str(f1)})
+    with pytest.raises(ConfigError, match="at least 16") as err:
+        auth.load_keys({auth.ENV_KEY: "short"})
+    assert "short" not in str(err.value)  # a key never appears in a message
+    with pytest.raises(ConfigError, match="cannot read"):
+        auth.load_keys({auth.ENV_KEY_FILE: str(d / "missing")})
+    (d / "empty").write_text("# nothing\n")
+    with pytest.raises(ConfigError, match="holds no key"):
+        auth.load_keys({auth.ENV_KEY_FILE: str(d / "empty")})
+    assert auth.load_window({auth.ENV_WINDOW: "5"}) == 5.0
+    with pytest.raises(ConfigError, match=auth.ENV_WINDOW):
+        auth.load_window({auth.ENV_WINDOW: "-1"})
+
+
+def test_no_key_warns_once_loudly(monkeypatch: pytest.MonkeyPatch,
+                                  caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(auth, "_cached", None)
+    monkeypatch.setattr(auth, "_warned", False)
+    with caplog.at_level(logging.WARNING):
+        assert auth.from_env({}) is None
+        assert auth.from_env({}) is None
+        monkeypatch.setattr(auth, "_cached", None)
+        assert auth.from_env({}) is None
+    warnings = [r for r in caplog.records if "UNAUTHENTICATED" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
+    keyed = auth.from_env({auth.ENV_KEY: NEW.decode()})
+    assert keyed is not None and keyed.keys == (NEW,)
+    assert auth.from_env({auth.ENV_KEY: NEW.decode()}) is keyed  # one replay cache a process
+
+
+# ---------------------------------------------------------------- the channel
+def handler(msg: Message) -> Message:
+    assert isinstance(msg, Echo)
+    return Echo(text=msg.text.upper())
+
+
+@pytest.fixture
+def keyed_server() -> RpcServer[Message]:
+    srv = RpcServer(tcp_endpoint("127.0.0.1", 0), CODEC, handler, name="auth-test",
+                    auth=Authenticator([NEW, OLD])).start()
+    yield srv
+    srv.stop()
+
+
+def test_keyed_client_is_served_others_are_refused_and_counted(
+        keyed_server: RpcServer[Message]) -> None:
+    # mid-rotation: the client still signs with the old key, the server with the new one
+    ok = RpcClient(keyed_server.endpoint, CODEC, timeout_s=5, auth=Authenticator([OLD, NEW]))
+    assert ok.call(Echo(text="abc")) == Echo(text="ABC")
+    before = {r: refused("auth-test", r) for r in auth.REASONS}
+    plain = RpcClient(keyed_server.endpoint, CODEC, timeout_s=5, auth=None)
+    with pytest.raises(RemoteError) as err:
+        plain.call(Echo(text="abc"))
+    assert err.value.code == "auth_refused"
+    wrong = RpcClient(keyed_server.endpoint, CODEC, timeout_s=5, auth=Authenticator([OTHER]))
+    with pytest.raises(RemoteError) as err:
+        wrong.call(Echo(text="abc"))
+    assert err.value.code == "auth_refused"
+    stale = RpcClient(keyed_server.endpoint, CODEC, timeout_s=5,
+                      auth=Authenticator([NEW], clock=lambda: 1000.0))
+    with pytest.raises(RemoteError):
+        stale.call(Echo(text="abc"))
+    assert refused("auth-test", "unauthenticated") == before["unauthenticated"] + 1
+    assert refused("auth-test", "bad_mac") == before["bad_mac"] + 1
+    assert refused("auth-test", "stale") == before["stale"] + 1
+    assert keyed_server.stats["auth_refused"] == 3
+    assert ok.call(Echo(text="still")) == Echo(text="STILL")
+    for c in (ok, plain, wrong, stale):
+        c.close()
+
+
+def test_a_captured_frame_replayed_on_a_raw_socket_is_refused(
+        keyed_server: RpcServer[Message]) -> None:
+    sealed, _ = Authenticator([NEW]).seal(CODEC.encode(Echo(text="once")))
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(keyed_server.endpoint)
+    before = refused("auth-test", "replay")
+    replies = []
+    for _ in range(2):
+        sock.send_multipart([b"", sealed])
+        assert sock.poll(5000)
+        replies.append(sock.recv_multipart()[-1])
+    sock.close(0)
+    assert replies[0].startswith(AUTH_MAGIC)  # served once, signed
+    assert b"auth_refused" in replies[1] and not replies[1].startswith(AUTH_MAGIC)
+    assert refused("auth-test", "replay") == before + 1
+
+
+def test_unsigned_success_reply_is_refused_by_a_keyed_client() -> None:
+    srv = RpcServer(tcp_endpoint("127.0.0.1", 0), CODEC, handler, name="no-key",
+                    auth=None).start()
+    try:
+        client = RpcClient(srv.endpoint, CODEC, timeout_s=5, auth=Authenticator([NEW]))
+        with pytest.raises(RemoteError, match="no key configured"):
+            client.call(Echo(text="abc"))  # the keyless server says why, unsigned
+        client.close()
+    finally:
+        srv.stop()
+
+
+def test_without_a_key_the_bytes_are_the_plain_wire_frames() -> None:
+    seen: list[bytes] = []
+    ctx = zmq.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    client = RpcClient(f"tcp://127.0.0.1:{port}", CODEC, timeout_s=2, auth=None)
+    import threading
+
+    def answer() -> None:
+        frames = router.recv_multipart()
+        seen.append(frames[-1])
+        router.send_multipart([*frames[:-1], CODEC.encode(Echo(text="A"))])
+
+    t = threading.Thread(target=answer)
+    t.start()
+    assert client.call(Echo(text="a")) == Echo(text="A")
+    t.join(5)
+    assert seen == [CODEC.encode(Echo(text="a"))]
+    client.close()
+    router.close(0)
