@@ -68,8 +68,11 @@ MIN_KEY_BYTES = 16
 DEFAULT_WINDOW_S = 30.0
 DEFAULT_MAX_NONCES = 1 << 17
 
-#: Refusal reasons (the ``reason`` label of ``auth_refused``).
+#: Refusal reasons of frames (the ``reason`` label of ``auth_refused``); bearer tokens and
+#: per-request capabilities add ``bad_token``.
 REASONS = ("unauthenticated", "bad_mac", "stale", "replay", "malformed")
+#: The bearer token's purpose on the proxy's ``/v1/metaserver``.
+PURPOSE_METASERVER = "metaserver"
 
 AUTH_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("auth_refused", "counter",

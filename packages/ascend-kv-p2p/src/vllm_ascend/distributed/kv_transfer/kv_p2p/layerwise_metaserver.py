@@ -17,6 +17,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+from vllm_ascend.distributed.kv_transfer.core import auth
 from vllm_ascend.distributed.kv_transfer.kv_p2p.config import TLSConfig
 
 if TYPE_CHECKING:
@@ -72,6 +73,13 @@ class MetaserverClient:
                                             verify=ctx if ctx is not None else True)
             return self._client
 
+    def _headers(self) -> dict[str, str]:
+        """The bearer token of the deployment key, when one is configured."""
+        authn = auth.from_env()
+        if authn is None:
+            return {}
+        return {"Authorization": f"Bearer {authn.bearer_token(auth.PURPOSE_METASERVER)}"}
+
     def post(self, url: str, payload: dict[str, Any]) -> None:
         """POST ``payload`` to ``url``, retrying; raises :class:`MetaserverError` at the end."""
         import httpx
@@ -83,7 +91,7 @@ class MetaserverClient:
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)
             try:
-                resp = self._http().post(url, json=payload)
+                resp = self._http().post(url, json=payload, headers=self._headers())
             except (httpx.HTTPError, ssl.SSLError, OSError) as exc:
                 last = f"{type(exc).__name__}: {exc}"
                 continue

@@ -33,6 +33,9 @@ class RemotePrefill:
     tp_size: int
     pcp_size: int
     dcp_size: int
+    #: P's capability for this request (``remote_claim_token``); ``""`` from a P that
+    #: issues none
+    token: str = ""
 
     def endpoint_key(self) -> tuple[str, int]:
         """``(host, base side-channel port)`` of the P instance."""
@@ -103,6 +106,10 @@ def parse_remote_prefill(params: Any, *, prompt_len: int, block_size: int) -> Re
     if len(set(blocks)) != len(blocks):
         raise KVParamsError("kv_transfer_params: 'remote_block_ids' repeats a block id")
     tp = params.get("remote_tp_size", params.get("remote_ptp_size", 1))
+    token = params.get("remote_claim_token", "")
+    if not isinstance(token, str) or len(token) > 256:
+        raise KVParamsError(f"kv_transfer_params: 'remote_claim_token' must be a string of at "
+                            f"most 256 characters, got a {type(token).__name__}")
     return RemotePrefill(
         engine_id=_str(params, "remote_engine_id"),
         host=_str(params, "remote_host"),
@@ -112,14 +119,16 @@ def parse_remote_prefill(params: Any, *, prompt_len: int, block_size: int) -> Re
         tp_size=_int({"remote_tp_size": tp}, "remote_tp_size", minimum=1, maximum=4096),
         pcp_size=_int(params, "remote_pcp_size", default=1, minimum=1, maximum=1),
         dcp_size=_int(params, "remote_dcp_size", default=1, minimum=1, maximum=1),
+        token=token,
     )
 
 
 def params_for_decode(*, block_ids: list[int], engine_id: str, host: str, port: int,
                       request_id: str, tp_size: int, last_token_id: int | None,
-                      num_prompt_blocks: int) -> dict[str, Any]:
-    """The ``kv_transfer_params`` P returns for D (upstream keys, plus ``remote_tp_size``)."""
-    return {
+                      num_prompt_blocks: int, claim_token: str = "") -> dict[str, Any]:
+    """The ``kv_transfer_params`` P returns for D (upstream keys, plus ``remote_tp_size`` and
+    ``remote_claim_token``, the request's capability, when P issued one)."""
+    out: dict[str, Any] = {
         "do_remote_prefill": True,
         "do_remote_decode": False,
         "remote_block_ids": block_ids,
@@ -135,6 +144,9 @@ def params_for_decode(*, block_ids: list[int], engine_id: str, host: str, port: 
         "num_prompt_blocks": num_prompt_blocks,
         "remote_multi_nodes_meta_mapping": {"0": {"host": host, "engine_id": engine_id}},
     }
+    if claim_token:
+        out["remote_claim_token"] = claim_token
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

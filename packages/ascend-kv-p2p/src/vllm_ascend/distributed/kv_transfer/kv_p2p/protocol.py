@@ -53,6 +53,8 @@ class Claim(Message):
     block_ids: list[int]
     reader: str
     num_readers: int = 1
+    #: the request's capability from ``kv_transfer_params`` (``remote_claim_token``)
+    token: str = ""
 
 
 class ClaimOK(Message):
@@ -80,6 +82,8 @@ class Done(Message):
     reader: str
     success: bool = True
     num_readers: int = 1
+    #: the request's capability, as in :class:`Claim`
+    token: str = ""
 
 
 class DoneAck(Message):

@@ -50,6 +50,9 @@ class SendMeta:
 
     request_id: str
     block_ids: list[int]
+    #: the request's capability: P serves only a ``Claim`` presenting it (see
+    #: :class:`~.pull_holder.LeaseHolder`); ``""`` from callers that issue none
+    token: str = ""
 
 
 @dataclass

@@ -7,6 +7,16 @@ scheduler holds for D (a :class:`~.pull_contract.SendMeta`) is a lease: D's
 releases it, and a lease that lapses frees the blocks anyway, reported exactly
 once through ``get_finished``. P only answers a ``Claim`` for blocks it holds for
 that very request.
+
+Capabilities: the scheduler issues an unguessable token for each held request
+(``remote_claim_token`` in the ``kv_transfer_params`` P returns). A ``Claim`` or
+``Done`` whose token does not match (constant-time compare) is refused and
+changes nothing. With a deployment key configured (:mod:`~vllm_ascend.distributed.
+kv_transfer.core.auth`) the token is required; without one, a message without a
+token is served as before (old D instances, old params), while a wrong token is
+still refused: without a key anyone who reaches the side channel can read P's
+memory map anyway, so a mandatory token would buy no security there, only break
+compatibility; it still catches misrouted or stale params.
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from vllm_ascend.distributed.kv_transfer.core.auth import count_refusal, tokens_match
 from vllm_ascend.distributed.kv_transfer.core.channel import RpcServer, tcp_endpoint
 from vllm_ascend.distributed.kv_transfer.core.leases import LeaseTable
 from vllm_ascend.distributed.kv_transfer.core.wire import ErrorReply, Message
@@ -41,6 +52,8 @@ class Held:
     block_ids: list[int]
     readers_expected: int = 1
     readers_done: set[str] = field(default_factory=set)
+    #: the request's capability (``""``: issued none)
+    token: str = ""
 
 
 class LeaseHolder:
@@ -82,7 +95,7 @@ class LeaseHolder:
             try:
                 # held for the D instance(s) the request goes to; which D is known only
                 # once it claims, so the owner names the request's readers
-                self.held.add(req.request_id, Held(list(req.block_ids)),
+                self.held.add(req.request_id, Held(list(req.block_ids), token=req.token),
                               owner=f"readers of {req.request_id}")
             except KeyError:
                 logger.warning("request %s is already held; ignoring a duplicate",
@@ -105,6 +118,16 @@ class LeaseHolder:
             return self._on_done(msg)
         return ErrorReply(code="unsupported", message=f"{type(msg).__name__} is not a request")
 
+    def _token_ok(self, held: Held, presented: str) -> bool:
+        """Whether a Claim/Done may act on ``held`` (see the module docstring)."""
+        required = self.server is not None and self.server.auth is not None
+        if not presented and not required:
+            return True
+        ok = bool(held.token) and tokens_match(held.token, presented)
+        if not ok:
+            count_refusal(self.server.name if self.server else "p2p-side-channel", "bad_token")
+        return ok
+
     def _on_claim(self, msg: Claim) -> Message:
         held = self.held.get(msg.request_id)
         if held is None:
@@ -122,6 +145,9 @@ class LeaseHolder:
             why = ("was already freed (read, released or its lease lapsed)" if released
                    else "is not held here")
             return ErrorReply(code=code, message=f"request {msg.request_id!r} {why}")
+        if not self._token_ok(held, msg.token):
+            return ErrorReply(code="bad_token", message=f"request {msg.request_id!r}: the claim "
+                              "does not carry the request's token (remote_claim_token)")
         extra = sorted(set(msg.block_ids) - set(held.block_ids))
         if extra:
             return ErrorReply(code="bad_blocks",
@@ -146,6 +172,9 @@ class LeaseHolder:
         if held is None:
             self.shared.recorder.inc("p2p_late_completions")
             return DoneAck(valid=False)
+        if not self._token_ok(held, msg.token):
+            return ErrorReply(code="bad_token", message=f"request {msg.request_id!r}: Done "
+                              "does not carry the request's token (remote_claim_token)")
         held.readers_expected = max(held.readers_expected, msg.num_readers)
         held.readers_done.add(msg.reader)
         if len(held.readers_done) < held.readers_expected:

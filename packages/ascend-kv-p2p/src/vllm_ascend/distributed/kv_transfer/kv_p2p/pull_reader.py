@@ -312,7 +312,7 @@ class PullReader:
         assert remote is not None
         client = self.shared._client(remote.host, self._port_of(remote, p_rank))
         msg = Claim(request_id=remote.request_id, block_ids=meta.remote_block_ids,
-                    reader=self.shared.agent_id, num_readers=num_readers)
+                    reader=self.shared.agent_id, num_readers=num_readers, token=remote.token)
         give_up = time.monotonic() + CLAIM_RETRY_S
         delay = 0.01
         first_try = True
@@ -338,7 +338,7 @@ class PullReader:
         assert remote is not None
         client = self.shared._client(remote.host, self._port_of(remote, p_rank))
         reply = client.call(Done(request_id=remote.request_id, reader=self.shared.agent_id,
-                                 success=success, num_readers=num_readers))
+                                 success=success, num_readers=num_readers, token=remote.token))
         return isinstance(reply, DoneAck) and reply.valid
 
     def _release_remote(self, meta: RecvMeta) -> None:

@@ -21,6 +21,7 @@ import logging
 import math
 from typing import TYPE_CHECKING, Any
 
+from vllm_ascend.distributed.kv_transfer.core.auth import capability_token
 from vllm_ascend.distributed.kv_transfer.core.net import get_host_ip
 from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig
 
@@ -156,12 +157,14 @@ class PullScheduler:
         held = list(block_ids[: math.ceil(prompt_len / self.block_size)])
         if not held:
             return False, None
-        self._to_hold[rid] = SendMeta(rid, held)
+        token = capability_token()
+        self._to_hold[rid] = SendMeta(rid, held, token)
         out = request.output_token_ids
         return True, params_for_decode(
             block_ids=held, engine_id=self.engine_id, host=self.host, port=self.side_port,
             request_id=rid, tp_size=self.tp_size,
-            last_token_id=int(out[-1]) if len(out) else None, num_prompt_blocks=len(held))
+            last_token_id=int(out[-1]) if len(out) else None, num_prompt_blocks=len(held),
+            claim_token=token)
 
     def shutdown(self) -> None:
         if self.renewer is not None:

@@ -49,6 +49,8 @@ from prometheus_client import (
     generate_latest,
 )
 
+from vllm_ascend.distributed.kv_transfer.core import auth
+
 from ..params import RemotePrefill
 from ..renewer import LeaseRenewer
 from .balancer import Instance, Policy, Pool
@@ -162,6 +164,8 @@ class Proxy:
         self.prefill = Pool("prefill", cfg.prefill, cfg.policy)
         self.decode = Pool("decode", cfg.decode, cfg.policy)
         self.metrics = Metrics()
+        #: the deployment key: with one, ``/v1/metaserver`` wants its bearer token
+        self.auth = auth.from_env()
         self.client: httpx.AsyncClient | None = None
         self.records: dict[str, Any] = {"requests": 0, "virtual": 0, "metaserver_posts": 0,
                                         "prefill_dispatched": 0, "prefill_failures": 0}
@@ -543,6 +547,17 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
 
     @app.post("/v1/metaserver")
     async def metaserver(request: Request) -> Response:
+        if proxy.auth is not None and not proxy.auth.check_header(
+                request.headers.get("authorization"), auth.PURPOSE_METASERVER):
+            reason = "unauthenticated" if "authorization" not in request.headers else "bad_token"
+            auth.count_refusal("proxy-metaserver", reason)
+            proxy.metrics.requests.labels("metaserver", "unauthorized").inc()
+            logger.warning("/v1/metaserver: refused a POST without the deployment's bearer "
+                           "token (%s)", reason)
+            resp = error_response(401, "the metaserver needs the deployment's bearer token "
+                                  "(Authorization: Bearer ...)", "unauthorized")
+            resp.headers["WWW-Authenticate"] = "Bearer"
+            return resp
         try:
             params = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
