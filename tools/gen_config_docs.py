@@ -66,6 +66,11 @@ METRIC_SOURCES = (
                  "vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.metrics:OFFLOAD_METRICS",
                  "The scheduler records hits, misses, lookup latency, evictions, expired save "
                  "leases and the host pool gauges; the workers record copies."),
+    MetricSource("Control plane: every connector", "ascend-kv-core",
+                 "vllm_ascend.distributed.kv_transfer.core.auth:AUTH_METRICS",
+                 "Frames refused by the deployment-key check (see the security page), by "
+                 "socket and reason, in every process that serves or calls a control-plane "
+                 "socket; reported with each connector's own metrics."),
 )
 
 
