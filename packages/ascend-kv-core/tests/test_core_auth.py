@@ -293,3 +293,23 @@ def test_without_a_key_the_bytes_are_the_plain_wire_frames() -> None:
     assert seen == [CODEC.encode(Echo(text="a"))]
     client.close()
     router.close(0)
+
+
+# ---------------------------------------------------------------- doctor
+def test_doctor_warns_without_a_key_and_an_unbound_mooncake(tmp_path: object) -> None:
+    from vllm_ascend.distributed.kv_transfer.core.tooling import doctor_auth
+    from vllm_ascend.distributed.kv_transfer.core.tooling.doctor import Doctor
+
+    def statuses(env: dict[str, str]) -> dict[str, str]:
+        d = Doctor({})
+        doctor_auth.check(d, env)
+        return {c.what: c.status for c in d.checks}
+
+    assert statuses({}) == {"control-plane key": "warn", "Mooncake bind address": "warn"}
+    assert statuses({auth.ENV_KEY: NEW.decode(), "MC_TCP_BIND_ADDRESS": "10.0.0.5"}) == {
+        "control-plane key": "ok", "Mooncake bind address": "ok"}
+    assert statuses({auth.ENV_KEY: "short", "MC_TCP_BIND_ADDRESS": "0.0.0.0"}) == {
+        "control-plane key": "fail", "Mooncake bind address": "warn"}
+    full = Doctor({"kv_connector": "X", "kv_role": "kv_both"})
+    full.run()
+    assert any(c.what == "control-plane key" for c in full.checks)

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, KVTransferError
-from . import doctor_provenance, plugins
+from . import doctor_auth, doctor_provenance, plugins
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +114,7 @@ class Doctor:
             self._check_connector(name, extra, where, cfg)
         self._check_top_level(cfg)
         self._check_host()
+        doctor_auth.check(self)
         for peer in self.peers:
             self._check_peer(peer)
         return self.checks
