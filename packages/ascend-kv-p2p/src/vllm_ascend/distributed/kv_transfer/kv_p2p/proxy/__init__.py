@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The P/D proxy (``vllm-ascend-pd-proxy``): an OpenAI-compatible front for P and D instances.
 
-:mod:`.balancer` picks instances, :mod:`.app` builds the FastAPI application,
+:mod:`.balancer` picks instances, :mod:`.app` builds the FastAPI application (its settings,
+records, errors and metrics in :mod:`.model`),
 :mod:`.cli` parses the command line and runs it with uvicorn.
 """
 

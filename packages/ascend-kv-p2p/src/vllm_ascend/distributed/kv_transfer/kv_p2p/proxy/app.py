@@ -34,7 +34,6 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -42,10 +41,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
     generate_latest,
 )
 
@@ -53,11 +48,18 @@ from vllm_ascend.distributed.kv_transfer.core import auth
 
 from ..params import RemotePrefill
 from ..renewer import LeaseRenewer
-from .balancer import Instance, Policy, Pool
+from .balancer import Instance, Pool
+from .model import (
+    LayerwiseRequest,
+    Metrics,
+    ProxyConfig,
+    ProxyError,
+    error_response,
+    truthy,
+)
 
 logger = logging.getLogger(__name__)
 
-MODES = ("pull", "layerwise")
 #: Header that marks a request virtual in layerwise mode.
 VIRTUAL_HEADER = "x-kv-virtual"
 #: How many finished requests ``/status`` lists.
@@ -72,88 +74,6 @@ PREFILL_PARAMS: dict[str, Any] = {
     "remote_host": None,
     "remote_port": None,
 }
-
-
-@dataclass
-class ProxyConfig:
-    """Settings of one proxy."""
-
-    prefill: list[str]
-    decode: list[str]
-    policy: Policy = "round_robin"
-    timeout_s: float = 600.0
-    health_interval_s: float = 5.0
-    mode: str = "pull"
-    #: where D instances reach this proxy's metaserver (layerwise mode)
-    metaserver_url: str | None = None
-    #: pull mode: renew P's lease on a request's blocks this often while D has the request
-    #: (covers a request queued on D before D's scheduler sees it); 0 turns it off
-    lease_renew_interval_s: float = 5.0
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"unknown proxy mode {self.mode!r}; expected one of {MODES}")
-        if self.mode == "layerwise" and not self.metaserver_url:
-            raise ValueError("layerwise mode needs metaserver_url: the URL of this proxy's "
-                             "/v1/metaserver as the decode instances reach it")
-
-
-def truthy(value: Any) -> bool:
-    """``true``/``1``/``yes`` (any case) or a JSON true."""
-    if isinstance(value, bool):
-        return value
-    return isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on")
-
-
-@dataclass
-class LayerwiseRequest:
-    """A layerwise request between the client, D and (once D posted) P."""
-
-    request_id: str
-    path: str
-    body: dict[str, Any]
-    headers: dict[str, str]
-    virtual: bool
-    #: set with the reason when the prefill step failed
-    failed: asyncio.Future[str]
-    prefill: asyncio.Task[None] | None = None
-    record: dict[str, Any] = field(default_factory=dict)
-
-
-class ProxyError(Exception):
-    """An answer the proxy gives the client itself (status, message)."""
-
-    def __init__(self, status: int, message: str, kind: str = "proxy_error") -> None:
-        super().__init__(message)
-        self.status = status
-        self.kind = kind
-
-
-def error_response(status: int, message: str, kind: str) -> JSONResponse:
-    """An OpenAI-style error body."""
-    return JSONResponse(status_code=status,
-                        content={"error": {"message": message, "type": kind, "code": status}})
-
-
-class Metrics:
-    """The proxy's own Prometheus metrics (``vllm_ascend_pd_proxy_*``)."""
-
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self.requests = Counter("vllm_ascend_pd_proxy_requests", "Client requests by outcome.",
-                                ["endpoint", "outcome"], registry=self.registry)
-        self.upstream = Counter("vllm_ascend_pd_proxy_upstream_requests",
-                                "Requests sent to P and D instances by outcome.",
-                                ["role", "instance", "outcome"], registry=self.registry)
-        self.stage = Histogram("vllm_ascend_pd_proxy_stage_seconds",
-                               "Time of each stage (prefill, decode).", ["stage"],
-                               registry=self.registry)
-        self.in_flight = Gauge("vllm_ascend_pd_proxy_in_flight", "Requests in flight per "
-                               "instance.", ["role", "instance"], registry=self.registry)
-        self.healthy = Gauge("vllm_ascend_pd_proxy_instance_healthy", "1 if the instance "
-                             "answered its last health check.", ["role", "instance"],
-                             registry=self.registry)
 
 
 class Proxy:

@@ -8,8 +8,9 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from .app import MODES, ProxyConfig, build_app
+from .app import ProxyConfig, build_app
 from .balancer import POLICIES
+from .model import MODES
 
 
 def _url(value: str) -> str:
