@@ -1,0 +1,197 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``MooncakeLayerwiseConnector``: P/D disaggregation where prefill pushes layer by layer.
+
+Lifecycle (vLLM ``KVConnectorBase_V1``):
+
+1. The proxy sends the request to D first, with ``kv_transfer_params =
+   {"do_remote_prefill": true, "metaserver": URL, "request_id": ID}``. D's
+   ``get_num_new_matched_tokens`` reports the prompt as an asynchronous
+   external hit; once blocks are allocated (``update_state_after_alloc``), D
+   POSTs its block ids and address to the metaserver (optional TLS from
+   ``tls_config``) and its workers wait for the pushes under a deadline.
+2. The proxy forwards the request to P with what D posted (``do_remote_decode``)
+   and ``max_tokens=1``. Each engine step that computes part of the prompt
+   pushes the matching blocks: ``save_kv_layer`` writes every layer into D's
+   blocks with the Mooncake transfer engine as soon as the attention layer
+   computed it, chunk by chunk under chunked prefill. After the step that
+   completes the prompt, each P rank tells each D rank it pushes to that the
+   request is complete; D counts these against the expected number.
+3. Writes happen under leases D grants on exactly the blocks it allocated for
+   the request; D fails (or recomputes, per ``kv_load_failure_policy``) a
+   request whose P failed, died or missed the deadline, but only once no P
+   can still write into its blocks. P keeps a finished request's blocks until
+   no push reads them.
+
+**Virtual push**: a request with ``"do_virtual": true`` is not posted to the
+metaserver; D's workers report it loaded at once with nothing transferred
+(``ReqMeta.do_virtual``, upstream's name of :class:`~.layerwise_contract.RecvReq`, and
+the worker's ``virtual_request`` set). ``None``, empty or ``do_virtual``-less params are
+ordinary requests.
+
+The class is thin: scheduler-side work is in :mod:`.layerwise_scheduler`, worker-side
+work in :mod:`.layerwise_worker` (a P sender and a D receiver), and the records the
+scheduler sends the workers in :mod:`.layerwise_contract`.
+
+This module is a path only ascend-kv-p2p ships, so the name stays ours whatever is
+installed last; upstream's path :mod:`.mooncake_layerwise_connector` re-exports it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm_ascend.distributed.kv_transfer.core.vllm_compat import require_vllm
+
+require_vllm("MooncakeLayerwiseConnector")
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+
+from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder  # noqa: E402
+from vllm_ascend.distributed.kv_transfer.core.vllm_metrics import ConnectorStatsMixin  # noqa: E402
+from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeLayerwiseConfig  # noqa: E402
+
+from .layerwise_contract import (  # noqa: E402
+    MooncakeLayerwiseConnectorMetadata,
+    PushReq,
+    RecvReq,
+    ReqMeta,
+)
+from .layerwise_scheduler import LayerwiseScheduler  # noqa: E402
+from .layerwise_worker import LayerwiseWorker  # noqa: E402
+from .p2p_metrics import P2P_METRICS  # noqa: E402
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = ["MooncakeLayerwiseConnector", "MooncakeLayerwiseConnectorMetadata", "PushReq",
+           "RecvReq", "ReqMeta"]
+
+logger = logging.getLogger(__name__)
+
+
+class MooncakeLayerwiseConnector(ConnectorStatsMixin, KVConnectorBase_V1, SupportsHMA):
+    """P/D connector: the prefill instance pushes each layer into the decode instance."""
+
+    metric_specs = P2P_METRICS
+
+    config_class: type[MooncakeLayerwiseConfig] = MooncakeLayerwiseConfig
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role,
+                         kv_cache_config=kv_cache_config)  # type: ignore[arg-type]
+        kvc = vllm_config.kv_transfer_config
+        assert kvc is not None
+        self.cfg = self.config_class.from_dict(
+            kvc.kv_connector_extra_config,
+            source=f"kv_connector_extra_config of {type(self).__name__}")
+        self.engine_id = str(kvc.engine_id)
+        self.recorder = MetricsRecorder(P2P_METRICS)
+        self.connector_scheduler: LayerwiseScheduler | None = None
+        self.connector_worker: LayerwiseWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.connector_scheduler = LayerwiseScheduler(vllm_config, self.cfg, self.engine_id)
+        else:
+            self.connector_worker = LayerwiseWorker(vllm_config, self.cfg, self.engine_id,
+                                                    self.recorder)
+
+    def _meta(self) -> MooncakeLayerwiseConnectorMetadata | None:
+        if not self.has_connector_metadata():
+            return None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, MooncakeLayerwiseConnectorMetadata)
+        return meta
+
+    # ============================== Scheduler-side methods
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self.connector_scheduler is not None
+        return self.connector_scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        assert self.connector_scheduler is not None
+        self.connector_scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self.connector_scheduler is not None
+        return self.connector_scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self.connector_scheduler is not None
+        return self.connector_scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self.connector_scheduler is not None
+        return self.connector_scheduler.request_finished(request,
+                                                         block_ids[0] if block_ids else [])
+
+    # ============================== Worker-side methods
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        assert self.connector_worker is not None
+        self.connector_worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self.connector_worker is not None
+        meta = self._meta()
+        if meta is not None:
+            self.connector_worker.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """D receives whole requests, P computes its own KV: nothing to wait for."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        assert self.connector_worker is not None
+        self.connector_worker.save_kv_layer(self._meta(), layer_name, kv_layer)
+
+    def wait_for_save(self) -> None:
+        assert self.connector_worker is not None
+        self.connector_worker.wait_for_save(self._meta())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
+                                                                 set[str] | None]:
+        assert self.connector_worker is not None
+        return self.connector_worker.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        if self.connector_worker is None:
+            return set()
+        return self.connector_worker.get_block_ids_with_load_errors()
+
+    def shutdown(self) -> None:
+        if self.connector_worker is not None:
+            self.connector_worker.shutdown()
+        if self.connector_scheduler is not None:
+            self.connector_scheduler.shutdown()
+
+
+def push_stats(_llm: Any = None) -> dict[str, int]:
+    """Diagnostics of this process's layerwise worker: how layer pushes were queued.
+
+    ``hooked``: by the attention layer's ``save_kv_layer`` (the layer-by-layer path);
+    ``fallback``: by ``wait_for_save`` because the backend never called the hook.
+    The argument is ignored (it lets ``EngineProcess.call`` run this in an engine).
+    """
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if not has_kv_transfer_group():
+        return {}
+    worker = getattr(get_kv_transfer_group(), "connector_worker", None)
+    if not isinstance(worker, LayerwiseWorker):
+        return {}
+    return {"hooked": worker.hooked_layer_pushes, "fallback": worker.fallback_layer_pushes}
