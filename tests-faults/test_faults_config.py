@@ -63,14 +63,14 @@ def test_bad_extra_configs_stop_the_engine_with_a_clear_error(
 #: connector -> (module, how it finds its config class, the ``source`` it passes)
 CONNECTORS = {
     "MooncakeConnectorV1": (
-        "vllm_ascend.distributed.kv_transfer.kv_p2p.mooncake_connector",
+        "vllm_ascend.distributed.kv_transfer.kv_p2p.pull_connector",
         "MooncakeConnector.config_class", "kv_connector_extra_config of MooncakeConnector"),
     "MooncakeLayerwiseConnector": (
-        "vllm_ascend.distributed.kv_transfer.kv_p2p.mooncake_layerwise_connector",
+        "vllm_ascend.distributed.kv_transfer.kv_p2p.layerwise_connector",
         "MooncakeLayerwiseConnector.config_class",
         "kv_connector_extra_config of MooncakeLayerwiseConnector"),
     "AscendStoreConnector": (
-        "vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.ascend_store_connector",
+        "vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.store_connector",
         "AscendStoreConfig", "AscendStoreConnector kv_connector_extra_config"),
     "CPUOffloadingConnector": (
         "vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.cpu_offload_connector",

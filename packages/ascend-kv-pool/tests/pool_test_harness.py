@@ -124,10 +124,10 @@ class PoolHarness:
     def __init__(self, backend: Any, *, cfg: AscendStoreConfig | None = None,
                  ctx: PoolContext | None = None, kv_caches: dict[str, torch.Tensor] | None = None,
                  **cfg_overrides: Any) -> None:
-        from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.pool_scheduler import (
+        from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.store_scheduler import (
             KVPoolScheduler,
         )
-        from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.pool_worker import (
+        from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.store_worker import (
             KVPoolWorker,
         )
 

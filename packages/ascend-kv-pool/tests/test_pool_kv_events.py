@@ -264,7 +264,7 @@ def test_stores_that_do_not_report_evictions_publish_stores_only() -> None:
 
 
 def test_backend_without_eviction_events_says_so() -> None:
-    from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.backend.backend import Backend
+    from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.backend.base import Backend
 
     class Plain(Backend):
         def register_buffer(self, ptrs: list[int], lengths: list[int]) -> None: ...
@@ -317,7 +317,7 @@ def _step(workers: list[Any], scheduler: Any) -> list[Any]:
     from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
-    from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.ascend_store_connector import (
+    from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.store_connector import (
         AscendStoreConnector,
     )
 
@@ -330,7 +330,7 @@ def _step(workers: list[Any], scheduler: Any) -> list[Any]:
 
 
 def _container(put_step: int, events: list[Any]) -> Any:
-    from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.ascend_store_connector import (
+    from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.store_connector import (
         AscendStoreKVEvents,
         to_vllm_events,
     )
@@ -345,7 +345,7 @@ def test_vllm_events_carry_the_pool_medium_and_hashes() -> None:
     from vllm.distributed.kv_events import BlockRemoved, BlockStored
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as conv
 
-    from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.ascend_store_connector import (
+    from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.store_connector import (
         to_vllm_events,
     )
 

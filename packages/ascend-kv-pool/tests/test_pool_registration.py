@@ -46,3 +46,64 @@ def test_cli_describes_the_pool_config(capsys: pytest.CaptureFixture[str]) -> No
     out = capsys.readouterr().out
     for key in ("backend", "local_pool_size", "discard_partial_chunks", "lookup_rpc_port"):
         assert key in out
+
+
+#: What vLLM-Ascend 0.26.0rc1's wheel ships at our paths: installed after ours, its copies
+#: replace these files, so neither the entry point nor anything the connector imports at run
+#: time may live there.
+UPSTREAM_PATHS = {
+    f"vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store{m}" for m in (
+        "", ".ascend_store_connector", ".config_data", ".kv_transfer", ".pool_scheduler",
+        ".pool_worker", ".backend", ".backend.backend", ".backend.mooncake_backend",
+        ".backend.memcache_backend")}
+#: upstream path -> the names it re-exports from a module only we ship
+SHIMS = {
+    ".ascend_store_connector": ("store_connector", ["AscendStoreConnector",
+                                                    "MooncakeConnectorStoreV1"]),
+    ".config_data": ("store_contract", ["AscendConnectorMetadata", "LoadSpec", "TransferJob"]),
+    ".kv_transfer": ("store_transfer", ["TransferThread", "StoreGuard", "run_save"]),
+    ".pool_scheduler": ("store_scheduler", ["KVPoolScheduler"]),
+    ".pool_worker": ("store_worker", ["KVPoolWorker", "create_backend"]),
+    ".backend.backend": ("backend.base", ["Backend", "chunks", "RC_ERROR"]),
+    ".backend.mooncake_backend": ("backend.mooncake_store", [
+        "MooncakeBackend", "_convert_to_bytes", "_parse_global_segment_size"]),
+    ".backend.memcache_backend": ("backend.memcache_store", ["MemcacheBackend"]),
+}
+PKG = "vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store"
+
+
+def test_registered_at_modules_only_we_ship() -> None:
+    from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store import plugin
+
+    assert ascend_store.register is plugin.register
+    for _, module, _ in (*plugin.CONNECTORS,):
+        assert module not in UPSTREAM_PATHS and module.startswith(PKG)
+
+
+def test_runtime_imports_avoid_upstream_paths() -> None:
+    """Importing the connector's module graph fresh never loads an upstream path's file."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store."
+            "store_connector as c; from vllm_ascend.distributed.kv_transfer.kv_pool."
+            "ascend_store.backend.registry import backend_class as b; b('local'); "
+            "b('mooncake'); b('memcache'); "
+            "print('\\n'.join(m for m in sys.modules if m.startswith('vllm_ascend')))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    loaded = set(proc.stdout.split())
+    # the packages' __init__ files run (Python imports parents); vLLM-Ascend's are harmless
+    assert not (loaded & UPSTREAM_PATHS) - {PKG, f"{PKG}.backend"}, sorted(loaded)
+
+
+@pytest.mark.parametrize("path", sorted(SHIMS))
+def test_upstream_paths_re_export_ours(path: str) -> None:
+    import importlib
+
+    module, names = SHIMS[path]
+    shim = importlib.import_module(PKG + path)
+    ours = importlib.import_module(f"{PKG}.{module}")
+    for name in names:
+        assert getattr(shim, name) is getattr(ours, name), name

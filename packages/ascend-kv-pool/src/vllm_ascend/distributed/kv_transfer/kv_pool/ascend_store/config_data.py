@@ -1,47 +1,24 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The pool's contract: what the scheduler hands the workers each step.
+"""Upstream's module path of the pool's contract; it lives in :mod:`.store_contract`.
 
-The scheduler decides which blocks to load and which to save; the workers do
-it. :class:`AscendConnectorMetadata` (vLLM's name for a step's payload) carries
-:class:`~.jobs.TransferJob` records: a request, the pool hashes of a run of its
-blocks and the vLLM block ids that hold (or will hold) them, with the
-:class:`~.jobs.BlockEventSpec` a save announces. The workers import this
-module, never the scheduler; the plain records live in the vLLM-free
-:mod:`.jobs`.
-
-Upstream's ``config_data`` names are kept: keys and hashes from :mod:`.keys`,
-and the scheduler's per-request state from :mod:`.tracking`
-(``LoadSpec`` is :class:`~.tracking.PoolHit`).
+vLLM-Ascend's wheel ships a file at this path too; installed after ours, its
+copy replaces this one, and the pool keeps using :mod:`.store_contract`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from vllm_ascend.distributed.kv_transfer.core.vllm_compat import require_vllm
-
-require_vllm("AscendStoreConnector")
-
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata  # noqa: E402
-
-from .jobs import BlockEventSpec, TransferJob  # noqa: E402
-from .keys import BlockHasher, KeyMetadata, LayerPoolKey, PoolKey  # noqa: E402
-from .tracking import PoolHit, RequestTracker  # noqa: E402
-
-#: upstream's name for :class:`~.tracking.PoolHit`
-LoadSpec = PoolHit
+from .store_contract import (
+    AscendConnectorMetadata,
+    BlockEventSpec,
+    BlockHasher,
+    KeyMetadata,
+    LayerPoolKey,
+    LoadSpec,
+    PoolHit,
+    PoolKey,
+    RequestTracker,
+    TransferJob,
+)
 
 __all__ = ["AscendConnectorMetadata", "BlockEventSpec", "BlockHasher", "KeyMetadata",
            "LayerPoolKey", "LoadSpec", "PoolHit", "PoolKey", "RequestTracker", "TransferJob"]
-
-
-@dataclass
-class AscendConnectorMetadata(KVConnectorMetadata):
-    """Scheduler -> worker payload of one step."""
-
-    loads: list[TransferJob] = field(default_factory=list)
-    saves: list[TransferJob] = field(default_factory=list)
-    preempted_req_ids: set[str] = field(default_factory=set)
-
-    def is_empty(self) -> bool:
-        return not (self.loads or self.saves or self.preempted_req_ids)

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The records the pool's scheduler sends its workers (no vLLM needed): transfer jobs.
 
-The vLLM-free half of the pool's contract: :mod:`.config_data` (the contract
+The vLLM-free half of the pool's contract: :mod:`.store_contract` (the contract
 module the workers import) wraps them into vLLM's ``KVConnectorMetadata``.
 Kept free of vLLM so the worker side and the benchmarks import without it.
 """

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """What the pool's scheduler side tracks per request (no vLLM needed).
 
-Never sent to the workers: :mod:`.config_data` re-exports these under
+Never sent to the workers: :mod:`.store_contract` re-exports these under
 upstream's names (``LoadSpec`` is :class:`PoolHit`).
 """
 

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from .backend import RC_ERROR, Backend
+from .base import RC_ERROR, Backend
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class LocalBackend(Backend):
         parallel_config: unused (upstream signature).
         capacity: bytes kept at most; default from ``config.local_pool_size`` or 8 GiB.
         **kwargs: ``config``, the pool's ``AscendStoreConfig`` (optional), and the
-            options of :class:`~.backend.Backend`.
+            options of :class:`~.base.Backend`.
     """
 
     name: ClassVar[str] = "local"

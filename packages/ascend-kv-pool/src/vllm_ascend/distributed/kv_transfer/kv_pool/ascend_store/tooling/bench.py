@@ -133,7 +133,7 @@ def run_pool(args: argparse.Namespace) -> dict[str, Any]:
 def _mooncake_rows(args: argparse.Namespace, blocks: _Blocks, repeat: int) -> dict[str, Any]:
     from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.config import MooncakeStoreConfig
 
-    from ..backend.mooncake_backend import MooncakeBackend
+    from ..backend.mooncake_store import MooncakeBackend
 
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
     master = None
@@ -194,7 +194,7 @@ def _lookup_rates(backend: Any, quick: bool, label: str = "local") -> list[dict[
 
     from ..context import PoolContext
     from ..lookup import LookupClient, LookupServer, lookup_endpoint
-    from ..pool_worker import KVPoolWorker
+    from ..store_worker import KVPoolWorker
 
     batch = 1024
     rounds = 5 if quick else 20

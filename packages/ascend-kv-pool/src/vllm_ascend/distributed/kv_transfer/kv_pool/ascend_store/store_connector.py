@@ -1,0 +1,320 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``AscendStoreConnector``: prefix KV blocks saved to and loaded from a pool.
+
+A thin connector: scheduler-side calls go to :class:`~.store_scheduler.KVPoolScheduler`,
+worker-side calls to :class:`~.store_worker.KVPoolWorker`. The pool is the
+embedded ``local`` backend unless ``kv_connector_extra_config`` names another
+(``backend: mooncake`` or ``memcache``); every key is described by
+``vllm-ascend-kv config AscendStoreConnector``.
+
+``MooncakeConnectorStoreV1`` is the deprecated name of the same connector; it
+logs a deprecation warning when created.
+
+With ``kv_events_config.enable_kv_cache_events`` on, the pool's KV cache events
+(``BlockStored`` for blocks saved to the pool, ``BlockRemoved`` for blocks the
+``local`` backend evicted, both with ``medium="cpu"``) travel from the workers
+(``get_kv_connector_kv_cache_events``) through vLLM's output aggregation to the
+scheduler side (``update_connector_output``), which hands vLLM's publisher
+those every writing rank reported (``take_events``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from vllm_ascend.distributed.kv_transfer.core.vllm_compat import require_vllm
+
+require_vllm("AscendStoreConnector")
+
+from vllm.distributed.kv_events import (  # noqa: E402
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    KVConnectorKVEvents,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash  # noqa: E402
+
+from vllm_ascend.distributed.kv_transfer.core.vllm_metrics import (  # noqa: E402
+    ConnectorStatsMixin,
+)
+from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.config import AscendStoreConfig  # noqa: E402
+
+from .context import context_from_vllm  # noqa: E402
+from .events import PoolEvent, RemovedBlock  # noqa: E402
+from .metrics import POOL_METRICS  # noqa: E402
+from .store_contract import AscendConnectorMetadata  # noqa: E402
+from .store_scheduler import KVPoolScheduler  # noqa: E402
+from .store_worker import KVPoolWorker  # noqa: E402
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+    from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
+
+logger = logging.getLogger(__name__)
+
+#: ``medium`` of the pool's events (vLLM-Ascend's value).
+EVENT_MEDIUM = "cpu"
+#: Events the scheduler side keeps while not every writing rank reported them yet.
+MAX_PENDING_EVENTS = 65536
+
+
+class AscendStoreKVEvents(KVConnectorKVEvents):
+    """The pool's KV cache events, counted across the workers that reported them.
+
+    vLLM merges the workers' containers (``add_events`` + ``increment_workers``);
+    an event is published once every rank that writes its block reported it.
+    Ranks holding the same KV heads split a request's blocks (``put_step`` of
+    them share keys), so ``num_workers / put_step`` ranks write each block.
+    Events not complete yet stay for later steps (a slow rank reports a step
+    later), bounded by :data:`MAX_PENDING_EVENTS`.
+
+    Args:
+        num_workers: workers whose events this container holds.
+        put_step: ranks sharing one block's keys (``1`` unless KV heads < TP size).
+    """
+
+    def __init__(self, num_workers: int = 1, put_step: int = 1) -> None:
+        if num_workers <= 0 or put_step <= 0:
+            raise ValueError(f"num_workers ({num_workers}) and put_step ({put_step}) must be "
+                             "positive")
+        self._counter: Counter[KVCacheEvent] = Counter()
+        self._num_workers = num_workers
+        self.put_step = put_step
+
+    def add_events(self, events: list[KVCacheEvent]) -> None:
+        if not isinstance(events, list):
+            raise TypeError(f"events must be a list of KVCacheEvent, got {type(events).__name__}")
+        self._counter.update(events)
+
+    def _complete(self, count: int) -> bool:
+        return count * self.put_step >= self._num_workers
+
+    def pop_common_events(self) -> list[KVCacheEvent]:
+        """The events every writing rank reported (removed from the container), in order."""
+        common = [e for e, n in self._counter.items() if self._complete(n)]
+        for event in common:
+            del self._counter[event]
+        while len(self._counter) > MAX_PENDING_EVENTS:
+            del self._counter[next(iter(self._counter))]
+        return common
+
+    def aggregate(self) -> AscendStoreKVEvents:
+        common = self.pop_common_events()
+        self._counter.clear()
+        self._counter.update(common)
+        self._num_workers = 1
+        self.put_step = 1
+        return self
+
+    def increment_workers(self, count: int = 1) -> None:
+        if count <= 0:
+            raise ValueError(f"count must be positive, got {count}")
+        self._num_workers += count
+
+    def get_all_events(self) -> list[KVCacheEvent]:
+        return list(self._counter.elements())
+
+    def get_number_of_workers(self) -> int:
+        return self._num_workers
+
+    def has_events(self) -> bool:
+        """True while some event is held."""
+        return bool(self._counter)
+
+    def clear_events(self) -> None:
+        self._counter.clear()
+        self._num_workers = 1
+
+    def __repr__(self) -> str:
+        return (f"<AscendStoreKVEvents workers={self._num_workers} put_step={self.put_step} "
+                f"events={len(self._counter)}>")
+
+
+def to_vllm_events(events: Sequence[PoolEvent]) -> list[KVCacheEvent]:
+    """vLLM's ``BlockStored`` / ``BlockRemoved`` for the pool's events."""
+    out: list[KVCacheEvent] = []
+    for event in events:
+        if isinstance(event, RemovedBlock):
+            out.append(BlockRemoved(block_hashes=[maybe_convert_block_hash(event.block_hash)],
+                                    medium=EVENT_MEDIUM))
+            continue
+        parent = (maybe_convert_block_hash(event.parent_hash)
+                  if event.parent_hash is not None else None)
+        out.append(BlockStored(
+            block_hashes=[maybe_convert_block_hash(event.block_hash)],
+            parent_block_hash=parent, token_ids=list(event.token_ids),
+            block_size=event.block_size, lora_id=event.lora_id, medium=EVENT_MEDIUM,
+            lora_name=event.lora_name))
+    return out
+
+
+class AscendStoreConnector(ConnectorStatsMixin, KVConnectorBase_V1):
+    """KV pool connector (vLLM-Ascend's ``AscendStoreConnector``)."""
+
+    metric_specs = POOL_METRICS
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        kv_config = vllm_config.kv_transfer_config
+        self.pool_config = AscendStoreConfig.from_dict(
+            kv_config.kv_connector_extra_config,
+            source=f"{type(self).__name__} kv_connector_extra_config")
+        self.ctx = context_from_vllm(vllm_config)
+        self.use_layerwise = self.pool_config.use_layerwise
+        self.connector_scheduler: KVPoolScheduler | None = None
+        self.connector_worker: KVPoolWorker | None = None
+        self._kv_cache_events: AscendStoreKVEvents | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.connector_scheduler = KVPoolScheduler(self.ctx, self.pool_config)
+        else:
+            self.connector_worker = KVPoolWorker(self.ctx, self.pool_config,
+                                                 parallel_config=vllm_config.parallel_config)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A cache: a dropped save is a later miss, never a lost hand-off."""
+        return False
+
+    # ============================================================== scheduler side
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        assert self.connector_scheduler is not None
+        return self.connector_scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        assert self.connector_scheduler is not None
+        self.connector_scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self.connector_scheduler is not None
+        return self.connector_scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        assert self.connector_scheduler is not None
+        return self.connector_scheduler.request_finished(request, block_ids)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Collect the workers' KV cache events of this step."""
+        events = getattr(connector_output, "kv_cache_events", None)
+        if not isinstance(events, AscendStoreKVEvents):
+            return
+        if self._kv_cache_events is None:
+            self._kv_cache_events = events
+        else:  # the same workers as before: their events add up, their number does not
+            self._kv_cache_events.add_events(events.get_all_events())
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """The pool's events every writing rank reported, for vLLM's publisher."""
+        if self._kv_cache_events is None:
+            return []
+        common = self._kv_cache_events.pop_common_events()
+        if not self._kv_cache_events.has_events():
+            self._kv_cache_events = None
+        return common
+
+    # ============================================================== worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self.connector_worker is not None
+        self.connector_worker.register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: Any = None) -> None:
+        # vLLM 0.32+ passes the step's metadata; older versions a set of request ids.
+        if self.connector_worker is None:
+            return
+        if isinstance(kv_connector_metadata, AscendConnectorMetadata):
+            ids = kv_connector_metadata.preempted_req_ids
+        elif isinstance(kv_connector_metadata, (set, frozenset, list)):
+            ids = set(kv_connector_metadata)
+        else:
+            return
+        self.connector_worker.handle_preemptions(set(ids))
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self.connector_worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, AscendConnectorMetadata)
+        self.connector_worker.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self.use_layerwise and self.connector_worker is not None:
+            self.connector_worker.wait_for_layer_load(layer_name, self._get_connector_metadata())
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        if not self.use_layerwise or self.connector_worker is None:
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, AscendConnectorMetadata)
+        self.connector_worker.save_kv_layer(layer_name, meta)
+
+    def wait_for_save(self) -> None:
+        assert self.connector_worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, AscendConnectorMetadata)
+        self.connector_worker.wait_for_save(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        assert self.connector_worker is not None
+        sending, recving = self.connector_worker.get_finished(finished_req_ids)
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        if self.connector_worker is None:
+            return set()
+        return self.connector_worker.get_block_ids_with_load_errors()
+
+    def get_kv_connector_kv_cache_events(self) -> AscendStoreKVEvents | None:
+        """This worker's KV cache events since the last step (``None`` when KV events are off).
+
+        An empty container is returned too, so that this worker counts among those
+        an event must come from.
+        """
+        if self.connector_worker is None:
+            return None
+        events = self.connector_worker.take_events()
+        if events is None:
+            return None
+        container = AscendStoreKVEvents(num_workers=1, put_step=self.connector_worker.put_step)
+        container.add_events(to_vllm_events(events))
+        return container
+
+    # ============================================================== both sides
+    def stats_recorder(self) -> MetricsRecorder | None:
+        side = self.connector_worker or self.connector_scheduler
+        return side.recorder if side is not None else None
+
+    def shutdown(self) -> None:
+        if self.connector_worker is not None:
+            self.connector_worker.shutdown()
+            self.connector_worker = None
+        if self.connector_scheduler is not None:
+            self.connector_scheduler.close()
+            self.connector_scheduler = None
+
+
+class MooncakeConnectorStoreV1(AscendStoreConnector):
+    """Deprecated name of :class:`AscendStoreConnector`."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: Any = None) -> None:
+        logger.warning("kv_connector 'MooncakeConnectorStoreV1' is deprecated and will be "
+                       "removed; use 'AscendStoreConnector' (same configuration)")
+        super().__init__(vllm_config, role, kv_cache_config)
