@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""A tiny random-weight Llama and a small tokenizer, made locally (no downloads)."""
+"""Tiny random-weight models (a Llama, an MLA DeepSeek-V3) and a small tokenizer, made locally
+(no downloads)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,56 @@ def make_tiny_llama(path: Path, *, seed: int = 0, dtype: str = "float32", **over
     torch.manual_seed(seed)
     cfg = LlamaConfig(**{**TINY_LLAMA, **overrides})
     model = LlamaForCausalLM(cfg).to(getattr(torch, dtype))
+    model.save_pretrained(path)
+    stamp.write_text(json.dumps(spec))
+    return path
+
+
+#: Shape of the tiny MLA model (DeepSeek-V3 attention): one latent of 512 + 64 = 576 values a
+#: token (the only latent size vLLM's CPU MLA kernels take), every MLP dense: vLLM expects an
+#: ``e_score_correction_bias`` that transformers does not save for MoE gates.
+TINY_DEEPSEEK = dict(vocab_size=1024, hidden_size=256, intermediate_size=512,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                     kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
+                     q_lora_rank=None, max_position_embeddings=4096,
+                     initializer_range=0.08)
+
+
+def mla_backend() -> str:
+    """The MLA attention backend vLLM CPU picks on this machine: ``AMX_MLA`` where the CPU
+    has AMX tiles (bf16 only, any block size multiple of 32, prefix caching on), else the
+    reference ``CPU_MLA`` (block size forced to 16, prefix caching and chunked prefill off)."""
+    import torch
+
+    return "AMX_MLA" if torch.cpu._is_amx_tile_supported() else "CPU_MLA"
+
+
+def mla_engine() -> dict[str, object]:
+    """``vllm.LLM`` overrides for the tiny MLA model on this machine's backend
+    (:func:`mla_backend`): bfloat16 (``AMX_MLA`` refuses float32), block size 128 on
+    ``AMX_MLA``, 16 on ``CPU_MLA`` (the only size its decode kernel takes)."""
+    return dict(dtype="bfloat16", block_size=128 if mla_backend() == "AMX_MLA" else 16)
+
+
+def make_tiny_deepseek(path: Path, *, seed: int = 0, **overrides: object) -> Path:
+    """Save a random ``DeepseekV3ForCausalLM`` (MLA attention, dense MLPs) to ``path``
+    (idempotent) and return ``path``. Serve it with :func:`mla_engine`.
+
+    ``first_k_dense_replace`` follows ``num_hidden_layers`` unless given.
+    """
+    path = Path(path)
+    cfg_kw = {**TINY_DEEPSEEK, **overrides}
+    cfg_kw.setdefault("first_k_dense_replace", cfg_kw["num_hidden_layers"])
+    spec = {**cfg_kw, "seed": seed, "arch": "DeepseekV3ForCausalLM"}
+    stamp = path / ".spec.json"
+    if (path / "config.json").exists() and stamp.exists() and json.loads(
+            stamp.read_text()) == spec:
+        return path
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**cfg_kw))
     model.save_pretrained(path)
     stamp.write_text(json.dumps(spec))
     return path

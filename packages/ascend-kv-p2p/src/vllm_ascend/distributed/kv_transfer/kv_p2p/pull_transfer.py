@@ -73,6 +73,12 @@ def _read_direct(te: MooncakeTransferEngine, layout: KVCacheLayout, meta: RecvMe
     for i, region in enumerate(local_regions):
         r_len = remote.layout.block_lens[i]
         r_base, r_stride = remote.region_addrs[i], remote.region_strides[i]
+        if region.head_axis is not None and any(
+                s.local_offset + s.num_heads > heads_in_block(region) for s in slices):
+            # a plan of more heads than the block holds would read into the next blocks
+            raise HandshakeMismatchError(
+                f"the head plan {slices} names more than the {heads_in_block(region)} KV "
+                f"heads a block of region {i} holds")
         for sl in slices:
             if region.head_axis is None or (sl.num_heads == heads_in_block(region)
                                             and r_len == region.block_len):

@@ -77,7 +77,10 @@ class P2PWorkerBase:
         self.is_consumer = bool(kvc.is_kv_consumer)
         self.block_size = vllm_config.cache_config.block_size
         self.model = str(vllm_config.model_config.model).rstrip("/").split("/")[-1]
-        self.total_kv_heads = int(vllm_config.model_config.get_total_num_kv_heads())
+        #: MLA (DeepSeek): one latent a token, the same on every TP rank, no head axis
+        self.is_mla = bool(getattr(vllm_config.model_config, "use_mla", False))
+        self.total_kv_heads = 1 if self.is_mla else int(
+            vllm_config.model_config.get_total_num_kv_heads())
         self.tp_size = par.tensor_parallel_size
         if int(getattr(par, "pipeline_parallel_size", 1)) != 1:
             raise ConfigError(
@@ -116,6 +119,8 @@ class P2PWorkerBase:
     # ------------------------------------------------------------ KV cache
     def _register_kv_memory(self, kv_caches: dict[str, Any]) -> KVCacheLayout:
         """Describe the cache, register it with the transfer engine, build the AgentMeta."""
+        if self.is_mla:
+            kv_caches = {name: _latent_view(t) for name, t in kv_caches.items()}
         self.layout = KVCacheLayout.from_kv_caches(kv_caches, block_size=self.block_size)
         self.te = get_transfer_engine(self.host, self.cfg.protocol,
                                       device_name=self.cfg.device_name)
@@ -202,6 +207,15 @@ def head_partners(total_heads: int, remote_tp: int, local_tp: int, *,
         return partners_per_remote_rank(total_heads, remote_tp, local_tp, is_mla=is_mla)
     except KernelShapeError as exc:
         raise HandshakeMismatchError(str(exc)) from exc
+
+
+def _latent_view(cache: Any) -> Any:
+    """An MLA layer's cache as ``(num_blocks, block_size, latent)``: vLLM CPU hands it to
+    connectors as ``(num_blocks, 1, block_size, latent)``, which reads like a one-head cache
+    in the CPU layout of K and V and would be split by KV heads."""
+    if getattr(cache, "dim", None) is not None and cache.dim() == 4 and cache.shape[1] == 1:
+        return cache[:, 0]
+    return cache
 
 
 def heads_in_block(region: KVRegion) -> int:

@@ -1,0 +1,140 @@
+# SPDX-License-Identifier: Apache-2.0
+"""MLA (DeepSeek-V3 attention) P/D on real vLLM CPU engines: a tiny random
+``DeepseekV3ForCausalLM`` (one latent of 576 values a token, bfloat16), one P and one D
+engine for the whole module, real Mooncake over TCP.
+
+Two checks, because bf16 greedy tokens alone prove nothing here (``docs/model-shapes.md``):
+
+* the KV bytes: every block D loaded holds, in every layer, exactly P's bytes for that
+  block (read in both engines' KV caches, :mod:`ascend_kv_testing.kv_bytes`); and the
+  bytes moved are one copy of the latent per block and layer (MLA has no head axis to
+  split);
+* the tokens, at ``k * block + 1`` prompt lengths, sent one at a time: D's tokens equal a
+  single instance serving the prompt from its own prefix cache (the prompt sent twice, the
+  second answer compared), which computes the last prompt token from cached blocks as D
+  does; a cold prefill takes another bf16 path and may differ at any token.
+
+The backend is the one vLLM CPU picks here: ``AMX_MLA`` on CPUs with AMX (block 128), else
+the reference ``CPU_MLA`` (block 16), on which vLLM turns prefix caching off; these engines
+keep it on (:mod:`ascend_kv_testing.mla_prefix_cache`), which serves ``k * block + 1``
+prompts through the decode kernel for the last token, as D computes it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ascend_kv_testing.engines import EngineProcess
+from ascend_kv_testing.models import make_tiny_deepseek, mla_engine
+from ascend_kv_testing.pd import PROBES, kv_config, prefill, prompts_of
+
+KB = "ascend_kv_testing.kv_bytes"
+#: keeps vLLM's prefix cache on for MLA on CPU_MLA (see the module docstring)
+KEEP_PREFIX_CACHE = "ascend_kv_testing.mla_prefix_cache"
+ENGINE = mla_engine()
+BS = int(ENGINE["block_size"])  # type: ignore[call-overload]
+#: one latent (kv_lora_rank 512 + rope 64) of bf16 a token, 2 layers
+LATENT_BYTES = (512 + 64) * 2
+LAYERS = 2
+#: k * block + 1 tokens: D loads the same count as vLLM's own cache would serve
+LENGTHS = [BS + 1, 2 * BS + 1] if BS >= 128 else [8 * BS + 1, 16 * BS + 1]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_deepseek(tmp_path_factory.mktemp("mla-model"))
+
+
+def _start_all(model: Path, specs: dict[str, dict[str, Any]]) -> dict[str, EngineProcess]:
+    """Start the engines side by side (each takes ~25 s on 2 cores)."""
+    engines: dict[str, EngineProcess] = {}
+    errors: list[BaseException] = []
+
+    def start(name: str, cfg: dict[str, Any]) -> None:
+        try:
+            engines[name] = EngineProcess(model, cfg, pre_import=[KEEP_PREFIX_CACHE], **ENGINE)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start, args=(n, c)) for n, c in specs.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        for e in engines.values():
+            e.close()
+        raise errors[0]
+    return engines
+
+
+@pytest.fixture(scope="module")
+def pd(model: Path) -> Iterator[tuple[EngineProcess, EngineProcess]]:
+    engines = _start_all(model, {
+        "p": kv_config("kv_producer", "mla-prefill", lease_ttl_s=60),
+        "d": kv_config("kv_consumer", "mla-decode")})
+    try:
+        assert engines["d"].call(f"{KB}:record_loads") == 1
+        yield engines["p"], engines["d"]
+    finally:
+        for e in engines.values():
+            e.close()
+
+
+def single_instance(engine: EngineProcess, prompt: list[int], n: int = 8) -> list[int]:
+    """The tokens a single instance gives ``prompt`` served from its own prefix cache (sent
+    twice, the second answer); the prefix cache is reset afterwards."""
+    engine.generate([prompt], max_tokens=n)
+    warm = engine.generate([prompt], max_tokens=n)[0]
+    assert warm.num_cached_tokens == (len(prompt) - 1) // BS * BS, warm
+    assert engine.reset_prefix_cache()
+    return warm.token_ids
+
+
+def digests(engine: EngineProcess, block_ids: list[int]) -> dict[str, list[str]]:
+    """Layer name -> SHA-256 of each block's bytes (one rank: TP 1)."""
+    ranks = engine.call(f"{KB}:block_digests", block_ids=block_ids)
+    assert len(ranks) == 1
+    for shape in ranks[0]["shapes"].values():
+        # [blocks, block size, latent]: one latent a token, no head axis
+        assert shape[1:] == [BS, LATENT_BYTES // 2], shape
+    return ranks[0]["layers"]
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+def test_pull_moves_p_bytes_and_matches_single_instance(pd: Any, length: int) -> None:
+    p, d = pd
+    prompt = prompts_of([length], seed=length)[0]
+    want = single_instance(d, prompt)
+    d.call(f"{KB}:recorded_loads")
+    before = d.call(f"{PROBES}:connector_totals")
+    params = prefill(p, [prompt])[0]
+    remote = list(params["remote_block_ids"])
+    assert len(remote) == -(-length // BS)
+    # P holds these blocks for D until D says done: read them now
+    p_bytes = digests(p, remote)
+    got = d.generate([prompt], max_tokens=8, kv_params=[params])[0]
+    assert got.finish_reason == "length"
+    loads = d.call(f"{KB}:recorded_loads")
+    assert [x["remote"] for x in loads] == [remote]
+    local = loads[0]["local"]
+    assert len(local) == len(remote)
+    # every full block: D's bytes are P's, layer by layer (the last block holds the one
+    # prompt token D recomputes, then D's own decode tokens)
+    full = (length - 1) // BS
+    d_bytes = digests(d, local)
+    assert sorted(d_bytes) == sorted(p_bytes) and len(p_bytes) == LAYERS
+    for layer, blocks in p_bytes.items():
+        assert d_bytes[layer][:full] == blocks[:full], layer
+    assert len(set(p_bytes[next(iter(p_bytes))][:full])) == full  # distinct, not all zeros
+    # one copy of the latent per block and layer: nothing per head
+    after = d.call(f"{PROBES}:connector_totals")
+    moved = after.get("p2p_transfer_bytes", 0) - before.get("p2p_transfer_bytes", 0)
+    assert moved == len(remote) * BS * LATENT_BYTES * LAYERS
+    assert p.wait_idle(20) and d.wait_idle(20)
+    assert got.token_ids == want
