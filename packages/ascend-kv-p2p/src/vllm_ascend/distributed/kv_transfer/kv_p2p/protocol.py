@@ -8,6 +8,10 @@ One ZeroMQ REQ/ROUTER channel per P worker rank, msgspec on the wire
   compares it with its own before the first transfer (compatibility check).
 * ``Claim`` -> ``ClaimOK``: D asks to read blocks of a request; P answers only
   if it holds exactly those blocks for that request, and renews the lease.
+  With a deployment key configured P answers ``ClaimGrant`` instead, which also
+  carries the region addresses D reads the request's blocks from: a keyed P's
+  ``AgentMeta`` leaves them out (``region_addrs`` empty), so P's memory map goes
+  only to a D that holds a request's capability, with that request's grant.
 * ``Renew`` -> ``RenewReply``: D keeps P's leases alive while it waits.
 * ``Done`` -> ``DoneAck``: D has read (or gives up); P frees the blocks once
   every expected reader is done. ``valid`` says whether the lease was still
@@ -41,6 +45,8 @@ class AgentMeta(Message):
     pp_rank: int
     total_num_kv_heads: int
     layout: LayoutDescriptor
+    #: base address of each registered KV region (empty from a P with a deployment key:
+    #: its claims' :class:`ClaimGrant` carries them)
     region_addrs: list[int]
     region_strides: list[int]
     vllm_version: str = ""
@@ -61,6 +67,18 @@ class ClaimOK(Message):
     """P holds the blocks; the lease now runs ``lease_s`` more seconds."""
 
     lease_s: float
+
+
+class ClaimGrant(Message):
+    """``ClaimOK`` of a P with a deployment key: the lease, and where the blocks are.
+
+    ``region_addrs[i] + block_id * region_strides[i]`` is the address of a block of
+    region ``i`` in P's registered KV cache (what an unkeyed P's ``AgentMeta`` carries).
+    """
+
+    lease_s: float
+    region_addrs: list[int]
+    region_strides: list[int]
 
 
 class Renew(Message):
@@ -92,8 +110,8 @@ class DoneAck(Message):
     valid: bool
 
 
-CODEC: Codec[Message] = Codec([GetMeta, AgentMeta, Claim, ClaimOK, Renew, RenewReply, Done,
-                               DoneAck], max_size=1 << 22)
+CODEC: Codec[Message] = Codec([GetMeta, AgentMeta, Claim, ClaimOK, ClaimGrant, Renew,
+                               RenewReply, Done, DoneAck], max_size=1 << 22)
 
 
 def side_channel_port(kv_port: int, *, dp_rank: int, tp_size: int, pp_size: int) -> int:

@@ -17,6 +17,12 @@ token is served as before (old D instances, old params), while a wrong token is
 still refused: without a key anyone who reaches the side channel can read P's
 memory map anyway, so a mandatory token would buy no security there, only break
 compatibility; it still catches misrouted or stale params.
+
+Regions travel with the grant: with a key, ``GetMeta`` (answered only to a keyed peer)
+leaves out the base addresses of P's registered KV cache, and an accepted ``Claim`` is
+answered :class:`~.protocol.ClaimGrant`, which carries them. So only a D that presents a
+held request's token learns where P's KV lives. Without a key ``GetMeta`` and ``ClaimOK``
+are the messages (and bytes) of before.
 """
 
 from __future__ import annotations
@@ -28,12 +34,25 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import msgspec
+
 from vllm_ascend.distributed.kv_transfer.core.auth import count_refusal, tokens_match
 from vllm_ascend.distributed.kv_transfer.core.channel import RpcServer, tcp_endpoint
 from vllm_ascend.distributed.kv_transfer.core.leases import LeaseTable
 from vllm_ascend.distributed.kv_transfer.core.wire import ErrorReply, Message
 
-from .protocol import CODEC, Claim, ClaimOK, Done, DoneAck, GetMeta, Renew, RenewReply
+from .protocol import (
+    CODEC,
+    AgentMeta,
+    Claim,
+    ClaimGrant,
+    ClaimOK,
+    Done,
+    DoneAck,
+    GetMeta,
+    Renew,
+    RenewReply,
+)
 from .pull_contract import SendMeta
 from .worker_base import P2PWorkerBase
 
@@ -108,8 +127,7 @@ class LeaseHolder:
     def handle(self, msg: Message) -> Message:
         """Side-channel handler (runs on the server thread)."""
         if isinstance(msg, GetMeta):
-            assert self.shared.meta is not None
-            return self.shared.meta
+            return self._public_meta()
         if isinstance(msg, Claim):
             return self._on_claim(msg)
         if isinstance(msg, Renew):
@@ -118,10 +136,22 @@ class LeaseHolder:
             return self._on_done(msg)
         return ErrorReply(code="unsupported", message=f"{type(msg).__name__} is not a request")
 
+    @property
+    def _keyed(self) -> bool:
+        return self.server is not None and self.server.auth is not None
+
+    def _public_meta(self) -> AgentMeta:
+        """``GetMeta``'s answer: with a key, without the region addresses (they go with
+        each claim's grant)."""
+        meta = self.shared.meta
+        assert meta is not None
+        if not self._keyed:
+            return meta
+        return msgspec.structs.replace(meta, region_addrs=[])
+
     def _token_ok(self, held: Held, presented: str) -> bool:
         """Whether a Claim/Done may act on ``held`` (see the module docstring)."""
-        required = self.server is not None and self.server.auth is not None
-        if not presented and not required:
+        if not presented and not self._keyed:
             return True
         ok = bool(held.token) and tokens_match(held.token, presented)
         if not ok:
@@ -165,7 +195,13 @@ class LeaseHolder:
                         "the remote_block_ids P returned, minus D's cached prefix)")
         held.readers_expected = max(1, msg.num_readers)
         self.held.renew(msg.request_id)
-        return ClaimOK(lease_s=self.shared.cfg.lease_ttl_s)
+        lease_s = self.shared.cfg.lease_ttl_s
+        if not self._keyed:
+            return ClaimOK(lease_s=lease_s)
+        meta = self.shared.meta
+        assert meta is not None
+        return ClaimGrant(lease_s=lease_s, region_addrs=list(meta.region_addrs),
+                          region_strides=list(meta.region_strides))
 
     def _on_done(self, msg: Done) -> Message:
         held = self.held.get(msg.request_id)

@@ -8,6 +8,12 @@ out on claim threads while the pull thread reads; the read's data is then used
 only when every claim was accepted at its first try, otherwise it is read again
 under the accepted claims (see :meth:`PullReader._pull`). How each load ends is
 kept by :class:`~.pull_loads.LoadTracker`.
+
+A P with a deployment key hands out its region addresses only with a claim's grant
+(:class:`~.protocol.ClaimGrant`), not in ``GetMeta``: D reads with the addresses of a
+grant. It keeps the last grant of each P rank, so later requests can still overlap their
+claims with the read; a read under addresses the new grant does not confirm is read again.
+The very first request to a keyed P rank claims before it reads.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from vllm_ascend.distributed.kernels.heads import HeadSlice
 from vllm_ascend.distributed.kv_transfer.core.errors import (
     KVTransferError,
@@ -30,7 +38,16 @@ from vllm_ascend.distributed.kv_transfer.core.errors import (
 )
 
 from .errors import HandshakeMismatchError, RemoteKVUnavailable
-from .protocol import AgentMeta, Claim, ClaimOK, Done, DoneAck, compatibility_problem, worker_port
+from .protocol import (
+    AgentMeta,
+    Claim,
+    ClaimGrant,
+    ClaimOK,
+    Done,
+    DoneAck,
+    compatibility_problem,
+    worker_port,
+)
 from .pull_contract import RecvMeta
 from .pull_loads import LoadTracker
 from .pull_transfer import read_request
@@ -66,6 +83,9 @@ class Claimed:
     #: ``time.monotonic()`` when the accepted ``Claim`` was sent; P renewed the lease to a
     #: full ``lease_ttl_s`` when it answered, which is later
     sent_at: float
+    #: where P's blocks are, from a keyed P's grant (``None``: an unkeyed P's ``ClaimOK``;
+    #: its ``AgentMeta`` has them)
+    grant: ClaimGrant | None = None
 
 
 class PullReader:
@@ -91,6 +111,8 @@ class PullReader:
                                           thread_name_prefix="p2p-claim")
         # (P's TP size, MLA) -> this rank's head plan and the readers of each P rank
         self._plans: dict[tuple[int, bool], tuple[tuple[HeadSlice, ...], Mapping[int, int]]] = {}
+        # keyed P ranks: (host, port) -> their AgentMeta with the regions of the last grant
+        self._granted: dict[tuple[str, int], AgentMeta] = {}
 
     def start(self, requests: Iterable[RecvMeta]) -> None:
         """Start the pulls (and the releases) of the scheduler's new requests."""
@@ -168,6 +190,10 @@ class PullReader:
           restarted or forgot the id): that read's data is never used. A failed claim
           fails the request (P's error decides the cause); a claim accepted after a retry
           makes this thread read again, after every claim was accepted.
+        * A keyed P gives its region addresses only with a claim's grant. The read before
+          the claims are answered uses the last grant of each P rank (none yet: no overlap,
+          claim first); if this request's grant names other regions, that read's data (or
+          failure) is dropped and the blocks are read again under the new grant.
         * The claims are always awaited before the request ends, so every rank that
           accepted one gets ``Done(success=False)`` on failure, and ``begin_read`` /
           ``end_read`` keep the blocks from vLLM while any read into them can land.
@@ -184,20 +210,38 @@ class PullReader:
             p_ranks = sorted({s.remote_rank for s in plan})
             metas = {r: self.remote_meta(remote.host, self._port_of(remote, r),
                                          expect_tp=remote.tp_size) for r in p_ranks}
-            overlapped = self.overlap_claims
+            # where to read before the claims are answered (None: a keyed P rank not granted
+            # before, whose addresses come only with this claim's grant)
+            early = self._known_regions(remote, metas)
+            overlapped = self.overlap_claims and early is not None
             claims = self._start_claims(meta, p_ranks, readers, overlapped=overlapped)
             nbytes = 0
+            early_error: TransferError | None = None
             try:
                 if not any(f.done() and f.exception() is not None for f in claims.values()):
-                    nbytes = self._read_all(meta, metas, plan)
+                    try:
+                        # not overlapped: every claim was answered, the grants are in
+                        nbytes = self._read_all(
+                            meta, early if overlapped and early is not None
+                            else self._granted_metas(remote, metas, claims), plan)
+                    except TransferError as exc:
+                        if not overlapped:
+                            raise
+                        early_error = exc  # raised below unless the grant moved the regions
             finally:
                 # Never end with a claim in flight; a claim error replaces a read error
                 # (P's refusal says more than the failed read of blocks it does not hold).
                 first_try, claimed_at = self._await_claims(claims, claimed)
-            if overlapped and not first_try:
-                logger.info("request %s: a claim was accepted only after a retry; reading "
-                            "again under the accepted claims", meta.request_id)
-                nbytes = self._read_all(meta, metas, plan)
+            if overlapped:
+                granted = self._granted_metas(remote, metas, claims)
+                moved = _moved(early, granted)
+                if early_error is not None and not moved:
+                    raise early_error
+                if not first_try or moved:
+                    logger.info("request %s: a claim was accepted only after a retry, or P's "
+                                "grant moved its regions; reading again under the accepted "
+                                "claims", meta.request_id)
+                    nbytes = self._read_all(meta, granted, plan)
             if time.monotonic() - claimed_at < self.shared.cfg.lease_ttl_s / 2:
                 # The leases were held for the whole read: the data is the request's. P
                 # learns it can free the blocks off the critical path, once the load was
@@ -254,6 +298,41 @@ class PullReader:
             except Exception as exc:  # raised by _await_claims
                 fut.set_exception(exc)
                 break
+        return out
+
+    def _known_regions(self, remote: Any, metas: dict[int, AgentMeta]
+                       ) -> dict[int, AgentMeta] | None:
+        """P ranks' metadata with region addresses known before this request's claims
+        (an unkeyed P's ``GetMeta``, or a keyed P rank's last grant); ``None`` if a rank's
+        are not known yet."""
+        out: dict[int, AgentMeta] = {}
+        for r, m in metas.items():
+            known = m if m.region_addrs else self._granted.get(
+                (remote.host, self._port_of(remote, r)))
+            if known is None:
+                return None
+            out[r] = known
+        return out
+
+    def _granted_metas(self, remote: Any, metas: dict[int, AgentMeta],
+                       claims: Mapping[int, Future[Claimed]]) -> dict[int, AgentMeta]:
+        """P ranks' metadata with the regions of this request's grants (every claim has
+        been accepted); remembers each keyed rank's grant for later requests."""
+        out: dict[int, AgentMeta] = {}
+        for r, m in metas.items():
+            grant = claims[r].result().grant
+            if grant is None:
+                if not m.region_addrs:
+                    raise RemoteKVUnavailable(
+                        f"P rank {r} accepted the claim without saying where its KV cache "
+                        "is (no region addresses in GetMeta nor in the grant)",
+                        code="no_regions")
+                out[r] = m
+                continue
+            granted = msgspec.structs.replace(m, region_addrs=list(grant.region_addrs),
+                                              region_strides=list(grant.region_strides))
+            self._granted[(remote.host, self._port_of(remote, r))] = granted
+            out[r] = granted
         return out
 
     def _read_all(self, meta: RecvMeta, metas: dict[int, AgentMeta],
@@ -329,6 +408,8 @@ class PullReader:
                     continue
                 raise RemoteKVUnavailable(f"P rank {p_rank} refused the claim: {exc}",
                                           code=exc.code) from exc
+            if isinstance(reply, ClaimGrant):
+                return Claimed(first_try=first_try, sent_at=sent_at, grant=reply)
             if not isinstance(reply, ClaimOK):
                 raise RemoteKVUnavailable(f"unexpected claim reply {type(reply).__name__}")
             return Claimed(first_try=first_try, sent_at=sent_at)
@@ -376,3 +457,11 @@ class PullReader:
         s = self.shared
         assert s.layout is not None and s.te is not None
         return read_request(s.te, s.layout, meta, remotes, plan)
+
+
+def _moved(read: Mapping[int, AgentMeta] | None, granted: Mapping[int, AgentMeta]) -> bool:
+    """Whether the regions a read used differ from those of the request's grants."""
+    if read is None:
+        return True
+    return any((read[r].region_addrs, read[r].region_strides)
+               != (g.region_addrs, g.region_strides) for r, g in granted.items())
