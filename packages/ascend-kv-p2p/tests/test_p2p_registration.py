@@ -50,3 +50,26 @@ def test_the_plugin_entry_point_is_not_an_upstream_path() -> None:
     value = eps["vllm.general_plugins"]["ascend_kv_p2p"]
     assert value == "vllm_ascend.distributed.kv_transfer.kv_p2p.plugin:register"
     assert value.partition(":")[0] not in UPSTREAM_PATHS
+
+
+def test_runtime_imports_avoid_upstream_paths() -> None:
+    """A fresh import of the three connectors loads no file vLLM-Ascend's wheel also ships
+    (but the package ``__init__`` Python runs on the way, harmless in vLLM-Ascend's copy)."""
+    import subprocess
+    import sys
+
+    packages = {  # upstream packages: nothing under them either
+        "vllm_ascend.distributed.parallel_state", "vllm_ascend.distributed.utils",
+        "vllm_ascend.distributed.device_communicators",
+        "vllm_ascend.distributed.kv_transfer.utils"}
+    code = ("import sys\n"
+            "for m in ('pull_connector', 'layerwise_connector', 'multi_connector', 'plugin'):\n"
+            "    __import__('vllm_ascend.distributed.kv_transfer.kv_p2p.' + m)\n"
+            "print('\\n'.join(m for m in sys.modules if m.startswith('vllm_ascend')))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    loaded = set(proc.stdout.split())
+    bad = {m for m in loaded if m in UPSTREAM_PATHS or m in packages
+           or any(m.startswith(p + ".") for p in packages)}
+    assert bad == {"vllm_ascend.distributed.kv_transfer.kv_p2p"}, sorted(loaded)
