@@ -145,3 +145,18 @@ def pool_totals(llm: Any) -> dict[str, float]:
             for key, value in recorder.totals().items():
                 totals[key] = totals.get(key, 0.0) + value
     return totals
+
+
+def auth_refused(llm: Any) -> dict[str, float]:
+    """Control-plane frames this process refused, by reason (``core.auth``'s
+    ``auth_refused`` counter summed over its sockets)."""
+    from vllm_ascend.distributed.kv_transfer.core import auth
+    from vllm_ascend.distributed.kv_transfer.core.metrics import split_key
+
+    out: dict[str, float] = {}
+    for key, value in auth.RECORDER.totals().items():
+        name, labels = split_key(key)
+        if name == "auth_refused":
+            reason = labels.get("reason", "")
+            out[reason] = out.get(reason, 0.0) + value
+    return out
