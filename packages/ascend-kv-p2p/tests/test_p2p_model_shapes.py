@@ -15,15 +15,24 @@ import pytest
 import torch
 
 from vllm_ascend.distributed.kernels.heads import HeadSlice
+from vllm_ascend.distributed.kv_transfer.core.errors import ConfigError
 from vllm_ascend.distributed.kv_transfer.core.layout import KVCacheLayout
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
-from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig
+from vllm_ascend.distributed.kv_transfer.kv_p2p.config import (
+    MooncakeLayerwiseConfig,
+    MooncakeP2PConfig,
+)
 from vllm_ascend.distributed.kv_transfer.kv_p2p.errors import HandshakeMismatchError
+from vllm_ascend.distributed.kv_transfer.kv_p2p.layerwise_worker import LayerwiseWorker
 from vllm_ascend.distributed.kv_transfer.kv_p2p.p2p_metrics import P2P_METRICS
 from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_contract import RecvMeta
 from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_transfer import read_request
 from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_worker import PullWorker
-from vllm_ascend.distributed.kv_transfer.kv_p2p.worker_base import _latent_view, head_slices
+from vllm_ascend.distributed.kv_transfer.kv_p2p.worker_base import (
+    _latent_view,
+    head_slices,
+    refuse_unsupported_shapes,
+)
 
 BS, NB, LATENT = 16, 8, 576
 
@@ -104,3 +113,77 @@ def test_a_plan_of_more_heads_than_a_block_holds_is_refused_not_read() -> None:
     with pytest.raises(HandshakeMismatchError, match="more than the 1 KV heads"):
         read_request(te, layout, meta, {0: remote_like(layout)}, plan)  # type: ignore[arg-type]
     assert te.ranges == []
+
+
+# ---------------------------------------------------------------- refused at start-up
+WORKERS = [(PullWorker, MooncakeP2PConfig), (LayerwiseWorker, MooncakeLayerwiseConfig)]
+
+
+@pytest.mark.parametrize("key", ["decode_context_parallel_size",
+                                 "prefill_context_parallel_size"])
+@pytest.mark.parametrize(("worker", "cfg"), WORKERS)
+@pytest.mark.parametrize("role", ["kv_producer", "kv_consumer"])
+def test_context_parallelism_is_refused_naming_key_and_value(worker: Any, cfg: Any, key: str,
+                                                              role: str) -> None:
+    with pytest.raises(ConfigError, match=f"{key}=2 is not supported") as info:
+        worker(vllm_config(role=role, **{key: 2}), cfg(), "e", MetricsRecorder(P2P_METRICS),
+               tp_rank=0, pp_rank=0)
+    assert info.value.key == key and info.value.value == 2
+
+
+def hybrid_kv_cache_config(groups: int = 2) -> Any:
+    """A model with full-attention and sliding-window layers under the hybrid manager."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
+
+    full = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    window = SlidingWindowSpec(block_size=BS, num_kv_heads=2, head_size=64,
+                               dtype=torch.float32, sliding_window=128)
+    specs = [KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn" for i in (0, 2)], full),
+             KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn" for i in (1, 3)], window)]
+    return KVCacheConfig(num_blocks=NB, kv_cache_tensors=[], kv_cache_groups=specs[:groups])
+
+
+def test_more_than_one_kv_cache_group_is_refused_naming_the_groups() -> None:
+    with pytest.raises(ConfigError, match="has 2") as info:
+        refuse_unsupported_shapes(vllm_config(), hybrid_kv_cache_config(), "X")
+    text = str(info.value)
+    assert "FullAttentionSpec [model.layers.0.self_attn.attn, model.layers.2" in text
+    assert "SlidingWindowSpec(sliding_window=128) [model.layers.1" in text
+    assert "--disable-hybrid-kv-cache-manager" in text
+    refuse_unsupported_shapes(vllm_config(), hybrid_kv_cache_config(1), "X")  # one group: ok
+
+
+@pytest.mark.parametrize("name", ["MooncakeConnector", "MooncakeLayerwiseConnector"])
+@pytest.mark.parametrize("role", ["SCHEDULER", "WORKER"])
+def test_both_connectors_refuse_a_hybrid_kv_cache_at_start_up(name: str, role: str) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from vllm_ascend.distributed.kv_transfer.kv_p2p import (
+        layerwise_connector,
+        pull_connector,
+    )
+
+    cls = {"MooncakeConnector": pull_connector.MooncakeConnector,
+           "MooncakeLayerwiseConnector": layerwise_connector.MooncakeLayerwiseConnector}[name]
+    with pytest.raises(ConfigError, match=f"{name} moves the blocks of one KV cache group"):
+        cls(vllm_config(), getattr(KVConnectorRole, role), hybrid_kv_cache_config())
+
+
+def test_no_p2p_connector_claims_hybrid_kv_cache_support() -> None:
+    """vLLM turns its hybrid KV cache manager off for a connector without ``SupportsHMA``
+    (one group for every layer, which the connectors move whole); one that declared it
+    would get a hybrid model's groups and move only the first."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+
+    from vllm_ascend.distributed.kv_transfer.kv_p2p import (
+        layerwise_connector,
+        pull_connector,
+    )
+
+    assert not issubclass(layerwise_connector.MooncakeLayerwiseConnector, SupportsHMA)
+    assert not issubclass(pull_connector.MooncakeConnector, SupportsHMA)

@@ -49,7 +49,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
-    SupportsHMA,
 )
 
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder  # noqa: E402
@@ -65,6 +64,7 @@ from .layerwise_contract import (  # noqa: E402
 from .layerwise_scheduler import LayerwiseScheduler  # noqa: E402
 from .layerwise_worker import LayerwiseWorker  # noqa: E402
 from .p2p_metrics import P2P_METRICS  # noqa: E402
+from .worker_base import refuse_unsupported_shapes  # noqa: E402
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -80,8 +80,13 @@ __all__ = ["MooncakeLayerwiseConnector", "MooncakeLayerwiseConnectorMetadata", "
 logger = logging.getLogger(__name__)
 
 
-class MooncakeLayerwiseConnector(ConnectorStatsMixin, KVConnectorBase_V1, SupportsHMA):
-    """P/D connector: the prefill instance pushes each layer into the decode instance."""
+class MooncakeLayerwiseConnector(ConnectorStatsMixin, KVConnectorBase_V1):
+    """P/D connector: the prefill instance pushes each layer into the decode instance.
+
+    It moves one KV cache group, so it does not declare vLLM's ``SupportsHMA``: vLLM then
+    turns its hybrid KV cache manager off (one group for every layer), and an engine that
+    still has several groups is refused at start-up, naming them.
+    """
 
     metric_specs = P2P_METRICS
 
@@ -96,6 +101,7 @@ class MooncakeLayerwiseConnector(ConnectorStatsMixin, KVConnectorBase_V1, Suppor
         self.cfg = self.config_class.from_dict(
             kvc.kv_connector_extra_config,
             source=f"kv_connector_extra_config of {type(self).__name__}")
+        refuse_unsupported_shapes(vllm_config, kv_cache_config, type(self).__name__)
         self.engine_id = str(kvc.engine_id)
         self.recorder = MetricsRecorder(P2P_METRICS)
         self.connector_scheduler: LayerwiseScheduler | None = None
@@ -132,13 +138,6 @@ class MooncakeLayerwiseConnector(ConnectorStatsMixin, KVConnectorBase_V1, Suppor
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self.connector_scheduler is not None
         return self.connector_scheduler.request_finished(request, block_ids)
-
-    def request_finished_all_groups(self, request: Request,
-                                    block_ids: tuple[list[int], ...]
-                                    ) -> tuple[bool, dict[str, Any] | None]:
-        assert self.connector_scheduler is not None
-        return self.connector_scheduler.request_finished(request,
-                                                         block_ids[0] if block_ids else [])
 
     # ============================== Worker-side methods
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:

@@ -49,6 +49,7 @@ from .p2p_metrics import P2P_METRICS  # noqa: E402
 from .pull_contract import MooncakeConnectorMetadata, RecvMeta, SendMeta  # noqa: E402
 from .pull_scheduler import PullScheduler  # noqa: E402
 from .pull_worker import PullWorker  # noqa: E402
+from .worker_base import refuse_unsupported_shapes  # noqa: E402
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -83,6 +84,7 @@ class MooncakeConnector(ConnectorStatsMixin, KVConnectorBase_V1):
         self.cfg = self.config_class.from_dict(
             kvc.kv_connector_extra_config,
             source=f"kv_connector_extra_config of {type(self).__name__}")
+        refuse_unsupported_shapes(vllm_config, kv_cache_config, type(self).__name__)
         self.engine_id = str(kvc.engine_id)
         self.recorder = MetricsRecorder(P2P_METRICS)
         self.connector_scheduler: PullScheduler | None = None

@@ -89,6 +89,7 @@ class P2PWorkerBase:
                 "P's first pipeline stage); run P/D instances with pipeline_parallel_size 1",
                 key="pipeline_parallel_size", value=par.pipeline_parallel_size,
                 source="parallel_config")
+        refuse_unsupported_shapes(vllm_config, None, type(self).__name__)
         if tp_rank is None or pp_rank is None:
             ranks = rank_info_from_vllm(par)
             tp_rank = ranks.tp_rank if tp_rank is None else tp_rank
@@ -179,6 +180,50 @@ class P2PWorkerBase:
         logger.info("handshake with %s %s (engine %s, tp %d/%d) ok", peer, endpoint,
                     meta.engine_id, meta.tp_rank, meta.tp_size)
         return meta
+
+
+def refuse_unsupported_shapes(vllm_config: Any, kv_cache_config: Any, who: str) -> None:
+    """Refuse at start-up what the P/D connectors would serve wrong.
+
+    * Decode or prefill context parallelism: P's params always say ``remote_dcp_size`` and
+      ``remote_pcp_size`` 1 and D reads whole blocks from one rank, so a DCP/PCP instance
+      would move a part of each request's KV as if it were all of it.
+    * More than one KV cache group (a hybrid model, e.g. sliding window and full attention,
+      under vLLM's hybrid KV cache manager): the connectors move one group's blocks.
+
+    Args:
+        vllm_config: the engine's config.
+        kv_cache_config: the engine's ``KVCacheConfig`` (``None`` where not known yet).
+        who: the connector or worker, named in the error.
+
+    Raises:
+        ConfigError: naming the key and its value, or the model's KV cache groups.
+    """
+    par = vllm_config.parallel_config
+    for key in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        value = int(getattr(par, key, 1) or 1)
+        if value != 1:
+            raise ConfigError(
+                f"{who}: {key}={value} is not supported (P/D moves whole blocks of one rank "
+                f"and tells D a context-parallel size of 1); run P/D instances with {key} 1",
+                key=key, value=value, source="parallel_config")
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    if len(groups) > 1:
+        names = "; ".join(_group_name(g) for g in groups)
+        raise ConfigError(
+            f"{who} moves the blocks of one KV cache group, but this model has {len(groups)}: "
+            f"{names}. Serve it with the hybrid KV cache manager off "
+            "(--disable-hybrid-kv-cache-manager), which gives every layer one group",
+            key="kv_cache_groups", value=len(groups), source="kv_cache_config")
+
+
+def _group_name(group: Any) -> str:
+    spec = getattr(group, "kv_cache_spec", None)
+    kind = type(spec).__name__ if spec is not None else "?"
+    window = getattr(spec, "sliding_window", None)
+    layers = list(getattr(group, "layer_names", []) or [])
+    shown = ", ".join(layers[:4]) + (f", ... ({len(layers)} layers)" if len(layers) > 4 else "")
+    return f"{kind}{f'(sliding_window={window})' if window else ''} [{shown}]"
 
 
 def head_slices(total_heads: int, remote_tp: int, local_tp: int, local_rank: int, *,
