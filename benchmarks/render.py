@@ -25,7 +25,8 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-BENCHMARKS = ("engine", "kernels", "p2p", "layerwise", "pool", "trace", "offload", "serve")
+BENCHMARKS = ("engine", "kernels", "p2p", "layerwise", "pool", "trace", "offload", "serve",
+              "auth")
 SHARED_VM_NOTE = ("a shared 2-core VM (other work ran beside the benchmarks): absolute times "
                   "vary by tens of percent between runs; ratios measured in one run are the "
                   "figures to quote")
@@ -514,6 +515,15 @@ def section_serve(d: dict[str, Any], img: str | None) -> str:
     return "".join(out)
 
 
+def section_auth(d: dict[str, Any]) -> str:
+    return (f"{d.get('description', '')}. Keyed / unkeyed messages per second: "
+            f"{fmt(_num(d.get('ratio')))}; the key adds {fmt(_num(d.get('added_p50_us')))} us "
+            f"to the median round trip; sealing and opening one frame takes "
+            f"{fmt(_num(d.get('envelope_us')))} us.\n\n"
+            + md_table(d.get("results", []), ["mode", "msgs_per_s", "p50_us", "p99_us"],
+                       ["deployment key", "messages/s", "p50 us", "p99 us"]))
+
+
 SECTIONS: list[tuple[str, str, str, Callable[[dict[str, Any]], str]]] = [
     ("engine", "Transfer engine alone (`bench engine`)", "the ceiling", section_engine),
     ("kernels", "KV block kernels (`bench kernels`)", "issue 3", section_kernels),
@@ -522,6 +532,8 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict[str, Any]], str]]] = [
     ("pool", "KV pool backends (`bench pool`)", "issue 6", section_pool),
     ("trace", "Trace replay (`bench trace`)", "issue 6", section_trace),
     ("offload", "CPU offload copies (`bench offload`)", "issue 7", section_offload),
+    ("auth", "Control plane with and without the deployment key (`bench auth`)", "issue 19",
+     section_auth),
 ]
 
 

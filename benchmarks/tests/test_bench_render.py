@@ -161,7 +161,8 @@ def test_missing_benchmarks_are_listed_and_no_results_is_an_error(tmp_path: Path
     (res_dir / "p2p.json").write_text(json.dumps(_results()["p2p"]))
     assert render.main(["--results", str(res_dir), "--docs", str(tmp_path)]) == 0
     page = (tmp_path / "benchmarks.md").read_text()
-    assert "Not in this run: engine, kernels, layerwise, pool, trace, offload, serve." in page
+    assert ("Not in this run: engine, kernels, layerwise, pool, trace, offload, serve, "
+            "auth.") in page
     assert "## Plots" not in page
 
 
@@ -177,3 +178,16 @@ def test_table_cells() -> None:
     assert render.fmt(None) == "–" and render.fmt(True) == "yes"
     assert render.fmt(0.123456) == "0.123" and render.fmt("a|b") == "a\\|b"
     assert render.md_table([], ["a"]) == "_no rows_\n"
+
+
+def test_the_auth_section_renders(tmp_path: Path) -> None:
+    res_dir = tmp_path / "results"
+    res_dir.mkdir()
+    rows = [{"mode": "no key", "msgs_per_s": 12500.0, "p50_us": 74.5, "p99_us": 222.0},
+            {"mode": "key", "msgs_per_s": 8150.0, "p50_us": 110.3, "p99_us": 548.0}]
+    (res_dir / "auth.json").write_text(json.dumps({
+        "benchmark": "auth", "machine": MACHINE, "description": "round trips",
+        "results": rows, "ratio": 0.652, "added_p50_us": 35.8, "envelope_us": 8.1}))
+    assert render.main(["--results", str(res_dir), "--docs", str(tmp_path)]) == 0
+    page = (tmp_path / "benchmarks.md").read_text()
+    assert "`bench auth`" in page and "0.652" in page and "| key |" in page
