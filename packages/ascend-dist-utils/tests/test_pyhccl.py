@@ -336,8 +336,13 @@ WORKER = textwrap.dedent("""
     out = comm.all_reduce(torch.full((3,), float(rank + 1)))
     print(json.dumps({"rank": hooks.standin_int(1), "nranks": hooks.standin_int(0),
                       "root_tail": list(seen.raw), "out": out.tolist()}))
+    sys.stdout.flush()
     comm.close()
-    dist.destroy_process_group()
+    # both ranks are done before either tears gloo down; then leave without the C++
+    # teardown, whose ordering between the two processes aborts ("terminate called
+    # without an active exception") when the peer's store went away first
+    dist.barrier()
+    os._exit(0)
 """)
 
 
