@@ -25,13 +25,14 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from ascend_kv_testing.engines import EngineProcess
 from ascend_kv_testing.models import make_tiny_deepseek, mla_engine
-from ascend_kv_testing.pd import PROBES, kv_config, prefill, prompts_of
+from ascend_kv_testing.pd import LAYERWISE, PROBES, Metaserver, kv_config, prefill, prompts_of
 
 KB = "ascend_kv_testing.kv_bytes"
 #: keeps vLLM's prefix cache on for MLA on CPU_MLA (see the module docstring)
@@ -138,3 +139,73 @@ def test_pull_moves_p_bytes_and_matches_single_instance(pd: Any, length: int) ->
     assert moved == len(remote) * BS * LATENT_BYTES * LAYERS
     assert p.wait_idle(20) and d.wait_idle(20)
     assert got.token_ids == want
+
+
+# ---------------------------------------------------------------- layerwise push
+@pytest.fixture(scope="module")
+def lw(model: Path) -> Iterator[Any]:
+    engines = _start_all(model, {
+        "p": kv_config("kv_producer", "mla-lw-prefill", connector=LAYERWISE),
+        "d": kv_config("kv_consumer", "mla-lw-decode", connector=LAYERWISE)})
+    server = Metaserver()
+    try:
+        assert engines["d"].call(f"{KB}:record_loads") == 1
+        yield SimpleNamespace(p=engines["p"], d=engines["d"], meta=server)
+    finally:
+        server.close()
+        for e in engines.values():
+            e.close()
+
+
+def push(lw: Any, prompt: list[int], rid: str, *, virtual: bool = False) -> Any:
+    """D gets the request first and posts its blocks; P prefills with what D posted."""
+    kv = {**lw.meta.params(rid), **({"do_virtual": True} if virtual else {})}
+    out: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: out.update(
+        d=lw.d.generate([prompt], max_tokens=8, kv_params=[kv])[0]))
+    t.start()
+    if not virtual:
+        posted = lw.meta.wait([rid])
+        lw.p.generate([prompt], max_tokens=1, kv_params=posted)
+    t.join(300)
+    return out["d"]
+
+
+@pytest.mark.parametrize("length", LENGTHS[:1])
+def test_layerwise_pushes_p_bytes_and_matches_single_instance(lw: Any, length: int) -> None:
+    prompt = prompts_of([length], seed=100 + length)[0]
+    want = single_instance(lw.d, prompt)
+    lw.d.call(f"{KB}:recorded_loads")
+    before = lw.p.call(f"{PROBES}:connector_totals")
+    got = push(lw, prompt, f"mla-lw-{length}")
+    assert got.finish_reason == "length"
+    loads = lw.d.call(f"{KB}:recorded_loads")
+    assert len(loads) == 1 and not loads[0]["virtual"]
+    full = (length - 1) // BS
+    # P's blocks of the prompt, found through P's own prefix cache
+    p_blocks = lw.p.call(f"{KB}:cached_blocks", prompt=prompt)
+    assert len(p_blocks) == full
+    p_bytes, d_bytes = digests(lw.p, p_blocks), digests(lw.d, loads[0]["local"][:full])
+    assert d_bytes == p_bytes
+    after = lw.p.call(f"{PROBES}:connector_totals")
+    moved = after.get("p2p_transfer_bytes", 0) - before.get("p2p_transfer_bytes", 0)
+    assert moved == -(-length // BS) * BS * LATENT_BYTES * LAYERS
+    assert lw.p.wait_idle(20) and lw.d.wait_idle(20)
+    assert got.token_ids == want
+    lw.p.reset_prefix_cache()
+    lw.d.reset_prefix_cache()
+
+
+def test_layerwise_virtual_request_moves_nothing_and_finishes(lw: Any) -> None:
+    prompt = prompts_of([LENGTHS[0]], seed=7)[0]
+    d0, p0 = (e.call(f"{PROBES}:connector_totals") for e in (lw.d, lw.p))
+    posts = set(lw.meta.posts)
+    got = push(lw, prompt, "mla-lw-virtual", virtual=True)
+    assert got.finish_reason == "length" and len(got.token_ids) == 8
+    d1, p1 = (e.call(f"{PROBES}:connector_totals") for e in (lw.d, lw.p))
+    assert d1["p2p_virtual_requests"] - d0.get("p2p_virtual_requests", 0) == 1
+    assert p1.get("p2p_transfer_bytes", 0) == p0.get("p2p_transfer_bytes", 0)
+    assert set(lw.meta.posts) == posts
+    assert [x["virtual"] for x in lw.d.call(f"{KB}:recorded_loads")] == [True]
+    assert lw.d.wait_idle(20)
+    lw.d.reset_prefix_cache()  # the virtual request's blocks hold no real KV
