@@ -209,3 +209,40 @@ def test_layerwise_virtual_request_moves_nothing_and_finishes(lw: Any) -> None:
     assert [x["virtual"] for x in lw.d.call(f"{KB}:recorded_loads")] == [True]
     assert lw.d.wait_idle(20)
     lw.d.reset_prefix_cache()  # the virtual request's blocks hold no real KV
+
+
+# ---------------------------------------------------------------- local pool
+@pytest.fixture(scope="module")
+def pool(model: Path) -> Iterator[EngineProcess]:
+    cfg = {"kv_connector": "AscendStoreConnector", "kv_role": "kv_both",
+           "kv_connector_extra_config": {"backend": "local", "local_pool_size": "64MB"}}
+    engine = _start_all(model, {"pool": cfg})["pool"]
+    try:
+        yield engine
+    finally:
+        engine.close()
+
+
+def test_local_pool_serves_the_saved_bytes_back(pool: EngineProcess) -> None:
+    """One engine: the prompt's blocks go to the pool; its own prefix cache is reset and the
+    blocks zeroed; the prompt again loads them from the pool, byte for byte."""
+    length = LENGTHS[0]
+    prompt = prompts_of([length], seed=200 + length)[0]
+    full = (length - 1) // BS
+    pool.generate([prompt], max_tokens=8)
+    saved = pool.call(f"{KB}:prefix_digests", prompt=prompt)
+    assert len(saved["block_ids"]) == full
+    warm = pool.generate([prompt], max_tokens=8)[0]  # from vLLM's own prefix cache
+    assert warm.num_cached_tokens == full * BS
+    assert pool.wait_idle(20)
+    before = pool.call(f"{PROBES}:pool_totals")
+    assert pool.reset_prefix_cache()
+    pool.call(f"{KB}:zero_blocks", block_ids=saved["block_ids"])
+    got = pool.generate([prompt], max_tokens=8)[0]
+    assert got.num_cached_tokens == full * BS
+    after = pool.call(f"{PROBES}:pool_totals")
+    assert after.get("pool_loaded_blocks", 0) - before.get("pool_loaded_blocks", 0) == full
+    loaded = pool.call(f"{KB}:prefix_digests", prompt=prompt)
+    assert loaded["ranks"][0]["layers"] == saved["ranks"][0]["layers"]
+    assert got.token_ids == warm.token_ids
+    assert pool.reset_prefix_cache()

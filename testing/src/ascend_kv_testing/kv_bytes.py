@@ -153,3 +153,16 @@ def _worker_cache_addrs(worker: Any) -> dict[str, Any]:
 def cache_addrs(llm: Any) -> list[dict[str, Any]]:
     """Layer name -> (address, shape, strides) of each worker's KV cache tensors."""
     return list(llm.collective_rpc(_worker_cache_addrs))
+
+
+def _worker_zero(worker: Any, block_ids: list[int]) -> int:
+    for cache in _kv_caches(worker).values():
+        for b in block_ids:
+            _block(cache, b).zero_()
+    return len(block_ids)
+
+
+def zero_blocks(llm: Any, block_ids: list[int]) -> list[int]:
+    """Zero ``block_ids`` in every layer on every worker (so that bytes found there later
+    were written there later). Only for blocks no request holds."""
+    return list(llm.collective_rpc(_worker_zero, args=(list(block_ids),)))
