@@ -16,6 +16,9 @@ P2P_METRICS = [
     MetricSpec("p2p_expired_leases", "counter", "Requests whose blocks P freed because D's "
                "lease lapsed."),
     MetricSpec("p2p_load_deadlines", "counter", "D requests that hit their load deadline."),
+    MetricSpec("p2p_read_retries", "counter", "D pulls tried again on a fresh session within "
+               "the load deadline, by reason (transfer: a read stalled or dropped; "
+               "peer_timeout: P's side channel did not answer).", labels=("reason",)),
     MetricSpec("p2p_late_completions", "counter", "Done messages for requests already freed."),
     MetricSpec("p2p_held_requests", "gauge", "Requests whose blocks P holds for D."),
     MetricSpec("p2p_pending_loads", "gauge", "Requests D is loading from P."),

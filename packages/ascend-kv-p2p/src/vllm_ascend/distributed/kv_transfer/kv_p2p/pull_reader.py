@@ -14,6 +14,15 @@ A P with a deployment key hands out its region addresses only with a claim's gra
 grant. It keeps the last grant of each P rank, so later requests can still overlap their
 claims with the read; a read under addresses the new grant does not confirm is read again.
 The very first request to a keyed P rank claims before it reads.
+
+A read that stalls or drops (Mooncake's TCP transport fails a transfer without progress
+for ``MC_TCP_PROGRESS_TIMEOUT_SEC``: rc=-1), or a side-channel call to a P starved of CPU
+that times out, does not fail the request while its deadline leaves time: the pull is
+tried again (:data:`READ_RETRIES` times at most, with back-off) on a fresh session: P's
+metadata fetched again, every P rank claimed again before the read (which renews the
+lease and proves P still holds the blocks), and the read issued as a new transfer (a
+new connection: the transport dropped the stalled one). Only a deadline, a lease P let go
+(the claim is refused) or the last retry fail the request.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import socket
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,6 +40,7 @@ from typing import Any
 import msgspec
 
 from vllm_ascend.distributed.kernels.heads import HeadSlice
+from vllm_ascend.distributed.kv_transfer.core.channel import tcp_endpoint
 from vllm_ascend.distributed.kv_transfer.core.errors import (
     KVTransferError,
     PeerTimeoutError,
@@ -64,6 +75,15 @@ CLAIM_RETRY_S = 10.0
 #: them), and the claim needs a thread and ZeroMQ's I/O thread: with fewer CPUs the claim
 #: only slows the read down (measured on 2 CPUs: 1-block loads ~10% slower overlapped).
 OVERLAP_MIN_CPUS = 4
+#: How many times D tries a pull again after a stalled/dropped read or a side-channel
+#: timeout (each within the load's deadline) before it fails the request.
+READ_RETRIES = 8
+#: Back-off before the first retry; doubled each retry up to :data:`RETRY_MAX_DELAY_S`.
+RETRY_DELAY_S = 0.25
+RETRY_MAX_DELAY_S = 4.0
+#: How long D waits for a TCP connection to P's side channel when it checks, before a
+#: retry, whether P is still there.
+PROBE_TIMEOUT_S = 1.0
 
 
 def usable_cpus() -> int:
@@ -197,6 +217,10 @@ class PullReader:
         * The claims are always awaited before the request ends, so every rank that
           accepted one gets ``Done(success=False)`` on failure, and ``begin_read`` /
           ``end_read`` keep the blocks from vLLM while any read into them can land.
+        * A pull that failed on a stalled or dropped read, or on a side-channel timeout,
+          is tried again while the deadline leaves time (:meth:`_retry_delay`): claims
+          first, never overlapped, so each retry's read starts under claims P accepted
+          after the failure.
         """
         assert meta.remote is not None
         remote = meta.remote
@@ -208,54 +232,25 @@ class PullReader:
         try:
             plan, readers = self._head_plan(remote.tp_size)
             p_ranks = sorted({s.remote_rank for s in plan})
-            metas = {r: self.remote_meta(remote.host, self._port_of(remote, r),
-                                         expect_tp=remote.tp_size) for r in p_ranks}
-            # where to read before the claims are answered (None: a keyed P rank not granted
-            # before, whose addresses come only with this claim's grant)
-            early = self._known_regions(remote, metas)
-            overlapped = self.overlap_claims and early is not None
-            claims = self._start_claims(meta, p_ranks, readers, overlapped=overlapped)
-            nbytes = 0
-            early_error: TransferError | None = None
-            try:
-                if not any(f.done() and f.exception() is not None for f in claims.values()):
-                    try:
-                        # not overlapped: every claim was answered, the grants are in
-                        nbytes = self._read_all(
-                            meta, early if overlapped and early is not None
-                            else self._granted_metas(remote, metas, claims), plan)
-                    except TransferError as exc:
-                        if not overlapped:
-                            raise
-                        early_error = exc  # raised below unless the grant moved the regions
-            finally:
-                # Never end with a claim in flight; a claim error replaces a read error
-                # (P's refusal says more than the failed read of blocks it does not hold).
-                first_try, claimed_at = self._await_claims(claims, claimed)
-            if overlapped:
-                granted = self._granted_metas(remote, metas, claims)
-                moved = _moved(early, granted)
-                if early_error is not None and not moved:
-                    raise early_error
-                if not first_try or moved:
-                    logger.info("request %s: a claim was accepted only after a retry, or P's "
-                                "grant moved its regions; reading again under the accepted "
-                                "claims", meta.request_id)
-                    nbytes = self._read_all(meta, granted, plan)
-            if time.monotonic() - claimed_at < self.shared.cfg.lease_ttl_s / 2:
-                # The leases were held for the whole read: the data is the request's. P
-                # learns it can free the blocks off the critical path, once the load was
-                # reported (below).
-                claimed.clear()
-                valid = loaded = True
-            else:
-                # A slow read: only P can tell whether the lease outlived it.
-                valid = all(self._done(meta, r, readers[r], success=True) for r in p_ranks)
-                claimed.clear()
-            if not valid:
-                raise RemoteKVUnavailable("P freed the blocks before the read finished (lease "
-                                          "lapsed); the data read cannot be trusted",
-                                          code="lease_lapsed")
+            retries = 0
+            while True:
+                try:
+                    nbytes, loaded = self._attempt(meta, plan, readers, p_ranks, claimed,
+                                                   fresh=retries > 0)
+                    break
+                except (TransferError, PeerTimeoutError) as exc:
+                    delay = self._retry_delay(meta, retries)
+                    if delay is None or self._p_gone(remote, p_ranks):
+                        raise
+                    retries += 1
+                    reason = "transfer" if isinstance(exc, TransferError) else "peer_timeout"
+                    self.shared.recorder.inc("p2p_read_retries", reason=reason)
+                    logger.warning("request %s: KV pull from P failed (%s: %s); retry %d/%d on "
+                                   "a fresh session in %.2fs (%.1fs left of the load deadline)",
+                                   meta.request_id, reason, exc, retries, READ_RETRIES, delay,
+                                   self.loads.deadline(meta) - time.monotonic())
+                    time.sleep(delay)
+                    self._forget_session(remote, p_ranks)
         except HandshakeMismatchError as exc:
             self.loads.fail(meta, str(exc), cause="handshake_mismatch")
         except RemoteKVUnavailable as exc:
@@ -276,12 +271,115 @@ class PullReader:
             if loaded:
                 self._notify.submit(self._done_quietly, meta, p_ranks, readers)
         finally:
-            for r in claimed:  # give P its blocks back early after a failure
+            for r in dict.fromkeys(claimed):  # give P its blocks back early after a failure
                 try:
                     self._done(meta, r, readers.get(r, 1), success=False)
                 except KVTransferError:
                     pass
             self._release_unread(meta)
+
+    def _attempt(self, meta: RecvMeta, plan: Sequence[HeadSlice], readers: Mapping[int, int],
+                 p_ranks: list[int], claimed: list[int], *, fresh: bool) -> tuple[int, bool]:
+        """One try of a pull (see :meth:`_pull`): P's metadata, the claims, the read and the
+        check that the leases outlived it. Ranks whose claim was accepted go to ``claimed``
+        (they are owed a ``Done``; it is emptied once none is). Returns the bytes read and
+        whether ``Done`` is still to be sent (the load is reported first).
+
+        Args:
+            fresh: a retry: claim every P rank before the read, never overlapped.
+        """
+        remote = meta.remote
+        assert remote is not None
+        metas = {r: self.remote_meta(remote.host, self._port_of(remote, r),
+                                     expect_tp=remote.tp_size) for r in p_ranks}
+        # where to read before the claims are answered (None: a keyed P rank not granted
+        # before, whose addresses come only with this claim's grant)
+        early = self._known_regions(remote, metas)
+        overlapped = self.overlap_claims and early is not None and not fresh
+        claims = self._start_claims(meta, p_ranks, readers, overlapped=overlapped)
+        nbytes = 0
+        early_error: TransferError | None = None
+        try:
+            if not any(f.done() and f.exception() is not None for f in claims.values()):
+                try:
+                    # not overlapped: every claim was answered, the grants are in
+                    nbytes = self._read_all(
+                        meta, early if overlapped and early is not None
+                        else self._granted_metas(remote, metas, claims), plan)
+                except TransferError as exc:
+                    if not overlapped:
+                        raise
+                    early_error = exc  # raised below unless the grant moved the regions
+        finally:
+            # Never end with a claim in flight; a claim error replaces a read error
+            # (P's refusal says more than the failed read of blocks it does not hold).
+            first_try, claimed_at = self._await_claims(claims, claimed)
+        if overlapped:
+            granted = self._granted_metas(remote, metas, claims)
+            moved = _moved(early, granted)
+            if early_error is not None and not moved:
+                raise early_error
+            if not first_try or moved:
+                logger.info("request %s: a claim was accepted only after a retry, or P's "
+                            "grant moved its regions; reading again under the accepted "
+                            "claims", meta.request_id)
+                nbytes = self._read_all(meta, granted, plan)
+        if time.monotonic() - claimed_at < self.shared.cfg.lease_ttl_s / 2:
+            # The leases were held for the whole read: the data is the request's. P
+            # learns it can free the blocks off the critical path, once the load was
+            # reported (by the caller).
+            claimed.clear()
+            return nbytes, True
+        # A slow read: only P can tell whether the lease outlived it.
+        valid = all(self._done(meta, r, readers[r], success=True) for r in p_ranks)
+        claimed.clear()
+        if not valid:
+            raise RemoteKVUnavailable("P freed the blocks before the read finished (lease "
+                                      "lapsed); the data read cannot be trusted",
+                                      code="lease_lapsed")
+        return nbytes, False
+
+    def _retry_delay(self, meta: RecvMeta, retries: int) -> float | None:
+        """How long to wait before retrying a failed pull; ``None`` when it is not retried:
+        :data:`READ_RETRIES` reached, or the load's deadline would pass before (or right
+        after) the retry starts, or the load already ended."""
+        if retries >= READ_RETRIES:
+            return None
+        delay = min(RETRY_DELAY_S * (2 ** retries), RETRY_MAX_DELAY_S)
+        left = self.loads.deadline(meta) - time.monotonic()
+        if left <= delay + RETRY_DELAY_S:
+            return None
+        return delay
+
+    def _p_gone(self, remote: Any, p_ranks: Iterable[int]) -> bool:
+        """Whether a P rank's side-channel port refuses connections: the process is gone (a
+        retry would only wait for timeouts). A P starved of CPU, or stopped, still has its
+        connections accepted by the kernel; a cut network times out: both are retried."""
+        for r in p_ranks:
+            try:
+                with socket.create_connection((remote.host, self._port_of(remote, r)),
+                                              timeout=PROBE_TIMEOUT_S):
+                    pass
+            except ConnectionRefusedError:
+                logger.info("P rank %d of request %s refuses connections: not retried", r,
+                            remote.request_id)
+                return True
+            except OSError:
+                pass
+        return False
+
+    def _forget_session(self, remote: Any, p_ranks: Iterable[int]) -> None:
+        """Drop what D cached of these P ranks (their ``AgentMeta`` and last grant), so a
+        retry fetches it again: a P rank that restarted its transfer engine has a new
+        session and new regions. (Mooncake's Python engine keeps its segment handle per
+        session name and offers no way to close it; the read itself goes out as a new
+        transfer on a new connection, the stalled one having been dropped.)"""
+        shared = self.shared
+        for r in p_ranks:
+            port = self._port_of(remote, r)
+            self._granted.pop((remote.host, port), None)
+            with shared._meta_lock:
+                shared._remote_meta.pop(tcp_endpoint(remote.host, port), None)
 
     def _start_claims(self, meta: RecvMeta, p_ranks: list[int], readers: Mapping[int, int], *,
                       overlapped: bool) -> dict[int, Future[Claimed]]:
