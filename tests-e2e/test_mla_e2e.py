@@ -1,7 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""MLA (DeepSeek-V3 attention) P/D on real vLLM CPU engines: a tiny random
-``DeepseekV3ForCausalLM`` (one latent of 576 values a token, bfloat16), one P and one D
-engine for the whole module, real Mooncake over TCP.
+"""MLA (DeepSeek-V3 attention) on real vLLM CPU engines: a tiny random
+``DeepseekV3ForCausalLM`` (one latent of 576 values a token, bfloat16), real Mooncake over
+TCP. One engine set per connector, shared by its test class and living only as long as
+it, so that no more than two engines run at once: P and D pulling (``MooncakeConnectorV1``),
+P and D pushing layer by layer (``MooncakeLayerwiseConnector``, with ``do_virtual``), one
+engine with the ``local`` pool (``AscendStoreConnector``).
 
 Two checks, because bf16 greedy tokens alone prove nothing here (``docs/model-shapes.md``):
 
@@ -38,7 +41,7 @@ KB = "ascend_kv_testing.kv_bytes"
 #: keeps vLLM's prefix cache on for MLA on CPU_MLA (see the module docstring)
 KEEP_PREFIX_CACHE = "ascend_kv_testing.mla_prefix_cache"
 ENGINE = mla_engine()
-BS = int(ENGINE["block_size"])  # type: ignore[call-overload]
+BS = int(ENGINE["block_size"])
 #: one latent (kv_lora_rank 512 + rope 64) of bf16 a token, 2 layers
 LATENT_BYTES = (512 + 64) * 2
 LAYERS = 2
@@ -74,7 +77,7 @@ def _start_all(model: Path, specs: dict[str, dict[str, Any]]) -> dict[str, Engin
     return engines
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="class")
 def pd(model: Path) -> Iterator[tuple[EngineProcess, EngineProcess]]:
     engines = _start_all(model, {
         "p": kv_config("kv_producer", "mla-prefill", lease_ttl_s=60),
@@ -107,42 +110,45 @@ def digests(engine: EngineProcess, block_ids: list[int]) -> dict[str, list[str]]
     return ranks[0]["layers"]
 
 
-@pytest.mark.parametrize("length", LENGTHS)
-def test_pull_moves_p_bytes_and_matches_single_instance(pd: Any, length: int) -> None:
-    p, d = pd
-    prompt = prompts_of([length], seed=length)[0]
-    want = single_instance(d, prompt)
-    d.call(f"{KB}:recorded_loads")
-    before = d.call(f"{PROBES}:connector_totals")
-    params = prefill(p, [prompt])[0]
-    remote = list(params["remote_block_ids"])
-    assert len(remote) == -(-length // BS)
-    # P holds these blocks for D until D says done: read them now
-    p_bytes = digests(p, remote)
-    got = d.generate([prompt], max_tokens=8, kv_params=[params])[0]
-    assert got.finish_reason == "length"
-    loads = d.call(f"{KB}:recorded_loads")
-    assert [x["remote"] for x in loads] == [remote]
-    local = loads[0]["local"]
-    assert len(local) == len(remote)
-    # every full block: D's bytes are P's, layer by layer (the last block holds the one
-    # prompt token D recomputes, then D's own decode tokens)
-    full = (length - 1) // BS
-    d_bytes = digests(d, local)
-    assert sorted(d_bytes) == sorted(p_bytes) and len(p_bytes) == LAYERS
-    for layer, blocks in p_bytes.items():
-        assert d_bytes[layer][:full] == blocks[:full], layer
-    assert len(set(p_bytes[next(iter(p_bytes))][:full])) == full  # distinct, not all zeros
-    # one copy of the latent per block and layer: nothing per head
-    after = d.call(f"{PROBES}:connector_totals")
-    moved = after.get("p2p_transfer_bytes", 0) - before.get("p2p_transfer_bytes", 0)
-    assert moved == len(remote) * BS * LATENT_BYTES * LAYERS
-    assert p.wait_idle(20) and d.wait_idle(20)
-    assert got.token_ids == want
+class TestPull:
+    """``MooncakeConnectorV1``: D pulls P's blocks."""
+
+    @pytest.mark.parametrize("length", LENGTHS)
+    def test_pull_moves_p_bytes_and_matches_single_instance(self, pd: Any, length: int) -> None:
+        p, d = pd
+        prompt = prompts_of([length], seed=length)[0]
+        want = single_instance(d, prompt)
+        d.call(f"{KB}:recorded_loads")
+        before = d.call(f"{PROBES}:connector_totals")
+        params = prefill(p, [prompt])[0]
+        remote = list(params["remote_block_ids"])
+        assert len(remote) == -(-length // BS)
+        # P holds these blocks for D until D says done: read them now
+        p_bytes = digests(p, remote)
+        got = d.generate([prompt], max_tokens=8, kv_params=[params])[0]
+        assert got.finish_reason == "length"
+        loads = d.call(f"{KB}:recorded_loads")
+        assert [x["remote"] for x in loads] == [remote]
+        local = loads[0]["local"]
+        assert len(local) == len(remote)
+        # every full block: D's bytes are P's, layer by layer (the last block holds the one
+        # prompt token D recomputes, then D's own decode tokens)
+        full = (length - 1) // BS
+        d_bytes = digests(d, local)
+        assert sorted(d_bytes) == sorted(p_bytes) and len(p_bytes) == LAYERS
+        for layer, blocks in p_bytes.items():
+            assert d_bytes[layer][:full] == blocks[:full], layer
+        assert len(set(p_bytes[next(iter(p_bytes))][:full])) == full  # distinct, not all zeros
+        # one copy of the latent per block and layer: nothing per head
+        after = d.call(f"{PROBES}:connector_totals")
+        moved = after.get("p2p_transfer_bytes", 0) - before.get("p2p_transfer_bytes", 0)
+        assert moved == len(remote) * BS * LATENT_BYTES * LAYERS
+        assert p.wait_idle(20) and d.wait_idle(20)
+        assert got.token_ids == want
 
 
 # ---------------------------------------------------------------- layerwise push
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="class")
 def lw(model: Path) -> Iterator[Any]:
     engines = _start_all(model, {
         "p": kv_config("kv_producer", "mla-lw-prefill", connector=LAYERWISE),
@@ -171,48 +177,52 @@ def push(lw: Any, prompt: list[int], rid: str, *, virtual: bool = False) -> Any:
     return out["d"]
 
 
-@pytest.mark.parametrize("length", LENGTHS[:1])
-def test_layerwise_pushes_p_bytes_and_matches_single_instance(lw: Any, length: int) -> None:
-    prompt = prompts_of([length], seed=100 + length)[0]
-    want = single_instance(lw.d, prompt)
-    lw.d.call(f"{KB}:recorded_loads")
-    before = lw.p.call(f"{PROBES}:connector_totals")
-    got = push(lw, prompt, f"mla-lw-{length}")
-    assert got.finish_reason == "length"
-    loads = lw.d.call(f"{KB}:recorded_loads")
-    assert len(loads) == 1 and not loads[0]["virtual"]
-    full = (length - 1) // BS
-    # P's blocks of the prompt, found through P's own prefix cache
-    p_blocks = lw.p.call(f"{KB}:cached_blocks", prompt=prompt)
-    assert len(p_blocks) == full
-    p_bytes, d_bytes = digests(lw.p, p_blocks), digests(lw.d, loads[0]["local"][:full])
-    assert d_bytes == p_bytes
-    after = lw.p.call(f"{PROBES}:connector_totals")
-    moved = after.get("p2p_transfer_bytes", 0) - before.get("p2p_transfer_bytes", 0)
-    assert moved == -(-length // BS) * BS * LATENT_BYTES * LAYERS
-    assert lw.p.wait_idle(20) and lw.d.wait_idle(20)
-    assert got.token_ids == want
-    lw.p.reset_prefix_cache()
-    lw.d.reset_prefix_cache()
+class TestLayerwise:
+    """``MooncakeLayerwiseConnector``: P pushes into D's blocks."""
+
+    @pytest.mark.parametrize("length", LENGTHS[:1])
+    def test_layerwise_pushes_p_bytes_and_matches_single_instance(self, lw: Any,
+                                                                  length: int) -> None:
+        prompt = prompts_of([length], seed=100 + length)[0]
+        want = single_instance(lw.d, prompt)
+        lw.d.call(f"{KB}:recorded_loads")
+        before = lw.p.call(f"{PROBES}:connector_totals")
+        got = push(lw, prompt, f"mla-lw-{length}")
+        assert got.finish_reason == "length"
+        loads = lw.d.call(f"{KB}:recorded_loads")
+        assert len(loads) == 1 and not loads[0]["virtual"]
+        full = (length - 1) // BS
+        # P's blocks of the prompt, found through P's own prefix cache
+        p_blocks = lw.p.call(f"{KB}:cached_blocks", prompt=prompt)
+        assert len(p_blocks) == full
+        p_bytes, d_bytes = digests(lw.p, p_blocks), digests(lw.d, loads[0]["local"][:full])
+        assert d_bytes == p_bytes
+        after = lw.p.call(f"{PROBES}:connector_totals")
+        moved = after.get("p2p_transfer_bytes", 0) - before.get("p2p_transfer_bytes", 0)
+        assert moved == -(-length // BS) * BS * LATENT_BYTES * LAYERS
+        assert lw.p.wait_idle(20) and lw.d.wait_idle(20)
+        assert got.token_ids == want
+        lw.p.reset_prefix_cache()
+        lw.d.reset_prefix_cache()
 
 
-def test_layerwise_virtual_request_moves_nothing_and_finishes(lw: Any) -> None:
-    prompt = prompts_of([LENGTHS[0]], seed=7)[0]
-    d0, p0 = (e.call(f"{PROBES}:connector_totals") for e in (lw.d, lw.p))
-    posts = set(lw.meta.posts)
-    got = push(lw, prompt, "mla-lw-virtual", virtual=True)
-    assert got.finish_reason == "length" and len(got.token_ids) == 8
-    d1, p1 = (e.call(f"{PROBES}:connector_totals") for e in (lw.d, lw.p))
-    assert d1["p2p_virtual_requests"] - d0.get("p2p_virtual_requests", 0) == 1
-    assert p1.get("p2p_transfer_bytes", 0) == p0.get("p2p_transfer_bytes", 0)
-    assert set(lw.meta.posts) == posts
-    assert [x["virtual"] for x in lw.d.call(f"{KB}:recorded_loads")] == [True]
-    assert lw.d.wait_idle(20)
-    lw.d.reset_prefix_cache()  # the virtual request's blocks hold no real KV
+    def test_layerwise_virtual_request_moves_nothing_and_finishes(self, lw: Any) -> None:
+        prompt = prompts_of([LENGTHS[0]], seed=7)[0]
+        d0, p0 = (e.call(f"{PROBES}:connector_totals") for e in (lw.d, lw.p))
+        posts = set(lw.meta.posts)
+        got = push(lw, prompt, "mla-lw-virtual", virtual=True)
+        assert got.finish_reason == "length" and len(got.token_ids) == 8
+        d1, p1 = (e.call(f"{PROBES}:connector_totals") for e in (lw.d, lw.p))
+        assert d1["p2p_virtual_requests"] - d0.get("p2p_virtual_requests", 0) == 1
+        assert p1.get("p2p_transfer_bytes", 0) == p0.get("p2p_transfer_bytes", 0)
+        assert set(lw.meta.posts) == posts
+        assert [x["virtual"] for x in lw.d.call(f"{KB}:recorded_loads")] == [True]
+        assert lw.d.wait_idle(20)
+        lw.d.reset_prefix_cache()  # the virtual request's blocks hold no real KV
 
 
 # ---------------------------------------------------------------- local pool
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="class")
 def pool(model: Path) -> Iterator[EngineProcess]:
     cfg = {"kv_connector": "AscendStoreConnector", "kv_role": "kv_both",
            "kv_connector_extra_config": {"backend": "local", "local_pool_size": "64MB"}}
@@ -223,26 +233,29 @@ def pool(model: Path) -> Iterator[EngineProcess]:
         engine.close()
 
 
-def test_local_pool_serves_the_saved_bytes_back(pool: EngineProcess) -> None:
-    """One engine: the prompt's blocks go to the pool; its own prefix cache is reset and the
-    blocks zeroed; the prompt again loads them from the pool, byte for byte."""
-    length = LENGTHS[0]
-    prompt = prompts_of([length], seed=200 + length)[0]
-    full = (length - 1) // BS
-    pool.generate([prompt], max_tokens=8)
-    saved = pool.call(f"{KB}:prefix_digests", prompt=prompt)
-    assert len(saved["block_ids"]) == full
-    warm = pool.generate([prompt], max_tokens=8)[0]  # from vLLM's own prefix cache
-    assert warm.num_cached_tokens == full * BS
-    assert pool.wait_idle(20)
-    before = pool.call(f"{PROBES}:pool_totals")
-    assert pool.reset_prefix_cache()
-    pool.call(f"{KB}:zero_blocks", block_ids=saved["block_ids"])
-    got = pool.generate([prompt], max_tokens=8)[0]
-    assert got.num_cached_tokens == full * BS
-    after = pool.call(f"{PROBES}:pool_totals")
-    assert after.get("pool_loaded_blocks", 0) - before.get("pool_loaded_blocks", 0) == full
-    loaded = pool.call(f"{KB}:prefix_digests", prompt=prompt)
-    assert loaded["ranks"][0]["layers"] == saved["ranks"][0]["layers"]
-    assert got.token_ids == warm.token_ids
-    assert pool.reset_prefix_cache()
+class TestLocalPool:
+    """``AscendStoreConnector`` with the ``local`` backend."""
+
+    def test_local_pool_serves_the_saved_bytes_back(self, pool: EngineProcess) -> None:
+        """One engine: the prompt's blocks go to the pool; its own prefix cache is reset and the
+        blocks zeroed; the prompt again loads them from the pool, byte for byte."""
+        length = LENGTHS[0]
+        prompt = prompts_of([length], seed=200 + length)[0]
+        full = (length - 1) // BS
+        pool.generate([prompt], max_tokens=8)
+        saved = pool.call(f"{KB}:prefix_digests", prompt=prompt)
+        assert len(saved["block_ids"]) == full
+        warm = pool.generate([prompt], max_tokens=8)[0]  # from vLLM's own prefix cache
+        assert warm.num_cached_tokens == full * BS
+        assert pool.wait_idle(20)
+        before = pool.call(f"{PROBES}:pool_totals")
+        assert pool.reset_prefix_cache()
+        pool.call(f"{KB}:zero_blocks", block_ids=saved["block_ids"])
+        got = pool.generate([prompt], max_tokens=8)[0]
+        assert got.num_cached_tokens == full * BS
+        after = pool.call(f"{PROBES}:pool_totals")
+        assert after.get("pool_loaded_blocks", 0) - before.get("pool_loaded_blocks", 0) == full
+        loaded = pool.call(f"{KB}:prefix_digests", prompt=prompt)
+        assert loaded["ranks"][0]["layers"] == saved["ranks"][0]["layers"]
+        assert got.token_ids == warm.token_ids
+        assert pool.reset_prefix_cache()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 #: Shape of the default tiny model: 2 layers, 2 KV heads of 64 (fast on 2 CPU cores).
 TINY_LLAMA = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
@@ -55,7 +56,7 @@ def mla_backend() -> str:
     return "AMX_MLA" if torch.cpu._is_amx_tile_supported() else "CPU_MLA"
 
 
-def mla_engine() -> dict[str, object]:
+def mla_engine() -> dict[str, Any]:
     """``vllm.LLM`` overrides for the tiny MLA model on this machine's backend
     (:func:`mla_backend`): bfloat16 (``AMX_MLA`` refuses float32), block size 128 on
     ``AMX_MLA``, 16 on ``CPU_MLA`` (the only size its decode kernel takes)."""
