@@ -1,0 +1,372 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A P process paused (SIGSTOP) while D pulls from it: D retries within its deadline.
+
+What a 2-core machine under load does to a P/D pair (issue 18, "real client load"): P gets
+no CPU for seconds, so D's ``GetMeta`` to P times out, or D's read makes no progress and
+Mooncake's TCP transport drops it (``MC_TCP_PROGRESS_TIMEOUT_SEC``, then rc=-1). Here P is
+a real process (a P worker of ``MooncakeConnectorV1`` over the real transfer engine) that
+the test stops and continues; D is a D worker in the test process.
+
+* P paused before D's first ``GetMeta``: D asks again, the request completes;
+* P paused while D reads (right after P granted the claim): the read drops after the
+  progress bound, D retries on a fresh session once P runs again, the request completes
+  with P's bytes, the retries are counted, and D's ``Done`` frees P's blocks;
+* P paused past D's deadline: the request fails at its deadline, exactly once, and P's
+  blocks are freed (D's ``Done`` once P runs again, or P's lease).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from ascend_kv_testing.faults import wait_for
+from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
+from vllm_ascend.distributed.kv_transfer.core.net import free_port
+from vllm_ascend.distributed.kv_transfer.core.transfer_engine import peek_transfer_engine
+from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig
+from vllm_ascend.distributed.kv_transfer.kv_p2p.p2p_metrics import P2P_METRICS
+from vllm_ascend.distributed.kv_transfer.kv_p2p.params import RemotePrefill
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_contract import (
+    MooncakeConnectorMetadata,
+    RecvMeta,
+)
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_worker import PullWorker
+
+BS, NB, HEADS, HD, LAYERS = 16, 32, 4, 32, 4
+#: Mooncake's bound on a transfer without progress, in both processes
+PROGRESS_S = 2
+LEASE_S = 8.0
+HANDSHAKE_S = 1.0
+
+# P: a worker of MooncakeConnectorV1 that holds what the test tells it on stdin
+# ("hold <rid> <b,b,...>", "held?") and steps like an engine (expiring leases).
+P_SCRIPT = r"""
+import sys, threading, time, queue
+from types import SimpleNamespace
+import torch
+from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
+from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig
+from vllm_ascend.distributed.kv_transfer.kv_p2p.p2p_metrics import P2P_METRICS
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_contract import (
+    MooncakeConnectorMetadata, SendMeta)
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_worker import PullWorker
+
+port, lease, bs, nb, heads, hd, layers = sys.argv[1:8]
+bs, nb, heads, hd, layers = int(bs), int(nb), int(heads), int(hd), int(layers)
+kvc = SimpleNamespace(kv_port=int(port), is_kv_producer=True, is_kv_consumer=False,
+                      kv_connector_extra_config={})
+cfg = SimpleNamespace(
+    kv_transfer_config=kvc,
+    parallel_config=SimpleNamespace(tensor_parallel_size=1, data_parallel_rank=0,
+                                    pipeline_parallel_size=1),
+    cache_config=SimpleNamespace(block_size=bs),
+    model_config=SimpleNamespace(model="/models/stall", get_total_num_kv_heads=lambda: heads))
+p = PullWorker(cfg, MooncakeP2PConfig.from_dict({"lease_ttl_s": float(lease)}), "P",
+               MetricsRecorder(P2P_METRICS), tp_rank=0, pp_rank=0)
+caches = {}
+for layer in range(layers):
+    t = torch.arange(nb * heads * bs * 2 * hd, dtype=torch.float32).view(nb, heads, bs, 2 * hd)
+    caches[f"model.layers.{layer}.self_attn.attn"] = t + layer * 1e7
+p.register_kv_caches(caches)
+commands = queue.Queue()
+threading.Thread(target=lambda: [commands.put(l.split()) for l in sys.stdin],
+                 daemon=True).start()
+print("ready", flush=True)
+while True:
+    p.get_finished()  # an engine step: expires lapsed leases
+    try:
+        cmd = commands.get(timeout=0.01)
+    except queue.Empty:
+        continue
+    if cmd[0] == "hold":
+        blocks = [int(b) for b in cmd[2].split(",")]
+        p.start_load_kv(MooncakeConnectorMetadata(
+            requests_to_send={cmd[1]: SendMeta(cmd[1], blocks)}))
+    elif cmd[0] == "held?":
+        print("held", len(p.holder.held), p.recorder.total("p2p_expired_leases"), flush=True)
+    elif cmd[0] == "quit":
+        break
+p.shutdown()
+"""
+
+
+def expected(layer: int, block: int) -> torch.Tensor:
+    """P's block ``block`` of layer ``layer`` (as P_SCRIPT fills it)."""
+    t = torch.arange(NB * HEADS * BS * 2 * HD, dtype=torch.float32).view(NB, HEADS, BS, 2 * HD)
+    return t[block] + layer * 1e7
+
+
+class PProcess:
+    """The P worker's process, driven over stdin/stdout."""
+
+    def __init__(self, port: int) -> None:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path),
+                   MC_TCP_PROGRESS_TIMEOUT_SEC=str(PROGRESS_S))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", P_SCRIPT, str(port), str(LEASE_S), str(BS), str(NB),
+             str(HEADS), str(HD), str(LAYERS)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self._lock = threading.Lock()
+        assert self._line().startswith("ready")
+        self._cont: threading.Timer | None = None
+
+    def _line(self) -> str:
+        assert self.proc.stdout is not None
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"P exited ({self.proc.poll()})")
+            if line.startswith(("ready", "held")):
+                return line
+
+    def send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def hold(self, rid: str, blocks: list[int]) -> None:
+        self.send(f"hold {rid} {','.join(map(str, blocks))}")
+
+    def held(self) -> tuple[int, int]:
+        """Requests P holds, and leases that lapsed (answers only while P runs)."""
+        with self._lock:
+            self.send("held?")
+            _, n, expired = self._line().split()
+        return int(n), int(float(expired))
+
+    def pause(self, seconds: float) -> None:
+        """SIGSTOP now, SIGCONT after ``seconds``."""
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        self._cont = threading.Timer(seconds, self.resume)
+        self._cont.start()
+
+    def resume(self) -> None:
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+    def close(self) -> None:
+        if self._cont is not None:
+            self._cont.cancel()
+        self.resume()
+        try:
+            self.send("quit")
+            self.proc.wait(10)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def progress_env() -> Iterator[None]:
+    """D's transfer engine drops a transfer without progress after PROGRESS_S (if this
+    process has no engine yet; otherwise the tests size their stalls to its bound)."""
+    old = os.environ.get("MC_TCP_PROGRESS_TIMEOUT_SEC")
+    if peek_transfer_engine() is None:
+        os.environ["MC_TCP_PROGRESS_TIMEOUT_SEC"] = str(PROGRESS_S)
+    yield
+    if old is None:
+        os.environ.pop("MC_TCP_PROGRESS_TIMEOUT_SEC", None)
+    else:
+        os.environ["MC_TCP_PROGRESS_TIMEOUT_SEC"] = old
+
+
+@pytest.fixture(scope="module")
+def p(progress_env: None) -> Iterator[Any]:
+    port = free_port()
+    proc = PProcess(port)
+    yield SimpleNamespace(proc=proc, port=port)
+    proc.close()
+
+
+def d_worker(load_timeout_s: float) -> PullWorker:
+    kvc = SimpleNamespace(kv_port=free_port(), is_kv_producer=False, is_kv_consumer=True,
+                          kv_connector_extra_config={})
+    cfg = SimpleNamespace(
+        kv_transfer_config=kvc,
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, data_parallel_rank=0,
+                                        pipeline_parallel_size=1),
+        cache_config=SimpleNamespace(block_size=BS),
+        model_config=SimpleNamespace(model="/models/stall",
+                                     get_total_num_kv_heads=lambda: HEADS))
+    d = PullWorker(cfg, MooncakeP2PConfig.from_dict({
+        "load_timeout_s": load_timeout_s, "handshake_timeout_s": HANDSHAKE_S}), "D",
+        MetricsRecorder(P2P_METRICS), tp_rank=0, pp_rank=0)
+    d.register_kv_caches({f"model.layers.{layer}.self_attn.attn":
+                          torch.zeros(NB, HEADS, BS, 2 * HD) for layer in range(LAYERS)})
+    return d
+
+
+def pull(d: PullWorker, p: Any, rid: str, remote: list[int], local: list[int]) -> None:
+    r = RemotePrefill(engine_id="P", host="127.0.0.1", port=p.port, request_id=rid,
+                      block_ids=remote, tp_size=1, pcp_size=1, dcp_size=1)
+    d.start_load_kv(MooncakeConnectorMetadata(requests={rid: RecvMeta(
+        rid, local, r, remote_block_ids=remote)}))
+
+
+def ends(d: PullWorker, rid: str, timeout: float) -> tuple[int, set[int], float]:
+    """Step D (get_finished) until ``rid`` ended and 1 s more: how often it was reported,
+    the failed blocks, and when it ended."""
+    start = time.monotonic()
+    deadline = start + timeout
+    seen, failed, took = 0, set(), -1.0
+    while time.monotonic() < deadline:
+        _s, recving = d.get_finished()
+        failed |= d.get_block_ids_with_load_errors()
+        if recving and rid in recving:
+            seen += 1
+            took = time.monotonic() - start
+            deadline = min(deadline, time.monotonic() + 1.0)
+        time.sleep(0.01)
+    return seen, failed, took
+
+
+def same_bytes(d: PullWorker, local: list[int], remote: list[int]) -> bool:
+    assert d.layout is not None
+    return all(torch.equal(d.layout.layers[layer].regions[0].tensor[lb], expected(layer, rb))
+               for layer in range(LAYERS) for lb, rb in zip(local, remote, strict=True))
+
+
+def stall_bound() -> float:
+    te = peek_transfer_engine()
+    return te.stall_bound_s if te is not None else float(PROGRESS_S)
+
+
+def pause_on_read(d: PullWorker, p: Any, seconds: float) -> threading.Event:
+    """D's next read pauses P first (P granted the claim; its process stops)."""
+    reader = d.reader
+    assert reader is not None
+    original = reader._read
+    paused = threading.Event()
+
+    def read(*args: Any, **kwargs: Any) -> Any:
+        reader._read = original
+        p.proc.pause(seconds)
+        paused.set()
+        return original(*args, **kwargs)
+
+    reader._read = read
+    return paused
+
+
+def failures(d: PullWorker) -> dict[str, float]:
+    return {k: v for k, v in d.recorder.totals().items() if k.startswith("p2p_failures")}
+
+
+def test_p_paused_before_the_handshake(p: Any, fault_report: Any) -> None:
+    d = d_worker(load_timeout_s=20.0)
+    try:
+        p.proc.hold("h1", [3, 4])
+        assert wait_for(lambda: p.proc.held()[0] == 1, 5)
+        p.proc.pause(3 * HANDSHAKE_S + 0.5)
+        pull(d, p, "h1", [3, 4], [1, 2])
+        seen, failed, took = ends(d, "h1", 30)
+        assert fault_report.check("deadline", (seen, failed) == (1, set()),
+                                  f"reported {seen}x, failed blocks {failed}")
+        assert same_bytes(d, [1, 2], [3, 4])
+        retries = d.recorder.total("p2p_read_retries", reason="peer_timeout")
+        assert retries >= 1 and not failures(d)
+        assert fault_report.check("zero", wait_for(lambda: p.proc.held()[0] == 0, 10),
+                                  "P still held the request")
+        assert fault_report.check("survivor", True)
+        fault_report(fault="P paused (SIGSTOP) before D's GetMeta (a P without CPU time)",
+                     happened=f"GetMeta timed out; D retried {retries:.0f}x within its "
+                              f"deadline and loaded P's bytes ({took:.1f}s)",
+                     deadline=f"yes ({took:.1f}s < 20s)", client="the request completes")
+    finally:
+        d.shutdown()
+
+
+def test_p_paused_mid_read_is_retried(p: Any, fault_report: Any) -> None:
+    bound = stall_bound()
+    d = d_worker(load_timeout_s=bound + 20.0)
+    try:
+        # a first request: the handshake is cached, the next read is the one that stalls
+        p.proc.hold("w", [0])
+        pull(d, p, "w", [0], [0])
+        assert ends(d, "w", 20)[:2] == (1, set())
+        p.proc.hold("x", [7, 2, 9, 30])
+        assert wait_for(lambda: p.proc.held()[0] == 1, 5)
+        stop_s = bound + 2.0
+        paused = pause_on_read(d, p, stop_s)
+        pull(d, p, "x", [7, 2, 9, 30], [5, 6, 8, 31])
+        seen, failed, took = ends(d, "x", bound + 30)
+        assert paused.is_set()
+        assert fault_report.check("deadline", (seen, failed) == (1, set()),
+                                  f"reported {seen}x, failed blocks {failed}")
+        assert same_bytes(d, [5, 6, 8, 31], [7, 2, 9, 30])
+        retries = {k: v for k, v in d.recorder.totals().items()
+                   if k.startswith("p2p_read_retries")}
+        assert retries.get("p2p_read_retries|reason=transfer", 0) >= 1, retries
+        assert not failures(d), failures(d)
+        assert d.recorder.total("p2p_requests_loaded") == 2
+        assert took >= bound  # the read really stalled until Mooncake dropped it
+        held_zero = wait_for(lambda: p.proc.held()[0] == 0, 10)
+        assert fault_report.check("zero", held_zero, "P still held the request after Done")
+        assert p.proc.held()[1] == 0  # freed by D's Done, not by its lease
+        # D and P serve on
+        p.proc.hold("z", [11])
+        pull(d, p, "z", [11], [12])
+        assert fault_report.check("survivor", ends(d, "z", 20)[:2] == (1, set()),
+                                  "the next pull")
+        assert same_bytes(d, [12], [11])
+        fault_report(fault=f"P paused (SIGSTOP, {stop_s:.0f}s) while D reads, after granting "
+                           "the claim",
+                     happened=f"Mooncake dropped the read after {bound:.0f}s without progress; "
+                              f"D retried ({sum(retries.values()):.0f}x) on a fresh session "
+                              f"once P ran again and loaded P's bytes ({took:.1f}s); D's Done "
+                              "freed P's blocks",
+                     deadline=f"yes ({took:.1f}s)", client="the request completes")
+    finally:
+        d.shutdown()
+
+
+def test_p_paused_past_the_deadline_fails_once(p: Any, fault_report: Any) -> None:
+    bound = stall_bound()
+    deadline_s = bound + 3.0
+    d = d_worker(load_timeout_s=deadline_s)
+    try:
+        p.proc.hold("w2", [1])
+        pull(d, p, "w2", [1], [1])
+        assert ends(d, "w2", 20)[:2] == (1, set())
+        p.proc.hold("y", [4, 5])
+        assert wait_for(lambda: p.proc.held()[0] == 1, 5)
+        _, expired0 = p.proc.held()
+        stop_s = deadline_s + 4.0
+        pause_on_read(d, p, stop_s)
+        pull(d, p, "y", [4, 5], [2, 3])
+        seen, failed, took = ends(d, "y", stop_s + 10)
+        assert (seen, failed) == (1, {2, 3})
+        # the last retry that still fits fails, or the deadline ends the load: either way
+        # once, not before the read stalled, and no later than the deadline
+        assert fault_report.check("deadline", bound <= took < deadline_s + 1.5,
+                                  f"failed after {took:.1f}s")
+        assert sum(failures(d).values()) == 1, failures(d)
+        assert d.recorder.total("p2p_read_retries", reason="transfer") == 1
+        # once P runs again, D's Done(success=False) or P's lease frees the blocks
+        freed = wait_for(lambda: p.proc.held()[0] == 0, stop_s + LEASE_S + 5)
+        assert fault_report.check("zero", freed, "P still held the request")
+        p.proc.hold("z2", [13])
+        pull(d, p, "z2", [13], [14])
+        assert fault_report.check("survivor", ends(d, "z2", 20)[:2] == (1, set()),
+                                  "the next pull")
+        how = "its lease" if p.proc.held()[1] > expired0 else "D's Done"
+        fault_report(fault=f"P paused (SIGSTOP, {stop_s:.0f}s) while D reads, past D's "
+                           f"{deadline_s:.0f}s deadline",
+                     happened=f"D retried while its deadline left time, then failed the "
+                              f"request once ({took:.1f}s, cause "
+                              f"{next(iter(failures(d))).split('=')[-1]}); {how} freed P's "
+                              "blocks once P ran again",
+                     deadline=f"yes ({took:.1f}s)",
+                     client="its blocks reported failed once (vLLM fails or recomputes)")
+    finally:
+        d.shutdown()
