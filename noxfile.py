@@ -436,7 +436,7 @@ ASCEND_COEXIST_STEPS = (
 def ascend_coexist(session: nox.Session) -> None:
     """Our packages beside the real vLLM-Ascend wheel (from the package index, --no-deps),
     installed in both orders, each uninstalled and reinstalled; tests-ascend/ checks every
-    state (connector names, upstream names, provenance for doctor, one engine start). Not a
+    state (connector names, upstream names, provenance for doctor, an engine start in two). Not a
     default session: it downloads the 25 MB wheel and runs pytest seven times."""
     uv_env(session)
     # vLLM-Ascend's platform plugin imports torch_npu as soon as anything resolves vLLM's

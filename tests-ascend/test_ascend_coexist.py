@@ -4,15 +4,16 @@
 The session installs both, in both orders, uninstalls each and reinstalls,
 and runs this file after each step with ``ASCEND_COEXIST`` naming the state:
 
-* ``theirs-over-ours``: ours, then vLLM-Ascend (before the documented repair);
-* ``repaired``: then ours reinstalled (the documented repair);
+* ``theirs-over-ours``: ours, then vLLM-Ascend: its copies hold the shared files
+  (upstream's paths), and the connector names are still ours;
+* ``repaired``: then ours reinstalled (puts our copies of upstream's paths back);
 * ``both``: vLLM-Ascend, then ours (the other order);
 * ``ours-removed``: ``uninstall`` of ours from ``both``;
 * ``theirs-only``: vLLM-Ascend reinstalled after that;
 * ``theirs-removed``: ``uninstall vllm-ascend`` from ``both``;
 * ``ours-only``: ours reinstalled after that.
 
-vLLM-Ascend's own plugins need ``torch_npu``; the engine test keeps them
+vLLM-Ascend's own plugins need ``torch_npu``; the engine tests keep them
 out with ``VLLM_PLUGINS`` (ours named, theirs not).
 """
 
@@ -125,11 +126,19 @@ def _doctor() -> list[dict[str, str]]:
             if c["what"].startswith("vllm_ascend.distributed")]
 
 
+def _problems(fatal: bool | None = None) -> list[str]:
+    return [str(p) for p in provenance.problems() if fatal is None or p.fatal == fatal]
+
+
 # ------------------------------------------------------------------ both installed
-both = pytest.mark.skipif(STATE not in ("both", "repaired"), reason="both installed only")
+#: both installed, in either order: the connector names are ours
+either = pytest.mark.skipif(STATE not in ("both", "repaired", "theirs-over-ours"),
+                            reason="both installed only")
+#: both installed, ours last: ours hold upstream's paths too
+both = pytest.mark.skipif(STATE not in ("both", "repaired"), reason="ours installed last only")
 
 
-@both
+@either
 @pytest.mark.parametrize("order", [OUR_PLUGINS + ["theirs"], ["theirs"] + OUR_PLUGINS,
                                    ["ascend_kv_p2p", "theirs", "ascend_kv_pool",
                                     "ascend_cpu_offload"]],
@@ -139,12 +148,12 @@ def test_connector_names_resolve_to_ours_whichever_registers_first(order: list[s
     assert {name: got[name][2] for name in OUR_NAMES} == OUR_NAMES, got
 
 
-@both
+@either
 def test_their_register_connector_still_registers_its_other_names() -> None:
     code = ("import importlib;"
             "from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory as F;"
             "importlib.import_module('vllm_ascend.distributed.kv_transfer').register_connector();"
-            "import vllm_ascend.distributed.kv_transfer.kv_p2p as p; p.register();"
+            "import vllm_ascend.distributed.kv_transfer.kv_p2p.plugin as p; p.register();"
             "r = F._registry; print(sorted(n for n in ('UCMConnector', 'MooncakeHybridConnector',"
             " 'SfaRemoteD2HConnector', 'RecomputeCPUOffloadConnector') if n in r))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -153,23 +162,26 @@ def test_their_register_connector_still_registers_its_other_names() -> None:
     assert "MooncakeHybridConnector" in proc.stdout
 
 
-@both
-def test_every_upstream_name_resolves_to_ours() -> None:
+@either
+def test_every_upstream_name_resolves_to_ours_when_ours_came_last() -> None:
     import importlib
 
     by_module = {e.module: e for e in provenance.scan()}
+    ours = provenance.our_distributions()
     for module, names in UPSTREAM_NAMES.items():
         mod = importlib.import_module(module)
         for name in names:
             assert hasattr(mod, name), f"{module}.{name}"
-        assert by_module[module].provider in provenance.OUR_DISTRIBUTIONS, by_module[module]
+        provider = by_module[module].provider
+        assert provider == "vllm-ascend" if STATE == "theirs-over-ours" else provider in ours, \
+            by_module[module]
     kv = importlib.import_module("vllm_ascend.distributed.kv_transfer")
     assert callable(kv.register_connector)  # vLLM-Ascend's (we ship no __init__ there)
 
 
 @both
 def test_doctor_finds_nothing_wrong_and_names_providers() -> None:
-    assert provenance.problems() == []
+    assert _problems() == []
     entries = {e.module: e for e in provenance.scan()}
     assert entries["vllm_ascend.distributed.kv_transfer.kv_p2p.mooncake_connector"].listed_by.keys() \
         == {"ascend-kv-p2p", "vllm-ascend"}
@@ -183,15 +195,28 @@ def test_doctor_names_each_modules_provider() -> None:
     assert not [c for c in checks if c["status"] == "fail"], checks
     p2p = next(c for c in checks if c["what"].endswith("modules from ascend-kv-p2p"))
     assert "kv_transfer.kv_p2p.mooncake_connector" in p2p["detail"]
+    assert "kv_transfer.kv_p2p.pull_connector" in p2p["detail"]
     theirs = next(c for c in checks if c["what"].endswith("modules from vllm-ascend"))
     assert "kv_transfer.kv_p2p.mooncake_hybrid_connector" in theirs["detail"]
     assert any("shipped by two distributions" in c["what"] for c in checks)
 
 
-@pytest.mark.skipif(STATE != "both", reason="one engine start: state 'both' only")
+#: state -> (connector an engine serves with, its extra config, the module of our class)
+ENGINES = {
+    "both": ("CPUOffloadingConnector", {"cpu_swap_space": "64MB"},
+             "vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.cpu_offload_connector"),
+    # a name whose upstream-path module holds vLLM-Ascend's copy in this state
+    "theirs-over-ours": ("AscendStoreConnector", {"local_pool_size": "64MB"},
+                         "vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store"
+                         ".store_connector"),
+}
+
+
+@pytest.mark.skipif(STATE not in ENGINES, reason="one engine start in two states")
 def test_an_engine_serves_with_our_connector(tmp_path: Path) -> None:
+    connector, extra, module = ENGINES[STATE]
     code = textwrap.dedent("""
-        import sys
+        import json, sys
         from ascend_kv_testing.models import make_tiny_llama
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
@@ -199,43 +224,57 @@ def test_an_engine_serves_with_our_connector(tmp_path: Path) -> None:
             model = make_tiny_llama(sys.argv[1])
             llm = LLM(model=str(model), skip_tokenizer_init=True, dtype="float32",
                       max_model_len=256, enforce_eager=True, max_num_seqs=4,
-                      kv_transfer_config={"kv_connector": "CPUOffloadingConnector",
+                      kv_transfer_config={"kv_connector": sys.argv[2],
                                           "kv_role": "kv_both",
-                                          "kv_connector_extra_config": {
-                                              "cpu_swap_space": "64MB"}})
+                                          "kv_connector_extra_config": json.loads(sys.argv[3])})
             prompt = TokensPrompt(prompt_token_ids=list(range(1, 40)))
             sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, detokenize=False)
             a = llm.generate([prompt], sp)[0].outputs[0].token_ids
             b = llm.generate([prompt], sp)[0].outputs[0].token_ids
             assert list(a) == list(b) and len(a) == 8, (a, b)
-            print("SERVED", list(a))
+            from vllm.distributed.kv_transfer import get_kv_transfer_group
+            print("SERVED", type(get_kv_transfer_group()).__module__, list(a))
     """)
     env = {**os.environ, "VLLM_PLUGINS": ",".join(OUR_PLUGINS),
            "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "model")], env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "model"), connector,
+                           json.dumps(extra)], env=env, capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0 and "SERVED" in proc.stdout, proc.stderr[-4000:]
+    assert f"SERVED {module} " in proc.stdout, proc.stdout[-2000:]  # our class served
 
 
 # ------------------------------------------------------------------ the other states
 @pytest.mark.skipif(STATE != "theirs-over-ours", reason="state 'theirs-over-ours' only")
-def test_installing_vllm_ascend_after_ours_overwrites_the_shared_files() -> None:
-    errors = provenance.problems()
-    joined = "\n".join(errors)
+def test_installing_vllm_ascend_after_ours_overwrites_only_upstream_paths() -> None:
+    assert _problems(fatal=True) == []
+    joined = "\n".join(_problems(fatal=False))
     assert "kv_p2p.mooncake_connector: " in joined and "vLLM-Ascend's copy" in joined
     assert "vllm_ascend.distributed.parallel_state: " in joined
-    fails = [c for c in _doctor() if c["status"] == "fail"]
+    checks = _doctor()
+    assert not [c for c in checks if c["status"] == "fail"], checks
+    warns = [c for c in checks if c["status"] == "warn"]
     assert any(c["what"].endswith("(vllm_ascend.distributed.kv_transfer.kv_p2p"
                                   ".mooncake_connector)") and "vLLM-Ascend's copy" in c["detail"]
-               and "--force-reinstall" in c["fix"] for c in fails), fails
-    # files only we ship are untouched: CPU offload still resolves to ours
-    got = _register(["ascend_cpu_offload"])
-    assert got["CPUOffloadingConnector"][2] == "ascend-cpu-offload"
+               and "--force-reinstall" in c["fix"] for c in warns), warns
+    # what the connectors run is in files only we ship: untouched
+    by_module = {e.module: e for e in provenance.scan()}
+    prefix = "vllm_ascend.distributed.kv_transfer."
+    for module, dist in {"kv_p2p.pull_connector": "ascend-kv-p2p",
+                         "kv_p2p.layerwise_connector": "ascend-kv-p2p",
+                         "kv_p2p.plugin": "ascend-kv-p2p",
+                         "kv_pool.ascend_store.store_connector": "ascend-kv-pool",
+                         "kv_pool.ascend_store.store_worker": "ascend-kv-pool",
+                         "kv_pool.ascend_store.backend.registry": "ascend-kv-pool",
+                         "kv_pool.ascend_store.plugin": "ascend-kv-pool"}.items():
+        assert by_module[prefix + module].listed_by.keys() == {dist}, module
+        assert by_module[prefix + module].provider == dist, module
+    assert by_module[prefix + "kv_p2p.mooncake_connector"].provider == "vllm-ascend"
 
 
 @pytest.mark.skipif(STATE != "ours-removed", reason="state 'ours-removed' only")
 def test_uninstalling_ours_removes_the_shared_files_vllm_ascend_needs() -> None:
-    assert not any(_installed(d) for d in provenance.OUR_DISTRIBUTIONS - {"ascend-kv-core"})
+    assert provenance.our_distributions() == {"ascend-kv-core"}
     gone = [e.path for e in provenance.scan() if not e.exists]
     assert "vllm_ascend/distributed/parallel_state.py" in gone
     assert "vllm_ascend/distributed/kv_transfer/kv_p2p/mooncake_connector.py" in gone
@@ -255,15 +294,18 @@ def test_reinstalling_vllm_ascend_restores_it_completely_and_nothing_of_ours_is_
 @pytest.mark.skipif(STATE != "theirs-removed", reason="state 'theirs-removed' only")
 def test_uninstalling_vllm_ascend_removes_our_shared_files_too() -> None:
     assert not _installed("vllm-ascend")
-    errors = "\n".join(provenance.problems())
+    errors = "\n".join(_problems(fatal=True))
     assert "vllm_ascend.distributed.parallel_state: " in errors and "is gone" in errors
     assert any("is gone" in c["detail"] for c in _doctor() if c["status"] == "fail")
     assert not (_site() / "vllm_ascend" / "__init__.py").exists()  # a namespace again
+    # upstream's paths of ours are gone with it, but nothing the connectors run
+    got = _register(OUR_PLUGINS)
+    assert {name: got[name][2] for name in OUR_NAMES} == OUR_NAMES, got
 
 
 @pytest.mark.skipif(STATE != "ours-only", reason="state 'ours-only' only")
 def test_reinstalling_ours_gives_a_clean_environment() -> None:
-    assert provenance.problems() == []
+    assert _problems() == []
     assert _files_not_in_any_record() == []
     assert not (_site() / "vllm_ascend" / "__init__.py").exists()
     got = _register(OUR_PLUGINS)

@@ -27,11 +27,7 @@ SIBLING_NAMES = ("kv_p2p", "ascend_store", "cpu_offload", "distributed.kernels",
                  "ascend-kv-p2p", "ascend-kv-pool", "ascend-cpu-offload", "ascend-kernels",
                  "ascend-dist-utils")
 #: Modules of core still naming siblings, to be fixed (each with its reason); keep it empty.
-KNOWN_EXCEPTIONS = {
-    # lists the project's distributions to tell their files from vLLM-Ascend's (issue 15);
-    # tooling.plugins.installed_distributions finds them without a list
-    "vllm_ascend/distributed/kv_transfer/core/provenance.py",
-}
+KNOWN_EXCEPTIONS: set[str] = set()
 
 pytestmark = pytest.mark.skipif(not SRC_DIRS, reason="needs the workspace checkout")
 

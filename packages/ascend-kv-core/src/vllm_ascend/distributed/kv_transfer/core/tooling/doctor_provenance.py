@@ -1,11 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """``doctor``'s provenance check: who provides each ``vllm_ascend.distributed`` module.
 
-Beside vLLM-Ascend both distributions ship some of the same files
-(``docs/deployment-ascend.md``). This check names the distribution whose copy
-each module holds (:mod:`..provenance` reads the RECORD hashes) and fails
-when a module of ours holds vLLM-Ascend's copy, is gone, or is shadowed by a
-``vllm_ascend`` from another site directory.
+Beside vLLM-Ascend both distributions ship some of the same files, upstream's
+module paths (``docs/deployment-ascend.md``). This check names the distribution
+whose copy each module holds (:mod:`..provenance` reads the RECORD hashes),
+warns when an upstream path of ours holds vLLM-Ascend's copy (the connector
+names stay ours; imports of that path get its code), and fails when a file of
+ours is gone or ours are shadowed by a ``vllm_ascend`` from another site
+directory.
 """
 
 from __future__ import annotations
@@ -22,17 +24,17 @@ WHAT = "vllm_ascend.distributed"
 
 
 def check(doctor: Any) -> None:
-    """Report the providers through ``doctor.ok`` and each problem through ``doctor.fail``."""
+    """Report providers through ``doctor.ok``, each problem through ``doctor.warn``/``fail``."""
     try:
-        entries = provenance.scan()
-        errors = provenance.problems(entries)
+        inv = provenance.inventory()
+        found = provenance.problems(inv)
     except Exception as exc:  # a broken RECORD must not hide the other checks
         logger.debug("provenance scan failed", exc_info=True)
         doctor.warn(WHAT, f"cannot tell who provides the modules: {exc}")
         return
     by_provider: dict[str, list[str]] = defaultdict(list)
     shared = 0
-    for e in entries:
+    for e in inv.files:
         if len(e.listed_by) > 1:
             shared += 1
         if e.exists:
@@ -44,10 +46,8 @@ def check(doctor: Any) -> None:
                   f"{len(modules)}: {', '.join(modules)}")
     if shared:
         doctor.ok(f"{WHAT} files shipped by two distributions",
-                  f"{shared} (vLLM-Ascend is installed too)")
-    for error in errors:
-        module, _, detail = error.partition(": ")
-        fix = ""
-        if "; " in detail:
-            detail, _, fix = detail.rpartition("; ")
-        doctor.fail(f"{WHAT} provider ({module})", detail, fix)
+                  f"{shared} (upstream's module paths; {', '.join(sorted(inv.foreign))} "
+                  f"is installed too)")
+    for problem in found:
+        report = doctor.fail if problem.fatal else doctor.warn
+        report(f"{WHAT} provider ({problem.module})", problem.detail, problem.fix)
