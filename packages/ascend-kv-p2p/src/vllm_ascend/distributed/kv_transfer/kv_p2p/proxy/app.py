@@ -19,6 +19,13 @@ blocks) and the client gets the error. A request marked virtual (a
 and no P is involved (warm-up, testing). ``/status`` lists the recent requests
 with whether D posted them and what P answered.
 
+In pull mode, when D answers a KV-load error (vLLM's default ``kv_load_failure_policy:
+fail``: HTTP 500, or in a stream an error event before the first token; see
+:mod:`.fallback`), the request is re-sent once to a D instance as a plain request, which
+D prefills itself: the client gets tokens, not the error. A stream is held back until
+its first token, so the client never sees the failed attempt. Counted in
+``vllm_ascend_pd_proxy_fallbacks{reason}``.
+
 Each client request gets one unique id, sent to P and D as ``X-Request-Id``.
 A P or D that cannot be reached is marked unhealthy and the next one is
 tried; when none answers, the client gets a 503 naming what failed.
@@ -49,6 +56,7 @@ from vllm_ascend.distributed.kv_transfer.core import auth
 from ..params import RemotePrefill
 from ..renewer import LeaseRenewer
 from .balancer import Instance, Pool
+from .fallback import is_kv_load_error, read_stream_start
 from .model import (
     LayerwiseRequest,
     Metrics,
@@ -88,7 +96,8 @@ class Proxy:
         self.auth = auth.from_env()
         self.client: httpx.AsyncClient | None = None
         self.records: dict[str, Any] = {"requests": 0, "virtual": 0, "metaserver_posts": 0,
-                                        "prefill_dispatched": 0, "prefill_failures": 0}
+                                        "prefill_dispatched": 0, "prefill_failures": 0,
+                                        "fallbacks": 0}
         #: layerwise requests waiting for D's metaserver post or in flight
         self.pending: dict[str, LayerwiseRequest] = {}
         self.history: collections.deque[dict[str, Any]] = collections.deque(maxlen=HISTORY)
@@ -180,14 +189,15 @@ class Proxy:
                                                stream=stream, request_id=request_id)
         kv_params = await self.prefill_step(path, body, headers)
         d_body = dict(body)
+        d_body.pop("kv_transfer_params", None)
+        plain: dict[str, Any] | None = None
         if kv_params is not None:
+            plain = dict(d_body) if self.cfg.kv_error_fallback else None
             d_body["kv_transfer_params"] = kv_params
             self.renew_while_decoding(request_id, kv_params)
-        else:
-            d_body.pop("kv_transfer_params", None)
         try:
             response = await self.decode_step(path, d_body, headers, stream=stream,
-                                              request_id=request_id)
+                                              request_id=request_id, plain=plain)
         except BaseException:
             self.stop_renewing(request_id)
             raise
@@ -378,10 +388,17 @@ class Proxy:
             entry.failed.set_result(reason)
 
     async def decode_step(self, path: str, body: dict[str, Any], headers: dict[str, str], *,
-                          stream: bool, request_id: str) -> Response:
+                          stream: bool, request_id: str,
+                          plain: dict[str, Any] | None = None) -> Response:
+        """Send the request to D and relay its answer. ``plain``: the request without
+        ``kv_transfer_params``, re-sent once if D answers a KV-load error."""
         start = time.perf_counter()
         if not stream:
             inst, resp = await self.post_json(self.decode, path, body, headers)
+            if plain is not None and is_kv_load_error(resp.status_code, resp.content):
+                self._fall_back(request_id, inst, "http_error", f"HTTP {resp.status_code}")
+                inst, resp = await self.post_json(self.decode, path, plain,
+                                                  _plain_headers(headers))
             self.metrics.stage.labels("decode").observe(time.perf_counter() - start)
             return Response(content=resp.content, status_code=resp.status_code,
                             media_type=resp.headers.get("content-type", "application/json"),
@@ -390,14 +407,39 @@ class Proxy:
         if resp.status_code != 200:
             content = await resp.aread()
             await resp.aclose()
+            if plain is not None and is_kv_load_error(resp.status_code, content):
+                self._fall_back(request_id, inst, "http_error", f"HTTP {resp.status_code}")
+                return await self.decode_step(path, plain, _plain_headers(headers),
+                                              stream=True, request_id=request_id)
             return Response(content=content, status_code=resp.status_code,
                             media_type=resp.headers.get("content-type", "application/json"))
         self.decode.begin(inst)
+        chunks = resp.aiter_raw()
+        if plain is not None:
+            # Hold the stream back until its first token: an error before it is re-sent.
+            try:
+                first = await read_stream_start(chunks)
+            except BaseException:
+                await resp.aclose()
+                self.decode.end(inst, ok=False, error="stream interrupted")
+                raise
+            if first.error:
+                await resp.aclose()
+                self.decode.end(inst, ok=False, error="KV-load error")
+                self._fall_back(request_id, inst, "stream_error", "an error event before "
+                                "the first token")
+                return await self.decode_step(path, plain, _plain_headers(headers),
+                                              stream=True, request_id=request_id)
+            head, chunks = first.head, first.rest
+        else:
+            head = b""
 
         async def relay() -> AsyncIterator[bytes]:
             ok = False
             try:
-                async for chunk in resp.aiter_raw():
+                if head:
+                    yield head
+                async for chunk in chunks:
                     yield chunk
                 ok = True
             finally:
@@ -410,6 +452,23 @@ class Proxy:
                                  media_type=resp.headers.get("content-type",
                                                              "text/event-stream"),
                                  headers={"X-Request-Id": request_id})
+
+    def _fall_back(self, request_id: str, inst: Instance, reason: str, what: str) -> None:
+        """D failed the request's KV load: count and log the plain re-send."""
+        self.stop_renewing(request_id)  # P's blocks are not read any more
+        self.records["fallbacks"] += 1
+        self.metrics.fallbacks.labels(reason).inc()
+        logger.warning("request %s: decode instance %s answered a KV-load error (%s); "
+                       "re-sending it once as a plain request (D prefills it itself)",
+                       request_id, inst.url, what)
+
+
+def _plain_headers(headers: dict[str, str]) -> dict[str, str]:
+    """Headers of the plain re-send: its own request id on D (the failed one may still be
+    known there); the client keeps the original."""
+    out = dict(headers)
+    out["X-Request-Id"] = f"{headers['X-Request-Id']}-plain"
+    return out
 
 
 def build_app(cfg: ProxyConfig) -> FastAPI:

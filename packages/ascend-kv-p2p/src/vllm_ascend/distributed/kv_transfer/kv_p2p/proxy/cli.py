@@ -52,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="pull mode: renew P's lease on a request's blocks this often "
                              "while D has the request, so a request queued on a busy D keeps "
                              "its KV; 0 turns it off (default: %(default)s s)")
+    parser.add_argument("--no-kv-error-fallback", dest="kv_error_fallback",
+                        action="store_false",
+                        help="pull mode: pass D's KV-load errors to the client instead of "
+                             "re-sending the request once as a plain request (D prefills it)")
     parser.add_argument("--health-interval", type=float, default=5.0,
                         help="seconds between health checks (default: %(default)s)")
     parser.add_argument("--log-level", default="info",
@@ -82,6 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = ProxyConfig(prefill=args.prefill, decode=args.decode, policy=args.policy,
                       timeout_s=args.timeout, health_interval_s=args.health_interval,
                       lease_renew_interval_s=args.lease_renew_interval,
+                      kv_error_fallback=args.kv_error_fallback,
                       mode=args.mode,
                       metaserver_url=metaserver_url(args) if args.mode == "layerwise" else None)
     uvicorn.run(build_app(cfg), host=args.host, port=args.port, log_level=args.log_level,

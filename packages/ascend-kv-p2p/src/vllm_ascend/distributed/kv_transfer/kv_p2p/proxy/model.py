@@ -34,6 +34,9 @@ class ProxyConfig:
     #: pull mode: renew P's lease on a request's blocks this often while D has the request
     #: (covers a request queued on D before D's scheduler sees it); 0 turns it off
     lease_renew_interval_s: float = 5.0
+    #: pull mode: re-send a request once as a plain request (D prefills it itself) when D
+    #: answers a KV-load error before the client saw a token (:mod:`.fallback`)
+    kv_error_fallback: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -96,6 +99,12 @@ class Metrics:
                                registry=self.registry)
         self.in_flight = Gauge("vllm_ascend_pd_proxy_in_flight", "Requests in flight per "
                                "instance.", ["role", "instance"], registry=self.registry)
+        self.fallbacks = Counter("vllm_ascend_pd_proxy_fallbacks",
+                                 "Requests re-sent once as plain requests (D prefills them) "
+                                 "after D answered a KV-load error, by reason (http_error: "
+                                 "an HTTP 500/503 answer; stream_error: an error event "
+                                 "before the first token).", ["reason"],
+                                 registry=self.registry)
         self.healthy = Gauge("vllm_ascend_pd_proxy_instance_healthy", "1 if the instance "
                              "answered its last health check.", ["role", "instance"],
                              registry=self.registry)
