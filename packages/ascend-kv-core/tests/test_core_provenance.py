@@ -58,14 +58,14 @@ def test_ours_and_theirs_are_told_apart_without_a_list(tmp_path: Path) -> None:
     assert [p for p in provenance.problems(inv) if p.module != "vllm_ascend"] == []
 
 
-def test_their_copy_in_an_upstream_path_is_a_warning(tmp_path: Path) -> None:
+def test_their_copy_in_an_upstream_path_is_an_error(tmp_path: Path) -> None:
     _install(tmp_path, "ascend-kv-demo", OURS)
     _install(tmp_path, "vllm-ascend", THEIRS)  # theirs last: their copies in the shared files
     inv = provenance.inventory([str(tmp_path)])
     found = _by_module([p for p in provenance.problems(inv) if p.module != "vllm_ascend"])
     assert set(found) == {"demo", "upstream_path"}  # demo: the package's __init__.py
     problem = found["upstream_path"]
-    assert not problem.fatal and "holds vLLM-Ascend's copy, not ascend-kv-demo's" in problem.detail
+    assert problem.fatal and "holds vLLM-Ascend's copy, not ascend-kv-demo's" in problem.detail
     assert problem.fix.endswith("pip install --force-reinstall --no-deps ascend-kv-demo")
     assert next(e for e in inv.files if e.path == f"{D}impl.py").provider == "ascend-kv-demo"
 
@@ -95,7 +95,7 @@ class _Doctor:
         self.checks.append(("fail", what, detail))
 
 
-def test_doctor_warns_on_their_copy_and_fails_on_a_gone_file(
+def test_doctor_fails_on_their_copy_and_on_a_gone_file(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _install(tmp_path, "ascend-kv-demo", OURS)
     _install(tmp_path, "vllm-ascend", THEIRS)
@@ -110,6 +110,6 @@ def test_doctor_warns_on_their_copy_and_fails_on_a_gone_file(
     doctor_provenance.check(doctor)
     status = {what.rsplit(".", 1)[-1].rstrip(")"): s for s, what, _ in doctor.checks
               if "provider (" in what}
-    assert status["upstream_path"] == "warn" and status["impl"] == "fail", doctor.checks
+    assert status["upstream_path"] == "fail" and status["impl"] == "fail", doctor.checks
     oks = {what: detail for s, what, detail in doctor.checks if s == "ok"}
     assert "kv_transfer.demo.their_only" in oks["vllm_ascend.distributed modules from vllm-ascend"]

@@ -204,12 +204,13 @@ def problems(inv: Inventory | None = None) -> list[Problem]:
             found.append(Problem(
                 e.module, f"{e.path} holds {_label(provider)}'s copy, not {ours[0]}'s: "
                 f"imports of this upstream path (and kv_connector_module_path naming it) get "
-                f"{_label(provider)}'s code; the connector names stay ours",
-                repair_hint(ours), fatal=False))
+                f"{_label(provider)}'s code (the connector names stay ours)",
+                repair_hint(ours), fatal=True))
     found += shadowing(inv.roots.values())
     return sorted(found, key=lambda p: not p.fatal)
 
 
 def errors(inv: Inventory | None = None) -> list[Problem]:
-    """The fatal problems only: a file of ours gone, or ours shadowed."""
+    """The fatal problems only: a file of ours gone, holding vLLM-Ascend's copy, or ours
+    shadowed."""
     return [p for p in problems(inv) if p.fatal]
