@@ -365,7 +365,7 @@ class PullReader:
                             remote.request_id)
                 return True
             except OSError:
-                pass
+                return False  # no answer (a cut network): the other ranks will not say more
         return False
 
     def _forget_session(self, remote: Any, p_ranks: Iterable[int]) -> None:
