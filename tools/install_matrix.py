@@ -52,6 +52,8 @@ PUBLIC_IMPORTS = [
     "from vllm_ascend.distributed.parallel_state import init_ascend_model_parallel, get_mc2_group, get_mlp_tp_group, get_otp_group, get_lmhead_tp_group, get_embed_tp_group",
     "from vllm_ascend.distributed.device_communicators.npu_communicator import NPUCommunicator",
     "import vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.cpu_offload_manager",
+    "from vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.cpu_kv_cache_manager import CPUKVCacheManager, CPUCacheStats",
+    "from vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.metadata import MetadataServer, MetadataServerProc",
 ]
 #: The pool's backend lines, which must import in an ascend-kv-pool-only environment.
 POOL_IMPORTS = PUBLIC_IMPORTS[:4]
