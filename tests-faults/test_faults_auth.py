@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ascend_kv_testing.engines import EngineProcess
-from ascend_kv_testing.faults import ZmqProbe
+from ascend_kv_testing.faults import ZmqProbe, wait_for
 from ascend_kv_testing.fuzzing import struct_strategy
 from ascend_kv_testing.models import make_tiny_llama
 from ascend_kv_testing.pd import PROBES, prefill, prompts_of
@@ -88,6 +88,10 @@ def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         (params,) = prefill(engine, prompts_of([70], seed=919))
         assert params.get("remote_claim_token"), params  # a keyed P issues capabilities
         endpoints = engine.call(f"{PROBES}:kv_endpoints")
+        # P's worker takes the hold a step after the prefill finished: wait for it, or the
+        # first test's "before" would count 0 held
+        assert wait_for(lambda: p2p_held(engine) == 1, 60), engine.call(
+            f"{PROBES}:leak_state")
         yield type("Keyed", (), {"engine": engine, "params": params, "endpoints": endpoints})
     finally:
         engine.close()
