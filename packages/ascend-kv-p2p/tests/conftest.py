@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 from ascend_kv_testing.requires import require_installed
 
@@ -12,6 +14,9 @@ os.environ.setdefault("VLLM_ASCEND_KV_HOST", "127.0.0.1")
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 # Short leases in these tests: the transfer engine's stall bound must stay below them.
 os.environ.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", "1")
+
+# p2p_worker_harness.py sits beside this file (pytest runs with --import-mode=importlib).
+sys.path.insert(0, str(Path(__file__).parent))
 
 # This session installs them (noxfile.py): one missing is a broken install, which must fail
 # the session, not turn the tests that need it into skips.

@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 import pytest
 import torch
+from p2p_worker_harness import numbered_caches, pd_vllm_config
 
 from vllm_ascend.distributed.kv_transfer.core import auth
 from vllm_ascend.distributed.kv_transfer.core.channel import RpcClient, tcp_endpoint
@@ -48,24 +49,12 @@ BS, NB, HEADS, HD, LAYERS = 16, 8, 2, 8, 2
 
 
 def vllm_config(role: str, kv_port: int) -> Any:
-    kvc = SimpleNamespace(kv_port=kv_port, is_kv_producer=role == "kv_producer",
-                          is_kv_consumer=role == "kv_consumer", kv_connector_extra_config={})
-    return SimpleNamespace(
-        kv_transfer_config=kvc,
-        parallel_config=SimpleNamespace(tensor_parallel_size=1, data_parallel_rank=0,
-                                        pipeline_parallel_size=1),
-        cache_config=SimpleNamespace(block_size=BS),
-        model_config=SimpleNamespace(model="/models/tiny", get_total_num_kv_heads=lambda: HEADS))
+    return pd_vllm_config(role, kv_port, block_size=BS, heads=HEADS)
 
 
 def caches(fill: bool) -> dict[str, Any]:
-    out = {}
-    for layer in range(LAYERS):
-        t = torch.zeros(NB, HEADS, BS, 2 * HD)
-        if fill:
-            t += torch.arange(t.numel(), dtype=torch.float32).view(t.shape) + layer * 1e6
-        out[f"model.layers.{layer}.self_attn.attn"] = t
-    return out
+    return numbered_caches(fill, layers=LAYERS, blocks=NB, heads=HEADS, block_size=BS,
+                           head_size=HD)
 
 
 def set_key(monkeypatch: pytest.MonkeyPatch, key: str | None) -> None:

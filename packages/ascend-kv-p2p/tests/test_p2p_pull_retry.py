@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from p2p_worker_harness import numbered_caches, pd_vllm_config
 
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
 from vllm_ascend.distributed.kv_transfer.core.net import free_port
@@ -48,14 +49,7 @@ def claim_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
 
 
 def _vllm_config(role: str, kv_port: int) -> Any:
-    kvc = SimpleNamespace(kv_port=kv_port, is_kv_producer=role == "kv_producer",
-                          is_kv_consumer=role == "kv_consumer", kv_connector_extra_config={})
-    return SimpleNamespace(
-        kv_transfer_config=kvc,
-        parallel_config=SimpleNamespace(tensor_parallel_size=1, data_parallel_rank=0,
-                                        pipeline_parallel_size=1),
-        cache_config=SimpleNamespace(block_size=BS),
-        model_config=SimpleNamespace(model="/models/tiny", get_total_num_kv_heads=lambda: HEADS))
+    return pd_vllm_config(role, kv_port, block_size=BS, heads=HEADS)
 
 
 def _worker(role: str, port: int, engine: str, cfg: dict[str, Any]) -> PullWorker:
@@ -64,13 +58,8 @@ def _worker(role: str, port: int, engine: str, cfg: dict[str, Any]) -> PullWorke
 
 
 def _caches(fill: bool) -> dict[str, Any]:
-    out = {}
-    for layer in range(LAYERS):
-        t = torch.zeros(NB, HEADS, BS, 2 * HD)
-        if fill:
-            t += torch.arange(t.numel(), dtype=torch.float32).view(t.shape) + layer * 1e6
-        out[f"model.layers.{layer}.self_attn.attn"] = t
-    return out
+    return numbered_caches(fill, layers=LAYERS, blocks=NB, heads=HEADS, block_size=BS,
+                           head_size=HD)
 
 
 @pytest.fixture
