@@ -30,10 +30,9 @@ from hypothesis import strategies as st
 
 from ascend_kv_testing.engines import EngineProcess
 from ascend_kv_testing.faults import ZmqProbe, wait_for
-from ascend_kv_testing.fuzzing import struct_strategy
+from ascend_kv_testing.fuzzing import listening_codecs, listening_multi_config, struct_strategy
 from ascend_kv_testing.models import make_tiny_llama
 from ascend_kv_testing.pd import PROBES, prefill, prompts_of
-from ascend_kv_testing.procs import free_port
 from vllm_ascend.distributed.kv_transfer.core import auth
 from vllm_ascend.distributed.kv_transfer.core.auth import Authenticator
 from vllm_ascend.distributed.kv_transfer.core.channel import RpcClient
@@ -48,34 +47,13 @@ MODES = {"unsigned": "unauthenticated", "other_key": "bad_mac", "stale": "stale"
          "replayed": "replay"}
 
 
-def _codecs() -> dict[str, Any]:
-    from vllm_ascend.distributed.kv_transfer.kv_p2p.protocol import CODEC, LAYERWISE_CODEC
-    from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.lookup import LOOKUP_CODEC
-    from vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.cpu_offload_manager.protocol import (
-        make_codec,
-    )
-
-    return {"p2p_side_channel": CODEC, "layerwise_side_channel": LAYERWISE_CODEC,
-            "pool_lookup": LOOKUP_CODEC, "offload_metadata": make_codec()}
-
-
-CODECS = _codecs()
+CODECS = listening_codecs()
 ENDPOINTS = sorted(CODECS)
 
 
 def multi_config() -> dict[str, Any]:
     """Every listening connector in one engine; P's lease outlives the fuzzing."""
-    return {"kv_connector": "MultiConnector", "kv_role": "kv_both", "engine_id": "auth-multi",
-            "kv_connector_extra_config": {"connectors": [
-                {"kv_connector": "MooncakeConnectorV1", "kv_role": "kv_producer",
-                 "kv_port": free_port(), "kv_connector_extra_config": {"lease_ttl_s": 600}},
-                {"kv_connector": "MooncakeLayerwiseConnector", "kv_role": "kv_consumer",
-                 "kv_port": free_port(), "kv_connector_extra_config": {}},
-                {"kv_connector": "AscendStoreConnector", "kv_role": "kv_both",
-                 "kv_connector_extra_config": {"backend": "local", "local_pool_size": "64MB"}},
-                {"kv_connector": "CPUOffloadingConnector", "kv_role": "kv_both",
-                 "kv_connector_extra_config": {"cpu_swap_space": "64MB"}},
-            ]}}
+    return listening_multi_config("auth-multi", lease_ttl_s=600)
 
 
 @pytest.fixture(scope="module")

@@ -39,10 +39,9 @@ from ascend_kv_testing.faults import (
     rss_bytes,
     start_in_parallel,
 )
-from ascend_kv_testing.fuzzing import wire_payloads
+from ascend_kv_testing.fuzzing import listening_codecs, listening_multi_config, wire_payloads
 from ascend_kv_testing.models import make_tiny_llama
 from ascend_kv_testing.pd import PROBES, baseline, kv_config, prefill, prompts_of
-from ascend_kv_testing.procs import free_port
 from vllm_ascend.distributed.kv_transfer.core.wire import ErrorReply, Ping, Pong
 
 HOST = "127.0.0.2"
@@ -53,34 +52,13 @@ EXAMPLES = int(os.environ.get("VLLM_ASCEND_KV_FUZZ_EXAMPLES", "150"))
 RSS_SLACK = 64 << 20
 
 
-def _codecs() -> dict[str, Any]:
-    from vllm_ascend.distributed.kv_transfer.kv_p2p.protocol import CODEC, LAYERWISE_CODEC
-    from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.lookup import LOOKUP_CODEC
-    from vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.cpu_offload_manager.protocol import (
-        make_codec,
-    )
-
-    return {"p2p_side_channel": CODEC, "layerwise_side_channel": LAYERWISE_CODEC,
-            "pool_lookup": LOOKUP_CODEC, "offload_metadata": make_codec()}
-
-
-CODECS = _codecs()
+CODECS = listening_codecs()
 ENDPOINTS = sorted(CODECS)
 
 
 def multi_config() -> dict[str, Any]:
     """Every listening connector in one engine."""
-    return {"kv_connector": "MultiConnector", "kv_role": "kv_both", "engine_id": "fuzz-multi",
-            "kv_connector_extra_config": {"connectors": [
-                {"kv_connector": "MooncakeConnectorV1", "kv_role": "kv_producer",
-                 "kv_port": free_port(), "kv_connector_extra_config": {"lease_ttl_s": 30}},
-                {"kv_connector": "MooncakeLayerwiseConnector", "kv_role": "kv_consumer",
-                 "kv_port": free_port(), "kv_connector_extra_config": {}},
-                {"kv_connector": "AscendStoreConnector", "kv_role": "kv_both",
-                 "kv_connector_extra_config": {"backend": "local", "local_pool_size": "64MB"}},
-                {"kv_connector": "CPUOffloadingConnector", "kv_role": "kv_both",
-                 "kv_connector_extra_config": {"cpu_swap_space": "64MB"}},
-            ]}}
+    return listening_multi_config("fuzz-multi", lease_ttl_s=30)
 
 
 @pytest.fixture(scope="module")

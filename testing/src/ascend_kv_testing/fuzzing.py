@@ -179,3 +179,36 @@ def json_bodies(valid: dict[str, Any]) -> st.SearchStrategy[bytes]:
     other_json = json_value.map(lambda v: json.dumps(v).encode())
     junk = st.binary(max_size=512)
     return st.one_of(edited, edited, other_json, junk)
+
+
+# ---------------------------------------------------------------- the listening sockets
+def listening_codecs() -> dict[str, Any]:
+    """The codec of every socket an engine listens on, by the name its probes use."""
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.protocol import CODEC, LAYERWISE_CODEC
+    from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.lookup import LOOKUP_CODEC
+    from vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.cpu_offload_manager.protocol import (
+        make_codec,
+    )
+
+    return {"p2p_side_channel": CODEC, "layerwise_side_channel": LAYERWISE_CODEC,
+            "pool_lookup": LOOKUP_CODEC, "offload_metadata": make_codec()}
+
+
+def listening_multi_config(engine_id: str, *, lease_ttl_s: float) -> dict[str, Any]:
+    """A ``MultiConnector`` config with every listening connector in one engine (P's side
+    channel with ``lease_ttl_s``, D's layerwise side channel, the pool's lookup server, the
+    offload metadata server)."""
+    from vllm_ascend.distributed.kv_transfer.core.net import free_port
+
+    return {"kv_connector": "MultiConnector", "kv_role": "kv_both", "engine_id": engine_id,
+            "kv_connector_extra_config": {"connectors": [
+                {"kv_connector": "MooncakeConnectorV1", "kv_role": "kv_producer",
+                 "kv_port": free_port(),
+                 "kv_connector_extra_config": {"lease_ttl_s": lease_ttl_s}},
+                {"kv_connector": "MooncakeLayerwiseConnector", "kv_role": "kv_consumer",
+                 "kv_port": free_port(), "kv_connector_extra_config": {}},
+                {"kv_connector": "AscendStoreConnector", "kv_role": "kv_both",
+                 "kv_connector_extra_config": {"backend": "local", "local_pool_size": "64MB"}},
+                {"kv_connector": "CPUOffloadingConnector", "kv_role": "kv_both",
+                 "kv_connector_extra_config": {"cpu_swap_space": "64MB"}},
+            ]}}
