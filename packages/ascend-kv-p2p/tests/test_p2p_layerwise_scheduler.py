@@ -176,6 +176,8 @@ def test_decode_posts_its_blocks_then_waits_for_the_push(model_dir: Path,
     assert post["remote_block_ids"] == m.local_block_ids and post["remote_block_size"] == BS
     assert post["do_remote_decode"] is True and post["do_remote_prefill"] is False
     assert post["remote_cached_tokens"] == 0 and post["remote_engine_id"] == "engine-kv_consumer"
+    # the request's capability goes to P with the post and to D's worker with the metadata
+    assert len(m.push_token) >= 32 and post["remote_push_token"] == m.push_token
     assert req.kv_transfer_params["do_remote_prefill"] is False  # never loaded twice
     step(s, kv=KVConnectorOutput(finished_recving={"d1"}))
     out, _ = step(s)

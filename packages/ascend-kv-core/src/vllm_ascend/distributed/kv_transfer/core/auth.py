@@ -327,6 +327,22 @@ def tokens_match(expected: str, presented: str) -> bool:
     return hmac.compare_digest(expected.encode(), presented.encode())
 
 
+def capability_ok(expected: str, presented: str, *, keyed: bool, socket: str) -> bool:
+    """Whether a message presenting ``presented`` may act on a request issued ``expected``.
+
+    With a deployment key (``keyed``) the token is required and must match. Without one, a
+    message without a token is let through (old peers, old params: without a key anyone
+    who reaches the socket gets the memory map anyway), while a wrong token is refused.
+    A refusal is counted as ``bad_token`` on ``socket``.
+    """
+    if not presented and not keyed:
+        return True
+    ok = bool(expected) and tokens_match(expected, presented)
+    if not ok:
+        count_refusal(socket, "bad_token")
+    return ok
+
+
 # ---------------------------------------------------------------- process default
 _cache_lock = threading.Lock()
 _cached: tuple[tuple[str, str, str], Authenticator | None] | None = None

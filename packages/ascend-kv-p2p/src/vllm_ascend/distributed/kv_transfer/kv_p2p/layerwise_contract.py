@@ -48,6 +48,9 @@ class RecvReq:
     do_virtual: bool = False
     #: malformed params: the worker fails the request at once
     error: str | None = None
+    #: the capability D's scheduler issued with its metaserver post (``remote_push_token``):
+    #: D's side channel serves only a ``PushBegin``/``PushDone`` that presents it
+    push_token: str = ""
 
 
 #: Upstream's name (``ReqMeta.do_virtual`` is part of its promise).
@@ -72,6 +75,8 @@ class PushReq:
     abort: str | None = None
     #: ``(host, port, D request id, D TP size)`` when ``target`` could not be parsed
     endpoint: tuple[str, int, str, int] | None = None
+    #: D's capability for the request when only ``endpoint`` could be parsed
+    token: str = ""
 
 
 @dataclass

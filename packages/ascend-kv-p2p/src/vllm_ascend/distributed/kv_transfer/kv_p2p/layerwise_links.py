@@ -80,6 +80,9 @@ class PushLink:
     lease_s: float = 0.0
     staging_addrs: list[int] = field(default_factory=list)
     staging_strides: list[int] = field(default_factory=list)
+    #: D's region base addresses and strides from a keyed D's grant (else from its meta)
+    region_addrs: list[int] = field(default_factory=list)
+    region_strides: list[int] = field(default_factory=list)
     nbytes: int = 0
 
 
@@ -202,7 +205,8 @@ class PushLinks:
         msg = PushBegin(request_id=target.request_id, sender=shared.agent_id,
                         p_rank=shared.tp_rank, p_tp_size=shared.tp_size,
                         block_ids=target.block_ids[session.first_position:],
-                        block_lens=[r.block_len for r in shared.layout.regions])
+                        block_lens=[r.block_len for r in shared.layout.regions],
+                        token=target.token)
         client = shared._client(target.host, link.port)
         give_up = time.monotonic() + BEGIN_RETRY_S
         delay = 0.01
@@ -226,6 +230,17 @@ class PushLinks:
             link.valid_until = write_window_end(shared.te, sent, reply.lease_s)
             link.staging_addrs = list(reply.staging_addrs)
             link.staging_strides = list(reply.staging_strides)
+            if reply.region_addrs:  # a keyed D: its regions come with the grant only
+                link.region_addrs = list(reply.region_addrs)
+                link.region_strides = list(reply.region_strides)
+            else:
+                link.region_addrs = list(link.meta.region_addrs)
+                link.region_strides = list(link.meta.region_strides)
+            if len(link.region_addrs) != len(shared.layout.regions) or \
+                    len(link.region_strides) != len(link.region_addrs):
+                raise RemoteKVUnavailable(f"D rank {link.d_rank} gave {len(link.region_addrs)} "
+                                          f"region addresses for {len(shared.layout.regions)} "
+                                          "regions", code="mismatch")
 
     def renew_link(self, session: PushSession, link: PushLink) -> None:
         """Renew one lease now (the sender is about to write); raises if D refuses."""
@@ -258,7 +273,7 @@ class PushLinks:
         for gi in region_ids:
             region = regions[gi]
             d_len = d_meta.layout.block_lens[gi]
-            d_base, d_stride = d_meta.region_addrs[gi], d_meta.region_strides[gi]
+            d_base, d_stride = link.region_addrs[gi], link.region_strides[gi]
             staged = bool(link.staging_addrs and link.staging_addrs[gi])
             d_heads = int(d_meta.layout.num_kv_heads)
             for pos, pb in zip(item.positions, item.local_block_ids, strict=True):
@@ -327,15 +342,15 @@ class PushLinks:
                   nbytes: int = 0) -> bool:
         """Tell the D rank on ``port`` that this sender completed or failed the request."""
         return self.send_done_to(target.host, port, target.request_id, success=success,
-                                 reason=reason, nbytes=nbytes)
+                                 reason=reason, nbytes=nbytes, token=target.token)
 
     def send_done_to(self, host: str, port: int, request_id: str, *, success: bool,
-                     reason: str = "", nbytes: int = 0) -> bool:
+                     reason: str = "", nbytes: int = 0, token: str = "") -> bool:
         """``PushDone`` to one D rank; whether D accepted it (False if D is unreachable)."""
         try:
             reply = self.shared._client(host, port).call(PushDone(
                 request_id=request_id, sender=self.shared.agent_id, success=success,
-                reason=reason[:2000], nbytes=nbytes))
+                reason=reason[:2000], nbytes=nbytes, token=token))
         except KVTransferError as exc:
             logger.warning("could not tell D %s:%d that request %s is %s: %s", host, port,
                            request_id, "complete" if success else "failed", exc)

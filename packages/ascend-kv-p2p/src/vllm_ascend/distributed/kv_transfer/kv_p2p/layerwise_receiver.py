@@ -13,6 +13,15 @@ failing request is only reported once no sender can still write into its blocks
 (each lease ended or lapsed). Failed requests' blocks go to
 ``get_block_ids_with_load_errors``. A virtual request (``do_virtual``) is
 reported finished at once, with no transfer.
+
+Capabilities: D's scheduler issues an unguessable token for each request it posts
+to the metaserver (``remote_push_token``, which the proxy hands to P with the rest
+of the params). ``PushBegin`` and ``PushDone`` must present it (constant-time
+compare; refused as ``bad_token`` and counted otherwise), so a peer that holds the
+deployment key but not the request's params can neither write into its blocks nor
+fail it. With a key the token is required, and ``GetMeta`` leaves out D's region
+addresses: they travel with each ``PushGrant``. Without a key a message without a
+token is served as before (older P instances), a wrong one is still refused.
 """
 
 from __future__ import annotations
@@ -24,8 +33,10 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import msgspec
 import torch
 
+from vllm_ascend.distributed.kv_transfer.core.auth import capability_ok
 from vllm_ascend.distributed.kv_transfer.core.channel import RpcServer, tcp_endpoint
 from vllm_ascend.distributed.kv_transfer.core.errors import TransferError
 from vllm_ascend.distributed.kv_transfer.core.wire import ErrorReply, Message
@@ -138,6 +149,8 @@ class PushReceiver:
         """Side-channel handler (runs on the server thread)."""
         if isinstance(msg, GetMeta):
             assert self.shared.meta is not None
+            if self._keyed:  # the regions go with each request's grant only
+                return msgspec.structs.replace(self.shared.meta, region_addrs=[])
             return self.shared.meta
         if isinstance(msg, PushBegin):
             return self._on_begin(msg)
@@ -146,6 +159,15 @@ class PushReceiver:
         if isinstance(msg, PushDone):
             return self._on_done(msg)
         return ErrorReply(code="unsupported", message=f"{type(msg).__name__} is not a request")
+
+    @property
+    def _keyed(self) -> bool:
+        return self.server is not None and self.server.auth is not None
+
+    def _token_ok(self, inc: _Incoming, presented: str) -> bool:
+        """Whether a ``PushBegin``/``PushDone`` may act on ``inc`` (module docstring)."""
+        return capability_ok(inc.meta.push_token, presented, keyed=self._keyed,
+                             socket=self.server.name if self.server else "layerwise-side-channel")
 
     def _on_begin(self, msg: PushBegin) -> Message:
         shared = self.shared
@@ -168,6 +190,9 @@ class PushReceiver:
                                       "already ended on D")
                 return ErrorReply(code="unknown_request",
                                   message=f"D is not waiting for request {msg.request_id!r}")
+            if not self._token_ok(inc, msg.token):
+                return ErrorReply(code="bad_token", message=f"request {msg.request_id!r}: the "
+                                  "push does not carry the request's token (remote_push_token)")
             if inc.failure is not None:
                 return ErrorReply(code="closed", message=f"request {msg.request_id!r} is "
                                   f"failing on D: {inc.failure}")
@@ -206,11 +231,16 @@ class PushReceiver:
                 return ErrorReply(code="closed", message=f"{msg.sender} already finished "
                                   f"request {msg.request_id!r}")
             sender.lease_until = now + self.cfg.lease_ttl_s
+            meta = shared.meta
+            assert meta is not None
+            keyed = self._keyed
             return PushGrant(
                 lease_s=self.cfg.lease_ttl_s, num_senders=len(ranks),
                 staging_addrs=[t.data_ptr() if t is not None else 0 for t in sender.staging],
                 staging_strides=[t[0].numel() * t.element_size() if t is not None else 0
-                                 for t in sender.staging])
+                                 for t in sender.staging],
+                region_addrs=list(meta.region_addrs) if keyed else [],
+                region_strides=list(meta.region_strides) if keyed else [])
 
     def _on_renew(self, msg: PushRenew) -> Message:
         granted = []
@@ -231,6 +261,9 @@ class PushReceiver:
             if inc is None:
                 self.recorder.inc("p2p_late_completions")
                 return PushDoneAck(accepted=False)
+            if not self._token_ok(inc, msg.token):
+                return ErrorReply(code="bad_token", message=f"request {msg.request_id!r}: Done "
+                                  "does not carry the request's token (remote_push_token)")
             sender = inc.senders.get(msg.sender)
             if sender is None:
                 if msg.success:

@@ -33,6 +33,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from vllm_ascend.distributed.kv_transfer.core.auth import capability_token
 from vllm_ascend.distributed.kv_transfer.core.net import get_host_ip
 from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeLayerwiseConfig
 
@@ -45,6 +46,7 @@ from .params import (
     params_for_prefill,
     parse_push_endpoint,
     parse_push_target,
+    push_token,
     wants_remote_decode,
     wants_remote_prefill,
     wants_virtual,
@@ -68,6 +70,8 @@ class _PushProgress:
     target: PushTarget | None
     endpoint: tuple[str, int, str, int] | None
     error: str | None
+    #: D's capability when only ``endpoint`` could be parsed
+    token: str = ""
     block_ids: list[int] = field(default_factory=list)
     #: tokens (block aligned) D will hold once the pushes emitted so far are done
     cursor: int = 0
@@ -167,13 +171,14 @@ class LayerwiseScheduler:
             meta.error = str(exc)
             self._recv[rid] = meta
             return
+        meta.push_token = capability_token()
         self._recv[rid] = meta
         proxy_id = params.get("request_id")
         payload = params_for_prefill(
             proxy_request_id=proxy_id if isinstance(proxy_id, str) and proxy_id else rid,
             block_ids=local, block_size=self.block_size, engine_id=self.engine_id,
             host=self.host, port=self.side_port, request_id=rid, tp_size=self.tp_size,
-            cached_tokens=cached)
+            cached_tokens=cached, push_token=meta.push_token)
         assert self.metaserver is not None
 
         def failed(reason: str) -> None:
@@ -189,6 +194,7 @@ class LayerwiseScheduler:
         target: PushTarget | None = None
         endpoint = None
         error = None
+        token = ""
         try:
             target = parse_push_target(params, prompt_len=request.num_prompt_tokens,
                                        block_size=self.block_size)
@@ -197,17 +203,19 @@ class LayerwiseScheduler:
             logger.error("request %s: bad kv_transfer_params for a layerwise push: %s", rid, exc)
             try:
                 endpoint = parse_push_endpoint(params)
+                token = push_token(params)
             except KVParamsError:
                 endpoint = None  # D cannot even be told; it fails at its deadline
         state = self._push.get(rid)
         if state is None:
-            state = _PushProgress(request, target, endpoint, error)
+            state = _PushProgress(request, target, endpoint, error, token)
             self._push[rid] = state
         if target is None:
             if not state.notified:
                 # Nothing can be pushed: tell D at once rather than at its deadline.
                 state.notified = True
-                self._pending_pushes[rid] = PushReq(rid, None, abort=error, endpoint=endpoint)
+                self._pending_pushes[rid] = PushReq(rid, None, abort=error, endpoint=endpoint,
+                                                    token=state.token)
             return
         # (Re)start from D's cached prefix: after a preemption P recomputes into new blocks.
         state.block_ids = list(blocks.get_block_ids()[0])
@@ -276,10 +284,11 @@ class LayerwiseScheduler:
                 # Ended on P before it was ever scheduled: D must not wait for it.
                 try:
                     endpoint = parse_push_endpoint(params)
+                    token = push_token(params)
                 except KVParamsError:
                     return False, None
                 self._pending_pushes[rid] = PushReq(
-                    rid, None, endpoint=endpoint,
+                    rid, None, endpoint=endpoint, token=token,
                     abort="the request ended on the prefill instance before it was scheduled")
             return False, None
         if state.emitted:

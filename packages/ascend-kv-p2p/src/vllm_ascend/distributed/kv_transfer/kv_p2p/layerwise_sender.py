@@ -74,6 +74,8 @@ class _FailNotice:
     target: PushTarget | None
     endpoint: tuple[str, int, str, int] | None
     reason: str
+    #: D's capability for the request (with ``endpoint``; ``target`` carries its own)
+    token: str = ""
 
 
 class PushSender:
@@ -142,7 +144,7 @@ class PushSender:
         links = self.links
         for rid, push in metadata.pushes.items():
             if push.abort is not None:
-                self._queue.put(_FailNotice(push.target, push.endpoint, push.abort))
+                self._queue.put(_FailNotice(push.target, push.endpoint, push.abort, push.token))
                 continue
             assert push.target is not None
             with links.lock:
@@ -355,9 +357,11 @@ class PushSender:
             self.links.stop_link(session, link, f"{type(exc).__name__}: {exc}", cause="begin")
 
     def _run_notice(self, task: _FailNotice) -> None:
+        token = task.token
         if task.target is not None:
             host, port, rid, d_tp = (task.target.host, task.target.port, task.target.request_id,
                                      task.target.tp_size)
+            token = task.target.token
         elif task.endpoint is not None:
             host, port, rid, d_tp = task.endpoint
         else:
@@ -366,4 +370,4 @@ class PushSender:
             return
         for d in range(d_tp):
             self.links.send_done_to(host, worker_port(port, tp_rank=d, tp_size=d_tp), rid,
-                                    success=False, reason=task.reason)
+                                    success=False, reason=task.reason, token=token)

@@ -213,6 +213,22 @@ class PushTarget:
     #: tokens D already holds (its own prefix-cache hit); P pushes from there on
     cached_tokens: int
     tp_size: int
+    #: D's capability for this request (``remote_push_token``); ``""`` from a D that issued
+    #: none (an older D)
+    token: str = ""
+
+
+def push_token(params: Any) -> str:
+    """``remote_push_token`` of a layerwise request's params (``""`` when absent).
+
+    Raises:
+        KVParamsError: it is not a string of at most 256 characters.
+    """
+    token = params.get("remote_push_token", "") if isinstance(params, Mapping) else ""
+    if not isinstance(token, str) or len(token) > 256:
+        raise KVParamsError(f"kv_transfer_params: 'remote_push_token' must be a string of at "
+                            f"most 256 characters, got a {type(token).__name__}")
+    return token
 
 
 def parse_push_endpoint(params: Any) -> tuple[str, int, str, int]:
@@ -270,18 +286,19 @@ def parse_push_target(params: Any, *, prompt_len: int, block_size: int) -> PushT
     _int(params, "remote_dcp_size", default=1, minimum=1, maximum=1)
     return PushTarget(engine_id=_str(params, "remote_engine_id"), host=host, port=port,
                       request_id=request_id, block_ids=list(blocks), cached_tokens=cached,
-                      tp_size=tp_size)
+                      tp_size=tp_size, token=push_token(params))
 
 
 def params_for_prefill(*, proxy_request_id: str, block_ids: list[int], block_size: int,
                        engine_id: str, host: str, port: int, request_id: str, tp_size: int,
-                       cached_tokens: int) -> dict[str, Any]:
+                       cached_tokens: int, push_token: str = "") -> dict[str, Any]:
     """What D posts to the metaserver; the proxy hands it to P as ``kv_transfer_params``.
 
     The keys are upstream's, plus ``remote_request_id`` (D's own request id, which P echoes
-    so that D never has to guess it from the proxy's).
+    so that D never has to guess it from the proxy's) and ``remote_push_token`` (the
+    request's capability: P presents it with every ``PushBegin`` and ``PushDone``).
     """
-    return {
+    out: dict[str, Any] = {
         "request_id": proxy_request_id,
         "token_ids": [],
         "do_remote_prefill": False,
@@ -297,3 +314,6 @@ def params_for_prefill(*, proxy_request_id: str, block_ids: list[int], block_siz
         "remote_dcp_size": 1,
         "remote_cached_tokens": cached_tokens,
     }
+    if push_token:
+        out["remote_push_token"] = push_token
+    return out

@@ -153,6 +153,8 @@ class PushBegin(Message):
     #: bytes of one of P's blocks per region (D sizes staging buffers with them)
     block_lens: list[int]
     protocol_version: int = LAYERWISE_PROTOCOL_VERSION
+    #: the request's capability D issued (``remote_push_token`` of the params D posted)
+    token: str = ""
 
 
 class PushGrant(Message):
@@ -168,6 +170,10 @@ class PushGrant(Message):
     num_senders: int
     staging_addrs: list[int]
     staging_strides: list[int]
+    #: from a D with a deployment key: the base address and block stride of each of D's
+    #: registered regions (its keyed ``AgentMeta`` leaves them out); empty otherwise
+    region_addrs: list[int] = []
+    region_strides: list[int] = []
 
 
 class PushRenew(Message):
@@ -191,6 +197,8 @@ class PushDone(Message):
     success: bool = True
     reason: str = ""
     nbytes: int = 0
+    #: the request's capability (as in :class:`PushBegin`)
+    token: str = ""
 
 
 class PushDoneAck(Message):
