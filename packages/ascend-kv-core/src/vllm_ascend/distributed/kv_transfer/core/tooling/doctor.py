@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, KVTransferError
-from . import doctor_auth, doctor_provenance, plugins
+from . import doctor_auth, doctor_listeners, doctor_provenance, plugins
 
 logger = logging.getLogger(__name__)
 
@@ -77,14 +77,18 @@ class Doctor:
         mooncake_config: path of a Mooncake Store JSON config (default: ``MOONCAKE_CONFIG_PATH``).
         peers: ``host:port`` side channels of peer instances to reach.
         timeout_s: timeout of each network probe.
+        probe_listeners: start a transfer engine on the advertised address and report
+            the interfaces its ports are reachable on (:mod:`.doctor_listeners`).
     """
 
     def __init__(self, kv_config: Any, *, mooncake_config: str | None = None,
-                 peers: list[str] | None = None, timeout_s: float = 3.0) -> None:
+                 peers: list[str] | None = None, timeout_s: float = 3.0,
+                 probe_listeners: bool = False) -> None:
         self.kv_config = kv_config
         self.mooncake_config = mooncake_config
         self.peers = peers or []
         self.timeout_s = timeout_s
+        self.probe_listeners = probe_listeners
         self.checks: list[Check] = []
 
     # ------------------------------------------------------------ reporting
@@ -115,6 +119,10 @@ class Doctor:
         self._check_top_level(cfg)
         self._check_host()
         doctor_auth.check(self)
+        if self.probe_listeners:
+            from ..net import get_host_ip
+
+            doctor_listeners.check(self, get_host_ip())
         for peer in self.peers:
             self._check_peer(peer)
         return self.checks
@@ -375,7 +383,7 @@ def run_doctor(args: argparse.Namespace) -> int:
         print(f"FAIL  kv-transfer-config: cannot read it: {exc}")
         return 1
     doctor = Doctor(cfg, mooncake_config=args.mooncake_config, peers=args.peer,
-                    timeout_s=args.timeout)
+                    timeout_s=args.timeout, probe_listeners=args.listener_probe)
     checks = doctor.run()
     if args.json:
         print(json.dumps({"ok": doctor.healthy, "checks": [asdict(c) for c in checks]},
@@ -397,6 +405,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--peer", action="append", default=[], metavar="HOST:PORT",
                    help="a peer's side channel to reach (repeatable)")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds per network probe")
+    p.add_argument("--no-listener-probe", dest="listener_probe", action="store_false",
+                   help="do not start a transfer engine to see which interfaces its ports "
+                        "are reachable on")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run_doctor)
 

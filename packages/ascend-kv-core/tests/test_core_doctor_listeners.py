@@ -1,0 +1,82 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``doctor`` finds where the transfer engine's ports are reachable, by trying them."""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from typing import Any
+
+import pytest
+
+from ascend_kv_testing.requires import require
+from vllm_ascend.distributed.kv_transfer.core.tooling import doctor_listeners
+from vllm_ascend.distributed.kv_transfer.core.tooling.doctor import Doctor
+
+
+def non_loopback() -> list[str]:
+    return [a for a in doctor_listeners.local_addresses()
+            if not ipaddress.ip_address(a).is_loopback]
+
+
+def test_own_listeners_sees_a_socket_bound_here_and_where() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert ("127.0.0.1", port) in doctor_listeners.own_listeners()
+    assert all(p != port for _a, p in doctor_listeners.own_listeners())
+
+
+def test_local_addresses_include_loopback_and_parse() -> None:
+    addrs = doctor_listeners.local_addresses()
+    assert "127.0.0.1" in addrs
+    for a in addrs:
+        ipaddress.ip_address(a)
+
+
+def test_a_wildcard_listener_is_exposed_a_loopback_one_is_not() -> None:
+    others = non_loopback()
+    addrs = doctor_listeners.local_addresses()
+    with socket.socket() as wild, socket.socket() as lo:
+        wild.bind(("0.0.0.0", 0))
+        wild.listen()
+        lo.bind(("127.0.0.1", 0))
+        lo.listen()
+        w, l_ = wild.getsockname()[1], lo.getsockname()[1]
+        got = doctor_listeners.exposures([("0.0.0.0", w), ("127.0.0.1", l_)], addrs,
+                                         "127.0.0.1")
+    v4 = [a for a in others if ":" not in a]
+    assert got.get(w, []) == v4 or (not v4 and w not in got)
+    assert l_ not in got  # bound to the chosen address only: reachable nowhere else
+
+
+class _Report:
+    def __init__(self) -> None:
+        self.checks: list[tuple[str, str, str]] = []
+
+    def ok(self, what: str, detail: str = "") -> None:
+        self.checks.append(("ok", what, detail))
+
+    def warn(self, what: str, detail: str, fix: str = "") -> None:
+        self.checks.append(("warn", what, detail))
+
+
+def test_the_probe_of_a_real_engine_reports_its_ports(monkeypatch: pytest.MonkeyPatch) -> None:
+    require("mooncake.engine", why="the probe starts a real Mooncake transfer engine")
+    report = _Report()
+    doctor_listeners.check(report, "127.0.0.1")
+    [(status, what, detail)] = report.checks
+    assert what == "Mooncake ports reachable"
+    assert "listens on" in detail, detail
+    # Mooncake listens on every interface: with another interface here, the probe says so
+    assert status == ("warn" if non_loopback() else "ok"), detail
+
+
+def test_doctor_runs_the_probe_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[Any] = []
+    monkeypatch.setattr(doctor_listeners, "check", lambda d, host: seen.append(host))
+    Doctor({"kv_connector": "X", "kv_role": "kv_both"}).run()
+    assert seen == []
+    Doctor({"kv_connector": "X", "kv_role": "kv_both"}, probe_listeners=True).run()
+    assert len(seen) == 1
