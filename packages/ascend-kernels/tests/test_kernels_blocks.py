@@ -167,6 +167,32 @@ def test_scatter_rejects_duplicate_ids() -> None:
     assert not cache.any()
 
 
+def test_id_lists_of_every_kind_validate_alike() -> None:
+    """Plain-int lists take a packed fast path; int subclasses and huge ints keep the checks."""
+
+    class Id(int):  # stands for numpy's integers: Integral, not exactly int
+        pass
+
+    cache = fill((6, 2, 3), torch.float32, seed=7)
+    want = cache[torch.tensor([4, 0, 5])]
+    for ids in ([4, 0, 5], (4, 0, 5), [Id(4), 0, Id(5)], range(3, 6)):
+        got = gather_blocks(cache, ids)
+        expect = want if not isinstance(ids, range) else cache[3:6]
+        assert torch.equal(got, expect), ids
+    with pytest.raises(BlockIdError, match=str(2**70)):
+        gather_blocks(cache, [0, 2**70])
+    with pytest.raises(BlockIdError, match="-1"):
+        gather_blocks(cache, (0, -1))
+    with pytest.raises(KernelShapeError, match="integers"):
+        gather_blocks(cache, [0, False])
+    # the first id seen twice is named, as in the per-id path
+    with pytest.raises(DuplicateIdError, match="block id 3 "):
+        scatter_blocks(torch.ones(4, 2, 3), cache, [5, 3, 1, 3])
+    with pytest.raises(DuplicateIdError, match="block id 5 "):
+        scatter_blocks(torch.ones(4, 2, 3), cache, (5, 1, 5, 1))
+    assert torch.equal(cache, fill((6, 2, 3), torch.float32, seed=7))
+
+
 @pytest.mark.parametrize("layout", ["cpu", "npu", "mla"])
 def test_vllm_layouts_odd_counts(layout: str) -> None:
     shape = {"cpu": (7, 2, 32, 32), "npu": (7, 32, 2, 16), "mla": (7, 32, 1, 24)}[layout]
