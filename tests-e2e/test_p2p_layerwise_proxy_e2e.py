@@ -6,6 +6,11 @@ The proxy sends each request to D first; D posts its blocks to the proxy's metas
 the proxy hands them to P, which pushes every layer into D's blocks. Completions must
 equal the single-instance ones; a virtual request completes on D with no metaserver post
 and no bytes moved while ordinary requests beside it are unaffected.
+
+Every process runs with a deployment key (``VLLM_ASCEND_KV_AUTH_KEY``), as a production
+deployment should: signed side-channel frames, the metaserver's bearer token, each push
+presenting its request's ``remote_push_token``, and D's regions coming with each grant.
+(The unkeyed path runs in ``test_p2p_layerwise_engine_e2e``.)
 """
 
 from __future__ import annotations
@@ -113,7 +118,9 @@ def cluster(model: tuple[Path, int],
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Server]]:
     logs = tmp_path_factory.mktemp("lw-proxy-logs")
     env = {**os.environ, **ENGINE_ENV, "VLLM_SERVER_DEV_MODE": "1",
-           "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+           "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+           "VLLM_ASCEND_KV_AUTH_KEY": "layerwise-proxy-e2e-deployment-key-0123"}
+    env.pop("VLLM_ASCEND_KV_AUTH_KEY_FILE", None)
     kv = {"kv_connector": "MooncakeLayerwiseConnector", "kv_connector_extra_config":
           {"load_timeout_s": 60, "prefill": {"tp_size": 1}, "decode": {"tp_size": 1}}}
     servers: dict[str, Server] = {}
@@ -177,6 +184,8 @@ def test_proxy_layerwise_equals_single_instance(cluster: dict[str, Server],
                        loaded0 + len(batch)) == loaded0 + len(batch)
     assert scrape(p.url, "vllm:ascend_kv_p2p_transfer_bytes_total") > 0
     assert scrape(d.url, "vllm:ascend_kv_p2p_failures_total") == 0
+    for server in (p, d):  # keyed, tokens presented: nothing was refused
+        assert scrape(server.url, "vllm:ascend_kv_auth_refused_total") == 0
 
 
 def test_virtual_request_through_the_proxy(cluster: dict[str, Server],
