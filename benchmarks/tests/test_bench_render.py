@@ -162,7 +162,7 @@ def test_missing_benchmarks_are_listed_and_no_results_is_an_error(tmp_path: Path
     assert render.main(["--results", str(res_dir), "--docs", str(tmp_path)]) == 0
     page = (tmp_path / "benchmarks.md").read_text()
     assert ("Not in this run: engine, kernels, layerwise, pool, trace, offload, serve, "
-            "auth.") in page
+            "auth") in page
     assert "## Plots" not in page
 
 
@@ -191,3 +191,59 @@ def test_the_auth_section_renders(tmp_path: Path) -> None:
     assert render.main(["--results", str(res_dir), "--docs", str(tmp_path)]) == 0
     page = (tmp_path / "benchmarks.md").read_text()
     assert "`bench auth`" in page and "0.652" in page and "| key |" in page
+
+
+def test_every_benchmark_has_its_section_module() -> None:
+    sections = render.load_sections()
+    for name in render.CORE_BENCHMARKS:
+        assert name in sections, name
+        assert isinstance(sections[name], render.Section)
+
+
+def test_goals_keep_their_rank_across_section_modules() -> None:
+    goals = render.evaluate_goals(_results())
+    ranks = [g.rank for g in goals]
+    assert ranks == sorted(ranks)
+    # p2p's goal leads, the pool's lookup goal follows the offload copies, serve's come last
+    assert goals[0].goal.startswith("P/D pull connector")
+    names = [g.goal for g in goals]
+    assert names.index("pool lookups >= 100k keys/s batched") == names.index(
+        "offload save/load >= 0.8 of memcpy from 64 KiB blocks") + 1
+
+
+def test_a_benchmark_without_a_section_module_is_listed_not_fatal(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    sections = {k: v for k, v in render.load_sections().items() if k != "pool"}
+    monkeypatch.setattr(render, "load_sections", lambda: sections)
+    page = render.render(_results(), tmp_path)
+    assert "## KV pool backends" not in page
+    assert "no section module `sections/pool.py`" in page
+    assert "## Trace replay" in page
+    # its goal rows are gone with it, the others stay
+    assert "pool lookups" not in page and "P/D pull connector transfer" in page
+
+
+def test_a_new_benchmark_is_rendered_by_its_section_module(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def section_client(d: dict[str, Any], images: dict[str, str | None]) -> str:
+        return f"failed requests: {d['failed']}\n"
+
+    def goals(res: dict[str, dict[str, Any]]) -> list[Any]:
+        failed = res.get("client", {}).get("failed")
+        return [render.Goal("no failed request", "issue 17", render.fmt(failed),
+                            None if failed is None else failed == 0, rank=5)]
+
+    sections = {**render.load_sections(),
+                "client": render.Section("A real client (`bench client`)", "issue 17", 90,
+                                         section_client, goals)}
+    monkeypatch.setattr(render, "load_sections", lambda: sections)
+    res_dir = tmp_path / "results"
+    res_dir.mkdir()
+    (res_dir / "client.json").write_text(json.dumps({"benchmark": "client", "machine": MACHINE,
+                                                     "failed": 0}))
+    assert render.main(["--results", str(res_dir), "--docs", str(tmp_path)]) == 0
+    page = (tmp_path / "benchmarks.md").read_text()
+    assert "## A real client (`bench client`)\n\n_issue 17_. failed requests: 0" in page
+    assert "| no failed request | issue 17 | 0 | **met** |" in page
+    not_run = page.split("Not in this run: ")[1].split("\n")[0]
+    assert not_run.startswith("engine,") and "client" not in not_run

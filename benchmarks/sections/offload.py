@@ -1,0 +1,46 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Section of ``bench offload``: host save/load copies against memcpy, and the hit TTFT."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ._common import Goal, Images, Section, check, fmt, md_table, min_of, num
+
+logger = logging.getLogger(__name__)
+
+
+def section_offload(d: dict[str, Any], images: Images) -> str:
+    """Body of the section."""
+    del images
+    out = ["Save/load through the worker's copy path against memcpy of the same bytes:\n\n",
+           md_table(d.get("bandwidth", []), ["block_kib", "blocks", "memcpy_gbps", "save_gbps",
+                                              "load_gbps", "save_ratio", "load_ratio"],
+                    ["block KiB", "blocks", "memcpy GB/s", "save GB/s", "load GB/s",
+                     "save / memcpy", "load / memcpy"])]
+    t = d.get("ttft") or {}
+    if "hit_over_recompute" in t:
+        out.append(f"\nTTFT of a repeated {t.get('prompt_tokens')}-token prompt ({t.get('dtype')}"
+                   f", median of {t.get('repeats')}): host hit "
+                   f"{fmt(num(t.get('offload_hit_s')))} s, recompute "
+                   f"{fmt(num(t.get('recompute_s')))} s, vLLM's device prefix hit "
+                   f"{fmt(num(t.get('device_hit_s')))} s: hit / recompute "
+                   f"**{fmt(num(t.get('hit_over_recompute')))}**; first tokens equal: "
+                   f"{fmt(t.get('first_token_equal'))}.\n")
+    elif t:
+        out.append(f"\nTTFT part: {t.get('skipped') or t.get('error')}\n")
+    return "".join(out)
+
+
+def goals(res: dict[str, dict[str, Any]]) -> list[Goal]:
+    """Save/load >= 0.8 of memcpy from 64 KiB blocks."""
+    ob = [r for r in (res.get("offload", {}).get("bandwidth") or [])
+          if (num(r.get("block_kib")) or 0) >= 64]
+    oworst = min_of([r.get("save_ratio") for r in ob] + [r.get("load_ratio") for r in ob])
+    return [Goal("offload save/load >= 0.8 of memcpy from 64 KiB blocks",
+                 "issue 7 (bench offload)", f"worst {fmt(oworst)}" if ob else "–",
+                 check(oworst, at_least=0.8), rank=50)]
+
+
+SECTION = Section("CPU offload copies (`bench offload`)", "issue 7", 70, section_offload, goals)

@@ -1,0 +1,48 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Section of ``bench pool``: pool backends against raw calls, and the lookup rate."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ._common import Goal, Images, Section, check, fmt, md_table, min_of, num
+
+logger = logging.getLogger(__name__)
+
+
+def section_pool(d: dict[str, Any], images: Images) -> str:
+    """Body of the section."""
+    del images
+    rows = d.get("rows", [])
+    tput = [r for r in rows if "ratio" in r]
+    look = [r for r in rows if "keys/s" in r]
+    out = ["Put/get through the backend against the raw calls on the same data (local: a "
+           "numpy copy; mooncake: `MooncakeDistributedStore` batch calls), same run.\n\n",
+           md_table(tput, ["path", "GiB/s", "raw GiB/s", "ratio"],
+                    ["path", "GiB/s", "raw GiB/s", "backend / raw"]),
+           "\nLookup rate (goal >= 100k keys/s):\n\n",
+           md_table(look, ["path", "keys/s"])]
+    if isinstance(d.get("mooncake"), dict) and d["mooncake"].get("skipped"):
+        out.append(f"\nMooncake part skipped: {d['mooncake']['skipped']}\n")
+    return "".join(out)
+
+
+def goals(res: dict[str, dict[str, Any]]) -> list[Goal]:
+    """Backend put/get >= 0.9 of raw Store calls; lookups >= 100k keys/s."""
+    pool_rows = res.get("pool", {}).get("rows") or []
+    mc = [r for r in pool_rows if str(r.get("path", "")).startswith("mooncake ")
+          and "ratio" in r]
+    lk = [r for r in pool_rows if "keys/s" in r]
+    return [
+        Goal("pool put/get through the backend >= 0.9 of raw Mooncake Store calls",
+             "issue 6 (bench pool)",
+             ", ".join(f"{r['path']}: {fmt(num(r.get('ratio')))}" for r in mc) or "–",
+             check(min_of(r.get("ratio") for r in mc), at_least=0.9), rank=30),
+        Goal("pool lookups >= 100k keys/s batched", "issue 6 (bench pool)",
+             ", ".join(f"{r['path']}: {fmt(num(r['keys/s']))}" for r in lk) or "–",
+             check(min_of(r.get("keys/s") for r in lk), at_least=100_000), rank=60),
+    ]
+
+
+SECTION = Section("KV pool backends (`bench pool`)", "issue 6", 50, section_pool, goals)
