@@ -46,17 +46,14 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    generate_latest,
-)
 
 from vllm_ascend.distributed.kv_transfer.core import auth
 
 from ..params import RemotePrefill
 from ..renewer import LeaseRenewer
 from .balancer import Instance, Pool
-from .fallback import is_kv_load_error, read_stream_start
+from .events import EventsEndpoint
+from .fallback import is_kv_load_error, plain_headers, read_stream_start
 from .model import (
     LayerwiseRequest,
     Metrics,
@@ -65,6 +62,8 @@ from .model import (
     error_response,
     truthy,
 )
+from .router import Decision, KvAwareSettings, KvRouter, prompt_tokens
+from .routes import add_operator_routes
 
 logger = logging.getLogger(__name__)
 
@@ -108,17 +107,65 @@ class Proxy:
         if cfg.mode == "pull" and cfg.lease_renew_interval_s > 0:
             self.renewer = LeaseRenewer(cfg.lease_renew_interval_s,
                                         timeout_s=min(2.0, cfg.lease_renew_interval_s))
+        #: the kv_aware policy's prefix indexes (started with the app)
+        self.router: KvRouter | None = None
+        if cfg.policy == "kv_aware":
+            self.router = KvRouter(cfg.kv or KvAwareSettings(), self.metrics)
 
     def pools(self) -> list[Pool]:
         return [self.prefill, self.decode]
 
+    # ------------------------------------------------------------ instances
+    def start_router(self) -> None:
+        if self.router is not None:
+            for inst in self.prefill.instances:
+                self.router.add(inst.url, self.router.settings.events.get(inst.url))
+
+    def add_instance(self, role: str, url: str, events: EventsEndpoint | None) -> Instance:
+        """Add a P or D instance while running (``/admin/instances``)."""
+        pool = self.prefill if role == "prefill" else self.decode
+        inst = pool.add(url)
+        if role == "prefill" and self.router is not None:
+            self.router.add(inst.url, events)
+        return inst
+
+    def remove_instance(self, role: str, url: str) -> Instance:
+        """Remove one; its requests in flight finish on it."""
+        pool = self.prefill if role == "prefill" else self.decode
+        inst = pool.remove(url)
+        if role == "prefill" and self.router is not None:
+            self.router.remove(inst.url)
+        return inst
+
+    async def route_prefill(self, path: str, body: dict[str, Any]
+                            ) -> tuple[list[Instance], Decision | None]:
+        """The P instances in the policy's order for this request (and, under kv_aware,
+        the decision to check against P's answer)."""
+        order = self.prefill.pick()
+        policy = self.cfg.policy
+        if self.router is None:
+            self.metrics.decisions.labels("prefill", policy, policy).inc()
+            return order, None
+        assert self.client is not None
+        tokens = None
+        healthy = [i for i in order if i.healthy] or order
+        if any(self.router.usable(i.url) is not None for i in healthy):
+            tokens = await prompt_tokens(self.client, healthy[0].url, path, body)
+        order, decision = self.router.order(order, tokens)
+        if tokens is None and decision.reason != "no_index":
+            decision.reason = "no_tokens"
+        self.metrics.decisions.labels("prefill", policy, decision.reason).inc()
+        return order, decision
+
     # ------------------------------------------------------------ upstream calls
     async def post_json(self, pool: Pool, path: str, body: dict[str, Any],
-                        headers: dict[str, str]) -> tuple[Instance, httpx.Response]:
-        """POST to the first instance of ``pool`` that answers; raises ProxyError if none does."""
+                        headers: dict[str, str], order: list[Instance] | None = None
+                        ) -> tuple[Instance, httpx.Response]:
+        """POST to the first instance of ``pool`` (or of ``order``) that answers; raises
+        ProxyError if none does."""
         assert self.client is not None
         errors = []
-        for inst in pool.pick():
+        for inst in (order if order is not None else pool.pick()):
             pool.begin(inst)
             self.metrics.in_flight.labels(pool.role, inst.url).inc()
             try:
@@ -172,6 +219,8 @@ class Proxy:
                         ok, err = r.status_code == 200, f"/health answered {r.status_code}"
                     except httpx.HTTPError as exc:
                         ok, err = False, f"{type(exc).__name__}: {exc}"
+                    if not ok and pool is self.prefill and self.router is not None:
+                        self.router.instance_down(inst.url)  # it may come back empty
                     pool.mark(inst, ok, "" if ok else err)
                     self.metrics.healthy.labels(pool.role, inst.url).set(1 if ok else 0)
             self.expire_renewals()
@@ -248,8 +297,11 @@ class Proxy:
         p_body.pop("stream_options", None)
         p_body["kv_transfer_params"] = dict(PREFILL_PARAMS)
         start = time.perf_counter()
-        inst, resp = await self.post_json(self.prefill, path, p_body, headers)
+        order, decision = await self.route_prefill(path, body)
+        inst, resp = await self.post_json(self.prefill, path, p_body, headers, order)
         self.metrics.stage.labels("prefill").observe(time.perf_counter() - start)
+        if decision is not None and self.router is not None:
+            self.router.check(decision, inst.url, resp)
         if resp.status_code != 200:
             raise ProxyError(resp.status_code, f"prefill instance {inst.url} answered "
                              f"{resp.status_code}: {resp.text[:2000]}", "prefill_error")
@@ -372,11 +424,15 @@ class Proxy:
         self.records["prefill_dispatched"] += 1
         start = time.perf_counter()
         try:
-            inst, resp = await self.post_json(self.prefill, entry.path, p_body, entry.headers)
+            order, decision = await self.route_prefill(entry.path, entry.body)
+            inst, resp = await self.post_json(self.prefill, entry.path, p_body, entry.headers,
+                                              order)
         except ProxyError as exc:
             reason = str(exc)
         else:
             self.metrics.stage.labels("prefill").observe(time.perf_counter() - start)
+            if decision is not None and self.router is not None:
+                self.router.check(decision, inst.url, resp)
             entry.record["prefill"] = resp.status_code
             if resp.status_code == 200:
                 return
@@ -398,7 +454,7 @@ class Proxy:
             if plain is not None and is_kv_load_error(resp.status_code, resp.content):
                 self._fall_back(request_id, inst, "http_error", f"HTTP {resp.status_code}")
                 inst, resp = await self.post_json(self.decode, path, plain,
-                                                  _plain_headers(headers))
+                                                  plain_headers(headers))
             self.metrics.stage.labels("decode").observe(time.perf_counter() - start)
             return Response(content=resp.content, status_code=resp.status_code,
                             media_type=resp.headers.get("content-type", "application/json"),
@@ -409,7 +465,7 @@ class Proxy:
             await resp.aclose()
             if plain is not None and is_kv_load_error(resp.status_code, content):
                 self._fall_back(request_id, inst, "http_error", f"HTTP {resp.status_code}")
-                return await self.decode_step(path, plain, _plain_headers(headers),
+                return await self.decode_step(path, plain, plain_headers(headers),
                                               stream=True, request_id=request_id)
             return Response(content=content, status_code=resp.status_code,
                             media_type=resp.headers.get("content-type", "application/json"))
@@ -428,7 +484,7 @@ class Proxy:
                 self.decode.end(inst, ok=False, error="KV-load error")
                 self._fall_back(request_id, inst, "stream_error", "an error event before "
                                 "the first token")
-                return await self.decode_step(path, plain, _plain_headers(headers),
+                return await self.decode_step(path, plain, plain_headers(headers),
                                               stream=True, request_id=request_id)
             head, chunks = first.head, first.rest
         else:
@@ -463,14 +519,6 @@ class Proxy:
                        request_id, inst.url, what)
 
 
-def _plain_headers(headers: dict[str, str]) -> dict[str, str]:
-    """Headers of the plain re-send: its own request id on D (the failed one may still be
-    known there); the client keeps the original."""
-    out = dict(headers)
-    out["X-Request-Id"] = f"{headers['X-Request-Id']}-plain"
-    return out
-
-
 def build_app(cfg: ProxyConfig) -> FastAPI:
     """The FastAPI application of a proxy over ``cfg``'s instances."""
     proxy = Proxy(cfg)
@@ -481,9 +529,12 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
         proxy.client = httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout_s, connect=5.0),
                                          limits=limits)
         task = asyncio.create_task(proxy.health_loop())
+        proxy.start_router()
         try:
             yield
         finally:
+            if proxy.router is not None:
+                proxy.router.stop()
             task.cancel()
             for t in list(proxy._tasks):
                 t.cancel()
@@ -550,36 +601,5 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
                                   "unknown_request")
         return await proxy.metaserver_post(params)
 
-    @app.get("/v1/models")
-    async def models() -> Response:
-        assert proxy.client is not None
-        for inst in proxy.decode.pick():
-            try:
-                r = await proxy.client.get(inst.url + "/v1/models", timeout=10.0)
-            except httpx.HTTPError:
-                continue
-            return Response(r.content, status_code=r.status_code,
-                            media_type=r.headers.get("content-type", "application/json"))
-        return error_response(503, "no decode instance reachable", "service_unavailable")
-
-    @app.get("/health")
-    async def health() -> Response:
-        ok = proxy.prefill.any_healthy() and proxy.decode.any_healthy()
-        return JSONResponse(status_code=200 if ok else 503, content={
-            "status": "ok" if ok else "unavailable",
-            "prefill": [i.as_dict() for i in proxy.prefill.instances],
-            "decode": [i.as_dict() for i in proxy.decode.instances]})
-
-    @app.get("/status")
-    async def status() -> Response:
-        return JSONResponse({"mode": cfg.mode, "policy": cfg.policy, **proxy.records,
-                             "pending": len(proxy.pending),
-                             "recent": list(proxy.history),
-                             "prefill": [i.as_dict() for i in proxy.prefill.instances],
-                             "decode": [i.as_dict() for i in proxy.decode.instances]})
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(generate_latest(proxy.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
+    add_operator_routes(app, proxy)
     return app

@@ -10,8 +10,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
-Policy = Literal["round_robin", "least_loaded"]
-POLICIES: tuple[str, ...] = ("round_robin", "least_loaded")
+Policy = Literal["round_robin", "least_loaded", "kv_aware"]
+#: ``kv_aware`` orders like ``least_loaded`` here; :mod:`.router` reorders the prefill
+#: instances by their cached prefix of each request.
+POLICIES: tuple[str, ...] = ("round_robin", "least_loaded", "kv_aware")
 
 
 @dataclass
@@ -39,6 +41,10 @@ class Pool:
     ``pick`` returns healthy instances in preference order (the caller tries the
     next one when a connection fails); unhealthy instances come last, so a pool
     whose health checks are stale still gets a try rather than an instant 503.
+
+    ``add`` and ``remove`` replace the instance list under the lock (copy on write): a
+    reader iterating ``instances`` keeps the list it took; a removed instance's requests
+    in flight finish on it.
     """
 
     def __init__(self, role: str, urls: Iterable[str], policy: Policy = "round_robin") -> None:
@@ -57,9 +63,44 @@ class Pool:
             n = len(self.instances)
             start = next(self._rr) % n
             rotated = self.instances[start:] + self.instances[:start]
-            if self.policy == "least_loaded":
+            if self.policy in ("least_loaded", "kv_aware"):
                 rotated.sort(key=lambda i: i.in_flight)  # stable: ties keep round-robin order
             return [i for i in rotated if i.healthy] + [i for i in rotated if not i.healthy]
+
+    def find(self, url: str) -> Instance | None:
+        url = url.rstrip("/")
+        return next((i for i in self.instances if i.url == url), None)
+
+    def add(self, url: str) -> Instance:
+        """Add an instance (healthy until its first health check says otherwise).
+
+        Raises:
+            ValueError: it is in the pool already.
+        """
+        inst = Instance(url.rstrip("/"), self.role)
+        with self._lock:
+            if any(i.url == inst.url for i in self.instances):
+                raise ValueError(f"{inst.url} is already a {self.role} instance")
+            self.instances = [*self.instances, inst]
+        return inst
+
+    def remove(self, url: str) -> Instance:
+        """Take an instance out of the pool.
+
+        Raises:
+            KeyError: it is not in the pool.
+            ValueError: it is the last one.
+        """
+        url = url.rstrip("/")
+        with self._lock:
+            keep = [i for i in self.instances if i.url != url]
+            if len(keep) == len(self.instances):
+                raise KeyError(f"{url} is not a {self.role} instance")
+            if not keep:
+                raise ValueError(f"{url} is the last {self.role} instance")
+            gone = next(i for i in self.instances if i.url == url)
+            self.instances = keep
+        return gone
 
     def begin(self, inst: Instance) -> None:
         with self._lock:

@@ -10,7 +10,10 @@ from collections.abc import Sequence
 
 from .app import ProxyConfig, build_app
 from .balancer import POLICIES
+from .events import EventsEndpoint
 from .model import MODES
+from .prefix_index import HASH_ALGOS
+from .router import KvAwareSettings
 
 
 def _url(value: str) -> str:
@@ -28,10 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "--mode layerwise (MooncakeLayerwiseConnector): each request goes to a D "
                     "instance first; D posts its blocks to this proxy's /v1/metaserver and a P "
                     "instance pushes the KV into them layer by layer while it prefills.")
-    parser.add_argument("--prefill", action="append", required=True, type=_url,
-                        metavar="URL", help="a prefill instance (repeat for several)")
-    parser.add_argument("--decode", action="append", required=True, type=_url,
-                        metavar="URL", help="a decode instance (repeat for several)")
+    parser.add_argument("--prefill", action="append", type=_url,
+                        metavar="URL", help="a prefill instance (repeat for several; required)")
+    parser.add_argument("--decode", action="append", type=_url,
+                        metavar="URL", help="a decode instance (repeat for several; required)")
     parser.add_argument("--mode", choices=MODES, default="pull",
                         help="which P/D connector the instances run (default: %(default)s)")
     parser.add_argument("--host", default="127.0.0.1",
@@ -45,7 +48,28 @@ def build_parser() -> argparse.ArgumentParser:
                              "tls_config must trust it)")
     parser.add_argument("--ssl-keyfile", default=None, help="private key of --ssl-certfile")
     parser.add_argument("--policy", choices=POLICIES, default="round_robin",
-                        help="how an instance is chosen (default: %(default)s)")
+                        help="how an instance is chosen (default: %(default)s); kv_aware: the "
+                             "P instance with the longest cached prefix of the prompt, traded "
+                             "against its requests in flight (see docs/quickstart-pd.md)")
+    kv = parser.add_argument_group("kv_aware policy")
+    kv.add_argument("--prefill-events", action="append", default=[],
+                    metavar="ENDPOINT[,REPLAY]",
+                    help="the KV events endpoint of the --prefill instance in the same "
+                         "position (its --kv-events-config endpoint as reachable from here, "
+                         "and optionally its replay_endpoint), e.g. "
+                         "tcp://10.0.0.1:5557,tcp://10.0.0.1:5558; '-' for none")
+    kv.add_argument("--kv-events-topic", default="",
+                    help="the instances' kv-events topic (default: none)")
+    kv.add_argument("--kv-hash-algo", choices=HASH_ALGOS, default="sha256",
+                    help="the instances' --prefix-caching-hash-algo (default: %(default)s)")
+    kv.add_argument("--kv-hash-seed", default=None,
+                    help="the instances' PYTHONHASHSEED (default: this process's "
+                         "PYTHONHASHSEED, else vLLM's fixed default seed)")
+    kv.add_argument("--kv-block-size", type=int, default=None,
+                    help="the instances' block size (default: read from their events)")
+    kv.add_argument("--kv-load-weight", type=float, default=0.25,
+                    help="score = cached fraction of the prompt - WEIGHT * requests in "
+                         "flight (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="seconds to wait for an instance's answer (default: %(default)s)")
     parser.add_argument("--lease-renew-interval", type=float, default=5.0,
@@ -60,7 +84,29 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds between health checks (default: %(default)s)")
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--print-admin-token", action="store_true",
+                        help="print the bearer token of /admin/instances under the "
+                             "deployment key (VLLM_ASCEND_KV_AUTH_KEY[_FILE]) and exit")
     return parser
+
+
+def kv_settings(parser: argparse.ArgumentParser, args: argparse.Namespace) -> KvAwareSettings:
+    """The kv_aware settings of the command line (events endpoints by --prefill position)."""
+    if len(args.prefill_events) > len(args.prefill):
+        parser.error("more --prefill-events than --prefill instances")
+    events: dict[str, EventsEndpoint] = {}
+    for url, spec in zip(args.prefill, args.prefill_events, strict=False):
+        if spec.strip() in ("", "-"):
+            continue
+        try:
+            events[url] = EventsEndpoint.parse(spec, args.kv_events_topic)
+        except ValueError as exc:
+            parser.error(str(exc))
+    if args.kv_block_size is not None and args.kv_block_size <= 0:
+        parser.error("--kv-block-size must be positive")
+    return KvAwareSettings(hash_algo=args.kv_hash_algo, hash_seed=args.kv_hash_seed,
+                           block_size=args.kv_block_size, load_weight=args.kv_load_weight,
+                           topic=args.kv_events_topic, events=events)
 
 
 def metaserver_url(args: argparse.Namespace) -> str:
@@ -77,6 +123,21 @@ def metaserver_url(args: argparse.Namespace) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.print_admin_token:
+        from vllm_ascend.distributed.kv_transfer.core import auth
+
+        from .routes import PURPOSE_ADMIN
+
+        authn = auth.from_env()
+        if authn is None:
+            parser.error("no deployment key set (VLLM_ASCEND_KV_AUTH_KEY or "
+                         "VLLM_ASCEND_KV_AUTH_KEY_FILE)")
+        print(authn.bearer_token(PURPOSE_ADMIN))
+        return 0
+    if not args.prefill or not args.decode:
+        parser.error("the following arguments are required: --prefill, --decode")
+    if args.prefill_events and args.policy != "kv_aware":
+        parser.error("--prefill-events is for --policy kv_aware")
     if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
         parser.error("--ssl-certfile and --ssl-keyfile go together")
     logging.basicConfig(level=args.log_level.upper(),
@@ -87,6 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       timeout_s=args.timeout, health_interval_s=args.health_interval,
                       lease_renew_interval_s=args.lease_renew_interval,
                       kv_error_fallback=args.kv_error_fallback,
+                      kv=kv_settings(parser, args) if args.policy == "kv_aware" else None,
                       mode=args.mode,
                       metaserver_url=metaserver_url(args) if args.mode == "layerwise" else None)
     uvicorn.run(build_app(cfg), host=args.host, port=args.port, log_level=args.log_level,

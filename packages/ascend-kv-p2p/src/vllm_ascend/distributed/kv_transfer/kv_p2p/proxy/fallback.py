@@ -133,3 +133,11 @@ def _has_token(chunk: dict[str, Any]) -> bool:
         if any(v for k, v in delta.items() if k != "role"):
             return True
     return False
+
+
+def plain_headers(headers: dict[str, str]) -> dict[str, str]:
+    """Headers of the plain re-send: its own request id on D (the failed one may still be
+    known there); the client keeps the original."""
+    out = dict(headers)
+    out["X-Request-Id"] = f"{headers['X-Request-Id']}-plain"
+    return out

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from .balancer import Policy
+
+if TYPE_CHECKING:
+    from .router import KvAwareSettings
 
 MODES = ("pull", "layerwise")
 
@@ -37,6 +40,8 @@ class ProxyConfig:
     #: pull mode: re-send a request once as a plain request (D prefills it itself) when D
     #: answers a KV-load error before the client saw a token (:mod:`.fallback`)
     kv_error_fallback: bool = True
+    #: the ``kv_aware`` policy's settings (hash algo, seed, block size, events endpoints)
+    kv: KvAwareSettings | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -105,6 +110,39 @@ class Metrics:
                                  "an HTTP 500/503 answer; stream_error: an error event "
                                  "before the first token).", ["reason"],
                                  registry=self.registry)
+        self.decisions = Counter("vllm_ascend_pd_proxy_routing_decisions",
+                                 "Instance choices by role, policy and reason (kv_aware: "
+                                 "prefix, load, no_hit, no_index, no_tokens; the others: "
+                                 "their policy's name).", ["role", "policy", "reason"],
+                                 registry=self.registry)
+        self.kv_events = Counter("vllm_ascend_pd_proxy_kv_events",
+                                 "KV event stream happenings per P instance (batches, "
+                                 "bad_frames, unknown_events, gaps_replayed, gaps_rebuilt, "
+                                 "restarts, cleared, drops).", ["instance", "event"],
+                                 registry=self.registry)
+        self.prompt_tokens = Counter("vllm_ascend_pd_proxy_routed_prompt_tokens",
+                                     "Prompt tokens routed by kv_aware, per P instance.",
+                                     ["instance"], registry=self.registry)
+        self.predicted_hit = Counter("vllm_ascend_pd_proxy_predicted_hit_tokens",
+                                     "Prompt tokens kv_aware predicted cached on the "
+                                     "instance it chose.", ["instance"], registry=self.registry)
+        self.reported_hit = Counter("vllm_ascend_pd_proxy_reported_hit_tokens",
+                                    "Cached prompt tokens the instance reported "
+                                    "(usage.prompt_tokens_details.cached_tokens).",
+                                    ["instance"], registry=self.registry)
+        self.hit_predictions = Counter("vllm_ascend_pd_proxy_hit_predictions",
+                                       "kv_aware predictions against the instance's report: "
+                                       "exact, over, under, unreported.", ["outcome"],
+                                       registry=self.registry)
+        self.index_blocks = Gauge("vllm_ascend_pd_proxy_prefix_index_blocks",
+                                  "Blocks in each P instance's prefix index.", ["instance"],
+                                  registry=self.registry)
+        self.events_live = Gauge("vllm_ascend_pd_proxy_kv_events_live",
+                                 "1 if the instance's KV event stream is live and its index "
+                                 "used.", ["instance"], registry=self.registry)
+        self.admin = Counter("vllm_ascend_pd_proxy_admin_changes",
+                             "Instances added or removed through /admin/instances.",
+                             ["role", "action"], registry=self.registry)
         self.healthy = Gauge("vllm_ascend_pd_proxy_instance_healthy", "1 if the instance "
                              "answered its last health check.", ["role", "instance"],
                              registry=self.registry)

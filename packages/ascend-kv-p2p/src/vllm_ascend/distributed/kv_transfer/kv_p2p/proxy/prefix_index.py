@@ -1,0 +1,171 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What each prefill instance holds in its prefix cache, and the block hashes of a prompt.
+
+The hashes are vLLM's own (:func:`vllm.v1.core.kv_cache_utils.hash_block_tokens` with the
+function :func:`vllm.utils.hashing.get_hash_fn_by_name` returns for the instance's
+``--prefix-caching-hash-algo``), chained from ``NONE_HASH = hash_fn(seed)`` exactly as
+``init_none_hash`` derives it; the seed is the instance's ``PYTHONHASHSEED`` (vLLM's fixed
+default seed for the sha256 algorithms when unset). vLLM is imported lazily: only the
+``kv_aware`` policy needs it.
+
+Keys are the low 64 bits of a hash as an unsigned big-endian integer: that is what vLLM
+publishes with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1`` (``maybe_convert_block_hash``), and
+a bytes hash from an event is reduced the same way, so either setting of the instance works.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_MASK = (1 << 64) - 1
+#: Algorithms whose seed is random per process unless PYTHONHASHSEED is set (vLLM's rule).
+NON_CRYPTO_ALGOS = ("xxhash", "xxhash_cbor")
+HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+
+
+def block_key(block_hash: bytes | int) -> int:
+    """The index key of a block hash (bytes as vLLM computes it, or the int it publishes)."""
+    if isinstance(block_hash, int):
+        return block_hash & _MASK
+    return int.from_bytes(block_hash, "big") & _MASK
+
+
+class BlockHasher:
+    """vLLM's prefix-cache block hashes of a token sequence.
+
+    Args:
+        algo: the instances' ``--prefix-caching-hash-algo`` (vLLM's default: ``sha256``).
+        seed: their ``PYTHONHASHSEED``; None: this process's ``PYTHONHASHSEED``, else vLLM's
+            fixed default seed (only valid for the sha256 algorithms: the xxhash ones use a
+            random seed per process unless one is set, so they need an explicit seed).
+
+    Raises:
+        ValueError: an unknown algorithm, or an xxhash algorithm without a seed.
+        ImportError: vLLM is not installed.
+    """
+
+    def __init__(self, algo: str = "sha256", seed: str | None = None) -> None:
+        if algo not in HASH_ALGOS:
+            raise ValueError(f"unknown prefix-caching hash algo {algo!r}; expected one of "
+                             f"{HASH_ALGOS}")
+        try:
+            from vllm.utils.hashing import get_hash_fn_by_name
+            from vllm.v1.core import kv_cache_utils
+        except ImportError as exc:  # pragma: no cover - vLLM is there wherever engines run
+            raise ImportError("the kv_aware policy computes vLLM's block hashes and needs "
+                              "vLLM installed beside the proxy") from exc
+        if seed is None:
+            seed = os.environ.get("PYTHONHASHSEED")
+        if seed is None:
+            if algo in NON_CRYPTO_ALGOS:
+                raise ValueError(f"prefix-caching hash algo {algo!r} uses a random seed per "
+                                 "vLLM process unless PYTHONHASHSEED is set: set the same "
+                                 "PYTHONHASHSEED on the instances and give it to the proxy "
+                                 "(--kv-hash-seed)")
+            seed = str(kv_cache_utils.DEFAULT_NONE_HASH_SEED)
+        self.algo = algo
+        self.seed = seed
+        self._fn: Callable[[Any], bytes] = get_hash_fn_by_name(algo)
+        self._hash_block = kv_cache_utils.hash_block_tokens
+        #: init_none_hash: NONE_HASH = hash_fn(seed); passed explicitly as the first parent,
+        #: so the proxy never touches vLLM's process-wide NONE_HASH
+        self.none_hash: bytes = self._fn(seed)
+
+    def hash_block(self, parent: bytes | None, tokens: Sequence[int]) -> bytes:
+        """The hash of one full block after ``parent`` (None: the first block)."""
+        return bytes(self._hash_block(self._fn, parent or self.none_hash, tokens, None))
+
+    def keys(self, tokens: Sequence[int], block_size: int, limit: int | None = None) -> list[int]:
+        """Keys of the full blocks of ``tokens`` (at most ``limit`` of them)."""
+        n = len(tokens) // block_size
+        if limit is not None:
+            n = min(n, limit)
+        out: list[int] = []
+        parent: bytes | None = None
+        for i in range(n):
+            parent = self.hash_block(parent, tokens[i * block_size:(i + 1) * block_size])
+            out.append(block_key(parent))
+        return out
+
+
+class PrefixIndex:
+    """The block keys one instance holds, fed by its KV events (thread-safe).
+
+    A block may be held on several media (``GPU``, ``CPU`` from an offload tier): it stays
+    in the index until removed from all of them.
+    """
+
+    def __init__(self, block_size: int | None = None) -> None:
+        #: configured block size; None: learned from the first BlockStored
+        self.block_size = block_size
+        self._blocks: dict[int, set[str]] = {}
+        self._lock = threading.Lock()
+        self.stored = 0
+        self.removed = 0
+        self.cleared = 0
+        #: hash checks of stored blocks: recomputed here from the event's tokens
+        self.hash_verified = 0
+        self.hash_mismatched = 0
+        #: the event's block size differs from the configured one
+        self.block_size_mismatch: int | None = None
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def store(self, keys: Sequence[int], medium: str | None, block_size: int | None) -> None:
+        if block_size:
+            if self.block_size is None:
+                self.block_size = block_size
+            elif block_size != self.block_size:
+                self.block_size_mismatch = block_size
+        where = medium or "GPU"
+        with self._lock:
+            for k in keys:
+                self._blocks.setdefault(k, set()).add(where)
+            self.stored += len(keys)
+
+    def remove(self, keys: Sequence[int], medium: str | None) -> None:
+        where = medium or "GPU"
+        with self._lock:
+            for k in keys:
+                media = self._blocks.get(k)
+                if media is None:
+                    continue
+                media.discard(where)
+                if not media:
+                    del self._blocks[k]
+            self.removed += len(keys)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._blocks.clear()
+            self.cleared += 1
+
+    def matched(self, keys: Sequence[int]) -> int:
+        """How many leading ``keys`` are held (the prefix a request would hit)."""
+        n = 0
+        with self._lock:
+            for k in keys:
+                if k not in self._blocks:
+                    break
+                n += 1
+        return n
+
+    @property
+    def aligned(self) -> bool:
+        """False once a stored block's hash disagreed with the one computed here, or its
+        block size with the configured one: the proxy's hash settings are not the
+        instance's, and its predictions would be wrong."""
+        return self.hash_mismatched == 0 and self.block_size_mismatch is None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"blocks": len(self), "block_size": self.block_size, "stored": self.stored,
+                "removed": self.removed, "cleared": self.cleared,
+                "hash_verified": self.hash_verified, "hash_mismatched": self.hash_mismatched,
+                "block_size_mismatch": self.block_size_mismatch, "aligned": self.aligned}
