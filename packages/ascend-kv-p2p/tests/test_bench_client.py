@@ -1,0 +1,182 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``bench client`` without engines: the command lines it builds (vLLM's own client parser
+accepts them), the summary of vLLM's result JSON, failures recorded rather than raised, and
+the tokenizer whose random prompts keep their lengths."""
+
+from __future__ import annotations
+
+import json
+import random
+import stat
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vllm_ascend.distributed.kv_transfer.kv_p2p.tooling import bench_client as bc
+
+#: The shape of ``vllm bench serve --save-result`` (vLLM 0.32) with
+#: ``--percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99``.
+RESULT: dict[str, Any] = {
+    "date": "20261201-170000", "backend": "vllm", "num_prompts": 4, "max_concurrency": 4,
+    "duration": 2.0, "completed": 3, "failed": 1, "total_input_tokens": 3000,
+    "total_output_tokens": 96, "request_throughput": 1.5, "output_throughput": 48.0,
+    "total_token_throughput": 1548.0,
+    "mean_ttft_ms": 120.0, "median_ttft_ms": 110.0, "std_ttft_ms": 5.0, "p50_ttft_ms": 111.0,
+    "p99_ttft_ms": 190.0, "mean_tpot_ms": 20.0, "median_tpot_ms": 19.0, "p50_tpot_ms": 19.5,
+    "p99_tpot_ms": 30.0, "mean_itl_ms": 21.0, "p50_itl_ms": 18.0, "p99_itl_ms": 40.0,
+    "mean_e2el_ms": 800.0, "p50_e2el_ms": 790.0, "p99_e2el_ms": 900.0,
+    "errors": ["", "", "", "Traceback ...\naiohttp.ClientResponseError: 500"],
+}
+
+
+def test_summarize_reads_vllm_result() -> None:
+    row = bc.summarize(RESULT)
+    assert row["completed"] == 3 and row["failed"] == 1
+    assert row["output_tok_per_s"] == 48.0 and row["duration_s"] == 2.0
+    assert (row["ttft_mean_ms"], row["ttft_p50_ms"], row["ttft_p99_ms"]) == (120.0, 111.0, 190.0)
+    assert (row["tpot_mean_ms"], row["tpot_p50_ms"], row["tpot_p99_ms"]) == (20.0, 19.5, 30.0)
+    assert row["e2el_p99_ms"] == 900.0
+    assert row["errors"] == ["Traceback ...\naiohttp.ClientResponseError: 500"]
+
+
+def test_summarize_falls_back_to_median_and_keeps_missing_as_none() -> None:
+    doc = {k: v for k, v in RESULT.items() if not k.startswith("p50_")}
+    doc.pop("errors")
+    doc["failed"] = 0
+    row = bc.summarize(doc)
+    assert row["ttft_p50_ms"] == 110.0 and row["tpot_p50_ms"] == 19.0
+    assert row["itl_p50_ms"] is None  # no median_itl_ms either
+    assert "errors" not in row and row["failed"] == 0
+
+
+def test_failed_row_counts_every_request() -> None:
+    row = bc.failed_row(32, "x" * 5000)
+    assert row["failed"] == 32 and row["completed"] == 0 and len(row["errors"][0]) == 1500
+
+
+def test_table_rows_one_per_target_and_concurrency() -> None:
+    results = {
+        "plain": {"status": "ok", "runs": [
+            {"concurrency": 4, **bc.summarize(RESULT)}, {"concurrency": 8, **bc.summarize(RESULT)}]},
+        "pd-vllm-mooncake": {"status": "not run", "reason": bc.VLLM_PROXY_MISSING},
+    }
+    rows = bc.table_rows(results)
+    assert [(r["target"], r["conc"]) for r in rows] == [("plain", 4), ("plain", 8),
+                                                        ("pd-vllm-mooncake", "-")]
+    assert rows[0]["ttft_p50_ms"] == 111.0 and rows[0]["out_tok_s"] == 48.0
+    assert rows[2]["status"] == "not run"
+
+
+def test_targets() -> None:
+    ts = {t.name: t for t in bc.targets()}
+    assert list(ts) == ["plain", "pd-pull", "pd-layerwise", "pd-vllm-mooncake"]
+    assert ts["plain"].kv is None and ts["plain"].proxy_mode is None
+    assert ts["pd-pull"].kv["kv_connector"] == "MooncakeConnectorV1"  # type: ignore[index]
+    assert ts["pd-pull"].proxy_mode == "pull"
+    assert ts["pd-layerwise"].kv["kv_connector"] == "MooncakeLayerwiseConnector"  # type: ignore[index]
+    assert ts["pd-layerwise"].proxy_mode == "layerwise"
+    assert ts["pd-vllm-mooncake"].not_run and "not run" in ts["pd-vllm-mooncake"].not_run
+    kv = bc.kv_config(ts["pd-pull"], "kv_consumer", "e-d", 5555)
+    assert kv["kv_role"] == "kv_consumer" and kv["kv_port"] == 5555 and kv["engine_id"] == "e-d"
+    assert kv["kv_load_failure_policy"] == "fail"
+
+
+def test_server_cmd_pins_and_carries_the_kv_config() -> None:
+    kv = {"kv_connector": "MooncakeConnectorV1", "kv_role": "kv_producer"}
+    cmd = bc.server_cmd("/py", "/m", 8100, block_size=128, max_model_len=1160, max_num_seqs=8,
+                        kv=kv, cores=bc.P_CORES)
+    assert cmd[:4] == ["taskset", "-c", "0", "/py"]
+    assert cmd[4:6] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert json.loads(cmd[cmd.index("--kv-transfer-config") + 1]) == kv
+    for flag, value in (("--model", "/m"), ("--port", "8100"), ("--block-size", "128"),
+                        ("--max-model-len", "1160"), ("--max-num-seqs", "8")):
+        assert cmd[cmd.index(flag) + 1] == value
+    plain = bc.server_cmd("/py", "/m", 1, block_size=32, max_model_len=64, max_num_seqs=4)
+    assert plain[0] == "/py" and "--kv-transfer-config" not in plain
+    assert bc.engine_env("1")["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    assert bc.engine_env("0-1")["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+
+
+def test_proxy_cmd() -> None:
+    cmd = bc.proxy_cmd("/py", "layerwise", "http://p", "http://d", 9000)
+    assert cmd[:3] == ["/py", "-m", bc.PROXY_MODULE]
+    for flag, value in (("--mode", "layerwise"), ("--prefill", "http://p"),
+                        ("--decode", "http://d"), ("--port", "9000")):
+        assert cmd[cmd.index(flag) + 1] == value
+
+
+def _client_args(tmp_path: Path) -> list[str]:
+    return bc.client_cmd("/py", "http://127.0.0.1:9000", "/m", num_prompts=32, concurrency=8,
+                         input_len=1000, output_len=32, seed=101, result_dir=tmp_path,
+                         result_file="r.json")
+
+
+def test_client_cmd_is_accepted_by_vllms_own_parser(tmp_path: Path) -> None:
+    cmd = _client_args(tmp_path)
+    assert cmd[:3] == ["/py", "-m", bc.__name__]
+    serve = pytest.importorskip("vllm.benchmarks.serve")
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    serve.add_cli_args(parser)
+    args = parser.parse_args(cmd[3:])
+    assert (args.dataset_name, args.random_input_len, args.random_output_len) == (
+        "random", 1000, 32)
+    assert (args.num_prompts, args.max_concurrency, args.seed) == (32, 8, 101)
+    assert args.base_url == "http://127.0.0.1:9000" and args.endpoint == "/v1/completions"
+    assert args.backend == "vllm" and args.ignore_eos and args.save_result
+    assert args.result_dir == str(tmp_path) and args.result_filename == "r.json"
+    assert args.percentile_metrics == "ttft,tpot,itl,e2el"
+    assert args.metric_percentiles == "50,99"
+
+
+def _fake_python(tmp_path: Path, body: str) -> str:
+    """An interpreter stand-in running ``body`` with the client's arguments in ``argv``."""
+    script = tmp_path / "fakepy"
+    script.write_text(f"#!{sys.executable}\nimport json, sys\nargv = sys.argv\n{body}\n")
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return str(script)
+
+
+def test_run_client_summarizes_the_saved_result(tmp_path: Path) -> None:
+    py = _fake_python(tmp_path, (
+        "d = argv[argv.index('--result-dir') + 1]\n"
+        "f = argv[argv.index('--result-filename') + 1]\n"
+        f"open(d + '/' + f, 'w').write(json.dumps({RESULT!r}))"))
+    row = bc.run_client(py, "http://x", "/m", num_prompts=4, concurrency=4, input_len=10,
+                        output_len=2, seed=1, work=tmp_path, timeout=60)
+    assert row["completed"] == 3 and row["ttft_p99_ms"] == 190.0
+
+
+def test_run_client_records_a_crash_as_failed_requests(tmp_path: Path) -> None:
+    py = _fake_python(tmp_path, "print('ValueError: Initial test run failed'); sys.exit(1)")
+    row = bc.run_client(py, "http://x", "/m", num_prompts=4, concurrency=4, input_len=10,
+                        output_len=2, seed=1, work=tmp_path, timeout=60)
+    assert row["failed"] == 4 and row["completed"] == 0
+    assert "exited with 1" in row["errors"][0] and "Initial test run failed" in row["errors"][0]
+
+
+def test_run_target_not_run_needs_no_engine(tmp_path: Path) -> None:
+    from vllm_ascend.distributed.kv_transfer.core.tooling.benchutil import Steps
+
+    cfg = bc.ClientConfig(model="/m", vocab=1024, num_prompts=4, concurrency=(4,),
+                          input_len=10, output_len=2, block_size=32, out=tmp_path)
+    target = next(t for t in bc.targets() if t.not_run)
+    entry = bc.run_target(target, cfg, Steps(1, "t"), tmp_path)
+    assert entry["status"] == "not run" and entry["reason"] == bc.VLLM_PROXY_MISSING
+    assert cfg.max_model_len == 10 + 2 + 32
+
+
+def test_word_tokenizer_keeps_random_prompt_lengths(tmp_path: Path) -> None:
+    pytest.importorskip("tokenizers")
+    from transformers import AutoTokenizer
+
+    bc.write_tokenizer(tmp_path, 1024)
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    assert len(tok) == 1024 and tok.num_special_tokens_to_add() == 0
+    assert sorted(tok.all_special_ids) == [0, 1, 2]
+    rng = random.Random(0)
+    ids = [rng.randrange(3, 1024) for _ in range(1000)]
+    assert tok.encode(tok.decode(ids), add_special_tokens=False) == ids
