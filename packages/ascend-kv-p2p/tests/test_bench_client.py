@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from vllm_ascend.distributed.kv_transfer.kv_p2p.tooling import bench_client as bc
+from vllm_ascend.distributed.kv_transfer.kv_p2p.tooling import bench_client_procs as procs
 
 #: The shape of ``vllm bench serve --save-result`` (vLLM 0.32) with
 #: ``--percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99``.
@@ -32,7 +33,7 @@ RESULT: dict[str, Any] = {
 
 
 def test_summarize_reads_vllm_result() -> None:
-    row = bc.summarize(RESULT)
+    row = procs.summarize(RESULT)
     assert row["completed"] == 3 and row["failed"] == 1
     assert row["output_tok_per_s"] == 48.0 and row["duration_s"] == 2.0
     assert (row["ttft_mean_ms"], row["ttft_p50_ms"], row["ttft_p99_ms"]) == (120.0, 111.0, 190.0)
@@ -45,21 +46,21 @@ def test_summarize_falls_back_to_median_and_keeps_missing_as_none() -> None:
     doc = {k: v for k, v in RESULT.items() if not k.startswith("p50_")}
     doc.pop("errors")
     doc["failed"] = 0
-    row = bc.summarize(doc)
+    row = procs.summarize(doc)
     assert row["ttft_p50_ms"] == 110.0 and row["tpot_p50_ms"] == 19.0
     assert row["itl_p50_ms"] is None  # no median_itl_ms either
     assert "errors" not in row and row["failed"] == 0
 
 
 def test_failed_row_counts_every_request() -> None:
-    row = bc.failed_row(32, "x" * 5000)
+    row = procs.failed_row(32, "x" * 5000)
     assert row["failed"] == 32 and row["completed"] == 0 and len(row["errors"][0]) == 1500
 
 
 def test_table_rows_one_per_target_and_concurrency() -> None:
     results = {
         "plain": {"status": "ok", "runs": [
-            {"concurrency": 4, **bc.summarize(RESULT)}, {"concurrency": 8, **bc.summarize(RESULT)}]},
+            {"concurrency": 4, **procs.summarize(RESULT)}, {"concurrency": 8, **procs.summarize(RESULT)}]},
         "pd-vllm-mooncake": {"status": "not run", "reason": bc.VLLM_PROXY_MISSING},
     }
     rows = bc.table_rows(results)
@@ -108,14 +109,14 @@ def test_proxy_cmd() -> None:
 
 
 def _client_args(tmp_path: Path) -> list[str]:
-    return bc.client_cmd("/py", "http://127.0.0.1:9000", "/m", num_prompts=32, concurrency=8,
+    return procs.client_cmd("/py", "http://127.0.0.1:9000", "/m", num_prompts=32, concurrency=8,
                          input_len=1000, output_len=32, seed=101, result_dir=tmp_path,
                          result_file="r.json")
 
 
 def test_client_cmd_is_accepted_by_vllms_own_parser(tmp_path: Path) -> None:
     cmd = _client_args(tmp_path)
-    assert cmd[:3] == ["/py", "-m", bc.__name__]
+    assert cmd[:3] == ["/py", "-m", procs.__name__]
     serve = pytest.importorskip("vllm.benchmarks.serve")
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -145,14 +146,14 @@ def test_run_client_summarizes_the_saved_result(tmp_path: Path) -> None:
         "d = argv[argv.index('--result-dir') + 1]\n"
         "f = argv[argv.index('--result-filename') + 1]\n"
         f"open(d + '/' + f, 'w').write(json.dumps({RESULT!r}))"))
-    row = bc.run_client(py, "http://x", "/m", num_prompts=4, concurrency=4, input_len=10,
+    row = procs.run_client(py, "http://x", "/m", num_prompts=4, concurrency=4, input_len=10,
                         output_len=2, seed=1, work=tmp_path, timeout=60)
     assert row["completed"] == 3 and row["ttft_p99_ms"] == 190.0
 
 
 def test_run_client_records_a_crash_as_failed_requests(tmp_path: Path) -> None:
     py = _fake_python(tmp_path, "print('ValueError: Initial test run failed'); sys.exit(1)")
-    row = bc.run_client(py, "http://x", "/m", num_prompts=4, concurrency=4, input_len=10,
+    row = procs.run_client(py, "http://x", "/m", num_prompts=4, concurrency=4, input_len=10,
                         output_len=2, seed=1, work=tmp_path, timeout=60)
     assert row["failed"] == 4 and row["completed"] == 0
     assert "exited with 1" in row["errors"][0] and "Initial test run failed" in row["errors"][0]
@@ -180,3 +181,18 @@ def test_word_tokenizer_keeps_random_prompt_lengths(tmp_path: Path) -> None:
     rng = random.Random(0)
     ids = [rng.randrange(3, 1024) for _ in range(1000)]
     assert tok.encode(tok.decode(ids), add_special_tokens=False) == ids
+
+
+def test_scrape_and_transfer_delta(monkeypatch: pytest.MonkeyPatch) -> None:
+    text = ('# HELP x\nvllm:ascend_kv_p2p_requests_loaded_total{engine="0"} 3.0\n'
+            'vllm:ascend_kv_p2p_requests_loaded_total{engine="1"} 2.0\n'
+            'vllm:ascend_kv_p2p_requests_loaded_totalx 100.0\n'
+            'vllm:ascend_kv_p2p_failures_total 0.0\n')
+    assert procs.scrape(text, procs.LOADED) == 5.0 and procs.scrape(text, procs.FAILURES) == 0
+    pages = {"http://d/metrics": text.encode(), "http://x/status": b'{"fallbacks": 1}'}
+    monkeypatch.setattr(procs, "_get", lambda url: pages[url])
+    assert procs.transfer_counts("http://d", "http://x") == {
+        "kv_loaded": 5.0, "kv_failures": 0.0, "proxy_fallbacks": 1.0}
+    delta = procs.transfer_delta({"kv_loaded": 1.0, "kv_failures": 0.0, "proxy_fallbacks": 1.0},
+                                 "http://d", "http://x", expect=4, timeout=0)
+    assert delta == {"kv_loaded": 4.0, "kv_failures": 0.0, "proxy_fallbacks": 0.0}

