@@ -225,9 +225,8 @@ class EventStream:
                                seq - 1)
             else:
                 self._count("gaps_replayed")
-        if self.last_seq is not None and seq <= self.last_seq:
-            return  # the replay already covered it
-        self.apply(seq, frames[2])
+        if self.last_seq is None or seq > self.last_seq:  # else: the replay covered it
+            self.apply(seq, frames[2])
         self.state = "live"
 
     def apply(self, seq: int, payload: bytes) -> None:

@@ -130,13 +130,13 @@ class KvRouter:
         healthy = [i for i in candidates if i.healthy]
         rest = [i for i in candidates if not i.healthy]
         if not healthy:
-            return candidates, Decision("no_index")
+            return rest, Decision("no_index")
         if not tokens:
-            return candidates, Decision("no_tokens", healthy[0].url)
+            return healthy + rest, Decision("no_tokens", healthy[0].url)
         n = len(tokens)
         usable = {i.url: ix for i in healthy if (ix := self.usable(i.url)) is not None}
         if not usable:
-            return candidates, Decision("no_index", healthy[0].url, n)
+            return healthy + rest, Decision("no_index", healthy[0].url, n)
         keys_by_size: dict[int, list[int]] = {}
         cached: dict[str, int] = {}
         for url, ix in usable.items():

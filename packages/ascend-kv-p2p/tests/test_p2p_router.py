@@ -1,0 +1,319 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The kv_aware policy's parts: vLLM's block hashes, the prefix index, the KV event stream
+against vLLM's real ``ZmqEventPublisher`` (gaps, restarts, drops, garbage), the scoring."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+
+from vllm_ascend.distributed.kv_transfer.core.net import free_port
+from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.balancer import Instance
+from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.events import EventsEndpoint, EventStream
+from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.prefix_index import (
+    BlockHasher,
+    PrefixIndex,
+    block_key,
+)
+from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.router import KvAwareSettings, KvRouter
+
+kv_events = pytest.importorskip("vllm.distributed.kv_events")
+BS = 4
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()
+
+
+@pytest.fixture(autouse=True)
+def _no_seed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+
+
+def vllm_block_hashes(tokens: list[int], algo: str = "sha256") -> list[bytes]:
+    """The block hashes vLLM's scheduler computes for a request of ``tokens``."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.request import Request
+
+    fn = get_hash_fn_by_name(algo)
+    kv_cache_utils.init_none_hash(fn)
+    req = Request("r", tokens, SamplingParams(max_tokens=1), None,
+                  block_hasher=kv_cache_utils.get_request_block_hasher(BS, fn))
+    return list(req.block_hashes)
+
+
+def stored(tokens: list[int], parent: bytes | None = None) -> Any:
+    """vLLM's BlockStored of ``tokens`` (full blocks), hashed as vLLM does."""
+    hashes = vllm_block_hashes(tokens)
+    return kv_events.BlockStored(block_hashes=hashes, parent_block_hash=parent,
+                                 token_ids=tokens, block_size=BS, lora_id=None,
+                                 medium="GPU", lora_name=None)
+
+
+def batch(*events: Any) -> Any:
+    return kv_events.KVEventBatch(ts=time.time(), events=list(events))
+
+
+class Publisher:
+    """vLLM's ZmqEventPublisher on loopback ports."""
+
+    def __init__(self, port: int | None = None, replay: bool = True) -> None:
+        self.port = port or free_port()
+        self.replay_port = free_port() if replay else None
+        self.pub = self._make()
+
+    def _make(self) -> Any:
+        return kv_events.ZmqEventPublisher(
+            0, endpoint=f"tcp://*:{self.port}",
+            replay_endpoint=f"tcp://*:{self.replay_port}" if self.replay_port else None)
+
+    @property
+    def where(self) -> EventsEndpoint:
+        return EventsEndpoint(f"tcp://127.0.0.1:{self.port}",
+                              f"tcp://127.0.0.1:{self.replay_port}" if self.replay_port
+                              else None)
+
+    def publish(self, *events: Any) -> None:
+        self.pub.publish(batch(*events))
+
+    def restart(self) -> None:
+        self.pub.shutdown()
+        time.sleep(0.2)
+        self.pub = self._make()
+
+    def close(self) -> None:
+        self.pub.shutdown()
+
+
+@pytest.fixture
+def publisher() -> Iterator[Publisher]:
+    p = Publisher()
+    yield p
+    p.close()
+
+
+TOKENS = list(range(100, 117))  # 4 full blocks and one token
+
+
+# ---------------------------------------------------------------- hashes and index
+@pytest.mark.parametrize("algo", ["sha256", "sha256_cbor"])
+def test_block_hashes_are_vllms(algo: str) -> None:
+    mine = BlockHasher(algo).keys(TOKENS, BS)
+    assert mine == [block_key(h) for h in vllm_block_hashes(TOKENS, algo)]
+    assert len(mine) == 4 and BlockHasher(algo).keys(TOKENS, BS, limit=2) == mine[:2]
+    assert BlockHasher(algo, seed="other").keys(TOKENS, BS) != mine  # the seed matters
+
+
+def test_hasher_settings_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="unknown prefix-caching hash algo"):
+        BlockHasher("md5")
+    with pytest.raises(ValueError, match="PYTHONHASHSEED"):
+        BlockHasher("xxhash")
+    monkeypatch.setenv("PYTHONHASHSEED", "7")
+    assert BlockHasher("sha256").seed == "7"
+    assert block_key(2**70 + 5) == 5 and block_key(b"\x00" * 24 + (9).to_bytes(8, "big")) == 9
+
+
+def test_prefix_index_media_and_prefix() -> None:
+    ix = PrefixIndex()
+    ix.store([1, 2, 3], "GPU", 16)
+    ix.store([2], "CPU", 16)
+    assert ix.block_size == 16 and ix.matched([1, 2, 3, 4]) == 3 and ix.matched([2, 1]) == 2
+    ix.remove([2], "GPU")
+    assert ix.matched([1, 2, 3]) == 3  # still on CPU
+    ix.remove([2], "CPU")
+    assert ix.matched([1, 2, 3]) == 1 and len(ix) == 2
+    ix.store([9], None, 32)
+    assert not ix.aligned and ix.block_size_mismatch == 32
+    ix.clear()
+    assert len(ix) == 0 and ix.cleared == 1
+
+
+# ---------------------------------------------------------------- the event stream
+def stream_for(pub: Publisher, **kw: Any) -> EventStream:
+    return EventStream("p0", pub.where, PrefixIndex(), BlockHasher(), **kw).start()
+
+
+def keys(tokens: list[int] = TOKENS) -> list[int]:
+    return BlockHasher().keys(tokens, BS)
+
+
+def test_stream_follows_store_remove_clear(publisher: Publisher) -> None:
+    publisher.publish(stored(TOKENS[:8]))  # before the subscriber: replayed at connect
+    s = stream_for(publisher)
+    try:
+        assert wait_for(lambda: s.index.matched(keys()) == 2 and s.state == "live")
+        hashes = vllm_block_hashes(TOKENS)
+        publisher.publish(kv_events.BlockStored(
+            block_hashes=hashes[2:4], parent_block_hash=hashes[1], token_ids=TOKENS[8:16],
+            block_size=BS, lora_id=None, medium="GPU", lora_name=None))
+        assert wait_for(lambda: s.index.matched(keys()) == 4)
+        assert s.usable and s.index.hash_verified >= 2 and s.index.block_size == BS
+        publisher.publish(kv_events.BlockRemoved(block_hashes=[hashes[1]], medium="GPU"))
+        assert wait_for(lambda: s.index.matched(keys()) == 1)
+        publisher.publish(kv_events.AllBlocksCleared())
+        assert wait_for(lambda: len(s.index) == 0 and s.counts.get("cleared") == 1)
+        assert s.as_dict()["state"] == "live" and s.last_seq == 3
+    finally:
+        s.stop()
+
+
+def test_misaligned_hash_settings_disable_the_index(publisher: Publisher) -> None:
+    s = EventStream("p0", publisher.where, PrefixIndex(), BlockHasher(seed="not-the-same"))
+    s.start()
+    try:
+        publisher.publish(stored(TOKENS[:8]))
+        assert wait_for(lambda: s.index.hash_mismatched == 1)
+        assert s.state == "live" and not s.usable and not s.index.aligned
+    finally:
+        s.stop()
+
+
+def test_a_lost_batch_is_replayed(publisher: Publisher) -> None:
+    """Frames fed by hand (one skipped) against the real publisher's replay socket."""
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(publisher.where.endpoint)
+    time.sleep(0.3)
+    hashes = vllm_block_hashes(TOKENS)
+    publisher.publish(stored(TOKENS[:4]))
+    publisher.publish(kv_events.BlockStored(
+        block_hashes=hashes[1:2], parent_block_hash=hashes[0], token_ids=TOKENS[4:8],
+        block_size=BS, lora_id=None, medium="GPU", lora_name=None))
+    publisher.publish(kv_events.BlockRemoved(block_hashes=[hashes[0]], medium="GPU"))
+    frames = [sub.recv_multipart() for _ in range(3)]
+    sub.close(linger=0)
+    ctx = zmq.Context()
+    try:
+        s = EventStream("p0", publisher.where, PrefixIndex(), BlockHasher())
+        s.handle(frames[0], ctx)
+        s.handle(frames[2], ctx)  # batch 1 lost: fetched from the replay socket
+        assert s.counts.get("gaps_replayed") == 1 and s.last_seq == 2
+        assert s.index.matched(keys()[1:2]) == 1 and s.index.matched(keys()) == 0
+        s.handle(frames[2], ctx)  # a duplicate after the replay is not a restart
+        assert "restarts" not in s.counts and s.state == "live"
+        # without a replay socket the index is cleared and rebuilt from live events
+        bare = EventStream("p1", EventsEndpoint(publisher.where.endpoint), PrefixIndex(),
+                           BlockHasher())
+        bare.handle(frames[0], ctx)
+        assert bare.index.matched(keys()) == 1
+        bare.handle(frames[2], ctx)
+        assert bare.counts.get("gaps_rebuilt") == 1 and len(bare.index) == 0
+    finally:
+        ctx.term()
+
+
+def test_restarted_publisher_clears_the_index(publisher: Publisher) -> None:
+    s = stream_for(publisher)
+    try:
+        assert wait_for(lambda: s.state == "live")
+        for i in range(3):
+            publisher.publish(stored(TOKENS[:4 * (i + 1)]))
+        assert wait_for(lambda: s.last_seq == 2 and s.index.matched(keys()) == 3)
+        publisher.restart()  # a new engine: sequence numbers from 0, an empty cache
+        time.sleep(0.5)
+        publisher.publish(stored([7, 7, 7, 7]))
+        assert wait_for(lambda: s.counts.get("restarts") == 1 and s.last_seq == 0)
+        assert s.index.matched(keys()) == 0 and s.index.matched(keys([7, 7, 7, 7])) == 1
+        assert s.usable
+    finally:
+        s.stop()
+
+
+def test_dropped_subscriber_resyncs_by_replay(publisher: Publisher) -> None:
+    s = stream_for(publisher)
+    try:
+        assert wait_for(lambda: s.state == "live")
+        publisher.publish(stored(TOKENS[:4]))
+        assert wait_for(lambda: s.index.matched(keys()) == 1)
+        s.drop()
+        assert wait_for(lambda: s.state == "dropped")
+        assert not s.usable  # load-based while it reconnects
+        publisher.publish(stored(TOKENS[:8]))  # sent while nobody listens
+        assert wait_for(lambda: s.state == "live" and s.index.matched(keys()) == 2)
+        assert s.counts["drops"] == 1 and s.counts.get("gaps_replayed", 0) == 0
+    finally:
+        s.stop()
+
+
+def test_garbage_and_unknown_events_do_not_kill_the_stream(publisher: Publisher) -> None:
+    port = free_port()
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.bind(f"tcp://127.0.0.1:{port}")
+    s = EventStream("p0", EventsEndpoint(f"tcp://127.0.0.1:{port}"), PrefixIndex(),
+                    BlockHasher()).start()
+    try:
+        enc = msgspec.msgpack.Encoder()
+        good = enc.encode(batch(stored(TOKENS[:4])))
+        unknown = enc.encode([time.time(), [{"type": "BlockFrobbed", "x": 1},
+                                            msgspec.to_builtins(stored(TOKENS[:8]),
+                                                                builtin_types=(bytes,))], None])
+
+        def send(seq: int, payload: bytes) -> None:
+            pub.send_multipart((b"", seq.to_bytes(8, "big"), payload))
+
+        assert wait_for(lambda: s.state == "live")
+        deadline = time.monotonic() + 10
+        while s.last_seq is None and time.monotonic() < deadline:  # slow joiner
+            send(0, good)
+            time.sleep(0.1)
+        pub.send_multipart((b"", b"short"))
+        send(1, b"\xc1 not msgpack")
+        assert wait_for(lambda: s.counts.get("bad_frames") == 2)
+        assert len(s.index) == 0  # the garbled batch counts as lost
+        send(2, unknown)
+        assert wait_for(lambda: s.counts.get("unknown_events") == 1)
+        assert s.index.matched(keys()) == 2 and s.state == "live"
+    finally:
+        s.stop()
+        pub.close(linger=0)
+        ctx.term()
+
+
+# ---------------------------------------------------------------- scoring
+def router_with(cached: dict[str, int], load_weight: float = 0.25) -> KvRouter:
+    """A router whose instances hold the first ``cached[url]`` blocks of TOKENS."""
+    r = KvRouter(KvAwareSettings(load_weight=load_weight))
+    for url, n in cached.items():
+        ix = PrefixIndex(BS)
+        ix.store(keys()[:n], "GPU", BS)
+        s = EventStream(url, EventsEndpoint("tcp://127.0.0.1:1"), ix, None)
+        s.state = "live"
+        r.streams[url], r.indexes[url] = s, ix
+    return r
+
+
+def test_kv_aware_trades_prefix_against_load() -> None:
+    a, b, c = Instance("a", "prefill"), Instance("b", "prefill"), Instance("c", "prefill")
+    r = router_with({"a": 0, "b": 3, "c": 1})
+    order, d = r.order([a, b, c], TOKENS)
+    assert [i.url for i in order] == ["b", "c", "a"] and d.reason == "prefix"
+    assert d.predicted_tokens == 12 and d.prompt_tokens == 17
+    b.in_flight = 3  # 12/17 - 0.75 < 4/17
+    order, d = r.order([a, b, c], TOKENS)
+    assert order[0] is c and d.reason == "load" and d.predicted_tokens == 4
+    # the last prompt token is never a hit: 16 tokens give at most 3 blocks
+    r16 = router_with({"a": 4})
+    assert r16.order([a], TOKENS[:16])[1].predicted_tokens == 12
+    assert router_with({"a": 0}).order([a, c], TOKENS)[1].reason == "no_hit"
+    assert r.order([a, b, c], None)[1].reason == "no_tokens"
+    r.streams["b"].state = "dropped"
+    r.streams["c"].state = "replaying"
+    order, d = r.order([a, b, c], TOKENS)
+    assert d.reason == "no_hit" and order[0] is a  # only a's (empty) index is used
+    a.healthy = False
+    order, _ = r.order([a, b, c], TOKENS)
+    assert order[-1] is a
