@@ -64,6 +64,7 @@ from .layerwise_contract import (  # noqa: E402
 from .layerwise_scheduler import LayerwiseScheduler  # noqa: E402
 from .layerwise_worker import LayerwiseWorker  # noqa: E402
 from .p2p_metrics import P2P_METRICS  # noqa: E402
+from .rank_hosts import RankAddress, hosts_of  # noqa: E402
 from .worker_base import refuse_unsupported_shapes  # noqa: E402
 
 if TYPE_CHECKING:
@@ -139,10 +140,23 @@ class MooncakeLayerwiseConnector(ConnectorStatsMixin, KVConnectorBase_V1):
         assert self.connector_scheduler is not None
         return self.connector_scheduler.request_finished(request, block_ids)
 
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        """Where each of this instance's TP ranks listens (vLLM collects them from the
+        workers' :meth:`get_handshake_metadata`)."""
+        if self.connector_scheduler is not None:
+            self.connector_scheduler.set_rank_hosts(hosts_of(metadata))
+
     # ============================== Worker-side methods
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         assert self.connector_worker is not None
         self.connector_worker.register_kv_caches(kv_caches)
+
+    def get_handshake_metadata(self) -> Any:
+        """This rank's side-channel address, for the scheduler (:mod:`.rank_hosts`)."""
+        w = self.connector_worker
+        if w is None:
+            return None
+        return RankAddress(host=w.host, port=w.port, tp_rank=w.tp_rank)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self.connector_worker is not None

@@ -77,6 +77,8 @@ class PushReq:
     endpoint: tuple[str, int, str, int] | None = None
     #: D's capability for the request when only ``endpoint`` could be parsed
     token: str = ""
+    #: D ranks on other hosts, when only ``endpoint`` could be parsed
+    rank_hosts: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass

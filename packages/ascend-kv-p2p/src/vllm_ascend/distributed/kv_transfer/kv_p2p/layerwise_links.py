@@ -201,13 +201,14 @@ class PushLinks:
         shared = self.shared
         assert shared.layout is not None
         target = session.target
-        link.meta = self.remote_meta(target.host, link.port, expect_tp=target.tp_size)
+        host = target.host_of(link.d_rank)
+        link.meta = self.remote_meta(host, link.port, expect_tp=target.tp_size)
         msg = PushBegin(request_id=target.request_id, sender=shared.agent_id,
                         p_rank=shared.tp_rank, p_tp_size=shared.tp_size,
                         block_ids=target.block_ids[session.first_position:],
                         block_lens=[r.block_len for r in shared.layout.regions],
                         token=target.token)
-        client = shared._client(target.host, link.port)
+        client = shared._client(host, link.port)
         give_up = time.monotonic() + BEGIN_RETRY_S
         delay = 0.01
         while True:
@@ -244,7 +245,7 @@ class PushLinks:
 
     def renew_link(self, session: PushSession, link: PushLink) -> None:
         """Renew one lease now (the sender is about to write); raises if D refuses."""
-        client = self.shared._client(session.target.host, link.port)
+        client = self.shared._client(session.target.host_of(link.d_rank), link.port)
         sent = time.monotonic()
         reply = client.call(PushRenew(request_ids=[session.target.request_id],
                                       sender=self.shared.agent_id))
@@ -324,7 +325,7 @@ class PushLinks:
         self.recorder.inc("p2p_failures", cause=cause)
         logger.error("request %s: push to D rank %d stopped (%s): %s", session.request_id,
                      link.d_rank, cause, reason)
-        self.send_done(session.target, link.port, success=False, reason=reason)
+        self.send_done(session.target, link, success=False, reason=reason)
         with self.lock:
             link.state = "done"
 
@@ -334,14 +335,15 @@ class PushLinks:
             if link.state != "revoked":
                 return
             link.state = "broken"
-        self.send_done(session.target, link.port, success=False, reason=link.reason)
+        self.send_done(session.target, link, success=False, reason=link.reason)
         with self.lock:
             link.state = "done"
 
-    def send_done(self, target: PushTarget, port: int, *, success: bool, reason: str = "",
-                  nbytes: int = 0) -> bool:
-        """Tell the D rank on ``port`` that this sender completed or failed the request."""
-        return self.send_done_to(target.host, port, target.request_id, success=success,
+    def send_done(self, target: PushTarget, link: PushLink, *, success: bool,
+                  reason: str = "", nbytes: int = 0) -> bool:
+        """Tell ``link``'s D rank that this sender completed or failed the request."""
+        return self.send_done_to(target.host_of(link.d_rank), link.port, target.request_id,
+                                 success=success,
                                  reason=reason, nbytes=nbytes, token=target.token)
 
     def send_done_to(self, host: str, port: int, request_id: str, *, success: bool,
@@ -373,7 +375,8 @@ class PushLinks:
             for session in self.sessions.values():
                 for link in session.links:
                     if link.state == "granted":
-                        by_port.setdefault((session.target.host, link.port), []).append(
+                        by_port.setdefault((session.target.host_of(link.d_rank), link.port),
+                                           []).append(
                             (session, link))
         for (host, port), pairs in by_port.items():
             sent = time.monotonic()

@@ -52,6 +52,7 @@ from .params import (
     wants_virtual,
 )
 from .protocol import side_channel_port
+from .rank_hosts import parse_rank_hosts
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -70,8 +71,9 @@ class _PushProgress:
     target: PushTarget | None
     endpoint: tuple[str, int, str, int] | None
     error: str | None
-    #: D's capability when only ``endpoint`` could be parsed
+    #: D's capability and its ranks on other hosts, when only ``endpoint`` could be parsed
     token: str = ""
+    rank_hosts: dict[int, str] = field(default_factory=dict)
     block_ids: list[int] = field(default_factory=list)
     #: tokens (block aligned) D will hold once the pushes emitted so far are done
     cursor: int = 0
@@ -98,6 +100,16 @@ def isolate_from_prefix_cache(request: Request, *, first_block: int) -> None:
         hashes[i] = type(hashes[i])(hashlib.sha256(salt + bytes(hashes[i])).digest())
 
 
+def _lenient_hosts(params: Any, endpoint: tuple[str, int, str, int] | None) -> dict[int, str]:
+    """D's ranks on other hosts, to tell them a request failed (``{}`` if unusable)."""
+    if endpoint is None or not isinstance(params, dict):
+        return {}
+    try:
+        return parse_rank_hosts(params, tp_size=endpoint[3])
+    except KVParamsError:
+        return {}
+
+
 class LayerwiseScheduler:
     """Scheduler-side logic of the layerwise connector."""
 
@@ -120,10 +132,22 @@ class LayerwiseScheduler:
         self._push: dict[str, _PushProgress] = {}
         self._pending_pushes: dict[str, PushReq] = {}
         self._failed_posts: dict[str, str] = {}
+        #: this instance's TP ranks that listen on another host than ``host`` (multi-node D)
+        self.rank_hosts: dict[int, str] = {}
+        #: every rank's host as the workers published it (``None`` until vLLM passed them)
+        self.published_hosts: dict[int, str] | None = None
         self._lock = threading.Lock()
         self.metaserver = (MetaserverClient(cfg.tls_config, timeout_s=cfg.metaserver_timeout_s,
                                             retries=cfg.metaserver_retries)
                            if self.is_consumer else None)
+
+    def set_rank_hosts(self, hosts: dict[int, str]) -> None:
+        """Where each TP rank's side channel listens (from the workers' handshake metadata);
+        only ranks away from the scheduler's host are posted (the others are at ``host``)."""
+        self.published_hosts = dict(hosts)
+        self.rank_hosts = {r: h for r, h in hosts.items() if h != self.host}
+        if self.rank_hosts:
+            logger.info("TP ranks on other hosts than %s: %s", self.host, self.rank_hosts)
 
     # ------------------------------------------------------------ vLLM hooks
     def get_num_new_matched_tokens(self, request: Request,
@@ -178,7 +202,7 @@ class LayerwiseScheduler:
             proxy_request_id=proxy_id if isinstance(proxy_id, str) and proxy_id else rid,
             block_ids=local, block_size=self.block_size, engine_id=self.engine_id,
             host=self.host, port=self.side_port, request_id=rid, tp_size=self.tp_size,
-            cached_tokens=cached, push_token=meta.push_token)
+            cached_tokens=cached, push_token=meta.push_token, rank_hosts=self.rank_hosts)
         assert self.metaserver is not None
 
         def failed(reason: str) -> None:
@@ -208,14 +232,16 @@ class LayerwiseScheduler:
                 endpoint = None  # D cannot even be told; it fails at its deadline
         state = self._push.get(rid)
         if state is None:
-            state = _PushProgress(request, target, endpoint, error, token)
+            state = _PushProgress(request, target, endpoint, error, token,
+                                  _lenient_hosts(params, endpoint))
             self._push[rid] = state
         if target is None:
             if not state.notified:
                 # Nothing can be pushed: tell D at once rather than at its deadline.
                 state.notified = True
                 self._pending_pushes[rid] = PushReq(rid, None, abort=error, endpoint=endpoint,
-                                                    token=state.token)
+                                                    token=state.token,
+                                                    rank_hosts=state.rank_hosts)
             return
         # (Re)start from D's cached prefix: after a preemption P recomputes into new blocks.
         state.block_ids = list(blocks.get_block_ids()[0])
@@ -289,6 +315,7 @@ class LayerwiseScheduler:
                     return False, None
                 self._pending_pushes[rid] = PushReq(
                     rid, None, endpoint=endpoint, token=token,
+                    rank_hosts=_lenient_hosts(params, endpoint),
                     abort="the request ended on the prefill instance before it was scheduled")
             return False, None
         if state.emitted:

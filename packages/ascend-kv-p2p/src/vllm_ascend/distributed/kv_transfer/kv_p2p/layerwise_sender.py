@@ -76,6 +76,8 @@ class _FailNotice:
     reason: str
     #: D's capability for the request (with ``endpoint``; ``target`` carries its own)
     token: str = ""
+    #: D ranks on other hosts (with ``endpoint``; ``target`` carries its own)
+    rank_hosts: dict[int, str] = field(default_factory=dict)
 
 
 class PushSender:
@@ -144,7 +146,8 @@ class PushSender:
         links = self.links
         for rid, push in metadata.pushes.items():
             if push.abort is not None:
-                self._queue.put(_FailNotice(push.target, push.endpoint, push.abort, push.token))
+                self._queue.put(_FailNotice(push.target, push.endpoint, push.abort, push.token,
+                                            push.rank_hosts))
                 continue
             assert push.target is not None
             with links.lock:
@@ -334,7 +337,7 @@ class PushSender:
                     if link.state == "revoked":
                         links.close_revoked(session, link)
                     if link.state == "granted":
-                        accepted = links.send_done(session.target, link.port, success=True,
+                        accepted = links.send_done(session.target, link, success=True,
                                                    nbytes=link.nbytes)
                         with links.lock:
                             link.state = "done"
@@ -357,11 +360,11 @@ class PushSender:
             self.links.stop_link(session, link, f"{type(exc).__name__}: {exc}", cause="begin")
 
     def _run_notice(self, task: _FailNotice) -> None:
-        token = task.token
+        token, hosts = task.token, task.rank_hosts
         if task.target is not None:
             host, port, rid, d_tp = (task.target.host, task.target.port, task.target.request_id,
                                      task.target.tp_size)
-            token = task.target.token
+            token, hosts = task.target.token, task.target.rank_hosts
         elif task.endpoint is not None:
             host, port, rid, d_tp = task.endpoint
         else:
@@ -369,5 +372,6 @@ class PushSender:
                          "(%s); D fails it at its deadline", task.reason)
             return
         for d in range(d_tp):
-            self.links.send_done_to(host, worker_port(port, tp_rank=d, tp_size=d_tp), rid,
+            self.links.send_done_to(hosts.get(d, host),
+                                    worker_port(port, tp_rank=d, tp_size=d_tp), rid,
                                     success=False, reason=task.reason, token=token)

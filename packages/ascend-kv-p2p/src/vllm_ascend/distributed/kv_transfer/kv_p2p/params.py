@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import KVParamsError
+from .rank_hosts import MULTI_NODES_KEY, multi_nodes_mapping, parse_rank_hosts
 
 #: Keys P writes for D (``request_finished``); D reads the same.
 REMOTE_KEYS = ("remote_block_ids", "remote_engine_id", "remote_host", "remote_port",
@@ -216,6 +217,12 @@ class PushTarget:
     #: D's capability for this request (``remote_push_token``); ``""`` from a D that issued
     #: none (an older D)
     token: str = ""
+    #: D ranks that live on another host than ``host`` (``remote_multi_nodes_meta_mapping``)
+    rank_hosts: dict[int, str] = field(default_factory=dict)
+
+    def host_of(self, d_rank: int) -> str:
+        """Where D rank ``d_rank``'s side channel listens."""
+        return self.rank_hosts.get(d_rank, self.host)
 
 
 def push_token(params: Any) -> str:
@@ -286,12 +293,14 @@ def parse_push_target(params: Any, *, prompt_len: int, block_size: int) -> PushT
     _int(params, "remote_dcp_size", default=1, minimum=1, maximum=1)
     return PushTarget(engine_id=_str(params, "remote_engine_id"), host=host, port=port,
                       request_id=request_id, block_ids=list(blocks), cached_tokens=cached,
-                      tp_size=tp_size, token=push_token(params))
+                      tp_size=tp_size, token=push_token(params),
+                      rank_hosts=parse_rank_hosts(params, tp_size=tp_size))
 
 
 def params_for_prefill(*, proxy_request_id: str, block_ids: list[int], block_size: int,
                        engine_id: str, host: str, port: int, request_id: str, tp_size: int,
-                       cached_tokens: int, push_token: str = "") -> dict[str, Any]:
+                       cached_tokens: int, push_token: str = "",
+                       rank_hosts: Mapping[int, str] | None = None) -> dict[str, Any]:
     """What D posts to the metaserver; the proxy hands it to P as ``kv_transfer_params``.
 
     The keys are upstream's, plus ``remote_request_id`` (D's own request id, which P echoes
@@ -316,4 +325,6 @@ def params_for_prefill(*, proxy_request_id: str, block_ids: list[int], block_siz
     }
     if push_token:
         out["remote_push_token"] = push_token
+    if rank_hosts:
+        out[MULTI_NODES_KEY] = multi_nodes_mapping(rank_hosts, engine_id)
     return out

@@ -1,0 +1,154 @@
+# SPDX-License-Identifier: Apache-2.0
+"""An instance whose TP ranks live on different hosts: each rank publishes its own address
+(vLLM's handshake-metadata path), the scheduler posts them in
+``remote_multi_nodes_meta_mapping``, and the peer dials each rank where it lives.
+
+The "hosts" are distinct loopback addresses (127.0.0.2, 127.0.0.3): one vLLM CPU engine
+cannot place its TP workers in different network namespaces (its executor spawns them on
+this host, sharing one environment), so the ranks are built as workers here, each with its
+own ``VLLM_ASCEND_KV_HOST`` as on its own node, with the real side channels and the real
+Mooncake transfer engine. Nothing listens on the scheduler's address at the ranks' ports:
+a push that ignored the mapping would fail.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_p2p_layerwise_scheduler import Metaserver, d_params, make_scheduler, model_dir, step
+from test_p2p_layerwise_worker import (
+    d_expect,
+    expected_block,
+    make_caches,
+    new_worker,
+    p_step,
+    wait_recv,
+)
+
+from vllm_ascend.distributed.kv_transfer.core.net import HOST_ENV_VARS, free_port
+from vllm_ascend.distributed.kv_transfer.kv_p2p.errors import KVParamsError
+from vllm_ascend.distributed.kv_transfer.kv_p2p.layerwise_contract import PushReq
+from vllm_ascend.distributed.kv_transfer.kv_p2p.params import parse_push_target
+from vllm_ascend.distributed.kv_transfer.kv_p2p.rank_hosts import (
+    MULTI_NODES_KEY,
+    RankAddress,
+    hosts_of,
+    parse_rank_hosts,
+)
+
+__all__ = ["model_dir"]  # the fixture, imported for this module's tests
+
+BS = 16
+RANK_HOSTS = {0: "127.0.0.2", 1: "127.0.0.3"}
+
+
+def at_host(monkeypatch: pytest.MonkeyPatch, host: str) -> None:
+    for var in HOST_ENV_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv(HOST_ENV_VARS[0], host)
+
+
+def test_p_pushes_to_d_ranks_on_their_own_hosts(monkeypatch: pytest.MonkeyPatch) -> None:
+    p_port, d_port = free_port(), free_port()
+    d_workers = []
+    try:
+        for rank, host in RANK_HOSTS.items():
+            at_host(monkeypatch, host)  # as on the rank's own node
+            d_workers.append(new_worker("kv_consumer", d_port, 2, rank, "D"))
+        at_host(monkeypatch, "127.0.0.1")
+        p = new_worker("kv_producer", p_port, 1, 0, "P")
+        d_workers.append(p)  # closed with the others
+        caches_p = [make_caches("cpu", 1, 0, fill=True)]
+        p.register_kv_caches(caches_p[0])
+        caches_d = [make_caches("cpu", 2, r, fill=False) for r in RANK_HOSTS]
+        for w, c in zip(d_workers[:2], caches_d, strict=True):
+            w.register_kv_caches(c)
+        published = {w.tp_rank: RankAddress(host=w.host, port=w.port, tp_rank=w.tp_rank)
+                     for w in d_workers[:2]}
+        assert hosts_of(published) == RANK_HOSTS
+        # what D's scheduler posts (its own host is 127.0.0.1, where no rank listens)
+        params = {"remote_engine_id": "D", "remote_host": "127.0.0.1", "remote_port": d_port,
+                  "remote_request_id": "r", "remote_tp_size": 2, "remote_block_ids": [1, 5],
+                  "remote_block_size": BS, "remote_cached_tokens": 0,
+                  MULTI_NODES_KEY: {str(r): {"host": h, "engine_id": "D"}
+                                    for r, h in RANK_HOSTS.items()}}
+        tgt = parse_push_target(params, prompt_len=2 * BS, block_size=BS)
+        assert tgt.rank_hosts == RANK_HOSTS and tgt.host_of(1) == "127.0.0.3"
+        for w in d_workers[:2]:
+            d_expect(w, "r", [1, 5])
+        p_step([p], caches_p, {"r": PushReq("r", tgt, [0, 1], [7, 3], last=True)})
+        for w in d_workers[:2]:
+            assert wait_recv(w, "r") == set()
+        for d_rank, cache in enumerate(caches_d):
+            for name, value in cache.items():
+                for db, pb in ((1, 7), (5, 3)):
+                    want = expected_block(caches_p, "cpu", 1, 2, d_rank, name, pb)
+                    torch.testing.assert_close(value[db], want, rtol=0, atol=0)
+    finally:
+        for w in d_workers:
+            w.shutdown()
+
+
+def test_without_the_mapping_the_push_fails_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same D ranks, P told only ``remote_host``: it cannot reach them, and says so."""
+    from test_p2p_layerwise_worker import layerwise_links, target
+
+    monkeypatch.setattr(layerwise_links, "BEGIN_RETRY_S", 0.5)
+    p_port, d_port = free_port(), free_port()
+    workers = []
+    try:
+        at_host(monkeypatch, RANK_HOSTS[0])
+        d = new_worker("kv_consumer", d_port, 1, 0, "D", {"load_timeout_s": 3.0})
+        workers.append(d)
+        d.register_kv_caches(make_caches("cpu", 1, 0, fill=False))
+        at_host(monkeypatch, "127.0.0.1")
+        p = new_worker("kv_producer", p_port, 1, 0, "P", {"handshake_timeout_s": 1.0})
+        workers.append(p)
+        cp = make_caches("cpu", 1, 0, fill=True)
+        p.register_kv_caches(cp)
+        d_expect(d, "r", [1, 2])
+        p_step([p], [cp], {"r": PushReq("r", target(d_port, "r", [1, 2]), [0, 1], [4, 5],
+                                        last=True)})
+        assert wait_recv(d, "r", timeout=15) == {1, 2}  # failed at D's deadline, not hung
+        failures = {k: v for k, v in p.recorder.totals().items() if "p2p_failures" in str(k)}
+        assert sum(failures.values()) >= 1, p.recorder.totals()
+    finally:
+        for w in workers:
+            w.shutdown()
+
+
+def test_d_scheduler_posts_its_ranks_hosts(model_dir: Path, monkeypatch: pytest.MonkeyPatch
+                                           ) -> None:
+    server = Metaserver()
+    try:
+        s = make_scheduler(model_dir, "kv_consumer")
+        conn = s.get_kv_connector()
+        me = conn.connector_scheduler.host
+        conn.set_xfer_handshake_metadata({0: RankAddress(me, 1, 0),
+                                          1: RankAddress("10.1.2.3", 2, 1)})
+        from test_p2p_layerwise_scheduler import request
+
+        s.add_request(request("d1", 40, d_params(server.url)))
+        step(s)
+        post = server.wait_posts(1)[0]
+        # only the rank away from the scheduler's host is named
+        assert post[MULTI_NODES_KEY] == {"1": {"host": "10.1.2.3",
+                                               "engine_id": "engine-kv_consumer"}}
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize(("mapping", "match"), [
+    ("10.0.0.1", "must be an object"),
+    ({"x": {"host": "a"}}, "keys are TP ranks"),
+    ({"2": {"host": "a"}}, "names rank 2 of an instance of TP size 2"),
+    ({"0": {"host": 5}}, "'host' string"),
+    ({"0": "10.0.0.1"}, "'host' string"),
+])
+def test_a_malformed_mapping_is_a_clear_error(mapping: Any, match: str) -> None:
+    with pytest.raises(KVParamsError, match=match):
+        parse_rank_hosts({MULTI_NODES_KEY: mapping}, tp_size=2)
+    assert parse_rank_hosts({}, tp_size=2) == {}
