@@ -31,16 +31,18 @@ import logging
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 from .benchutil import Steps, add_common_args, format_table, write_results
 from .serve_child import EngineChild, EngineError, short_error, tail
+from .serve_compare import interval_comparisons, round_series
 from .serve_peers import NOT_ON_CPU
-from .serve_report import comparisons, summarize, table_rows
+from .serve_report import summarize, table_rows
+from .serve_rounds import run_rounds
 from .serve_scenarios import (
     PATCH_MODULE,
+    PD_BINDINGS,
     PD_THREADS_BIND,
     PEERS_ENV,
     Run,
@@ -52,7 +54,6 @@ from .serve_scenarios import (
     peers_path,
     prompt_lengths,
     python_has,
-    reference,
     skip_reason,
 )
 
@@ -60,7 +61,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["BENCH_MODEL", "PATCH_MODULE", "PEERS_ENV", "QUICK_MODEL", "EngineChild", "EngineError", "ServeConfig",
            "add_parser", "make_model", "make_prompts", "prompt_lengths", "python_has",
-           "run", "scenarios", "select", "skip_reason", "summarize", "table_rows", "tail"]
+           "run", "scenarios", "select", "short_error", "skip_reason", "summarize", "table_rows", "tail"]
 
 #: The full-size model: the peer report's random Llama (8 layers, 4 KV heads of 64).
 BENCH_MODEL = dict(vocab_size=8192, hidden_size=512, intermediate_size=1280,
@@ -89,6 +90,11 @@ def build_config(args: argparse.Namespace) -> ServeConfig:
     block = args.block_size or (32 if args.quick else 128)
     target = args.prompt_tokens or (2 * block if args.quick else 2048)
     lengths = prompt_lengths(target, block)
+    pd_lengths = _ints(args.pd_tokens) if args.pd_tokens else ([2048] if args.quick
+                                                                else [2048, 8192])
+    need = max(*lengths, *pd_lengths) + 256
+    if need > int(spec["max_position_embeddings"]):  # long P/D prompts: a longer context
+        spec = {**spec, "max_position_embeddings": 1 << (need - 1).bit_length()}
     model = args.model or str(make_model(
         Path(args.model_dir or Path(tempfile.gettempdir()) /
              ("vakv-serve-quick" if args.quick else "vakv-serve-llama")) / args.dtype,
@@ -99,16 +105,37 @@ def build_config(args: argparse.Namespace) -> ServeConfig:
             spec = {**spec, **{k: v for k, v in json.loads(cfg_path.read_text()).items()
                                if k in spec}}
     thr_prompt = args.throughput_prompt or (block if args.quick else 512)
+    if args.pd_threads_bind:  # one binding given: it alone
+        bindings: tuple[str, ...] = (f"bind={args.pd_threads_bind}",)
+    else:
+        bindings = tuple(b.strip() for b in (args.pd_bindings or (
+            "nobind" if args.quick else "pinned,nobind")).split(",") if b.strip())
+        unknown = [b for b in bindings if b not in PD_BINDINGS and not b.startswith("bind=")]
+        if unknown:
+            raise SystemExit(f"bench serve: unknown --pd-bindings {unknown}; known: "
+                             f"{sorted(PD_BINDINGS)} or bind=<VLLM_CPU_OMP_THREADS_BIND>")
     return ServeConfig(
         model=model, model_spec=dict(spec), dtype=args.dtype, block_size=block, lengths=lengths,
         throughput_batch=args.throughput_batch or (2 if args.quick else 4),
         throughput_prompt=thr_prompt,
         throughput_tokens=args.throughput_tokens or (8 if args.quick else 32),
-        max_model_len=max(max(lengths), thr_prompt) + 256, out=Path(args.out),
+        max_model_len=max(*lengths, *pd_lengths, thr_prompt) + 256, out=Path(args.out),
         nixl_python=args.nixl_python, peers_path=peers_path(args.peers_path),
         startup_timeout=args.startup_timeout,
-        repeats=args.repeats or (1 if args.quick else 3),
-        pd_threads_bind=args.pd_threads_bind)
+        repeats=args.repeats or (1 if args.quick else 2),
+        pd_threads_bind=args.pd_threads_bind,
+        rounds=args.rounds or (2 if args.quick else 5), pd_lengths=pd_lengths,
+        pd_bindings=bindings)
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"bench serve: --pd-tokens takes numbers, got {text!r}") from None
+    if not vals or min(vals) <= 0:
+        raise SystemExit(f"bench serve: --pd-tokens takes positive numbers, got {text!r}")
+    return vals
 
 
 def select(args: argparse.Namespace) -> list[Scenario]:
@@ -134,48 +161,24 @@ def run(args: argparse.Namespace) -> int:
     chosen = select(args)
     steps = Steps(len(chosen), "serve")
     state = Run(cfg, steps)
-    results: dict[str, dict[str, Any]] = {}
     try:
-        for sc in chosen:
-            steps.step(f"{sc.name}: {sc.connector} ({sc.describe})")
-            entry: dict[str, Any] = {"family": sc.family, "who": sc.who,
-                                     "connector": sc.connector, "describe": sc.describe}
-            reason = skip_reason(sc, cfg)
-            if reason:
-                steps.note(f"{sc.name}: skipped: {reason}")
-                entry.update(status="skipped", reason=reason)
-            else:
-                start = time.monotonic()
-                try:
-                    assert sc.run is not None
-                    data = sc.run(state)
-                    if "unsupported" in data:
-                        entry.update(status="unsupported", reason=data["unsupported"])
-                    else:
-                        entry.update(status="ok", **data)
-                        if sc.name != "baseline":
-                            steps.note(f"{sc.name}: the engine without a connector again")
-                            entry["reference"] = reference(state)
-                except Exception as exc:  # one scenario's failure is reported, not fatal
-                    logger.warning("%s failed: %s", sc.name, exc)
-                    entry.update(status="failed", reason=short_error(str(exc)) or repr(exc),
-                                 error=str(exc)[-4000:])
-                entry["wall_s"] = time.monotonic() - start
-            results[sc.name] = entry
+        results = run_rounds(state, chosen)
     finally:
         state.close()
     for name, why in NOT_ON_CPU.items():
         results[f"peer/{name}"] = {"family": "peer", "who": "vllm", "connector": name,
                                    "status": "unsupported", "reason": why}
     summary = summarize(results, cfg)
-    comps = comparisons(summary, scenarios())
+    rounds = {n: r for n, e in results.items() if (r := round_series(e)) is not None}
+    comps = interval_comparisons(results, rounds, scenarios())
     rows = table_rows(results, summary)
     print(format_table(rows, ["scenario", "connector", "status", "ttft_s", "vs_recompute",
                               "cold_vs_base", "tput_vs_base", "kv_GBps", "tokens_ok", "note"]))
     measured = [c for c in comps if c["ratio"] is not None]
     if measured:
         print()
-        print(format_table(measured, ["what", "ratio", "goal", "met"]))
+        print(format_table(measured, ["what", "ratio", "low", "high", "min", "max", "rounds",
+                                      "goal", "met", "note"]))
     path = write_results("serve", {
         "description": "real vLLM CPU engines with and without each connector, same model and "
                        "prompts; TTFT = wall time of generate(max_tokens=1) in the engine "
@@ -183,13 +186,19 @@ def run(args: argparse.Namespace) -> int:
         "config": {"model": cfg.model, "model_spec": cfg.model_spec, "dtype": cfg.dtype,
                    "block_size": cfg.block_size, "lengths": cfg.lengths,
                    "kv_bytes_per_token": cfg.kv_bytes_per_token,
-                   "repeats": cfg.repeats,
+                   "repeats": cfg.repeats, "rounds": cfg.rounds,
+                   "pd_lengths": cfg.pd_lengths, "pd_bindings": list(cfg.pd_bindings),
+                   "pd_binding_env": {b: dict(zip(("prefill", "decode"),
+                                                  PD_BINDINGS.get(b, (b[5:], b[5:])),
+                                                  strict=True))
+                                      for b in cfg.pd_bindings},
                    "throughput": {"batch": cfg.throughput_batch,
                                   "prompt_tokens": cfg.throughput_prompt,
                                   "max_tokens": cfg.throughput_tokens},
                    "pd_threads_bind": cfg.pd_threads_bind, "quick": bool(args.quick),
                    "nixl_python": cfg.nixl_python or sys.executable},
-        "scenarios": results, "summary": summary, "comparisons": comps, "rows": rows}, cfg.out)
+        "scenarios": results, "summary": summary, "rounds": rounds, "comparisons": comps,
+        "rows": rows}, cfg.out)
     print(f"results: {path}")
     return 0
 
@@ -225,17 +234,29 @@ def add_parser(subparsers: Any) -> None:
                    help=f"directory of the peer harness modules (default: ${PEERS_ENV} or "
                         "./benchmarks/peers)")
     p.add_argument("--repeats", type=int, default=None,
-                   help="samples of each hit / recompute and of the throughput batch (median "
-                        "/ best; default 3, quick 1)")
+                   help="samples of each hit / recompute within a round (median; default 2, "
+                        "quick 1)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="alternating rounds: the scenarios of a family measured in turns, "
+                        "engines kept up (default 5, quick 2)")
+    p.add_argument("--pd-tokens", default=None,
+                   help="comma-separated prompt lengths of the P/D scenarios (default "
+                        "2048,8192; quick 2048)")
+    p.add_argument("--pd-bindings", default=None,
+                   help="comma-separated thread bindings the P/D scenarios run under: "
+                        f"{', '.join(f'{k} (P {v[0]}, D {v[1]})' for k, v in PD_BINDINGS.items())}"
+                        " or bind=<value> (default pinned,nobind; quick nobind)")
     p.add_argument("--pd-threads-bind", default=PD_THREADS_BIND,
-                   help="VLLM_CPU_OMP_THREADS_BIND of every P/D engine (default: "
-                        "vLLM's own binding)")
+                   help="VLLM_CPU_OMP_THREADS_BIND of every P/D engine, one binding only "
+                        "(overrides --pd-bindings)")
     p.add_argument("--startup-timeout", type=float, default=300.0,
                    help="seconds an engine may take to start")
     p.set_defaults(func=_checked_run)
 
 
 def _checked_run(args: argparse.Namespace) -> int:
+    if args.rounds is not None and args.rounds < 1:
+        raise SystemExit(f"bench serve: --rounds must be at least 1, got {args.rounds}")
     if args.block_size is not None and (args.block_size <= 0 or args.block_size % 32):
         raise SystemExit(f"bench serve: --block-size must be a positive multiple of 32 on CPU, "
                          f"got {args.block_size}")

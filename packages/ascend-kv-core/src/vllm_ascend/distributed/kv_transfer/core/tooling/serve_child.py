@@ -52,6 +52,7 @@ def _child_main() -> int:
         return 1
     answer("ready")
     engine = llm.llm_engine
+    external = _count_external_tokens(engine)
     sel = selectors.DefaultSelector()
     sel.register(sys.stdin, selectors.EVENT_READ)
 
@@ -91,10 +92,16 @@ def _child_main() -> int:
                                                  ignore_eos=True, detokenize=False,
                                                  extra_args=extra))
                 prompts = [TokensPrompt(prompt_token_ids=p) for p in cmd["prompts"]]
+                if external is not None:
+                    external.clear()
                 start = time.perf_counter()
                 outs = llm.generate(prompts, params, use_tqdm=False)
                 seconds = time.perf_counter() - start
-                answer("ok", {"seconds": seconds, "outputs": [
+                answer("ok", {"seconds": seconds,
+                              # vLLM's num_external_computed_tokens of the call's requests
+                              # (None: no prefill stats seen, so unknown)
+                              "external_tokens": sum(external) if external else None,
+                              "outputs": [
                     {"tokens": list(o.outputs[0].token_ids),
                      "cached": o.num_cached_tokens,
                      "kv_transfer_params": o.kv_transfer_params,
@@ -112,6 +119,33 @@ def _child_main() -> int:
                 answer("error", f"unknown op {op!r}")
         except Exception:
             answer("error", traceback.format_exc())
+
+
+def _count_external_tokens(engine: Any) -> list[int] | None:
+    """Record vLLM's ``num_external_cached_tokens`` (a connector's loaded tokens) of every
+    finished prefill, from the prefill stats the engine core hands the output processor.
+
+    ``RequestOutput.num_cached_tokens`` cannot tell: it adds the local prefix hits, and on
+    a P/D decode instance vLLM overwrites it with P's own cache hits. Returns the list the
+    counts are appended to, or ``None`` where this vLLM has no such stats (in-process
+    engine core only).
+    """
+    proc = getattr(engine, "output_processor", None)
+    if proc is None or not hasattr(proc, "process_outputs"):
+        return None
+    counts: list[int] = []
+    original = proc.process_outputs
+
+    def process_outputs(engine_core_outputs: Any, *args: Any, **kwargs: Any) -> Any:
+        for out in engine_core_outputs or ():
+            stats = getattr(out, "prefill_stats", None)
+            n = getattr(stats, "num_external_cached_tokens", None)
+            if isinstance(n, int):
+                counts.append(n)
+        return original(engine_core_outputs, *args, **kwargs)
+
+    proc.process_outputs = process_outputs
+    return counts
 
 
 class EngineError(RuntimeError):

@@ -46,21 +46,22 @@ NOT_ON_CPU = {
 
 
 def sc_baseline(run: Run) -> dict[str, Any]:
-    """No connector. The engine stays up: :func:`reference` measures it again next to
-    every other scenario."""
-    eng = run.engine("baseline", None)
+    """No connector. The engine stays up for the whole run: every round measures it again
+    next to the scenarios it is compared with."""
+    if run.base_engine is None:
+        run.base_engine = run.engine("baseline", None)
     try:
-        result = cache_flow(run, eng, "baseline")
+        return cache_flow(run, run.base_engine, "baseline")
     except BaseException:
-        eng.close()
+        run.base_engine.close()
+        run.base_engine = None
         raise
-    run.base_engine = eng
-    return result
 
 
 def sc_pd_vllm_mooncake(run: Run) -> dict[str, Any]:
     """vLLM's MooncakeConnector (P pushes on D's request), patched for CPU."""
-    port = free_port()
+    # the bootstrap port of P, kept with P across the rounds of one binding
+    port = run.memo.setdefault(f"pd/vllm-mooncake-bootstrap[{run.binding}]", free_port())
     engine_id = "bench-vllm-mc-p"
     p_kv = {"kv_connector": "MooncakeConnector", "kv_role": "kv_producer",
             "engine_id": engine_id,

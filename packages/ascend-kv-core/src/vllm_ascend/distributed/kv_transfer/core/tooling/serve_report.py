@@ -58,7 +58,7 @@ def summarize(results: dict[str, dict[str, Any]], cfg: ServeConfig) -> dict[str,
                                   for r in rows if r["d_ttft_s"] > 0)
             s["d_ttft_over_device_hit"] = median(ratio(r["d_ttft_s"], floor.get(r["tokens"]))
                                                  for r in rows)
-            s["tokens_equal"] = all(
+            s["tokens_equal"] = res["tokens_equal"] if "tokens_equal" in res else all(
                 t == base_tok.get(r["tokens"])
                 for r in rows for t in r.get("d_tokens_all", [r["d_token"]]))
             s["failed"] = [r["tokens"] for r in rows if r["finish"] not in ("length", "stop")]
@@ -73,7 +73,7 @@ def summarize(results: dict[str, dict[str, Any]], cfg: ServeConfig) -> dict[str,
                                               for r in rows)
             s["cached"] = {r["tokens"]: r["again_cached"] for r in rows}
             s["missed"] = [r["tokens"] for r in rows if not r["again_cached"]]
-            s["tokens_equal"] = all(
+            s["tokens_equal"] = res["tokens_equal"] if "tokens_equal" in res else all(
                 r["cold_token"] == base_tok.get(r["tokens"])
                 and all(t == base_tok.get(r["tokens"])
                         for t in r.get("again_tokens_all", [r["again_token"]]))

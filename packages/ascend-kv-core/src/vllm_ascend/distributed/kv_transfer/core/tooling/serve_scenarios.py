@@ -38,6 +38,10 @@ logger = logging.getLogger(__name__)
 #: to the last core: its D-side TTFT then equals a recompute (measured on the 2-core
 #: machine), while ours and vLLM's MooncakeConnector are unaffected.
 PD_THREADS_BIND = ""
+#: Thread bindings the P/D scenarios run under, as ``VLLM_CPU_OMP_THREADS_BIND`` of P and
+#: of D: ``pinned`` gives each engine its own core, ``nobind`` leaves the threads to the OS.
+#: Each P/D scenario is reported under each; ours is compared with each peer's best.
+PD_BINDINGS: dict[str, tuple[str, str]] = {"pinned": ("0", "1"), "nobind": ("nobind", "nobind")}
 PATCH_MODULE = "vllm_mooncake_cpu_patch"
 PEERS_ENV = "VLLM_ASCEND_KV_BENCH_PEERS"
 #: Run order of the families; within one, ours first, then in declaration order.
@@ -67,6 +71,12 @@ class ServeConfig:
     seed: int = 0
     repeats: int = 1
     pd_threads_bind: str = PD_THREADS_BIND
+    #: alternating rounds: every scenario of a family is measured once a round, in turns
+    rounds: int = 1
+    #: prompt lengths of the P/D scenarios (default: ``lengths``)
+    pd_lengths: list[int] = field(default_factory=list)
+    #: names of :data:`PD_BINDINGS` (or ``bind=<value>``) the P/D scenarios run under
+    pd_bindings: tuple[str, ...] = ("nobind",)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -111,6 +121,30 @@ def make_model(path: Path, spec: dict[str, Any], dtype: str = "float32") -> Path
     return path
 
 
+def binding_env(binding: str | None) -> tuple[dict[str, str], dict[str, str]]:
+    """``VLLM_CPU_OMP_THREADS_BIND`` of P and of D under ``binding``.
+
+    ``pinned`` on a machine of one CPU puts both on core 0; ``bind=<v>`` gives both ``v``;
+    ``None`` or ``""``: vLLM's default.
+
+    Raises:
+        ValueError: an unknown binding name.
+    """
+    if not binding:
+        return {}, {}
+    if binding.startswith("bind="):
+        v = binding[5:]
+        return ({"VLLM_CPU_OMP_THREADS_BIND": v}, {"VLLM_CPU_OMP_THREADS_BIND": v}) if v \
+            else ({}, {})
+    if binding not in PD_BINDINGS:
+        raise ValueError(f"unknown P/D binding {binding!r}; known: {sorted(PD_BINDINGS)} or "
+                         "bind=<VLLM_CPU_OMP_THREADS_BIND>")
+    p, d = PD_BINDINGS[binding]
+    if binding == "pinned" and (os.cpu_count() or 1) < 2:
+        d = p
+    return {"VLLM_CPU_OMP_THREADS_BIND": p}, {"VLLM_CPU_OMP_THREADS_BIND": d}
+
+
 def llm_kwargs(cfg: ServeConfig, kv: dict[str, Any] | None) -> dict[str, Any]:
     """``vllm.LLM`` arguments of every engine of the run (only the connector differs)."""
     kw: dict[str, Any] = dict(model=cfg.model, skip_tokenizer_init=True, dtype=cfg.dtype,
@@ -144,6 +178,9 @@ class Comparison:
     peer: str
     goal: Goal | None = None
     inverse: bool = False
+    #: goal of the ratio of the overheads (over the floor, or of the save); ``None``: the
+    #: report's default (P/D: <= 0.8; else ``goal`` when it has a bound)
+    overhead_goal: Goal | None = None
 
 
 @dataclass
@@ -246,12 +283,22 @@ class Run:
     def __init__(self, cfg: ServeConfig, steps: Steps) -> None:
         self.cfg = cfg
         self.steps = steps
-        vocab = int(cfg.model_spec["vocab_size"])
-        self.prompts = make_prompts(cfg.lengths, cfg.seed + 1, vocab)
-        self.warmup = make_prompts([max(8, cfg.block_size // 2)], cfg.seed + 2, vocab)[0]
+        self.vocab = int(cfg.model_spec["vocab_size"])
+        #: the prompts of the current round (:meth:`start_round`)
+        self.prompts = make_prompts(cfg.lengths, cfg.seed + 1, self.vocab)
+        #: the P/D prompts: the same every round (P's own prefix cache keeps P's part cheap)
+        self.pd_prompts = make_prompts(cfg.pd_lengths or cfg.lengths, cfg.seed + 3, self.vocab)
+        self.warmup = make_prompts([max(8, cfg.block_size // 2)], cfg.seed + 2, self.vocab)[0]
         # fresh prompts for each throughput sample (no sample hits another's prefix)
         self.batches = [make_prompts([cfg.throughput_prompt] * cfg.throughput_batch,
-                                     cfg.seed + 10 + r, vocab) for r in range(cfg.repeats)]
+                                     cfg.seed + 10 + r, self.vocab) for r in range(cfg.repeats)]
+        #: the round being measured, and the P/D thread binding of this pass
+        self.round = 0
+        self.binding: str | None = None
+        #: engines kept up across the rounds of one family, by scenario (and binding)
+        self.live: dict[str, list[EngineChild]] = {}
+        #: values a scenario must keep across its rounds (e.g. the port its kept P listens on)
+        self.memo: dict[str, Any] = {}
         #: the engine without a connector, kept for the whole run: its recompute and
         #: throughput are measured again next to every scenario (a shared machine drifts)
         self.base_engine: EngineChild | None = None
@@ -268,6 +315,33 @@ class Run:
                            log=self.cfg.out / "serve-logs" / f"{name.replace('/', '-')}.log",
                            timeout=self.cfg.startup_timeout)
 
+    def start_round(self, index: int, *, pd: bool = False) -> None:
+        """Make round ``index`` current: fresh prompts (a cold request must miss every
+        cache, a save must write) and a fresh throughput batch; P/D keeps its prompts."""
+        self.round = index
+        if not pd:
+            seed = self.cfg.seed + 1 + 1000 * index
+            self.prompts = make_prompts(self.cfg.lengths, seed, self.vocab)
+            self.batches = [make_prompts([self.cfg.throughput_prompt] * self.cfg.throughput_batch,
+                                         seed + 500, self.vocab)]
+
+    def kept(self, key: str, start: Callable[[], list[EngineChild]]) -> list[EngineChild]:
+        """The engines of ``key``, started by ``start`` on first use and kept up until
+        :meth:`close_live` (the rounds of one family measure the same engines)."""
+        if key not in self.live:
+            self.live[key] = start()
+        return self.live[key]
+
+    def drop(self, key: str) -> None:
+        """Stop the engines of ``key`` (after a failure: the next round starts them again)."""
+        for eng in reversed(self.live.pop(key, [])):
+            eng.close()
+
+    def close_live(self) -> None:
+        """Stop every kept engine (the family's rounds are done)."""
+        for key in list(self.live):
+            self.drop(key)
+
     def mooncake_store(self) -> LoopbackMooncakeStore:
         """The run's Mooncake Store (master + pool holder), started on first use."""
         if self.store is None:
@@ -276,6 +350,7 @@ class Run:
 
     def close(self) -> None:
         """Stop what the run started and remove its scratch files (saved KV, Store logs)."""
+        self.close_live()
         if self.base_engine is not None:
             self.base_engine.close()
             self.base_engine = None
@@ -292,7 +367,10 @@ def _first(out: dict[str, Any]) -> dict[str, Any]:
 def cache_flow(run: Run, eng: EngineChild, name: str) -> dict[str, Any]:
     """Cold TTFT, device-cache hit, and TTFT after ``reset_prefix_cache`` of every prompt
     (the median of ``repeats`` of those); then the throughput batches (the best).
-    Used for the baseline and every pool/offload connector."""
+    Used for the baseline and every pool/offload connector.
+
+    The device-cache hit (vLLM computing only the last token) is the floor of a hit on
+    this engine: a hit's overhead is its TTFT minus that floor."""
     eng.generate([run.warmup])
     rows = []
     for prompt in run.prompts:
@@ -311,7 +389,9 @@ def cache_flow(run: Run, eng: EngineChild, name: str) -> dict[str, Any]:
         rows.append({"tokens": len(prompt), "cold_s": cold["seconds"],
                      "device_hit_s": device["seconds"], "again_s": again_s,
                      "again_samples": [x["seconds"] for x in agains],
-                     "again_cached": a["cached"], "cold_token": (c["tokens"] or [None])[0],
+                     "again_cached": a["cached"],
+                     "again_external": agains[-1].get("external_tokens"),
+                     "cold_token": (c["tokens"] or [None])[0],
                      "again_token": (a["tokens"] or [None])[0],
                      "again_tokens_all": [(_first(x)["tokens"] or [None])[0] for x in agains],
                      "finish": a["finish_reason"]})
@@ -330,32 +410,41 @@ def cache_flow(run: Run, eng: EngineChild, name: str) -> dict[str, Any]:
     return {"prompts": rows, "throughput": best or {}}
 
 
-def reference(run: Run) -> dict[str, Any] | None:
+def reference(run: Run, prompts: list[list[int]] | None = None, *,
+              throughput: bool = True) -> dict[str, Any] | None:
     """Recompute TTFT, device-cache hit and throughput of the engine without a connector,
     measured now (next to the scenario that uses them); ``None`` without that engine."""
     eng = run.base_engine
     if eng is None:
         return None
-    recompute, device = {}, {}
-    for prompt in run.prompts:
+    recompute, device, tokens = {}, {}, {}
+    for prompt in run.prompts if prompts is None else prompts:
         eng.call("reset_prefix_cache")
-        recompute[len(prompt)] = eng.generate([prompt])["seconds"]
+        out = eng.generate([prompt])
+        recompute[len(prompt)] = out["seconds"]
+        tokens[len(prompt)] = (_first(out)["tokens"] or [None])[0]
         device[len(prompt)] = eng.generate([prompt])["seconds"]
     eng.call("reset_prefix_cache")
-    thr = eng.generate(run.batches[0], max_tokens=run.cfg.throughput_tokens)
-    out_tokens = sum(len(o["tokens"]) for o in thr["outputs"])
-    return {"recompute_s": recompute, "device_hit_s": device,
-            "output_tok_per_s": out_tokens / thr["seconds"]}
+    ref: dict[str, Any] = {"recompute_s": recompute, "device_hit_s": device, "tokens": tokens}
+    if throughput:
+        thr = eng.generate(run.batches[0], max_tokens=run.cfg.throughput_tokens)
+        out_tokens = sum(len(o["tokens"]) for o in thr["outputs"])
+        ref["output_tok_per_s"] = out_tokens / thr["seconds"]
+    return ref
 
 
 def run_single(run: Run, name: str, kv: dict[str, Any] | None,
                env: dict[str, str] | None = None) -> dict[str, Any]:
-    """One engine (baseline, pool or offload connector) through :func:`cache_flow`."""
-    eng = run.engine(name, kv, env=env)
+    """One engine (baseline, pool or offload connector) through :func:`cache_flow`.
+
+    The engine is started on the first round and kept up for the family's next rounds
+    (:meth:`Run.kept`); a failure stops it."""
+    (eng,) = run.kept(name, lambda: [run.engine(name, kv, env=env)])
     try:
         return cache_flow(run, eng, name)
-    finally:
-        eng.close()
+    except BaseException:
+        run.drop(name)
+        raise
 
 
 def pd_flow(run: Run, p: EngineChild, d: EngineChild, name: str,
@@ -366,17 +455,22 @@ def pd_flow(run: Run, p: EngineChild, d: EngineChild, name: str,
 
     Each prompt is sent ``repeats`` times (P's own prefix cache makes the repeats
     cheap on P; D's cache is reset after every request, so D always transfers);
-    the median D TTFT is kept. ``params(key)`` gives P's ``kv_transfer_params``
-    and a function turning P's output params into D's.
+    the median D TTFT is kept. Right after each, the same prompt again on D (now in
+    D's own device cache: vLLM computes only the last token) is D's floor, and
+    vLLM's count of external tokens says whether D loaded P's KV at all.
+    ``params(key)`` gives P's ``kv_transfer_params`` and a function turning P's
+    output params into D's.
     """
     rows = []
-    for i, prompt in enumerate([run.warmup, *run.prompts]):
-        samples = []
+    for i, prompt in enumerate([run.warmup, *run.pd_prompts]):
+        samples, floors, external = [], [], []
         for r in range(1 if i == 0 else run.cfg.repeats):
-            p_in, to_d = params(f"{i}-{r}")
+            p_in, to_d = params(f"{run.binding or '-'}-{run.round}-{i}-{r}")
             pout = p.generate([prompt], kv_params=[p_in])
             d_in = to_d(_first(pout)["kv_transfer_params"])
             dout = d.generate([prompt], kv_params=[d_in])
+            external.append(dout.get("external_tokens"))
+            floors.append(d.generate([prompt])["seconds"])
             d.call("reset_prefix_cache")
             samples.append((pout, dout))
         if i == 0:
@@ -384,14 +478,18 @@ def pd_flow(run: Run, p: EngineChild, d: EngineChild, name: str,
         outs = [_first(dout) for _p, dout in samples]
         bad = [o for o in outs if o["finish_reason"] not in ("length", "stop")]
         d_ttft = median(dout["seconds"] for _p, dout in samples)
+        known = [e for e in external if isinstance(e, int)]
         rows.append({"tokens": len(prompt), "prefill_s": samples[0][0]["seconds"],
                      "d_ttft_s": d_ttft, "d_samples": [x[1]["seconds"] for x in samples],
+                     "d_floor_s": median(floors), "d_floor_samples": floors,
+                     "d_external": min(known) if known else None,
                      "d_cached": outs[-1]["cached"],
                      "d_token": (outs[-1]["tokens"] or [None])[0],
                      "d_tokens_all": [(o["tokens"] or [None])[0] for o in outs],
                      "finish": bad[0]["finish_reason"] if bad else outs[-1]["finish_reason"]})
         run.steps.note(f"{name}: {len(prompt)} tokens: P {samples[0][0]['seconds']:.3f}s, "
-                       f"D TTFT {d_ttft:.3f}s (median of {len(samples)}; "
+                       f"D TTFT {d_ttft:.3f}s, floor {rows[-1]['d_floor_s']:.3f}s (median of "
+                       f"{len(samples)}; {rows[-1]['d_external']} external tokens; "
                        f"{rows[-1]['finish']})")
     return {"prompts": rows}
 
@@ -400,20 +498,31 @@ def run_pd(run: Run, name: str, p_kv: dict[str, Any], d_kv: dict[str, Any],
            params: Callable[..., Any], *, p_env: dict[str, str] | None = None,
            d_env: dict[str, str] | None = None, python: str | None = None,
            pre_import: list[str] | None = None) -> dict[str, Any]:
-    """Start P and D with the same pinning, run :func:`pd_flow`, stop both."""
-    bind = {"VLLM_CPU_OMP_THREADS_BIND": run.cfg.pd_threads_bind} if run.cfg.pd_threads_bind \
-        else {}
-    p = run.engine(f"{name}-prefill", p_kv, env={**bind, **(p_env or {})}, python=python,
-                   pre_import=pre_import)
-    try:
-        d = run.engine(f"{name}-decode", d_kv, env={**bind, **(d_env or {})}, python=python,
+    """P and D under the run's thread binding (:func:`binding_env`), through
+    :func:`pd_flow`; both kept up for the next rounds of the same binding."""
+    binding = run.binding if run.binding is not None else (
+        f"bind={run.cfg.pd_threads_bind}" if run.cfg.pd_threads_bind else None)
+    p_bind, d_bind = binding_env(binding)
+    key = f"{name}[{binding}]" if binding else name
+    tag = f"{name}-{binding.replace('=', '')}" if binding else name
+
+    def start() -> list[EngineChild]:
+        p = run.engine(f"{tag}-prefill", p_kv, env={**p_bind, **(p_env or {})}, python=python,
                        pre_import=pre_import)
         try:
-            return pd_flow(run, p, d, name, params)
-        finally:
-            d.close()
-    finally:
-        p.close()
+            d = run.engine(f"{tag}-decode", d_kv, env={**d_bind, **(d_env or {})},
+                           python=python, pre_import=pre_import)
+        except BaseException:
+            p.close()
+            raise
+        return [p, d]
+
+    p, d = run.kept(key, start)
+    try:
+        return pd_flow(run, p, d, name, params)
+    except BaseException:
+        run.drop(key)
+        raise
 
 
 def require_params(p_out: dict[str, Any] | None) -> dict[str, Any]:
