@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``vllm-ascend-kv bench p2p`` runs (smoke size) and reports both claim modes.
+"""``vllm-ascend-kv bench p2p`` runs (smoke size): repeated alternating rounds, the median
+ratio with its min-max, the claims sent ahead and the worker's two claim modes.
 
 Timings are recorded, never asserted.
 """
@@ -15,7 +16,7 @@ import pytest
 from vllm_ascend.distributed.kv_transfer.kv_p2p.tooling import bench
 
 
-def test_quick_run_reports_the_connector_and_both_claim_modes(
+def test_quick_run_reports_the_connector_and_every_claim_mode(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     parser = argparse.ArgumentParser()
     bench.add_parser(parser.add_subparsers(dest="bench"))
@@ -25,7 +26,10 @@ def test_quick_run_reports_the_connector_and_both_claim_modes(
     assert [r["blocks"] for r in doc["results"]] == [1, 16]
     assert doc["claim_mode"] in bench.MODES and doc["cpus"] >= 1
     assert "until the worker marks the request finished receiving" in doc["description"]
+    assert doc["claim_mode"] == "ahead" and doc["rounds"] == 3
+    assert "D's scheduler sees the request" in doc["description"]
     for row in doc["results"]:
         assert row["ratio"] == row[f"ratio_{doc['claim_mode']}"] > 0
+        assert 0 < row["ratio_min"] <= row["ratio"] <= row["ratio_max"]
         assert row["ratio_overlapped"] > 0 and row["ratio_claims_first"] > 0
     assert "claims_first" in capsys.readouterr().out

@@ -10,6 +10,10 @@ scheduler's, as vLLM's ``kv_connector/v1/nixl/metadata.py`` does for NIXL.
   whose P blocks D only releases (``release_only``).
 * P (``kv_producer``): one :class:`SendMeta` a finished request whose blocks P holds
   (delayed free) until D's ``Done`` or a lapsed lease.
+* D: the answers of the claims D's scheduler sent ahead (:mod:`.pull_claims`), one
+  :class:`EarlyClaim` a P rank: in the request's :class:`RecvMeta` when the answer came
+  before the request's blocks were allocated, else in a later step's
+  ``claim_answers``.
 """
 
 from __future__ import annotations
@@ -21,9 +25,30 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from .params import RemotePrefill
 
-__all__ = ["MooncakeConnectorMetadata", "RecvMeta", "SendMeta"]
+__all__ = ["EarlyClaim", "MooncakeConnectorMetadata", "RecvMeta", "SendMeta"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EarlyClaim:
+    """P rank's answer to the ``Claim`` D's scheduler sent when it first saw the request.
+
+    ``sent_wall`` is the scheduler's ``time.time()`` when the accepted ``Claim`` went out
+    (the scheduler and the workers are separate processes, possibly on separate hosts: a
+    monotonic clock does not cross); the worker turns it into its own clock and trusts the
+    claim only for a read ending within ``lease_ttl_s / 2`` of it, as its own claims.
+    """
+
+    #: P accepted the claim (else ``error`` says why and the worker claims itself)
+    ok: bool
+    #: accepted at the first ``Claim`` sent (no "unknown request" before)
+    first_try: bool = False
+    sent_wall: float = 0.0
+    #: a keyed P's grant: where its KV cache is (``None``: an unkeyed P's ``ClaimOK``)
+    region_addrs: list[int] | None = None
+    region_strides: list[int] | None = None
+    error: str = ""
 
 
 @dataclass
@@ -41,6 +66,12 @@ class RecvMeta:
     error: str | None = None
     #: nothing to read (local prefix hit or aborted before allocation): just release P's blocks
     release_only: bool = False
+    #: D's scheduler claimed the request ahead (:mod:`.pull_claims`); the worker does not
+    #: claim it unless that claim failed or its answer is late
+    claimed_ahead: bool = False
+    #: the answers of the claims sent ahead, by P rank, when they came before allocation
+    #: (else they follow in ``MooncakeConnectorMetadata.claim_answers``)
+    early_claims: dict[int, EarlyClaim] | None = None
 
 
 @dataclass
@@ -63,3 +94,6 @@ class MooncakeConnectorMetadata(KVConnectorMetadata):
     requests: dict[str, RecvMeta] = field(default_factory=dict)
     #: P: requests whose blocks to hold for D, by request id
     requests_to_send: dict[str, SendMeta] = field(default_factory=dict)
+    #: D: answers of claims sent ahead for requests passed in earlier steps, by request id
+    #: then P rank
+    claim_answers: dict[str, dict[int, EarlyClaim]] = field(default_factory=dict)

@@ -34,7 +34,6 @@ import socket
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -59,6 +58,7 @@ from .protocol import (
     compatibility_problem,
     worker_port,
 )
+from .pull_claims import Claimed, ClaimInbox, accepted_ahead, refused_ahead
 from .pull_contract import RecvMeta
 from .pull_loads import LoadTracker
 from .pull_transfer import read_request
@@ -75,6 +75,11 @@ CLAIM_RETRY_S = 10.0
 #: them), and the claim needs a thread and ZeroMQ's I/O thread: with fewer CPUs the claim
 #: only slows the read down (measured on 2 CPUs: 1-block loads ~10% slower overlapped).
 OVERLAP_MIN_CPUS = 4
+#: How long a pull of a request claimed ahead waits for the answer that carries a keyed P
+#: rank's regions (its first request only; later ones use the last grant), or, with fewer
+#: than :data:`OVERLAP_MIN_CPUS`, for an answer from a scheduler in this process, before it
+#: reads (and claims itself after the read if the answer is still not in).
+AHEAD_WAIT_S = 0.05
 #: How many times D tries a pull again after a stalled/dropped read or a side-channel
 #: timeout (each within the load's deadline) before it fails the request.
 READ_RETRIES = 8
@@ -92,20 +97,6 @@ def usable_cpus() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
-
-
-@dataclass(frozen=True)
-class Claimed:
-    """P rank's answer to a claim D sent."""
-
-    #: P accepted the first ``Claim`` sent (no "unknown request" retry)
-    first_try: bool
-    #: ``time.monotonic()`` when the accepted ``Claim`` was sent; P renewed the lease to a
-    #: full ``lease_ttl_s`` when it answered, which is later
-    sent_at: float
-    #: where P's blocks are, from a keyed P's grant (``None``: an unkeyed P's ``ClaimOK``;
-    #: its ``AgentMeta`` has them)
-    grant: ClaimGrant | None = None
 
 
 class PullReader:
@@ -133,6 +124,8 @@ class PullReader:
         self._plans: dict[tuple[int, bool], tuple[tuple[HeadSlice, ...], Mapping[int, int]]] = {}
         # keyed P ranks: (host, port) -> their AgentMeta with the regions of the last grant
         self._granted: dict[tuple[str, int], AgentMeta] = {}
+        #: answers of the claims D's scheduler sent ahead (:mod:`.pull_claims`)
+        self.inbox = ClaimInbox(shared.engine_id)
 
     def start(self, requests: Iterable[RecvMeta]) -> None:
         """Start the pulls (and the releases) of the scheduler's new requests."""
@@ -146,10 +139,13 @@ class PullReader:
             if meta.error is not None or meta.remote is None:
                 self.loads.fail(meta, f"bad kv_transfer_params: {meta.error}", cause="bad_params")
                 continue
+            if meta.claimed_ahead:
+                self.inbox.expect(meta.request_id, meta.early_claims)
             self._pool.submit(self._pull, meta)
 
     def shutdown(self) -> None:
         """Stop pulling (queued pulls are dropped)."""
+        self.inbox.close()
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._claims.shutdown(wait=True)
         self._notify.shutdown(wait=True)
@@ -271,6 +267,7 @@ class PullReader:
             if loaded:
                 self._notify.submit(self._done_quietly, meta, p_ranks, readers)
         finally:
+            self.inbox.drop(meta.request_id)
             for r in dict.fromkeys(claimed):  # give P its blocks back early after a failure
                 try:
                     self._done(meta, r, readers.get(r, 1), success=False)
@@ -295,10 +292,24 @@ class PullReader:
         # where to read before the claims are answered (None: a keyed P rank not granted
         # before, whose addresses come only with this claim's grant)
         early = self._known_regions(remote, metas)
-        overlapped = self.overlap_claims and early is not None and not fresh
-        claims = self._start_claims(meta, p_ranks, readers, overlapped=overlapped)
+        # claimed by D's scheduler (pull_claims): read at once, claim only what it could not
+        ahead = meta.claimed_ahead and not fresh
+        if ahead and not self.overlap_claims and self.inbox.local:
+            # few CPUs: a claim answered during the read slows it down; the answer comes
+            # from the scheduler in this process within a round trip of its sending
+            self.inbox.get(meta.request_id, AHEAD_WAIT_S)
+        ahead = ahead and not refused_ahead(self.inbox.get(meta.request_id))
+        if ahead and early is None:  # the grant of a keyed P rank is with the answer
+            early = self._known_regions(remote, self._granted_metas(
+                remote, metas, accepted_ahead(self.inbox.get(meta.request_id, AHEAD_WAIT_S),
+                                              p_ranks) or {}, partial=True))
+            ahead = early is not None
+        overlapped = early is not None and not fresh and (ahead or self.overlap_claims)
+        claims = ({} if ahead else
+                  self._start_claims(meta, p_ranks, readers, overlapped=overlapped))
         nbytes = 0
         early_error: TransferError | None = None
+        read_ok = False
         try:
             if not any(f.done() and f.exception() is not None for f in claims.values()):
                 try:
@@ -310,7 +321,15 @@ class PullReader:
                     if not overlapped:
                         raise
                     early_error = exc  # raised below unless the grant moved the regions
+            read_ok = True
         finally:
+            if ahead:
+                # the answers in now; the other ranks are claimed after the read (which
+                # proves as much as a claim during it), but only if it did not fail
+                claims = accepted_ahead(self.inbox.get(meta.request_id), p_ranks) or {}
+                missing = [r for r in p_ranks if r not in claims]
+                if missing and read_ok:
+                    claims.update(self._start_claims(meta, missing, readers, overlapped=False))
             # Never end with a claim in flight; a claim error replaces a read error
             # (P's refusal says more than the failed read of blocks it does not hold).
             first_try, claimed_at = self._await_claims(claims, claimed)
@@ -413,11 +432,16 @@ class PullReader:
         return out
 
     def _granted_metas(self, remote: Any, metas: dict[int, AgentMeta],
-                       claims: Mapping[int, Future[Claimed]]) -> dict[int, AgentMeta]:
+                       claims: Mapping[int, Future[Claimed]], *,
+                       partial: bool = False) -> dict[int, AgentMeta]:
         """P ranks' metadata with the regions of this request's grants (every claim has
-        been accepted); remembers each keyed rank's grant for later requests."""
+        been accepted; ``partial``: only the ranks in ``claims``); remembers each keyed
+        rank's grant for later requests."""
         out: dict[int, AgentMeta] = {}
         for r, m in metas.items():
+            if partial and r not in claims:
+                out[r] = m
+                continue
             grant = claims[r].result().grant
             if grant is None:
                 if not m.region_addrs:

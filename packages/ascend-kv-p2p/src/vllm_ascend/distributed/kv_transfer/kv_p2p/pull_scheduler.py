@@ -12,7 +12,9 @@ worker is told to pull the matching P blocks. What the workers are told is
 through the asynchronous path so the worker can fail (or recompute) that one
 request through vLLM's ``kv_load_failure_policy``; the engine serves on.
 While a request waits in D's queue, a background thread renews P's lease on
-its blocks so a busy D is not mistaken for a dead one.
+its blocks so a busy D is not mistaken for a dead one. D claims the request on P
+when it first sees it (:mod:`.pull_claims`), so the claim's round trip is off the
+load's critical path.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from .params import (
     wants_remote_prefill,
 )
 from .protocol import side_channel_port
+from .pull_claims import ClaimAhead
 from .pull_contract import MooncakeConnectorMetadata, RecvMeta, SendMeta
 from .renewer import LeaseRenewer
 
@@ -68,6 +71,8 @@ class PullScheduler:
         self._parsed: dict[str, RemotePrefill | KVParamsError] = {}
         self.renewer = (LeaseRenewer(cfg.lease_ttl_s / 3, cfg.handshake_timeout_s)
                         if self.is_consumer else None)
+        #: claims sent when a request is first seen (``None``: the workers claim)
+        self.claims = _claim_ahead(vllm_config, cfg, engine_id) if self.is_consumer else None
 
     # ------------------------------------------------------------ helpers
     def _parse(self, request: Request) -> RemotePrefill | KVParamsError:
@@ -93,6 +98,10 @@ class PullScheduler:
             self.renewer.track(request.request_id, parsed)
         if count <= 0:
             return 0, False
+        if isinstance(parsed, RemotePrefill) and self.claims is not None:
+            # the blocks the worker will read (vLLM's prefix hit is num_computed_tokens)
+            self.claims.start(request.request_id, parsed,
+                              parsed.block_ids[num_computed_tokens // self.block_size:])
         return count, True
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
@@ -107,6 +116,7 @@ class PullScheduler:
         assert isinstance(params, dict)
         params["do_remote_prefill"] = False
         if num_external_tokens <= 0:
+            self._forget_claim(rid)
             if isinstance(parsed, RemotePrefill):
                 self._to_pull[rid] = RecvMeta(rid, [], parsed, release_only=True)
             return
@@ -120,16 +130,26 @@ class PullScheduler:
         # vLLM may allocate room beyond the prompt; only the prompt's blocks are pulled.
         local = local[: len(remote_ids)]
         if len(remote_ids) != len(local):
+            self._forget_claim(rid)
             msg = (f"remote_block_ids cover {len(remote_ids)} blocks beyond the local prefix "
                    f"but {len(local)} blocks were allocated")
             self._to_pull[rid] = RecvMeta(rid, local, parsed, error=msg)
             return
-        self._to_pull[rid] = RecvMeta(rid, local, parsed, remote_block_ids=remote_ids)
+        ahead, answers = (self.claims.hand_over(rid, remote_ids) if self.claims is not None
+                          else (False, None))
+        self._to_pull[rid] = RecvMeta(rid, local, parsed, remote_block_ids=remote_ids,
+                                      claimed_ahead=ahead, early_claims=answers)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> MooncakeConnectorMetadata:
-        meta = MooncakeConnectorMetadata(requests=self._to_pull, requests_to_send=self._to_hold)
+        meta = MooncakeConnectorMetadata(
+            requests=self._to_pull, requests_to_send=self._to_hold,
+            claim_answers=self.claims.take_answers() if self.claims is not None else {})
         self._to_pull, self._to_hold = {}, {}
         return meta
+
+    def _forget_claim(self, request_id: str) -> None:
+        if self.claims is not None:
+            self.claims.forget(request_id)
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -139,6 +159,7 @@ class PullScheduler:
         parsed = self._parsed.pop(rid, None)
         if self.renewer is not None:
             self.renewer.untrack(rid)
+        self._forget_claim(rid)
         params = request.kv_transfer_params
         if not isinstance(params, dict):
             return False, None
@@ -169,3 +190,24 @@ class PullScheduler:
     def shutdown(self) -> None:
         if self.renewer is not None:
             self.renewer.stop()
+        if self.claims is not None:
+            self.claims.stop()
+
+
+def _claim_ahead(vllm_config: VllmConfig, cfg: MooncakeP2PConfig,
+                 engine_id: str) -> ClaimAhead | None:
+    """D's claims sent ahead, with the readers of each P rank the workers' head plans give
+    (``None`` when the model config cannot tell the KV heads: the workers claim)."""
+    from vllm_ascend.distributed.kernels.heads import partners_per_remote_rank
+
+    try:
+        mc = vllm_config.model_config
+        is_mla = bool(getattr(mc, "use_mla", False))
+        heads = 1 if is_mla else int(mc.get_total_num_kv_heads())
+    except Exception as exc:  # a config without a model: no claims ahead
+        logger.debug("no claims ahead: %s", exc)
+        return None
+    d_tp = vllm_config.parallel_config.tensor_parallel_size
+    return ClaimAhead(lambda p_tp: partners_per_remote_rank(heads, p_tp, d_tp, is_mla=is_mla),
+                      cfg.handshake_timeout_s, reader=f"{engine_id}/scheduler",
+                      engine_id=engine_id)

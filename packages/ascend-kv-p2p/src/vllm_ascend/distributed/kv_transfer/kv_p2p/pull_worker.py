@@ -89,6 +89,9 @@ class PullWorker(P2PWorkerBase):
                                "ignored", len(metadata.requests))
             else:
                 self.reader.start(metadata.requests.values())
+        if metadata.claim_answers and self.reader is not None:
+            # answers of claims D's scheduler sent ahead, for pulls started in earlier steps
+            self.reader.inbox.deliver(metadata.claim_answers)
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         """Requests P may free now, and requests D finished loading (each reported once)."""

@@ -10,14 +10,20 @@ time is the connector's efficiency (the connector adds the claim, the
 hand-off to its pull thread and the bookkeeping; the done message goes to P
 after the load was reported).
 
-The connector's time runs from ``start_load_kv`` until the worker marks the
-request finished receiving (:meth:`PullWorker.wait_loads` wakes up), so it
-includes waking the waiting thread but not a ``get_finished`` polling
-interval, which in vLLM is one engine step and no part of the connector.
-Each load runs in both claim modes of the worker (claims overlapped with the
-read, claims first); ``ratio`` is the mode the worker picks on this machine
-(:data:`~vllm_ascend.distributed.kv_transfer.kv_p2p.pull_reader.OVERLAP_MIN_CPUS`), the
-other is reported beside it.
+The connector's time runs from the moment D's scheduler sees the request (it sends
+the claim then, :mod:`..pull_claims`, and hands the request to the worker with the
+answer if it is in, else the next engine step brings it, one step every
+:data:`ENGINE_STEP_S`) until the worker marks the request finished receiving
+(:meth:`PullWorker.wait_loads` wakes up), so it includes waking the waiting thread
+but not a ``get_finished`` polling interval, which in vLLM is one engine step and no
+part of the connector. The worker's own claims (overlapped with the read, or before
+it: what it does when the scheduler sent none) are measured beside it, from
+``start_load_kv``.
+
+Measurement: ``--rounds`` rounds (round 0 warms up and is dropped); in each, for
+each size, ``--pairs`` times (8 times as many at 1 block, whose loads take a millisecond)
+the raw read and every claim mode in turn (the order turns each time). A round's ratio is raw median / connector median of that round;
+``ratio`` is the median over the rounds, with ``ratio_min`` / ``ratio_max``.
 """
 
 from __future__ import annotations
@@ -111,10 +117,17 @@ def _raw_read(d: Any, session: str, p_addrs: list[int], p_strides: list[int],
     return elapsed
 
 
+#: an idle engine's step (seconds): how often the simulated engine passes D's scheduler's
+#: metadata (with the answers of the claims it sent ahead) to the worker while a load runs
+ENGINE_STEP_S = 0.001
+
+
 def _connector_load(d: Any, q_in: Any, q_out: Any, rid: str, p_port: int,
-                    d_blocks: list[int], p_blocks: list[int]) -> float:
-    """One connector load: seconds from ``start_load_kv`` until the worker marks the request
-    finished receiving (then checked with ``get_finished``)."""
+                    d_blocks: list[int], p_blocks: list[int], mode: str) -> float:
+    """One connector load: seconds from the moment D's scheduler sees the request (mode
+    ``ahead``: it sends the claim then) or ``start_load_kv`` (the other modes, whose claims
+    go out from the worker) until the worker marks the request finished receiving (then
+    checked with ``get_finished``)."""
     from ..params import RemotePrefill
     from ..pull_contract import MooncakeConnectorMetadata, RecvMeta
 
@@ -123,12 +136,23 @@ def _connector_load(d: Any, q_in: Any, q_out: Any, rid: str, p_port: int,
     remote = RemotePrefill(engine_id="bench-kv_producer", host=d.host, port=p_port,
                            request_id=rid, block_ids=p_blocks, tp_size=1, pcp_size=1,
                            dcp_size=1)
-    metadata = MooncakeConnectorMetadata(requests={rid: RecvMeta(
-        rid, d_blocks, remote, remote_block_ids=p_blocks)})
+    ahead = d.claim_ahead if mode == "ahead" else None
     t0 = time.perf_counter()
-    d.start_load_kv(metadata)
-    if not d.wait_loads([rid], timeout=60):
-        raise RuntimeError(f"connector load {rid} did not end within 60 s")
+    early = None
+    if ahead is not None:
+        # D's scheduler: get_num_new_matched_tokens sends the claim, update_state_after_alloc
+        # hands the request over (with the answers if they are in already)
+        ahead.start(rid, remote, p_blocks)
+        _sent, early = ahead.hand_over(rid, p_blocks)
+    d.start_load_kv(MooncakeConnectorMetadata(requests={rid: RecvMeta(
+        rid, d_blocks, remote, remote_block_ids=p_blocks, claimed_ahead=ahead is not None,
+        early_claims=early)}))
+    deadline = t0 + 60
+    while not d.wait_loads([rid], timeout=ENGINE_STEP_S):
+        if time.perf_counter() > deadline:
+            raise RuntimeError(f"connector load {rid} did not end within 60 s")
+        if ahead is not None:  # the engine's next step: the answers that came since
+            d.start_load_kv(MooncakeConnectorMetadata(claim_answers=ahead.take_answers()))
     elapsed = time.perf_counter() - t0
     _s, done = d.get_finished()
     if not done or rid not in done:
@@ -136,8 +160,16 @@ def _connector_load(d: Any, q_in: Any, q_out: Any, rid: str, p_port: int,
     return float(elapsed)
 
 
-#: the connector's claim modes, as ``PullWorker.overlap_claims``
-MODES = {"overlapped": True, "claims_first": False}
+#: the connector's claim modes: ``ahead`` (D's scheduler claims when it first sees the
+#: request: the connector's way in vLLM), and the worker's own claims with
+#: ``PullWorker.overlap_claims`` on and off (its way when the scheduler sent none)
+MODES = {"ahead": None, "overlapped": True, "claims_first": False}
+#: the mode ``ratio`` reports
+DEFAULT_MODE = "ahead"
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -149,74 +181,103 @@ def run(args: argparse.Namespace) -> int:
         write_results,
     )
 
+    from ..pull_claims import ClaimAhead
     from ..pull_reader import usable_cpus
 
     sizes = [1, 16] if args.quick else [1, 16, 128]
-    repeats = 3 if args.quick else args.repeats
+    rounds = 3 if args.quick else args.rounds
+    pairs = 2 if args.quick else args.pairs
     p_port = free_port()
     ctx = mp.get_context("spawn")
     q_in, q_out = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=prefill_process, args=(p_port, q_in, q_out), daemon=True)
     proc.start()
     d = _worker("kv_consumer", free_port())
+    d.claim_ahead = ClaimAhead(lambda p_tp: {0: 1}, 10.0, reader="bench-scheduler",
+                               engine_id=d.engine_id)
     rows: list[dict[str, Any]] = []
     cpus = usable_cpus()
-    default = ""
     try:
         session, p_addrs, p_strides = q_out.get(timeout=120)
         d.register_kv_caches(_caches(fill=False))
         assert d.layout is not None and d.te is not None
         rng = random.Random(0)
         auto = d.overlap_claims
-        default = next(m for m, on in MODES.items() if on == auto)
         paths = ["raw", *MODES]
+        # per size: each round's ratio of each mode, and every time measured
+        ratios: dict[int, dict[str, list[float]]] = {n: {m: [] for m in MODES} for n in sizes}
+        times: dict[int, dict[str, list[float]]] = {n: {k: [] for k in paths} for n in sizes}
+        for rnd in range(rounds + 1):  # round 0 warms connections up
+            for n in sizes:
+                nbytes = n * d.layout.block_bytes
+                got: dict[str, list[float]] = {k: [] for k in paths}
+                for pair in range(pairs * max(1, 8 // n)):  # small loads: more, cheap
+                    p_blocks = rng.sample(range(NUM_BLOCKS), n)
+                    d_blocks = rng.sample(range(NUM_BLOCKS), n)
+                    # the same memory is warm for every path (one untimed read); ours and
+                    # raw alternate, and the order turns each time
+                    _raw_read(d, session, p_addrs, p_strides, d_blocks, p_blocks, nbytes)
+                    k = pair + rnd
+                    for kind in paths[k % len(paths):] + paths[:k % len(paths)]:
+                        if kind == "raw":
+                            t = _raw_read(d, session, p_addrs, p_strides, d_blocks, p_blocks,
+                                          nbytes)
+                        else:
+                            d.overlap_claims = auto if MODES[kind] is None else MODES[kind]
+                            t = _connector_load(d, q_in, q_out, f"bench-{n}-{rnd}-{pair}-{kind}",
+                                                p_port, d_blocks, p_blocks, kind)
+                            if d.get_block_ids_with_load_errors():
+                                raise RuntimeError(f"connector load of {n} blocks failed")
+                        got[kind].append(t)
+                d.overlap_claims = auto
+                if not rnd:
+                    continue
+                raw = statistics.median(got["raw"])
+                for m in MODES:
+                    ratios[n][m].append(raw / statistics.median(got[m]))
+                for kind in paths:
+                    times[n][kind].extend(got[kind])
         for n in sizes:
-            times: dict[str, list[float]] = {k: [] for k in paths}
             nbytes = n * d.layout.block_bytes
-            for rep in range(repeats + 1):  # the first round warms connections up
-                p_blocks = rng.sample(range(NUM_BLOCKS), n)
-                d_blocks = rng.sample(range(NUM_BLOCKS), n)
-                # the same memory is warm for every path (one untimed read), and each path
-                # runs first in as many rounds as the others (repeats a multiple of 3)
-                _raw_read(d, session, p_addrs, p_strides, d_blocks, p_blocks, nbytes)
-                for kind in paths[rep % 3:] + paths[:rep % 3]:
-                    if kind == "raw":
-                        t = _raw_read(d, session, p_addrs, p_strides, d_blocks, p_blocks, nbytes)
-                    else:
-                        d.overlap_claims = MODES[kind]
-                        t = _connector_load(d, q_in, q_out, f"bench-{n}-{rep}-{kind}", p_port,
-                                            d_blocks, p_blocks)
-                        if d.get_block_ids_with_load_errors():
-                            raise RuntimeError(f"connector load of {n} blocks failed")
-                    if rep:
-                        times[kind].append(t)
-            d.overlap_claims = auto
-            med = {k: statistics.median(times[k]) for k in paths}
-            raw, conn = med["raw"], med[default]
+            raw = statistics.median(times[n]["raw"])
+            conn = statistics.median(times[n][DEFAULT_MODE])
+            spread = _spread(ratios[n][DEFAULT_MODE])
             rows.append({"blocks": n, "bytes": nbytes, "raw_GBps": nbytes / raw / 1e9,
-                         "connector_GBps": nbytes / conn / 1e9, "ratio": raw / conn,
+                         "connector_GBps": nbytes / conn / 1e9, "ratio": spread["median"],
+                         "ratio_min": spread["min"], "ratio_max": spread["max"],
                          "raw_ms": raw * 1e3, "connector_ms": conn * 1e3,
-                         **{f"ratio_{m}": raw / med[m] for m in MODES}})
-            print(f"{n} blocks: raw {raw * 1e3:.2f} ms, connector {conn * 1e3:.2f} ms ({default}; "
-                  + ", ".join(f"{m} {med[m] * 1e3:.2f} ms" for m in MODES) + ")", flush=True)
+                         **{f"ratio_{m}": statistics.median(ratios[n][m]) for m in MODES}})
+            print(f"{n} blocks: ratio {spread['median']:.2f} ({spread['min']:.2f}-"
+                  f"{spread['max']:.2f} over {rounds} rounds; raw {raw * 1e3:.2f} ms, "
+                  f"connector {conn * 1e3:.2f} ms; "
+                  + ", ".join(f"{m} {statistics.median(ratios[n][m]):.2f}" for m in MODES)
+                  + ")", flush=True)
     finally:
         q_in.put(None)
         proc.join(30)
         if proc.is_alive():
             proc.kill()
+        d.claim_ahead.stop()
         d.shutdown()
     print(format_table(rows, ["blocks", "bytes", "raw_GBps", "connector_GBps", "ratio",
-                              "raw_ms", "connector_ms", *(f"ratio_{m}" for m in MODES)]))
+                              "ratio_min", "ratio_max", "raw_ms", "connector_ms",
+                              *(f"ratio_{m}" for m in MODES)]))
     path = write_results("p2p", {
-        "description": "MooncakeConnectorV1 load (claim + read; done sent after) timed from "
-                       "start_load_kv until the worker marks the request finished receiving, vs "
-                       "one raw Mooncake batch read of the same ranges, TCP on loopback, P in "
-                       f"another process; claims {default.replace('_', ' ')} (the worker's "
-                       f"choice with {cpus} CPUs; ratio_overlapped / ratio_claims_first: both "
-                       "modes, same run)",
-        "claim_mode": default,
+        "description": "MooncakeConnectorV1 load timed from the moment D's scheduler sees the "
+                       "request (it sends the claim then; the worker reads at once and gets "
+                       "the answer with the next step's metadata, one engine step every "
+                       f"{ENGINE_STEP_S * 1e3:g} ms) until the worker marks the request "
+                       "finished receiving, vs one raw Mooncake batch read of the same "
+                       "ranges, TCP on loopback, P in another process; "
+                       f"{rounds} rounds of {pairs} alternating loads of each, ratio = the "
+                       "median over the rounds of raw / connector (each round's medians), "
+                       "with min-max; ratio_overlapped / ratio_claims_first: the worker "
+                       f"claiming itself, overlapped with the read or before it ({cpus} CPUs)",
+        "claim_mode": DEFAULT_MODE,
         "cpus": cpus,
-        "goal": "ratio >= 0.9",
+        "rounds": rounds,
+        "pairs": pairs,
+        "goal": "ratio >= 0.9 (min-max above 0.9 to count as met)",
         "layout": {"layers": LAYERS, "block_bytes_per_layer": HEADS * BLOCK_TOKENS * 2 *
                    HEAD_SIZE * 2},
         "results": rows}, args.out)
@@ -230,6 +291,8 @@ def add_parser(subparsers: Any) -> None:
 
     p = subparsers.add_parser("p2p", help="pull connector transfer vs the raw Mooncake engine")
     add_common_args(p)
-    p.add_argument("--repeats", type=int, default=9,
-                   help="measurements per size and path (the median is reported)")
+    p.add_argument("--rounds", type=int, default=7,
+                   help="rounds per size (each gives one ratio; median and min-max reported)")
+    p.add_argument("--pairs", type=int, default=3,
+                   help="alternating loads of the raw engine and each claim mode per round")
     p.set_defaults(func=run)
