@@ -152,8 +152,6 @@ class Proxy:
         if any(self.router.usable(i.url) is not None for i in healthy):
             tokens = await prompt_tokens(self.client, healthy[0].url, path, body)
         order, decision = self.router.order(order, tokens)
-        if tokens is None and decision.reason != "no_index":
-            decision.reason = "no_tokens"
         self.metrics.decisions.labels("prefill", policy, decision.reason).inc()
         return order, decision
 

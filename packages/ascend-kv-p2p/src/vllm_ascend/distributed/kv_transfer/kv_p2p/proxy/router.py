@@ -131,12 +131,12 @@ class KvRouter:
         rest = [i for i in candidates if not i.healthy]
         if not healthy:
             return rest, Decision("no_index")
+        usable = {i.url: ix for i in healthy if (ix := self.usable(i.url)) is not None}
+        if not usable:
+            return healthy + rest, Decision("no_index", healthy[0].url, len(tokens or ()))
         if not tokens:
             return healthy + rest, Decision("no_tokens", healthy[0].url)
         n = len(tokens)
-        usable = {i.url: ix for i in healthy if (ix := self.usable(i.url)) is not None}
-        if not usable:
-            return healthy + rest, Decision("no_index", healthy[0].url, n)
         keys_by_size: dict[int, list[int]] = {}
         cached: dict[str, int] = {}
         for url, ix in usable.items():
