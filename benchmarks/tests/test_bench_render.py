@@ -247,3 +247,74 @@ def test_a_new_benchmark_is_rendered_by_its_section_module(
     assert "| no failed request | issue 17 | 0 | **met** |" in page
     not_run = page.split("Not in this run: ")[1].split("\n")[0]
     assert not_run.startswith("engine,") and "client" not in not_run
+
+
+def _interval_serve() -> dict[str, Any]:
+    """A serve.json of repeated rounds (the shape of bench serve's serve_compare)."""
+    def row(what: str, kind: str, ratio: float | None, low: float | None,
+            high: float | None, **extra: Any) -> dict[str, Any]:
+        return {"what": what, "kind": kind, "ratio": ratio, "low": low, "high": high,
+                "min": low, "max": high, "rounds": 5 if ratio is not None else 0,
+                "goal": "<= 0.8", "met": None, **extra}
+
+    by_tokens = {"2048": {"ttft": {"median": 0.07}, "floor": {"median": 0.058},
+                          "overhead": {"median": 0.012, "min": 0.01, "max": 0.02},
+                          "recompute": {"median": 0.3}, "external": {"min": 2048.0}}}
+    return {
+        "benchmark": "serve", "machine": MACHINE,
+        "config": {"model_spec": {"num_hidden_layers": 8}, "dtype": "float32",
+                   "block_size": 128, "lengths": [2048, 2049, 2112], "repeats": 2,
+                   "rounds": 5, "pd_lengths": [2048, 8192], "pd_bindings": ["pinned", "nobind"],
+                   "pd_binding_env": {"pinned": {"prefill": "0", "decode": "1"},
+                                      "nobind": {"prefill": "nobind", "decode": "nobind"}}},
+        "scenarios": {"pd/ours[pinned]": {"status": "ok", "connector": "MooncakeConnectorV1"}},
+        "rounds": {"pd/ours[pinned]": {"rounds": 5, "by_tokens": by_tokens, "loaded": True,
+                                       "load_check": "num_external_computed_tokens"}},
+        "comparisons": [
+            # the median meets the goal but the interval does not: not met
+            row("D-side overhead over the floor at 2048 tokens (pinned): ours / NixlConnector",
+                "overhead", 0.7, 0.5, 0.9),
+            row("D-side overhead over the floor at 8192 tokens (pinned): ours / NixlConnector",
+                "overhead", 0.5, 0.4, 0.6),
+            row("D-side overhead over the floor at 2048 tokens (pinned): ours / vLLM "
+                "MooncakeConnector", "overhead", 0.5, 0.4, 0.6),
+            row("D-side overhead over the floor at 8192 tokens (pinned): ours / vLLM "
+                "MooncakeConnector", "overhead", 0.6, 0.5, 0.7),
+            # a peer that fell back to recompute: no ratio, said so
+            row("P/D decode TTFT: ours / NixlConnector (pinned)", "peer", None, None, None,
+                note="the peer fell back to recompute (pd/vllm-nixl[pinned]): no ratio",
+                peer_fell_back=True)],
+        "rows": [{"scenario": "pd/ours[pinned]", "status": "ok"}]}
+
+
+def test_serve_goals_count_only_when_the_whole_interval_is_on_the_right_side() -> None:
+    g = _goals({"serve": _interval_serve()})
+    nixl = g["P/D D-side overhead over the floor <= 0.8x NixlConnector's (2,048 and 8,192 "
+             "tokens, pinned and nobind, against its best binding)"]
+    assert nixl.met is False and "0.7 [0.5–0.9]" in nixl.measured
+    mc = g["P/D D-side overhead over the floor <= 0.8x vLLM MooncakeConnector's (2,048 and "
+           "8,192 tokens, pinned and nobind, against its best binding)"]
+    assert mc.met is True
+    # a peer that fell back is not a win
+    assert g["P/D decode-side TTFT <= 0.8x NixlConnector's"].met is None
+    assert "fell back" in g["P/D decode-side TTFT <= 0.8x NixlConnector's"].measured
+    ahead = g["ahead of vLLM's own connectors on the same engine wherever both run"]
+    # 0.5-0.9 is ahead of the peer (the whole interval below 1) though short of 0.8; the
+    # comparison without a ratio is not counted
+    assert ahead.met is True and ahead.measured == "4 of 4 comparisons ahead"
+    level = _interval_serve()
+    level["comparisons"][0].update(low=0.6, high=1.2)
+    ahead = _goals({"serve": level})["ahead of vLLM's own connectors on the same engine "
+                                     "wherever both run"]
+    assert ahead.met is False and "level (interval across 1)" in ahead.measured
+
+
+def test_serve_section_states_rounds_spread_and_the_overhead_table(tmp_path: Path) -> None:
+    page = render.render({"serve": _interval_serve()}, tmp_path)
+    assert "**5 rounds**" in page and "whole interval is on the right side" in page
+    assert "`pinned` (P `VLLM_CPU_OMP_THREADS_BIND=0`, D `1`)" in page
+    assert "| 0.7 | 0.5–0.9 | 0.5–0.9 | 5 |" in page
+    assert "the peer fell back to recompute" in page
+    assert "### Overhead over the floor" in page
+    assert "| pd/ours[pinned] | MooncakeConnectorV1 | 2048 | 0.07 | 0.058 | 0.012 | 0.01–0.02 " \
+           "| 0.3 | 2048 | yes | num_external_computed_tokens |" in page

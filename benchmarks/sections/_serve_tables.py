@@ -1,0 +1,126 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Tables of the serve section: comparisons with their intervals, the overhead over the floor."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ._common import fmt, md_table, num, verdict
+
+logger = logging.getLogger(__name__)
+
+
+def _iv(lo: Any, hi: Any) -> str:
+    a, b = num(lo), num(hi)
+    return f"{fmt(a)}–{fmt(b)}" if a is not None and b is not None else "–"
+
+
+def rounds_note(d: dict[str, Any]) -> str:
+    """How many rounds, what alternated, and how wide the spread was."""
+    cfg = d.get("config", {})
+    rounds = cfg.get("rounds")
+    if not rounds:
+        return ""
+    comps = [c for c in d.get("comparisons", []) if num(c.get("min")) and num(c.get("max"))]
+    widths = sorted(c["max"] / c["min"] for c in comps if c["min"] > 0 and c["max"] > 0)
+    spread = ""
+    if widths:
+        spread = (f" Over the rounds, a ratio's largest / smallest round was "
+                  f"{fmt(widths[len(widths) // 2])}x in the median comparison and "
+                  f"{fmt(widths[-1])}x in the widest.")
+    binds = cfg.get("pd_binding_env") or {}
+    bind_text = ", ".join(f"`{b}` (P `VLLM_CPU_OMP_THREADS_BIND={e.get('prefill')}`, D "
+                          f"`{e.get('decode')}`)" for b, e in binds.items())
+    return (f"**{rounds} rounds**, alternating: the engines of a family (P/D, pool, offload) "
+            "start once and stay up; each round measures the engine without a connector (the "
+            "recompute of that round) and then every scenario of the family once, in turns, "
+            "in reverse order every other round; pool and offload get fresh prompts every "
+            f"round (a cold request must miss), {cfg.get('repeats')} sample(s) of each hit a "
+            f"round. P/D prompts of {cfg.get('pd_lengths')} tokens under the bindings "
+            f"{bind_text or '–'}; each P/D scenario is reported under each binding and ours is "
+            "compared with the peer at its best binding. A ratio is median(ours) / "
+            "median(peer) over the rounds; `min–max` is the spread of the per-round ratios "
+            "and `interval` a 95% paired bootstrap over the rounds. **A goal counts as met "
+            "only when the whole interval is on the right side.**" + spread)
+
+
+def comparison_table(comps: list[dict[str, Any]]) -> str:
+    """Every comparison with its interval, spread, rounds and verdict."""
+    rows = [{**c, "interval": _iv(c.get("low"), c.get("high")),
+             "spread": _iv(c.get("min"), c.get("max")),
+             "met": verdict(c.get("met")) if c.get("goal") else ""} for c in comps]
+    return ("\nOurs against vLLM's connectors (`peer`: TTFT or throughput normalized by the "
+            "same round's engine without a connector; `overhead`: what the connector controls, "
+            "see below), and ours against recompute:\n\n"
+            + md_table(rows, ["what", "kind", "ratio", "interval", "spread", "rounds", "goal",
+                              "met", "note"],
+                       ["what", "kind", "ratio", "interval", "min–max", "rounds", "goal",
+                        "met", "note"]))
+
+
+def _int(v: Any) -> int | None:
+    x = num(v)
+    return int(x) if x is not None else None
+
+
+def _m(spread: dict[str, Any] | None) -> float | None:
+    return num((spread or {}).get("median"))
+
+
+def overhead_table(d: dict[str, Any]) -> str:
+    """The overhead over the floor, and the save overhead, of every scenario measured in
+    rounds: medians over the rounds (min–max of the overhead)."""
+    pd_rows, cache_rows = [], []
+    for name, r in (d.get("rounds") or {}).items():
+        sc = d.get("scenarios", {}).get(name, {})
+        if name == "baseline":  # its "hit" is a recompute: the reference, not a connector
+            continue
+        for tokens, s in sorted((r.get("by_tokens") or {}).items(), key=lambda kv: int(kv[0])):
+            if "overhead" in s:
+                pd_rows.append({
+                    "scenario": name, "connector": sc.get("connector"), "tokens": tokens,
+                    "ttft": _m(s.get("ttft")), "floor": _m(s.get("floor")),
+                    "overhead": _m(s.get("overhead")),
+                    "spread": _iv((s.get("overhead") or {}).get("min"),
+                                  (s.get("overhead") or {}).get("max")),
+                    "recompute": _m(s.get("recompute")),
+                    "external": _int((s.get("external") or {}).get("min")),
+                    "loaded": r.get("loaded"), "check": r.get("load_check")})
+            elif "hit_overhead" in s:
+                cache_rows.append({
+                    "scenario": name, "connector": sc.get("connector"), "tokens": tokens,
+                    "hit": _m(s.get("hit")), "floor": _m(s.get("floor")),
+                    "hit_overhead": _m(s.get("hit_overhead")),
+                    "spread": _iv((s.get("hit_overhead") or {}).get("min"),
+                                  (s.get("hit_overhead") or {}).get("max")),
+                    "cold": _m(s.get("cold")), "recompute": _m(s.get("recompute")),
+                    "save_overhead": _m(s.get("save_overhead"))})
+    out = ["\n### Overhead over the floor\n\n"
+           "What the connector controls, beside the raw TTFT. The **floor** is the same "
+           "engine's TTFT on a device-cache hit of that prompt (vLLM computes only the last "
+           "token); a hit's or D's **overhead** is its TTFT minus that floor. On the cold path "
+           "the **save overhead** is the cold TTFT (miss and save) minus the recompute of the "
+           "same prompt by the engine without a connector in the same round. Seconds, medians "
+           "over the rounds.\n\n"]
+    if pd_rows:
+        out.append("P/D, D side (`external`: the fewest tokens vLLM counted as loaded by the "
+                   "connector, `num_external_computed_tokens`, in any round; a D that loaded "
+                   "none fell back to recompute and its ratios do not count):\n\n")
+        out.append(md_table(pd_rows, ["scenario", "connector", "tokens", "ttft", "floor",
+                                      "overhead", "spread", "recompute", "external", "loaded",
+                                      "check"],
+                            ["scenario", "connector", "tokens", "D TTFT", "floor", "overhead",
+                             "overhead min–max", "recompute", "external", "loaded",
+                             "checked by"]))
+    if cache_rows:
+        out.append("\nPool and offload (hit after `reset_prefix_cache()`):\n\n")
+        out.append(md_table(cache_rows, ["scenario", "connector", "tokens", "hit", "floor",
+                                         "hit_overhead", "spread", "cold", "recompute",
+                                         "save_overhead"],
+                            ["scenario", "connector", "tokens", "hit TTFT", "floor",
+                             "hit overhead", "hit overhead min–max", "cold TTFT", "recompute",
+                             "save overhead"]))
+    if not pd_rows and not cache_rows:
+        return ""
+    return "".join(out)
