@@ -317,3 +317,26 @@ def test_kv_aware_trades_prefix_against_load() -> None:
     a.healthy = False
     order, _ = r.order([a, b, c], TOKENS)
     assert order[-1] is a
+
+
+def test_router_follows_added_instances_and_forgets_removed_ones(publisher: Publisher) -> None:
+    r = KvRouter(KvAwareSettings())
+    try:
+        r.add("http://p0", publisher.where)
+        r.add("http://p1", None)  # no events: routed by load
+        assert r.status("http://p1")["events"] == {"state": "none"}
+        assert wait_for(lambda: r.streams["http://p0"].state == "live")
+        publisher.publish(stored(TOKENS[:8]))
+        assert wait_for(lambda: r.usable("http://p0") is not None)
+        p0, p1 = Instance("http://p0", "prefill"), Instance("http://p1", "prefill")
+        order, d = r.order([p1, p0], TOKENS)
+        assert order[0] is p0 and d.reason == "prefix" and d.predicted_tokens == 8
+        r.instance_down("http://p0")  # a failed health check: it may come back empty
+        assert r.order([p1, p0], TOKENS)[1].reason == "no_hit"
+        assert r.status("http://p0")["prefix_index"]["blocks"] == 0
+        stream = r.streams["http://p0"]
+        r.remove("http://p0")
+        assert wait_for(lambda: not stream._thread.is_alive(), 5)
+        assert "http://p0" not in r.indexes and r.usable("http://p0") is None
+    finally:
+        r.stop()

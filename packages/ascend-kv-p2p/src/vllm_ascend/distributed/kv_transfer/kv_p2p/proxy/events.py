@@ -141,9 +141,11 @@ class EventStream:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, wait: bool = True) -> None:
+        """Stop the subscriber (``wait``: until its thread ended, at most ~2 s)."""
         self._stop.set()
-        self._thread.join(timeout=2.0)
+        if wait and self._thread.is_alive():
+            self._thread.join(timeout=2.0)
         self.state = "stopped"
 
     def drop(self) -> None:

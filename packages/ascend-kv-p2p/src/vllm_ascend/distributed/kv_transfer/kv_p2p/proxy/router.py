@@ -97,15 +97,16 @@ class KvRouter:
 
         self.streams[url] = EventStream(url, where, index, self.hasher, count).start()
 
-    def remove(self, url: str) -> None:
+    def remove(self, url: str, wait: bool = False) -> None:
+        """Stop following ``url`` (its subscriber thread ends on its own unless ``wait``)."""
         stream = self.streams.pop(url, None)
         self.indexes.pop(url, None)
         if stream is not None:
-            stream.stop()
+            stream.stop(wait)
 
     def stop(self) -> None:
         for url in list(self.streams):
-            self.remove(url)
+            self.remove(url, wait=True)
 
     def instance_down(self, url: str) -> None:
         """The instance failed a health check: it may be restarting with an empty cache."""
