@@ -271,7 +271,8 @@ TRACE_NAME = "data/mooncake-traces/conversation_trace.jsonl"
 #: The fixed configuration of `nox -s bench` (minutes on the 2-core machine).
 BENCH_ARGS: dict[str, tuple[str, ...]] = {
     "offload": ("--repeats", "2"),
-    "serve": ("--repeats", "3"),
+    # 5 alternating rounds (engines kept up), one sample of each hit a round
+    "serve": ("--rounds", "5", "--repeats", "1"),
 }
 
 
