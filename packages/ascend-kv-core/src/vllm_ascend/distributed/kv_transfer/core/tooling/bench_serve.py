@@ -17,10 +17,14 @@ time D's TTFT with P's KV; pool and offload scenarios (``pool/...``,
 the connector's storage after ``reset_prefix_cache()`` (vLLM's cache only).
 
 Prompt lengths are ``k*block``, ``k*block + 1`` (a length ``ExampleConnector``
-never hits) and ``k*block + block/2``. Writes ``<out>/serve.json`` with every
-measurement and the ratios (:mod:`.serve_report`: connector / no connector,
-ours / peer, with the declared goals) and prints a table; never fails on a
-number.
+never hits) and ``k*block + block/2``; P/D prompts are ``--pd-tokens`` long
+(2,048 and 8,192). The scenarios of a family are measured in ``--rounds``
+alternating rounds with their engines kept up (:mod:`.serve_rounds`), P/D under
+each ``--pd-bindings`` thread binding. Writes ``<out>/serve.json`` with every
+measurement, the per-round series with the overheads over the floor, and the
+ratios with their intervals (:mod:`.serve_report`, :mod:`.serve_compare`:
+connector / no connector, ours / peer at its best binding, with the declared
+goals) and prints a table; never fails on a number.
 """
 
 from __future__ import annotations
