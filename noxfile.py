@@ -264,7 +264,7 @@ nox.options.sessions = [
 # ---------------------------------------------------------------------- benchmarks
 BENCH_DIR = ROOT / "bench-results"
 BENCHMARKS = ("engine", "kernels", "p2p", "layerwise", "pool", "trace", "offload", "serve",
-              "auth")
+              "auth", "client")
 BENCH_TOOLS = ("matplotlib>=3.7",)
 NIXL = "nixl==1.5.1"
 TRACE_NAME = "data/mooncake-traces/conversation_trace.jsonl"
