@@ -315,8 +315,10 @@ class EventStream:
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0 or not sock.poll(int(left * 1000)):
-                    logger.warning("KV events of %s: replay socket %s did not answer in %.1fs",
-                                   self.name, self.where.replay, self.replay_timeout_s)
+                    # at start the instance may not be up yet: not worth a warning
+                    logger.log(logging.INFO if self.last_seq is None else logging.WARNING,
+                               "KV events of %s: replay socket %s did not answer in %.1fs",
+                               self.name, self.where.replay, self.replay_timeout_s)
                     return False
                 frames = sock.recv_multipart()
                 if len(frames) != 4 or len(frames[2]) != 8:
