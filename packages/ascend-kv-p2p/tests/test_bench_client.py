@@ -196,3 +196,14 @@ def test_scrape_and_transfer_delta(monkeypatch: pytest.MonkeyPatch) -> None:
     delta = procs.transfer_delta({"kv_loaded": 1.0, "kv_failures": 0.0, "proxy_fallbacks": 1.0},
                                  "http://d", "http://x", expect=4, timeout=0)
     assert delta == {"kv_loaded": 4.0, "kv_failures": 0.0, "proxy_fallbacks": 0.0}
+
+
+def test_select_and_pinning(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert [t.name for t in bc.select("")] == [t.name for t in bc.targets()]
+    assert [t.name for t in bc.select("pd-layerwise, plain")] == ["plain", "pd-layerwise"]
+    with pytest.raises(SystemExit, match="unknown target"):
+        bc.select("plain,nope")
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in bc.engine_env(None)
+    monkeypatch.setattr(bc.os, "sched_getaffinity", lambda _pid: {0}, raising=False)
+    assert bc.can_pin() is False  # one core only: nothing is pinned

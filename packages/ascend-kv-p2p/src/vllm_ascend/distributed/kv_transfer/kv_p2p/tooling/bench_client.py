@@ -149,12 +149,26 @@ def proxy_cmd(python: str, mode: str, prefill: str, decode: str, port: int) -> l
             "--health-interval", "1"]
 
 
-def engine_env(cores: str) -> dict[str, str]:
-    """Environment of one API server: loopback, small KV cache, OpenMP threads on ``cores``."""
+def engine_env(cores: str | None) -> dict[str, str]:
+    """Environment of one API server: loopback, small KV cache, OpenMP threads on ``cores``
+    (vLLM's own binding when None)."""
     from vllm_ascend.distributed.kv_transfer.core.tooling.engine_env import ENGINE_ENV
 
-    return {**os.environ, **ENGINE_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
-            "VLLM_CPU_OMP_THREADS_BIND": cores}
+    env = {**os.environ, **ENGINE_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    if cores:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cores
+    return env
+
+
+def can_pin() -> bool:
+    """Whether cores 0 and 1 are ours and ``taskset`` is there (else nothing is pinned)."""
+    import shutil
+
+    try:
+        ours = os.sched_getaffinity(0)
+    except AttributeError:  # not Linux
+        return False
+    return {0, 1} <= ours and shutil.which("taskset") is not None
 
 
 # ====================================================================== results
@@ -219,6 +233,8 @@ class ClientConfig:
     out: Path
     python: str = sys.executable
     model_spec: dict[str, Any] | None = None
+    #: pin the engines (P core 0, D core 1, the plain instance both): see :func:`can_pin`
+    pin: bool = True
     startup_timeout: float = 600.0
     client_timeout: float = 1800.0
 
@@ -233,7 +249,8 @@ def start_target(target: Target, cfg: ClientConfig, logs: Path) -> tuple[str, li
     (to stop, in reverse order)."""
     servers: list[Server] = []
 
-    def serve(name: str, kv: dict[str, Any] | None, cores: str) -> Server:
+    def serve(name: str, kv: dict[str, Any] | None, cores: str | None) -> Server:
+        cores = cores if cfg.pin else None
         port = free_port()
         cmd = server_cmd(cfg.python, cfg.model, port, block_size=cfg.block_size,
                          max_model_len=cfg.max_model_len, max_num_seqs=max(cfg.concurrency),
@@ -343,13 +360,30 @@ def build_config(args: argparse.Namespace) -> ClientConfig:
         model=model, vocab=vocab, model_spec=None if args.model else dict(spec),
         num_prompts=args.num_prompts or (QUICK_PROMPTS if args.quick else NUM_PROMPTS),
         concurrency=conc, input_len=args.input_len, output_len=args.output_len,
-        block_size=args.block_size, out=Path(args.out), startup_timeout=args.startup_timeout)
+        block_size=args.block_size, out=Path(args.out), startup_timeout=args.startup_timeout,
+        pin=can_pin())
+
+
+def select(only: str) -> list[Target]:
+    """The targets ``--only`` names (all when empty), in run order.
+
+    Raises:
+        SystemExit: a name that is no target.
+    """
+    wanted = {n.strip() for n in only.split(",") if n.strip()}
+    unknown = sorted(wanted - {t.name for t in targets()})
+    if unknown:
+        raise SystemExit(f"bench client: unknown target(s) {unknown}; known: "
+                         f"{[t.name for t in targets()]}")
+    return [t for t in targets() if not wanted or t.name in wanted]
 
 
 def run(args: argparse.Namespace) -> int:
     """Entry of ``vllm-ascend-kv bench client``."""
+    chosen = select(args.only)
     cfg = build_config(args)
-    chosen = [t for t in targets() if not args.only or t.name in args.only.split(",")]
+    if not cfg.pin:
+        logger.warning("cores 0 and 1 or taskset not available: the engines are not pinned")
     steps = Steps(len(chosen), NAME)
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="bench-client-") as tmp:
@@ -370,8 +404,10 @@ def run(args: argparse.Namespace) -> int:
                    "output_len": cfg.output_len, "num_prompts": cfg.num_prompts,
                    "concurrency": list(cfg.concurrency), "quick": bool(args.quick),
                    "cores": {"plain": PLAIN_CORES, "prefill": P_CORES, "decode": D_CORES},
-                   "pinning": "taskset -c <cores> and VLLM_CPU_OMP_THREADS_BIND=<cores>; "
-                              "the proxy and the client are not pinned",
+                   "pinned": cfg.pin,
+                   "pinning": ("taskset -c <cores> and VLLM_CPU_OMP_THREADS_BIND=<cores>; "
+                               "the proxy and the client are not pinned") if cfg.pin else
+                              "none (cores 0 and 1 or taskset not available here)",
                    "cpus": os.cpu_count()},
         "targets": results, "rows": rows,
         "failed_requests": sum(int(r.get("failed") or 0) for e in results.values()
