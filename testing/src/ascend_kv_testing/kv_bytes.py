@@ -166,3 +166,52 @@ def zero_blocks(llm: Any, block_ids: list[int]) -> list[int]:
     """Zero ``block_ids`` in every layer on every worker (so that bytes found there later
     were written there later). Only for blocks no request holds."""
     return list(llm.collective_rpc(_worker_zero, args=(list(block_ids),)))
+
+
+def _head(block: Any, h: int) -> Any:
+    """Head ``h`` of one block: ``CPU_ATTN``'s head-major ``[heads, block_size, 2*head]``
+    (K and V side by side), or a split ``[2, heads, block_size, head]``."""
+    return block[h] if block.dim() == 3 else block[:, h]
+
+
+def _worker_head_digests(worker: Any, block_ids: list[int]) -> dict[str, Any]:
+    import torch
+
+    layers: dict[str, list[list[str]]] = {}
+    heads = 0
+    head_bytes = 0
+    for name, cache in sorted(_kv_caches(worker).items()):
+        sample = _block(cache, 0)
+        heads = sample.shape[0] if sample.dim() == 3 else sample.shape[1]
+        head_bytes = _head(sample, 0).numel() * sample.element_size()
+        layers[name] = [[hashlib.sha256(_head(_block(cache, b), h).contiguous()
+                                        .view(torch.uint8).numpy().tobytes()).hexdigest()
+                         for h in range(heads)] for b in block_ids]
+    cache = next(iter(_kv_caches(worker).values()))
+    return {"layers": layers, "shape": list(cache.shape), "heads": heads,
+            "head_bytes": head_bytes}
+
+
+def head_digests(llm: Any, block_ids: list[int]) -> list[dict[str, Any]]:
+    """For each worker (TP rank): ``layers`` (layer name -> per block, the SHA-256 of each
+    of the rank's KV heads, K and V together), the cache ``shape``, the rank's ``heads``
+    and the bytes of one head of one block (``head_bytes``). Attention caches in vLLM
+    CPU's ``CPU_ATTN`` layout (not MLA)."""
+    return list(llm.collective_rpc(_worker_head_digests, args=(list(block_ids),)))
+
+
+def _worker_connector_totals(worker: Any) -> dict[str, float]:
+    from .probes import _worker_connectors
+
+    out: dict[str, float] = {}
+    for conn in _worker_connectors(None):
+        recorder = getattr(conn, "recorder", None)
+        for k, v in (recorder.totals() if recorder is not None else {}).items():
+            out[k] = out.get(k, 0.0) + v
+    return out
+
+
+def worker_connector_totals(llm: Any) -> list[dict[str, float]]:
+    """Each worker's (TP rank's) connector counters, wherever the worker runs (unlike
+    ``probes.connector_totals``, which sees only an in-process worker)."""
+    return list(llm.collective_rpc(_worker_connector_totals))

@@ -160,3 +160,13 @@ def auth_refused(llm: Any) -> dict[str, float]:
             reason = labels.get("reason", "")
             out[reason] = out.get(reason, 0.0) + value
     return out
+
+
+def published_rank_hosts(llm: Any) -> dict[int, str] | None:
+    """TP rank -> host as the workers published them to the scheduler-side connector
+    (vLLM's handshake-metadata path); ``None`` if vLLM never passed them."""
+    sched = llm.llm_engine.engine_core.engine_core.scheduler
+    conn = sched.get_kv_connector()
+    inner = getattr(conn, "connector_scheduler", None)
+    hosts = getattr(inner, "published_hosts", None)
+    return None if hosts is None else {int(k): str(v) for k, v in hosts.items()}
