@@ -182,7 +182,10 @@ def interval_comparisons(results: dict[str, dict[str, Any]], rounds: dict[str, d
                     c.goal if c.goal and (c.goal.at_most or c.goal.at_least) else None))
                 for n in lengths:
                     at = f" at {n} tokens" if n is not None else ""
-                    pbn = _best(rounds, peer_vs, okey, n, False)
+                    # the peer's best binding: its lowest D TTFT (not its lowest overhead, a
+                    # difference of two noisy times)
+                    pbn = _best(rounds, peer_vs, "norm", None, False) if pd else \
+                        _best(rounds, peer_vs, okey, n, False)
                     out.append(_peer_row(f"{words}{at}{where}: {label}", "overhead", rounds,
                                          ov, pbn, peer_vs, okey, n, goal, binding=binding,
                                          tokens=n))
@@ -221,6 +224,9 @@ def _peer_row(what: str, kind: str, rounds: dict[str, dict[str, Any]], ours: str
                _series(rounds, peer, key, at_tokens), goal, inverse=inverse, **extra)
     row["peer"] = peer
     notes = []
+    if row["ratio"] is None:
+        notes.append("the peer's median is not above 0 (within the noise of the floor): "
+                     "no ratio" if row["rounds"] else "no round measured both")
     if len(peer_variants) > 1:
         notes.append(f"peer at its best: {peer}")
     if rounds[ours].get("loaded") is False:
