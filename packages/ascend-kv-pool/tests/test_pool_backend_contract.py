@@ -159,7 +159,7 @@ def test_backend_class_by_name() -> None:
 
 
 def test_local_backend_evicts_least_recently_used() -> None:
-    b = LocalBackend(capacity=3 * 256 * 3)
+    b = LocalBackend(capacity=3 * 256 * 3, eviction_policy="lru")
     buf = Buffers(b)
     keys = _keys(4)
     _put(b, buf, keys[:3], [0, 1, 2])

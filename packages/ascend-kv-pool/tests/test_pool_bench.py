@@ -30,7 +30,8 @@ def test_replay_counts_leading_hits_only(tmp_path: Path) -> None:
 
 def test_small_capacity_evicts(tmp_path: Path) -> None:
     reqs = bench.load_trace(_trace(tmp_path, [[0, 1], [2, 3], [0, 1]]))
-    assert bench.replay(reqs, LocalBackend(capacity=2 * 64), 64)["hit_blocks"] == 0
+    lru = bench.replay(reqs, LocalBackend(capacity=2 * 64, eviction_policy="lru"), 64)
+    assert lru["hit_blocks"] == 0
     assert bench.replay(reqs, LocalBackend(capacity=4 * 64), 64)["hit_blocks"] == 2
 
 

@@ -225,7 +225,8 @@ def test_chunked_prefill_announces_every_full_block_once_in_order(n: int, chunk:
 def test_evicted_blocks_are_removed() -> None:
     kv = make_kv_caches()
     block_bytes = sum(t[0].numel() * t.element_size() for t in kv.values())
-    backend = LocalBackend(capacity=3 * block_bytes)  # room for three blocks
+    # room for three blocks; LRU, so the victim is r1's first block
+    backend = LocalBackend(capacity=3 * block_bytes, eviction_policy="lru")
     h = PoolHarness(backend, ctx=events_ctx(), kv_caches=kv)
     first, second = req("r1", 2 * BLOCK, seed=1), req("r2", 2 * BLOCK, seed=2)
     h.prefill(first)

@@ -23,6 +23,8 @@ from typing import ClassVar
 from vllm_ascend.distributed.kv_transfer.core.config.base import ConfigSection, option
 from vllm_ascend.distributed.kv_transfer.core.errors import ConfigError
 
+from .backend.eviction import DEFAULT_POLICY, POLICY_NAMES
+
 logger = logging.getLogger(__name__)
 
 #: Environment variable naming the Mooncake Store JSON configuration.
@@ -134,7 +136,12 @@ class AscendStoreConfig(ConfigSection):
         None, doc="Layers per prefill pipeline stage, e.g. '20,20'; default: even split.")
     local_pool_size: int = option(
         "8GB", size=True, minimum=1,
-        doc="Capacity of the 'local' backend; least recently used blocks are evicted beyond it.")
+        doc="Capacity of the 'local' backend; blocks are evicted beyond it (eviction_policy).")
+    eviction_policy: str = option(
+        DEFAULT_POLICY, choices=POLICY_NAMES,
+        doc="What the 'local' backend evicts first: 'prefix-s3fifo' (S3-FIFO over chain "
+            "leaves: scan resistant, a prefix outlives its continuations), 'lru', 'prefix' "
+            "(LRU over chain leaves) or 's3fifo'.")
     mooncake: MooncakeStoreConfig | None = option(
         None, aliases=("mooncake_config",),
         doc="Mooncake Store config inline; default: the JSON file named by MOONCAKE_CONFIG_PATH.")

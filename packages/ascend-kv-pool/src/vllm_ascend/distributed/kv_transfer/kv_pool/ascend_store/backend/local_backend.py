@@ -1,10 +1,23 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The embedded default backend: host memory of this process, bounded, LRU.
+"""The embedded default backend: host memory of this process, bounded.
 
 Zero configuration: with no ``backend`` key the pool keeps blocks here, up to
-``local_pool_size`` bytes (``"8GB"`` by default), evicting the least recently
-used objects. Objects are numpy byte arrays; copies are ``memmove`` calls that
-release the GIL, so the save and load threads overlap the forward pass.
+``local_pool_size`` bytes (``"8GB"`` by default), evicting by the
+``eviction_policy`` option (:mod:`.eviction`; prefix-aware S3-FIFO by default,
+``lru`` selectable). Copies are ``memmove`` calls that release the GIL, so the
+save and load threads overlap the forward pass.
+
+Memory comes from slabs: objects of one size share chunks (up to 64 MiB, so the
+kernel backs them with huge pages), and an evicted object's slot is reused by
+the next put of that size, so a full pool writes into memory it already touched
+instead of faulting in fresh pages per put. A key being read is *pinned*: no
+policy evicts it, and a slot removed while read is recycled only after the read.
+
+The prefix-aware policies need each block's parent. Keys carry no parent, so
+the backend learns it from call order: ``exists`` and ``get`` calls list a
+request's blocks from its first (the lookup walks the chain from the root), so
+in one call the key before a key of the same kind (same model, rank and layer)
+is its parent.
 
 The store is per process: with TP > 1 each worker keeps its own heads, and the
 lookup (answered by rank 0) sees only rank 0's objects. A rank that evicted a
@@ -16,13 +29,13 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, ClassVar
 
 import numpy as np
 
 from .base import RC_ERROR, Backend
+from .eviction import DEFAULT_POLICY, EvictionPolicy, make_policy
 
 logger = logging.getLogger(__name__)
 
@@ -37,10 +50,67 @@ _RC_TEXT = {RC_NOT_FOUND: "object not found", RC_SIZE_MISMATCH: "size mismatch",
             RC_TOO_LARGE: "object larger than local_pool_size", RC_ERROR: "error"}
 
 DEFAULT_CAPACITY = 8 << 30
+#: Largest slab chunk (numpy asks for huge pages from 4 MiB on).
+CHUNK_BYTES = 64 << 20
+#: Parent links learned for keys not stored yet, kept at most.
+MAX_LEARNED_LINKS = 1 << 17
+
+_memmove = ctypes.memmove
+
+
+class _Slabs:
+    """Slots of one size carved from shared chunks, with a free list per size.
+
+    Args:
+        capacity: the pool's capacity; free slots beyond an eighth of it are let go.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self._free: dict[int, list[np.ndarray]] = {}
+        self._grown: dict[int, int] = {}  # slots allocated per size so far
+        self._free_bytes = 0
+        self._max_free = max(capacity // 8, CHUNK_BYTES)
+        self._max_slots = max(1, capacity)
+
+    def alloc(self, size: int) -> np.ndarray:
+        free = self._free.get(size)
+        if free:
+            self._free_bytes -= size
+            return free.pop()
+        grown = self._grown.get(size, 0)
+        # doubling chunks: a size seen once costs one slot, a common size 64 MiB chunks
+        slots = max(1, min(grown, CHUNK_BYTES // max(size, 1), self._max_slots // max(size, 1)))
+        self._grown[size] = grown + slots
+        chunk = np.empty(slots * size, dtype=np.uint8)
+        views = [chunk[i * size:(i + 1) * size] for i in range(slots)]
+        if slots > 1:
+            self._free.setdefault(size, []).extend(views[1:])
+            self._free_bytes += (slots - 1) * size
+        return views[0]
+
+    def release(self, view: np.ndarray) -> None:
+        size = view.nbytes
+        if self._free_bytes + size > self._max_free:
+            return  # dropped: the chunk goes once none of its slots is referenced
+        self._free.setdefault(size, []).append(view)
+        self._free_bytes += size
+
+    def clear(self) -> None:
+        self._free.clear()
+        self._grown.clear()
+        self._free_bytes = 0
+
+
+def _group(key: str) -> str:
+    """A key without its block hash: keys of one chain share it."""
+    head, _, last = key.rpartition("@")
+    if len(last) < 8 and last.isdigit() and "@" in head:  # layerwise: ...@{hash}@{layer}
+        return head.rpartition("@")[0] + "@" + last
+    return head
 
 
 class LocalBackend(Backend):
-    """Bounded LRU pool in this process's memory.
+    """Bounded pool in this process's memory.
 
     Evicted and removed keys are reported to the listeners of
     :meth:`add_eviction_listener` (the pool's ``BlockRemoved`` KV cache events).
@@ -48,8 +118,14 @@ class LocalBackend(Backend):
     Args:
         parallel_config: unused (upstream signature).
         capacity: bytes kept at most; default from ``config.local_pool_size`` or 8 GiB.
+        eviction_policy: a policy name (:data:`.eviction.POLICY_NAMES`) or an
+            :class:`~.eviction.EvictionPolicy`; default ``config.eviction_policy``,
+            else :data:`.eviction.DEFAULT_POLICY`.
         **kwargs: ``config``, the pool's ``AscendStoreConfig`` (optional), and the
             options of :class:`~.base.Backend`.
+
+    Raises:
+        ValueError: a capacity that is not positive or an unknown policy name.
     """
 
     name: ClassVar[str] = "local"
@@ -57,7 +133,7 @@ class LocalBackend(Backend):
     host_memory_only: ClassVar[bool] = True
 
     def __init__(self, parallel_config: Any = None, *, capacity: int | None = None,
-                 **kwargs: Any) -> None:
+                 eviction_policy: str | EvictionPolicy | None = None, **kwargs: Any) -> None:
         config = kwargs.get("config")
         if config is not None:
             kwargs.setdefault("max_batch_keys", config.max_batch_keys)
@@ -67,8 +143,16 @@ class LocalBackend(Backend):
         if capacity <= 0:
             raise ValueError(f"local pool capacity must be positive, got {capacity}")
         self.capacity = int(capacity)
+        if eviction_policy is None:
+            eviction_policy = getattr(config, "eviction_policy", None) or DEFAULT_POLICY
+        self.policy = (eviction_policy if isinstance(eviction_policy, EvictionPolicy)
+                       else make_policy(eviction_policy, self.capacity))
+        self._learn = self.policy.uses_parents
         self._lock = threading.Lock()
-        self._objects: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._objects: dict[str, np.ndarray] = {}  # in the order stored
+        self._pins: dict[str, int] = {}  # readers per key
+        self._links: dict[str, str] = {}  # learned parents of keys not stored yet
+        self._slabs = _Slabs(self.capacity)
         self._used = 0
         self.evictions = 0
         self._listeners: list[Callable[[list[str]], None]] = []
@@ -85,7 +169,7 @@ class LocalBackend(Backend):
             return len(self._objects)
 
     def stored_keys(self) -> list[str]:
-        """Keys from least to most recently used."""
+        """Keys held, oldest stored first."""
         with self._lock:
             return list(self._objects)
 
@@ -94,11 +178,14 @@ class LocalBackend(Backend):
         """Nothing to register: copies are plain memory moves."""
 
     def exists(self, keys: list[str]) -> list[int]:
+        objects, access = self._objects, self.policy.access
         with self._lock:
+            if self._learn:
+                self._learn_chain(keys, overwrite=True)
             out = []
             for key in keys:
-                if key in self._objects:
-                    self._objects.move_to_end(key)
+                if key in objects:
+                    access(key)
                     out.append(1)
                 else:
                     out.append(0)
@@ -106,54 +193,96 @@ class LocalBackend(Backend):
 
     def put(self, keys: list[str], addrs: list[list[int]], sizes: list[list[int]]) -> list[int]:
         self._check_lists(keys, addrs, sizes)
-        out = []
-        for key, parts, lens in zip(keys, addrs, sizes, strict=True):
-            total = int(sum(lens))
-            with self._lock:
-                if key in self._objects:
-                    # Same key, same content (keys are content hashes): keep the old copy.
-                    self._objects.move_to_end(key)
-                    out.append(0)
-                    continue
-            if total > self.capacity:
-                logger.warning("local pool: object %s of %d bytes exceeds local_pool_size %d",
-                               key, total, self.capacity)
-                out.append(RC_TOO_LARGE)
-                continue
-            value = np.empty(total, dtype=np.uint8)
-            dst = value.ctypes.data
-            for addr, n in zip(parts, lens, strict=True):
-                ctypes.memmove(dst, addr, n)
-                dst += n
-            with self._lock:
-                evicted: list[str] = []
-                if key not in self._objects:
-                    self._objects[key] = value
-                    self._used += total
-                    evicted = self._evict_locked()
-            self._notify(evicted)
-            out.append(0)
+        out = [0] * len(keys)
+        # batches of at most 1/16 of the pool: one lock round trip each, little overshoot
+        step = max(1, self.capacity // 16)
+        start = 0
+        while start < len(keys):
+            end, nbytes = start, 0
+            while end < len(keys) and (end == start or nbytes < step):
+                nbytes += sum(sizes[end])
+                end += 1
+            self._put_batch(keys, addrs, sizes, start, end, out)
+            start = end
         return out
+
+    def _put_batch(self, keys: list[str], addrs: list[list[int]], sizes: list[list[int]],
+                   start: int, end: int, out: list[int]) -> None:
+        todo: list[tuple[int, np.ndarray]] = []
+        objects = self._objects
+        with self._lock:
+            if self._learn:
+                self._learn_chain(keys[start:end], overwrite=False)
+            for i in range(start, end):
+                key = keys[i]
+                if key in objects:
+                    # Same key, same content (keys are content hashes): keep the old copy.
+                    self.policy.access(key)
+                    continue
+                total = sum(sizes[i])
+                if total > self.capacity:
+                    logger.warning("local pool: object %s of %d bytes exceeds local_pool_size "
+                                   "%d", key, total, self.capacity)
+                    out[i] = RC_TOO_LARGE
+                    continue
+                todo.append((i, self._slabs.alloc(total)))
+        for i, value in todo:
+            dst = value.ctypes.data
+            for addr, n in zip(addrs[i], sizes[i], strict=True):
+                _memmove(dst, addr, n)
+                dst += n
+        if not todo:
+            return
+        with self._lock:
+            for i, value in todo:
+                key = keys[i]
+                if key in objects:  # stored meanwhile by another thread
+                    self._slabs.release(value)
+                    continue
+                objects[key] = value
+                self._used += value.nbytes
+                self.policy.insert(key, value.nbytes, self._links.pop(key, None)
+                                   if self._learn else None)
+            evicted = self._evict_locked()
+        self._notify(evicted)
 
     def get(self, keys: list[str], addrs: list[list[int]], sizes: list[list[int]]) -> list[int]:
         self._check_lists(keys, addrs, sizes)
-        out = []
-        for key, parts, lens in zip(keys, addrs, sizes, strict=True):
-            with self._lock:
-                value = self._objects.get(key)
-                if value is not None:
-                    self._objects.move_to_end(key)
-            if value is None:
-                out.append(RC_NOT_FOUND)
-                continue
-            if int(sum(lens)) != value.nbytes:
-                out.append(RC_SIZE_MISMATCH)
-                continue
-            src = value.ctypes.data
-            for addr, n in zip(parts, lens, strict=True):
-                ctypes.memmove(addr, src, n)
-                src += n
-            out.append(0)
+        out = [0] * len(keys)
+        reads: list[tuple[int, np.ndarray]] = []
+        objects, pins, access = self._objects, self._pins, self.policy.access
+        with self._lock:
+            if self._learn:
+                self._learn_chain(keys, overwrite=True)
+            for i, key in enumerate(keys):
+                value = objects.get(key)
+                if value is None:
+                    out[i] = RC_NOT_FOUND
+                    continue
+                access(key)
+                if sum(sizes[i]) != value.nbytes:
+                    out[i] = RC_SIZE_MISMATCH
+                    continue
+                pins[key] = pins.get(key, 0) + 1
+                reads.append((i, value))
+        try:
+            for i, value in reads:
+                src = value.ctypes.data
+                for addr, n in zip(addrs[i], sizes[i], strict=True):
+                    _memmove(addr, src, n)
+                    src += n
+        finally:
+            if reads:
+                with self._lock:
+                    for i, value in reads:
+                        key = keys[i]
+                        left = pins[key] - 1
+                        if left:
+                            pins[key] = left
+                            continue
+                        del pins[key]
+                        if objects.get(key) is not value:  # removed while read: recycle now
+                            self._slabs.release(value)
         return out
 
     def remove(self, keys: list[str]) -> int:
@@ -164,13 +293,20 @@ class LocalBackend(Backend):
                 value = self._objects.pop(key, None)
                 if value is not None:
                     self._used -= value.nbytes
+                    self.policy.remove(key)
+                    if key not in self._pins:
+                        self._slabs.release(value)
                     gone.append(key)
         self._notify(gone)
         return len(gone)
 
     def close(self) -> None:
         with self._lock:
+            for key in list(self._objects):
+                self.policy.remove(key)
             self._objects.clear()
+            self._links.clear()
+            self._slabs.clear()
             self._used = 0
 
     def describe_rc(self, rc: int) -> str:
@@ -193,14 +329,35 @@ class LocalBackend(Backend):
             except Exception:  # a listener must never break a put
                 logger.warning("local pool: eviction listener failed", exc_info=True)
 
+    def _learn_chain(self, keys: list[str], overwrite: bool) -> None:
+        """Remember, for keys not stored, the key before them in ``keys`` (same kind)."""
+        links, objects = self._links, self._objects
+        last: dict[str, str] = {}
+        for key in keys:
+            group = _group(key)
+            parent = last.get(group)
+            last[group] = key
+            if parent is None or key in objects or parent == key:
+                continue
+            if overwrite or key not in links:
+                links.pop(key, None)  # re-insert: the newest links are kept longest
+                links[key] = parent
+        while len(links) > MAX_LEARNED_LINKS:
+            del links[next(iter(links))]
+
     def _evict_locked(self) -> list[str]:
         evicted = []
         while self._used > self.capacity and self._objects:
-            key, value = self._objects.popitem(last=False)
+            key = self.policy.victim(self._pins)
+            if key is None:  # everything left is being read: evict after the reads
+                break
+            value = self._objects.pop(key)
             self._used -= value.nbytes
+            self._slabs.release(value)
             self.evictions += 1
             evicted.append(key)
         return evicted
 
     def __repr__(self) -> str:
-        return f"LocalBackend(capacity={self.capacity}, used={self._used})"
+        return (f"LocalBackend(capacity={self.capacity}, used={self._used}, "
+                f"policy={self.policy.name})")

@@ -10,9 +10,10 @@
     Without ``--master`` a ``mooncake_master`` is started on loopback.
 ``trace``
     Replays a Mooncake trace (``conversation_trace.jsonl``: per request the
-    hash ids of its 512-token prefix blocks) against the ``local`` backend at
-    several capacities: hit rate and throughput per capacity, beside the best
-    possible hit rate (an unbounded pool) measured in the same run.
+    hash ids of its 512-token prefix blocks) and generated traces of other
+    reuse patterns against the ``local`` backend at several capacities, with
+    every eviction policy and the offline optimum, beside the best possible hit
+    rate (an unbounded pool) measured in the same run (:mod:`.trace_replay`).
 
 Both print a table and write ``<out>/<name>.json``; neither fails on a number.
 """
@@ -20,7 +21,6 @@ Both print a table and write ``<out>/<name>.json``; neither fails on a number.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import shutil
@@ -36,14 +36,16 @@ import numpy as np
 from vllm_ascend.distributed.kv_transfer.core.tooling.benchutil import (
     add_common_args,
     format_table,
-    progress,
     write_results,
 )
 from vllm_ascend.distributed.kv_transfer.core.tooling.mooncake_store import MooncakeMaster
 
+from .trace_replay import TRACE_ENV, load_trace, replay, run_trace
+
 logger = logging.getLogger(__name__)
 
-TRACE_ENV = "VLLM_ASCEND_KV_TRACE"
+__all__ = ["TRACE_ENV", "add_pool_command", "add_trace_command", "load_trace", "replay",
+           "run_pool", "run_trace"]
 
 
 # ---------------------------------------------------------------------- helpers
@@ -228,92 +230,14 @@ def _lookup_rates(backend: Any, quick: bool, label: str = "local") -> list[dict[
              "keys/s": (batch // 2) / t_rpc}]
 
 
-# ---------------------------------------------------------------------- trace
-def load_trace(path: str | os.PathLike[str], limit: int | None = None) -> list[list[int]]:
-    """Hash-id lists of the requests of a Mooncake trace (``hash_ids`` of each JSON line).
-
-    Raises:
-        ValueError: a line is not JSON or lacks a list of integer ``hash_ids``.
-    """
-    out: list[list[int]] = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                ids = json.loads(line)["hash_ids"]
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise ValueError(f"{path}:{lineno}: not a trace record ({exc})") from exc
-            if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
-                raise ValueError(f"{path}:{lineno}: hash_ids must be a list of integers")
-            out.append(ids)
-            if limit is not None and len(out) >= limit:
-                break
-    return out
-
-
-def replay(requests: list[list[int]], backend: Any, block_bytes: int) -> dict[str, float]:
-    """Serve every request: lookup its leading blocks, save the missing ones.
-
-    Returns hit blocks, total blocks, hit rate and throughput (requests/s).
-    """
-    src = np.random.default_rng(0).integers(0, 255, block_bytes, dtype=np.uint8)
-    dst = np.zeros_like(src)
-    hits = total = 0
-    start = time.perf_counter()
-    for ids in requests:
-        keys = [f"trace@{i}" for i in ids]
-        present = backend.exists(keys)
-        lead = next((i for i, p in enumerate(present) if p != 1), len(keys))
-        if lead:
-            backend.get(keys[:lead], [[dst.ctypes.data]] * lead, [[block_bytes]] * lead)
-        missing = [k for k, p in zip(keys, present, strict=True) if p != 1]
-        if missing:
-            backend.put(missing, [[src.ctypes.data]] * len(missing),
-                        [[block_bytes]] * len(missing))
-        hits += lead
-        total += len(keys)
-    elapsed = time.perf_counter() - start
-    return {"hit_blocks": hits, "blocks": total, "hit_rate": hits / max(1, total),
-            "requests_per_s": len(requests) / elapsed, "seconds": elapsed}
-
-
-def run_trace(args: argparse.Namespace) -> dict[str, Any]:
-    """Hit rate and throughput of the local pool against capacity, and the unbounded best."""
-    from ..backend.local_backend import LocalBackend
-
-    path = args.trace or os.environ.get(TRACE_ENV, "")
-    if not path:
-        raise FileNotFoundError(
-            f"no trace given: pass a trace file (JSON lines with 'hash_ids', e.g. Mooncake's "
-            f"conversation_trace.jsonl) or set ${TRACE_ENV}")
-    if not Path(path).exists():
-        raise FileNotFoundError(f"trace {path!r} not found; pass it as an argument")
-    requests = load_trace(path, limit=1000 if args.quick else None)
-    unique = len({i for ids in requests for i in ids})
-    block_bytes = args.block_bytes
-    fractions = [0.05, 0.25] if args.quick else [0.01, 0.05, 0.1, 0.25, 0.5, 1.0]
-    best = replay(requests, LocalBackend(capacity=(unique + 1) * block_bytes), block_bytes)
-    rows = []
-    for frac in progress(fractions, "capacities"):
-        cap_blocks = max(1, int(unique * frac))
-        res = replay(requests, LocalBackend(capacity=cap_blocks * block_bytes), block_bytes)
-        rows.append({"capacity_blocks": cap_blocks, "capacity_fraction": frac,
-                     "hit_rate": res["hit_rate"], "best_hit_rate": best["hit_rate"],
-                     "vs_best": res["hit_rate"] / best["hit_rate"] if best["hit_rate"] else 0.0,
-                     "requests/s": res["requests_per_s"]})
-    return {"config": {"trace": str(path), "requests": len(requests), "unique_blocks": unique,
-                       "block_bytes": block_bytes, "tokens_per_block": 512},
-            "unbounded": best, "rows": rows}
-
-
 # ---------------------------------------------------------------------- CLI
 def _run(name: str, fn: Callable[[argparse.Namespace], dict[str, Any]],
          args: argparse.Namespace) -> int:
     result = fn(args)
     path = write_results(name, result, args.out)
-    columns = list(dict.fromkeys(k for row in result["rows"] for k in row))
-    print(format_table(result["rows"], columns))
+    table = result.get("table", result["rows"])
+    columns = list(dict.fromkeys(k for row in table for k in row))
+    print(format_table(table, columns))
     print(f"results: {path}")
     return 0
 
