@@ -105,7 +105,7 @@ def interval_met(c: dict[str, Any], *, at_most: float | None = None,
     """Met only when the whole interval (or, without one, the ratio) is on the right side;
     a ratio that does not count (the peer fell back to recompute) is not measured."""
     lo, hi = _bounds(c)
-    if lo is None or hi is None:
+    if lo is None or hi is None or num(c.get("ratio")) is None:
         return None
     if at_most is not None:
         return hi <= at_most

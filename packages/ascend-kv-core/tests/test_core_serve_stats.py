@@ -88,3 +88,13 @@ def test_spread() -> None:
     assert spread([3.0, None, 1.0, 2.0]) == {"n": 3, "median": 2.0, "min": 1.0, "max": 3.0}
     assert spread([])["median"] is None
     assert isinstance(compare([1.0], [1.0]), RatioStats)
+
+
+def test_a_peer_within_the_noise_of_zero_gives_no_ratio_and_no_interval() -> None:
+    s = compare([0.1, 0.1, 0.1], [-0.01, 0.0, 0.01])  # the peer's median is 0
+    assert s.ratio is None and s.low is None and s.high is None
+    assert verdict(s, at_most=0.8) is None
+    # a peer at zero in some rounds: the interval widens to +inf rather than dropping them
+    s = compare([0.1, 0.1, 0.1, 0.1, 0.1], [0.2, 0.2, 0.2, -0.1, -0.1])
+    assert s.ratio == pytest.approx(0.5) and s.high == float("inf")
+    assert verdict(s, at_most=0.8) is False

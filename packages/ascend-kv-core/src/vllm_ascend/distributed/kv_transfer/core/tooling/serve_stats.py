@@ -54,22 +54,23 @@ def bootstrap_interval(ours: Sequence[float], peer: Sequence[float], *,
                        seed: int = 0) -> tuple[float, float] | None:
     """Percentile bootstrap of :func:`ratio_of_medians` over paired rounds.
 
+    A resample whose peer median is not above 0 has no ratio: it counts as +inf (ours
+    unboundedly worse), so a peer within the noise of zero widens the interval instead of
+    being left out.
+
     Returns:
-        ``(low, high)``, or ``None`` with fewer than two rounds or when no resample has a
-        positive denominator.
+        ``(low, high)``, or ``None`` with fewer than two rounds or when the ratio of the
+        rounds themselves is undefined.
     """
     n = len(ours)
-    if n < 2 or n != len(peer):
+    if n < 2 or n != len(peer) or ratio_of_medians(ours, peer) is None:
         return None
     rng = random.Random(seed)
     stats: list[float] = []
     for _ in range(resamples):
         idx = [rng.randrange(n) for _ in range(n)]
         r = ratio_of_medians([ours[i] for i in idx], [peer[i] for i in idx])
-        if r is not None:
-            stats.append(r)
-    if not stats:
-        return None
+        stats.append(math.inf if r is None else r)
     stats.sort()
     tail = (1.0 - confidence) / 2
     lo = stats[min(len(stats) - 1, max(0, int(math.floor(tail * len(stats)))))]
@@ -111,7 +112,7 @@ def compare(ours: Sequence[float | None], peer: Sequence[float | None], *,
         a, b = b, a
     per_round = [x / y for x, y in zip(a, b, strict=True) if y > 0]
     point = ratio_of_medians(a, b)
-    iv = bootstrap_interval(a, b, seed=seed)
+    iv = bootstrap_interval(a, b, seed=seed) if point is not None else None
     if iv is None and point is not None:
         iv = (point, point)
     return RatioStats(rounds=len(a), ratio=point,
