@@ -18,6 +18,7 @@ the plots that span benchmarks and puts the page together.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -85,6 +86,9 @@ def load_sections() -> dict[str, Any]:
         if section is None:
             logger.warning("section module %s defines no SECTION: left out", path.name)
             continue
+        plot = getattr(mod, f"plot_{name}", None)
+        if section.plot is None and callable(plot):
+            section = dataclasses.replace(section, plot=plot)
         out[name] = section
     return out
 
@@ -339,6 +343,10 @@ def render(res: dict[str, dict[str, Any]], docs: Path) -> str:
             if plots[key]:
                 parts.append(f"![{title}]({rel(plots[key])})\n\n")
     images = {k: rel(p) for k, p in plots.items()}
+    for name, section in sections.items():  # a section's own plot, shown in the section
+        if section.plot is not None and name in res and "_error" not in res[name] \
+                and name not in images:
+            images[name] = rel(plot(section.plot, f"bench-{name}.png"))
     for name, section in sorted(sections.items(), key=lambda kv: kv[1].order):
         if name in res and "_error" not in res[name]:
             parts.append(f"## {section.title}\n\n")

@@ -14,6 +14,7 @@ import logging
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -116,6 +117,9 @@ class Section:
         render: the body, from the benchmark's JSON and the images the renderer drew.
         goals: its rows of the goal table, from every benchmark's JSON (a goal may read
             another benchmark's figures).
+        plot: draws the section's own plot, ``(results, path) -> path or None``; the
+            renderer hands it to ``render`` as ``images[<benchmark>]``. Without one, a
+            module function ``plot_<benchmark>`` is used when there is one.
     """
 
     title: str
@@ -123,3 +127,4 @@ class Section:
     order: float
     render: Callable[[dict[str, Any], Images], str]
     goals: Callable[[dict[str, dict[str, Any]]], list[Goal]] = no_goals
+    plot: Callable[[dict[str, dict[str, Any]], Path], Path | None] | None = None

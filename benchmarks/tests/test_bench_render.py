@@ -318,3 +318,20 @@ def test_serve_section_states_rounds_spread_and_the_overhead_table(tmp_path: Pat
     assert "### Overhead over the floor" in page
     assert "| pd/ours[pinned] | MooncakeConnectorV1 | 2048 | 0.07 | 0.058 | 0.012 | 0.01–0.02 " \
            "| 0.3 | 2048 | yes | num_external_computed_tokens |" in page
+
+
+def test_a_section_draws_its_own_plot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def plot_client(res: dict[str, dict[str, Any]], path: Path) -> Path | None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"\x89PNG\r\n\x1a\n")
+        return path
+
+    sections = {**render.load_sections(),
+                "client": render.Section("Client", "issue 17", 90,
+                                         lambda d, images: f"plot: {images.get('client')}\n",
+                                         plot=plot_client)}
+    monkeypatch.setattr(render, "load_sections", lambda: sections)
+    page = render.render({"client": {"machine": MACHINE}}, tmp_path)
+    assert "plot: img/bench-client.png" in page
+    assert (tmp_path / "img" / "bench-client.png").exists()
+    assert "## Plots" not in page  # shown in its section, not among the shared plots
