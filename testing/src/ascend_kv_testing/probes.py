@@ -170,3 +170,14 @@ def published_rank_hosts(llm: Any) -> dict[int, str] | None:
     inner = getattr(conn, "connector_scheduler", None)
     hosts = getattr(inner, "published_hosts", None)
     return None if hosts is None else {int(k): str(v) for k, v in hosts.items()}
+
+
+def spec_decode_totals(llm: Any) -> dict[str, float]:
+    """vLLM's speculative-decoding counters of this engine (``vllm:spec_decode_*``; needs
+    an engine with ``disable_log_stats=False``): drafts proposed and accepted so far."""
+    out: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        name = getattr(metric, "name", "")
+        if name.startswith("vllm:spec_decode_num_") and hasattr(metric, "value"):
+            out[name.removeprefix("vllm:spec_decode_")] = float(metric.value)
+    return out
