@@ -170,17 +170,36 @@ def test_run_target_not_run_needs_no_engine(tmp_path: Path) -> None:
     assert cfg.max_model_len == 10 + 2 + 32
 
 
-def test_word_tokenizer_keeps_random_prompt_lengths(tmp_path: Path) -> None:
+@pytest.mark.parametrize("vocab", [1024, 8192])
+def test_word_tokenizer_keeps_random_prompt_lengths(tmp_path: Path, vocab: int) -> None:
     pytest.importorskip("tokenizers")
     from transformers import AutoTokenizer
 
-    bc.write_tokenizer(tmp_path, 1024)
+    bc.write_tokenizer(tmp_path, vocab)
     tok = AutoTokenizer.from_pretrained(tmp_path)
-    assert len(tok) == 1024 and tok.num_special_tokens_to_add() == 0
+    assert len(tok) == vocab and tok.num_special_tokens_to_add() == 0
     assert sorted(tok.all_special_ids) == [0, 1, 2]
     rng = random.Random(0)
-    ids = [rng.randrange(3, 1024) for _ in range(1000)]
-    assert tok.encode(tok.decode(ids), add_special_tokens=False) == ids
+    ids = [rng.randrange(3, vocab) for _ in range(1000)]
+    text = tok.decode(ids)
+    assert tok.encode(text, add_special_tokens=False) == ids
+    # vLLM's API server refuses a prompt over 5 characters a token of max_model_len
+    assert len(text) < 4 * len(ids)
+
+
+def test_words_are_unique_and_short() -> None:
+    words = [bc.word(i) for i in range(3, 200_000)]
+    assert len(set(words)) == len(words) and max(map(len, words)) == 3
+    assert bc.word(0) == "0" and bc.word(61) == "Z" and bc.word(62) == "10"
+
+
+def test_an_older_tokenizer_is_replaced(tmp_path: Path) -> None:
+    pytest.importorskip("tokenizers")
+    (tmp_path / "tokenizer.json").write_text("{}")  # no stamp: written by an older version
+    bc.write_tokenizer(tmp_path, 64)
+    assert (tmp_path / bc.TOKENIZER_STAMP).read_text() == "base62 64"
+    assert "tokenizer.json" in {p.name for p in tmp_path.iterdir()}
+    assert json.loads((tmp_path / "tokenizer.json").read_text())["model"]["type"] == "WordLevel"
 
 
 def test_scrape_and_transfer_delta(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -193,20 +193,41 @@ def table_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 # ====================================================================== model
+#: Letters and digits: the words of the tokenizer are ids written in base 62.
+_DIGITS = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+#: Which tokenizer a model directory holds (rewritten when this changes).
+TOKENIZER_STAMP = ".bench-client-tokenizer"
+
+
+def word(i: int) -> str:
+    """Id ``i`` in base 62 (``0``..``Z``, ``10``, ...): at most 3 characters below 238,328."""
+    out = ""
+    while True:
+        i, r = divmod(i, len(_DIGITS))
+        out = _DIGITS[r] + out
+        if i == 0:
+            return out
+
+
 def write_tokenizer(path: Path, vocab_size: int) -> Path:
-    """A word-level tokenizer over ``vocab_size`` ids (``w3`` ... and ``<unk> <s> </s>``):
-    a random prompt's text decodes and encodes back to exactly its ids, so vLLM's random
-    dataset gets the lengths it asks for."""
-    if (path / "tokenizer.json").exists():
+    """A word-level tokenizer over ``vocab_size`` ids (``<unk> <s> </s>``, then each id in
+    base 62): a random prompt's text decodes and encodes back to exactly its ids, so vLLM's
+    random dataset gets the lengths it asks for; and a token takes at most 4 characters with
+    its space, below the 5 characters a token vLLM's API server allows before it tokenizes
+    (its prompt check: ``5 * max_model_len`` characters)."""
+    stamp = path / TOKENIZER_STAMP
+    want = f"base62 {vocab_size}"
+    if (path / "tokenizer.json").exists() and stamp.exists() and stamp.read_text() == want:
         return path
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{word(i): i for i in range(3, vocab_size)}}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
                             eos_token="</s>").save_pretrained(path)
+    stamp.write_text(want)
     return path
 
 
@@ -275,7 +296,7 @@ def start_target(target: Target, cfg: ClientConfig, logs: Path) -> tuple[str, li
             cfg.python, target.proxy_mode, servers[0].url, servers[1].url, port), port, logs,
             {**os.environ, "TOKENIZERS_PARALLELISM": "false"})
         servers.append(proxy)
-        proxy.wait_ready(60)
+        proxy.wait_ready(min(180.0, cfg.startup_timeout))
         return proxy.url, servers
     except BaseException:
         for s in reversed(servers):
@@ -386,11 +407,11 @@ def run(args: argparse.Namespace) -> int:
         logger.warning("cores 0 and 1 or taskset not available: the engines are not pinned")
     steps = Steps(len(chosen), NAME)
     results: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory(prefix="bench-client-") as tmp:
-        for target in chosen:
-            steps.step(f"{target.name}: {target.describe}")
-            (Path(tmp) / target.name).mkdir()
-            results[target.name] = run_target(target, cfg, steps, Path(tmp))
+    work = cfg.out / "client-logs"  # the servers' logs, the client's output and results
+    for target in chosen:
+        steps.step(f"{target.name}: {target.describe}")
+        (work / target.name).mkdir(parents=True, exist_ok=True)
+        results[target.name] = run_target(target, cfg, steps, work)
     rows = table_rows(results)
     print(format_table(rows, ["target", "conc", "status", "failed", "ttft_p50_ms",
                               "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "out_tok_s"]))

@@ -37,7 +37,8 @@ def client_cmd(python: str, base_url: str, model: str, *, num_prompts: int, conc
             "--max-concurrency", str(concurrency), "--request-rate", "inf",
             "--seed", str(seed), "--ignore-eos", "--temperature", "0",
             "--percentile-metrics", ",".join(METRICS), "--metric-percentiles", "50,99",
-            "--disable-tqdm", "--save-result", "--result-dir", str(result_dir),
+            "--disable-tqdm", "--save-result", "--save-detailed", "--result-dir",
+            str(result_dir),
             "--result-filename", result_file]
 
 
