@@ -340,3 +340,17 @@ def test_router_follows_added_instances_and_forgets_removed_ones(publisher: Publ
         assert "http://p0" not in r.indexes and r.usable("http://p0") is None
     finally:
         r.stop()
+
+
+def test_prompt_blocks_are_hashed_only_while_some_instance_holds_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b = Instance("a", "prefill"), Instance("b", "prefill")
+    r = router_with({"a": 2, "b": 0})
+    calls: list[int] = []
+    hash_block = r.hasher.hash_block
+    monkeypatch.setattr(r.hasher, "hash_block",
+                        lambda parent, tokens: calls.append(1) or hash_block(parent, tokens))
+    assert r.order([a, b], TOKENS)[1].predicted_tokens == 8
+    assert len(calls) == 3  # two hits on a, then a miss everywhere
+    calls.clear()
+    assert r.order([a, b], [5] * 17)[1].reason == "no_hit" and len(calls) == 1

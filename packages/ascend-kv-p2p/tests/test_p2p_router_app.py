@@ -290,21 +290,10 @@ def test_instances_added_and_removed_under_load(cluster: tuple[list[StubP], Stub
         with ThreadPoolExecutor(4) as pool:
             for _ in range(4):
                 pool.submit(load)
-            for _ in range(3):
-                r = client.post("/admin/instances", json={
-                    "role": "prefill", "url": ps[1].url,
-                    "events": f"{ps[1].events.endpoint},{ps[1].events.replay}"})
-                assert r.status_code == 201, r.text
-                assert client.post("/admin/instances", json={
-                    "role": "prefill", "url": ps[1].url}).status_code == 409
-                time.sleep(0.2)
-                r = client.delete("/admin/instances", params={"role": "prefill",
-                                                              "url": ps[1].url})
-                assert r.status_code == 200, r.text
-                time.sleep(0.1)
-            r = client.post("/admin/instances", json={"role": "decode", "url": d.url + "/"})
-            assert r.status_code == 409  # the same instance
-            stop.set()
+            try:
+                change_instances_while_loaded(client, ps, d)
+            finally:
+                stop.set()
         assert codes and set(codes) == {200}
         assert client.delete("/admin/instances", params={
             "role": "prefill", "url": ps[0].url}).status_code == 409  # the last one
@@ -317,6 +306,22 @@ def test_instances_added_and_removed_under_load(cluster: tuple[list[StubP], Stub
         metrics = client.get("/metrics").text
         assert metric(metrics, "vllm_ascend_pd_proxy_admin_changes_total", role="prefill",
                       action="add") == 3
+
+
+def change_instances_while_loaded(client: Any, ps: list[StubP], d: StubD) -> None:
+    for _ in range(3):
+        r = client.post("/admin/instances", json={
+            "role": "prefill", "url": ps[1].url,
+            "events": f"{ps[1].events.endpoint},{ps[1].events.replay}"})
+        assert r.status_code == 201, r.text
+        assert client.post("/admin/instances", json={
+            "role": "prefill", "url": ps[1].url}).status_code == 409
+        time.sleep(0.2)
+        r = client.delete("/admin/instances", params={"role": "prefill", "url": ps[1].url})
+        assert r.status_code == 200, r.text
+        time.sleep(0.1)
+    r = client.post("/admin/instances", json={"role": "decode", "url": d.url + "/"})
+    assert r.status_code == 409  # the same instance
 
 
 def test_admin_wants_the_bearer_token_with_a_key(monkeypatch: pytest.MonkeyPatch,

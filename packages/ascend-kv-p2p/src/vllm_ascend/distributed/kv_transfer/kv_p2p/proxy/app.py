@@ -52,7 +52,6 @@ from vllm_ascend.distributed.kv_transfer.core import auth
 from ..params import RemotePrefill
 from ..renewer import LeaseRenewer
 from .balancer import Instance, Pool
-from .events import EventsEndpoint
 from .fallback import is_kv_load_error, plain_headers, read_stream_start
 from .model import (
     LayerwiseRequest,
@@ -121,23 +120,17 @@ class Proxy:
             for inst in self.prefill.instances:
                 self.router.add(inst.url, self.router.settings.events.get(inst.url))
 
-    def add_instance(self, role: str, url: str, events: EventsEndpoint | None) -> Instance:
-        """Add a P or D instance while running (``/admin/instances``)."""
-        pool = self.prefill if role == "prefill" else self.decode
-        inst = pool.add(url)
-        if role == "prefill" and self.router is not None:
-            self.router.add(inst.url, events)
-        return inst
+    def prefetch_tokens(self, path: str, body: dict[str, Any]) -> asyncio.Task[Any] | None:
+        """Layerwise: tokenize while D allocates, not after it posted (kv_aware)."""
+        if self.router is None or self.client is None:
+            return None
+        healthy = [i for i in self.prefill.instances if i.healthy]
+        if not any(self.router.usable(i.url) is not None for i in healthy):
+            return None
+        return asyncio.create_task(prompt_tokens(self.client, healthy[0].url, path, body))
 
-    def remove_instance(self, role: str, url: str) -> Instance:
-        """Remove one; its requests in flight finish on it."""
-        pool = self.prefill if role == "prefill" else self.decode
-        inst = pool.remove(url)
-        if role == "prefill" and self.router is not None:
-            self.router.remove(inst.url)
-        return inst
-
-    async def route_prefill(self, path: str, body: dict[str, Any]
+    async def route_prefill(self, path: str, body: dict[str, Any],
+                            tokens_task: asyncio.Task[Any] | None = None
                             ) -> tuple[list[Instance], Decision | None]:
         """The P instances in the policy's order for this request (and, under kv_aware,
         the decision to check against P's answer)."""
@@ -150,7 +143,8 @@ class Proxy:
         tokens = None
         healthy = [i for i in order if i.healthy] or order
         if any(self.router.usable(i.url) is not None for i in healthy):
-            tokens = await prompt_tokens(self.client, healthy[0].url, path, body)
+            tokens = await (tokens_task or prompt_tokens(self.client, healthy[0].url, path,
+                                                         body))
         order, decision = self.router.order(order, tokens)
         self.metrics.decisions.labels("prefill", policy, decision.reason).inc()
         return order, decision
@@ -333,6 +327,7 @@ class Proxy:
                                  record={"request_id": request_id, "virtual": virtual,
                                          "metaserver_post": False, "prefill": None})
         self.pending[request_id] = entry
+        entry.tokens = None if virtual else self.prefetch_tokens(path, body)
         start = time.perf_counter()
         try:
             opener = self.open_stream if stream else self.post_json
@@ -392,6 +387,8 @@ class Proxy:
                                  headers={"X-Request-Id": request_id})
 
     def _finish_layerwise(self, entry: LayerwiseRequest) -> None:
+        if entry.tokens is not None:
+            entry.tokens.cancel()
         if self.pending.pop(entry.request_id, None) is not None:
             self.history.append(entry.record)
 
@@ -422,7 +419,7 @@ class Proxy:
         self.records["prefill_dispatched"] += 1
         start = time.perf_counter()
         try:
-            order, decision = await self.route_prefill(entry.path, entry.body)
+            order, decision = await self.route_prefill(entry.path, entry.body, entry.tokens)
             inst, resp = await self.post_json(self.prefill, entry.path, p_body, entry.headers,
                                               order)
         except ProxyError as exc:

@@ -71,6 +71,8 @@ class LayerwiseRequest:
     #: set with the reason when the prefill step failed
     failed: asyncio.Future[str]
     prefill: asyncio.Task[None] | None = None
+    #: kv_aware: the prompt's token ids, fetched while D allocates
+    tokens: asyncio.Task[Any] | None = None
     record: dict[str, Any] = field(default_factory=dict)
 
 

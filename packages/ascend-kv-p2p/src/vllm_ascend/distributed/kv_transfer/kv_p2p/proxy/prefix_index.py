@@ -147,6 +147,9 @@ class PrefixIndex:
             self._blocks.clear()
             self.cleared += 1
 
+    def holds(self, key: int) -> bool:
+        return key in self._blocks  # one dict lookup: atomic under the GIL
+
     def matched(self, keys: Sequence[int]) -> int:
         """How many leading ``keys`` are held (the prefix a request would hit)."""
         n = 0

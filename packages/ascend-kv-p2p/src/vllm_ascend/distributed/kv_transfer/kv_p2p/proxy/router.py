@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .events import EventsEndpoint, EventStream
-from .prefix_index import BlockHasher, PrefixIndex
+from .prefix_index import BlockHasher, PrefixIndex, block_key
 
 if TYPE_CHECKING:
     import httpx
@@ -138,13 +138,7 @@ class KvRouter:
         if not tokens:
             return healthy + rest, Decision("no_tokens", healthy[0].url)
         n = len(tokens)
-        keys_by_size: dict[int, list[int]] = {}
-        cached: dict[str, int] = {}
-        for url, ix in usable.items():
-            bs = int(ix.block_size or 0)
-            if bs not in keys_by_size:
-                keys_by_size[bs] = self.hasher.keys(tokens, bs, limit=(n - 1) // bs)
-            cached[url] = ix.matched(keys_by_size[bs]) * bs
+        cached = self.cached_tokens(usable, tokens)
         w = self.settings.load_weight
         ranked = sorted(healthy, key=lambda i: -(cached.get(i.url, 0) / n - w * i.in_flight))
         best = max(cached.values())
@@ -162,6 +156,28 @@ class KvRouter:
         except ValueError:
             reported = None
         self.record(decision, chosen, reported)
+
+    def cached_tokens(self, usable: dict[str, PrefixIndex], tokens: Sequence[int]
+                      ) -> dict[str, int]:
+        """Predicted hit (tokens) of each instance. Blocks are hashed one at a time and only
+        while some instance still holds the prefix so far: a miss everywhere costs one hash."""
+        n = len(tokens)
+        by_size: dict[int, dict[str, PrefixIndex]] = {}
+        for url, ix in usable.items():
+            by_size.setdefault(int(ix.block_size or 0), {})[url] = ix
+        cached = dict.fromkeys(usable, 0)
+        for bs, alive in by_size.items():
+            parent: bytes | None = None
+            for b in range((n - 1) // bs):
+                parent = self.hasher.hash_block(parent, tokens[b * bs:(b + 1) * bs])
+                key = block_key(parent)
+                for url in [u for u, ix in alive.items() if not ix.holds(key)]:
+                    del alive[url]
+                if not alive:
+                    break
+                for url in alive:
+                    cached[url] += bs
+        return cached
 
     def record(self, decision: Decision, chosen: str, reported: int | None) -> None:
         """Count the decision's prediction against what the instance reported

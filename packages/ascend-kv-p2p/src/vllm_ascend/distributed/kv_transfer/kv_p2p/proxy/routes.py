@@ -25,6 +25,7 @@ from .model import error_response
 
 if TYPE_CHECKING:
     from .app import Proxy
+    from .balancer import Instance
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,25 @@ def instance_status(proxy: Proxy, role: str) -> list[dict[str, Any]]:
             d.update(proxy.router.status(inst.url))
         out.append(d)
     return out
+
+
+def add_instance(proxy: Proxy, role: str, url: str, events: EventsEndpoint | None
+                 ) -> Instance:
+    """Add a P or D instance while running (with ``events``: followed by kv_aware)."""
+    pool = proxy.prefill if role == "prefill" else proxy.decode
+    inst = pool.add(url)
+    if role == "prefill" and proxy.router is not None:
+        proxy.router.add(inst.url, events)
+    return inst
+
+
+def remove_instance(proxy: Proxy, role: str, url: str) -> Instance:
+    """Remove one; its requests in flight finish on it."""
+    pool = proxy.prefill if role == "prefill" else proxy.decode
+    inst = pool.remove(url)
+    if role == "prefill" and proxy.router is not None:
+        proxy.router.remove(inst.url)
+    return inst
 
 
 def update_gauges(proxy: Proxy) -> None:
@@ -122,7 +142,7 @@ def add_operator_routes(app: FastAPI, proxy: Proxy) -> None:
                              "decode": instance_status(proxy, "decode")})
 
     @app.post("/admin/instances")
-    async def add_instance(request: Request) -> Response:
+    async def post_instance(request: Request) -> Response:
         """Body: ``{"role": "prefill"|"decode", "url": ..., "events": "tcp://h:p[,replay]"}``."""
         if (refused := _refuse_admin(proxy, request)) is not None:
             return refused
@@ -139,7 +159,7 @@ def add_operator_routes(app: FastAPI, proxy: Proxy) -> None:
         except (ValueError, KeyError, TypeError) as exc:
             return error_response(400, f"bad instance: {exc}", "invalid_request_error")
         try:
-            inst = proxy.add_instance(role, url, where)
+            inst = add_instance(proxy, role, url, where)
         except ValueError as exc:
             return error_response(409, str(exc), "conflict")
         proxy.metrics.admin.labels(role, "add").inc()
@@ -147,14 +167,14 @@ def add_operator_routes(app: FastAPI, proxy: Proxy) -> None:
         return JSONResponse(status_code=201, content=inst.as_dict())
 
     @app.delete("/admin/instances")
-    async def remove_instance(request: Request, role: str, url: str) -> Response:
+    async def delete_instance(request: Request, role: str, url: str) -> Response:
         if (refused := _refuse_admin(proxy, request)) is not None:
             return refused
         if role not in ("prefill", "decode"):
             return error_response(400, f"role must be prefill or decode, not {role!r}",
                                   "invalid_request_error")
         try:
-            inst = proxy.remove_instance(role, url)
+            inst = remove_instance(proxy, role, url)
         except KeyError as exc:
             return error_response(404, str(exc.args[0]), "not_found")
         except ValueError as exc:
