@@ -44,7 +44,8 @@ def test_outsider_lookups_are_refused_keyed_ones_served(tmp_path: Path,
         assert calls == []
         assert auth.RECORDER.total("auth_refused", socket="ascend-store-lookup",
                                    reason="unauthenticated") == before + 1
-        client = LookupClient(server.endpoint, timeout_s=5)  # the key from the environment
+        # the key from the environment, over the socket
+        client = LookupClient(server.endpoint, timeout_s=5, in_process=False)
         assert client.lookup(["a", "b"], 32) == 32 and calls == [32]
     finally:
         server.close()

@@ -13,6 +13,7 @@ import zmq
 from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.lookup import (
     LookupClient,
     LookupServer,
+    in_process_handler,
     lookup_endpoint,
 )
 
@@ -39,7 +40,7 @@ def test_round_trip(endpoint: str) -> None:
         return 64
 
     server = LookupServer(endpoint, handler)
-    client = LookupClient(endpoint, timeout_s=5)
+    client = LookupClient(endpoint, timeout_s=5, in_process=False)
     try:
         assert client.lookup(["aa", "bb"], 70) == 64
         assert client.lookup(["aa"], 10) == 10  # never more than asked for
@@ -56,7 +57,7 @@ def test_garbage_and_pickles_do_not_kill_the_server(endpoint: str) -> None:
     sock = ctx.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoint)
-    client = LookupClient(endpoint, timeout_s=5)
+    client = LookupClient(endpoint, timeout_s=5, in_process=False)
     try:
         for junk in (b"", b"garbage", pickle.dumps({"hashes": ["x"]}), b"VAKV\x01\xff\xff"):
             sock.send(junk)
@@ -74,7 +75,7 @@ def test_handler_error_is_a_miss_not_a_crash(endpoint: str) -> None:
         raise RuntimeError("store exploded")
 
     server = LookupServer(endpoint, boom)
-    client = LookupClient(endpoint, timeout_s=5, retry_interval_s=0)
+    client = LookupClient(endpoint, timeout_s=5, retry_interval_s=0, in_process=False)
     try:
         assert client.lookup(["aa"], 32) == 0
         assert client.failures == 1
@@ -115,3 +116,46 @@ def test_server_replaces_a_stale_socket_file(endpoint: str) -> None:
         client.close()
         server.close()
     assert not path.exists()
+
+
+def test_same_process_lookup_calls_the_handler_directly(endpoint: str) -> None:
+    """Scheduler and lookup rank in one process: no socket, no hop to the server thread."""
+    import threading
+
+    threads: list[str] = []
+
+    def handler(hashes: list[str], token_end: int) -> int:
+        threads.append(threading.current_thread().name)
+        return 64
+
+    server = LookupServer(endpoint, handler)
+    client = LookupClient(endpoint, timeout_s=5)
+    try:
+        assert in_process_handler(endpoint) is handler
+        assert client.lookup(["aa", "bb"], 70) == 64
+        assert client.lookup(["aa"], 10) == 10  # never more than asked for
+        assert threads == [threading.current_thread().name] * 2
+        assert server._server.stats["requests"] == 0  # nothing went through the socket
+    finally:
+        client.close()
+        server.close()
+    assert in_process_handler(endpoint) is None
+    late = LookupClient(endpoint, timeout_s=0.2)
+    try:  # the server is gone: the socket path answers (here: a timeout, a miss)
+        assert late.lookup(["aa"], 32) == 0 and late.failures == 1
+    finally:
+        late.close()
+
+
+def test_same_process_handler_error_is_a_miss(endpoint: str) -> None:
+    def boom(hashes: list[str], token_end: int) -> int:
+        raise RuntimeError("store exploded")
+
+    server = LookupServer(endpoint, boom)
+    client = LookupClient(endpoint, timeout_s=5, retry_interval_s=0)
+    try:
+        assert client.lookup(["aa"], 32) == 0
+        assert client.failures == 1
+    finally:
+        client.close()
+        server.close()

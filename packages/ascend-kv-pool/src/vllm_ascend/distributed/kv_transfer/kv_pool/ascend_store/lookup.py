@@ -8,6 +8,15 @@ id and DP rank so instances on one machine never collide); the scheduler's
 in core's wire format: nothing is unpickled. A lookup that fails or times
 out is a miss, and the client then stops asking for a while (a dead worker
 side must not cost every scheduling step a timeout).
+
+When the scheduler and the lookup rank share a process (vLLM's in-process
+executor: one device, or ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), the client
+calls the server's handler directly: no encoding, no socket and no hop to the
+server thread, which under load costs the scheduler milliseconds per lookup.
+The socket keeps serving other processes. The handler is the worker's
+lookup, which never raises for a store failure (the worker's store guard
+turns it into a miss at once); an exception it does raise is a miss here, as
+over the socket.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ import hashlib
 import logging
 import os
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 
@@ -68,6 +78,21 @@ def lookup_endpoint(engine_id: str, dp_rank: int, port: int = 0,
     return f"ipc://{path}"
 
 
+#: The lookup servers of this process by endpoint, with the pid that created them (a forked
+#: child never calls its parent's handler).
+_IN_PROCESS: dict[str, tuple[int, Callable[[list[str], int], int]]] = {}
+_IN_PROCESS_LOCK = threading.Lock()
+
+
+def in_process_handler(endpoint: str) -> Callable[[list[str], int], int] | None:
+    """The handler of this process's lookup server at ``endpoint``, if there is one."""
+    with _IN_PROCESS_LOCK:
+        entry = _IN_PROCESS.get(endpoint)
+    if entry is None or entry[0] != os.getpid():
+        return None
+    return entry[1]
+
+
 class LookupServer:
     """Answers lookups with ``handler(hashes, token_end) -> hit tokens``.
 
@@ -87,6 +112,8 @@ class LookupServer:
         self._server = RpcServer(endpoint, LOOKUP_CODEC, self._answer,
                                  name="ascend-store-lookup").start()
         self.endpoint = self._server.endpoint
+        with _IN_PROCESS_LOCK:
+            _IN_PROCESS[self.endpoint] = (os.getpid(), handler)
 
     def _answer(self, request: Message) -> Message:
         if not isinstance(request, PoolLookupRequest):
@@ -98,6 +125,10 @@ class LookupServer:
 
     def close(self) -> None:
         """Stop serving and remove the socket file."""
+        with _IN_PROCESS_LOCK:
+            entry = _IN_PROCESS.get(self.endpoint)
+            if entry is not None and entry[1] is self._handler:
+                del _IN_PROCESS[self.endpoint]
         self._server.stop()
         if self.endpoint.startswith("ipc://"):
             try:
@@ -114,11 +145,14 @@ class LookupClient:
         timeout_s: deadline of one lookup.
         retry_interval_s: after a failure, lookups are misses for this long.
         clock: monotonic time source (tests).
+        in_process: call the handler of a lookup server of this process directly (default);
+            ``False`` always goes through the socket (tests of the wire).
     """
 
     def __init__(self, endpoint: str, *, timeout_s: float = 5.0, retry_interval_s: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, in_process: bool = True) -> None:
         self.endpoint = endpoint
+        self.in_process = in_process
         self.timeout_s = timeout_s
         self.retry_interval_s = retry_interval_s
         self._client: RpcClient[PoolLookupRequest | PoolLookupReply] = RpcClient(
@@ -136,6 +170,9 @@ class LookupClient:
             return 0
         if not self.guard.available():
             return 0
+        local = in_process_handler(self.endpoint) if self.in_process else None
+        if local is not None:
+            return self._lookup_in_process(local, hashes, token_end)
         try:
             reply = self._client.call(PoolLookupRequest(hashes=hashes, token_end=token_end))
         except (PeerTimeoutError, RemoteError, WireFormatError) as exc:
@@ -148,6 +185,18 @@ class LookupClient:
                            type(reply).__name__)
             return 0
         return max(0, min(int(reply.hit_tokens), token_end))
+
+    def _lookup_in_process(self, handler: Callable[[list[str], int], int], hashes: list[str],
+                           token_end: int) -> int:
+        """The lookup by a direct call of the server's handler (same process)."""
+        try:
+            hit = int(handler(list(hashes), token_end))
+        except Exception as exc:  # as over the socket: a failed lookup is a miss
+            self.guard.trip()
+            logger.warning("pool lookup at %s failed (%s); lookups are misses for %.1fs",
+                           self.endpoint, exc, self.retry_interval_s)
+            return 0
+        return max(0, min(hit, token_end))
 
     def close(self) -> None:
         """Close the socket."""
