@@ -139,9 +139,9 @@ class AscendStoreConfig(ConfigSection):
         doc="Capacity of the 'local' backend; blocks are evicted beyond it (eviction_policy).")
     eviction_policy: str = option(
         DEFAULT_POLICY, choices=POLICY_NAMES,
-        doc="What the 'local' backend evicts first: 'prefix-s3fifo' (S3-FIFO over chain "
-            "leaves: scan resistant, a prefix outlives its continuations), 'lru', 'prefix' "
-            "(LRU over chain leaves) or 's3fifo'.")
+        doc="What the 'local' backend evicts first: 'prefix' (LRU over chain leaves: a "
+            "prefix block outlives the blocks after it), 'lru', 's3fifo' (scan resistant) or "
+            "'prefix-s3fifo' (both).")
     mooncake: MooncakeStoreConfig | None = option(
         None, aliases=("mooncake_config",),
         doc="Mooncake Store config inline; default: the JSON file named by MOONCAKE_CONFIG_PATH.")

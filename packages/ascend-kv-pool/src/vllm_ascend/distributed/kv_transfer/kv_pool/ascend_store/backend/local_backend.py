@@ -3,9 +3,10 @@
 
 Zero configuration: with no ``backend`` key the pool keeps blocks here, up to
 ``local_pool_size`` bytes (``"8GB"`` by default), evicting by the
-``eviction_policy`` option (:mod:`.eviction`; prefix-aware S3-FIFO by default,
-``lru`` selectable). Copies are ``memmove`` calls that release the GIL, so the
-save and load threads overlap the forward pass.
+``eviction_policy`` option (:mod:`.eviction`; prefix-aware LRU by default,
+``lru``, ``s3fifo`` and ``prefix-s3fifo`` selectable). Copies are ``memmove``
+calls that release the GIL, so the save and load threads overlap the forward
+pass.
 
 Memory comes from slabs: objects of one size share chunks (up to 64 MiB, so the
 kernel backs them with huge pages), and an evicted object's slot is reused by
