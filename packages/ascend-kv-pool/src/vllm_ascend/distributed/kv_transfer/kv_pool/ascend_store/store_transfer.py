@@ -6,7 +6,10 @@ queue is bounded, so a store slower than the engine drops saves (counted)
 instead of holding blocks forever. A :class:`SaveTask` waits for the device
 event recorded after the forward pass, skips the blocks the store already
 holds and puts the rest; a :class:`LoadTask` gets blocks and reports the ones
-that failed. The :class:`StoreGuard` (core's retry guard) is a circuit
+that failed. Tasks queued together (the saves of one step's requests, the
+synchronous loads of one step) are merged into one task first
+(:func:`merge_saves`, :func:`merge_loads`), so a step costs the store one
+``exists`` and one ``put`` (or one ``get``) round trip, not one per request. The :class:`StoreGuard` (core's retry guard) is a circuit
 breaker: once the store is unreachable, saves are dropped and lookups miss at
 once until the retry interval passed, so a dead store never slows the engine
 down.
@@ -194,6 +197,61 @@ def _report_save(task: SaveTask, written: list[bool], present: list[bool]) -> No
         logger.warning("KV pool: save report of %s failed", task.req_id, exc_info=True)
 
 
+def merge_saves(tasks: list[SaveTask]) -> SaveTask:
+    """One task saving the keys of all ``tasks`` (their events awaited, their reports split).
+
+    The merged task's ``on_done`` hands each task its own slice of the results.
+    """
+    if len(tasks) == 1:
+        return tasks[0]
+    events = [t.event for t in tasks if t.event is not None]
+    keys: list[str] = []
+    addrs: list[list[int]] = []
+    sizes: list[list[int]] = []
+    block_ids: list[int] = []
+    spans: list[tuple[SaveTask, int, int]] = []
+    for t in tasks:
+        spans.append((t, len(keys), len(keys) + len(t.keys)))
+        keys += t.keys
+        addrs += t.addrs
+        sizes += t.sizes
+        block_ids += t.block_ids
+    merged = SaveTask(",".join(dict.fromkeys(t.req_id for t in tasks)), keys, addrs, sizes,
+                      event=_AllEvents(events) if events else None, block_ids=block_ids)
+    if any(t.on_done is not None for t in tasks):
+        def on_done(written: list[bool], present: list[bool]) -> None:
+            for t, start, end in spans:
+                _report_save(t, written[start:end], present[start:end])
+
+        merged.on_done = on_done
+    return merged
+
+
+class _AllEvents:
+    """Several device events awaited as one."""
+
+    def __init__(self, events: list[Any]) -> None:
+        self.events = events
+
+    def synchronize(self) -> None:
+        for event in self.events:
+            event.synchronize()
+
+
+def merge_loads(tasks: list[LoadTask]) -> LoadTask:
+    """One task getting the keys of all ``tasks`` (whole-block loads of one step)."""
+    if len(tasks) == 1:
+        return tasks[0]
+    merged = LoadTask(",".join(dict.fromkeys(t.req_id for t in tasks)), [], [], [], [],
+                      layer=tasks[0].layer)
+    for t in tasks:
+        merged.keys += t.keys
+        merged.addrs += t.addrs
+        merged.sizes += t.sizes
+        merged.block_ids += t.block_ids
+    return merged
+
+
 def run_load(task: LoadTask, backend: Backend, guard: StoreGuard,
              recorder: MetricsRecorder) -> set[int]:
     """Run one load; returns the vLLM block ids that did not load."""
@@ -251,6 +309,7 @@ class TransferThread:
         self._run = run
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=maxsize)
         self._on_start = on_start
+        self._stopping = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -268,7 +327,7 @@ class TransferThread:
                 self._on_start()
             except Exception:  # e.g. set_device on a fake device
                 logger.debug("%s: on_start failed", self.name, exc_info=True)
-        while True:
+        while not self._stopping:
             task = self._queue.get()
             if task is self._STOP:
                 return
@@ -276,6 +335,24 @@ class TransferThread:
                 self._run(task)
             except Exception:  # keep serving later tasks
                 logger.exception("%s: task failed", self.name)
+
+    def drain(self, limit: int) -> list[Any]:
+        """Up to ``limit`` tasks queued behind the running one (taken off the queue, not run).
+
+        For the task being run to take its successors along; a stop request met
+        here ends the thread once that task is done.
+        """
+        out: list[Any] = []
+        while len(out) < limit and not self._stopping:
+            try:
+                task = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if task is self._STOP:
+                self._stopping = True
+                break
+            out.append(task)
+        return out
 
     def stop(self, timeout: float = 5.0) -> None:
         """Finish queued tasks (up to ``timeout``) and stop."""

@@ -51,6 +51,8 @@ from .store_transfer import (
     SaveTask,
     StoreGuard,
     TransferThread,
+    merge_loads,
+    merge_saves,
     run_load,
     run_save,
 )
@@ -60,6 +62,9 @@ if TYPE_CHECKING:
     from .store_contract import AscendConnectorMetadata, TransferJob
 
 logger = logging.getLogger(__name__)
+
+#: Queued items of saves (one a step) merged into one store call at most.
+MAX_MERGED_SAVES = 64
 
 
 def create_backend(cfg: AscendStoreConfig, ctx: PoolContext, *, parallel_config: Any = None,
@@ -226,13 +231,19 @@ class KVPoolWorker:
         if self.use_layerwise:
             self._start_layerwise_loads([j for j in loads if not j.is_async])
             loads = [j for j in loads if j.is_async]
+        sync: list[LoadTask] = []
         for job in loads:
             task = self._load_task(job)
             if job.is_async:
                 if not self._recv.submit(task):
                     self._finish_load(job.req_id, set(job.block_ids), is_async=True)
             else:
+                sync.append(task)
+        if self._staging:
+            for task in sync:
                 self._run_load(task)
+        elif sync:  # the step's loads in one get: one store round trip, not one a request
+            self._run_load(merge_loads(sync))
 
     def _load_task(self, job: TransferJob, layer_id: int | None = None) -> LoadTask:
         keys, addrs, sizes, blocks = [], [], [], []
@@ -272,8 +283,12 @@ class KVPoolWorker:
 
         def load_layers() -> None:
             for layer_id, layer in enumerate(layout.layers):
-                for job in jobs:
-                    self._run_load(self._load_task(job, layer_id))
+                tasks = [self._load_task(job, layer_id) for job in jobs]
+                if self._staging:
+                    for task in tasks:
+                        self._run_load(task)
+                else:  # the layer of every request of the step in one get
+                    self._run_load(merge_loads(tasks))
                 events[layer.name].set()
 
         threading.Thread(target=load_layers, name="ascend-store-layer-load", daemon=True).start()
@@ -311,8 +326,7 @@ class KVPoolWorker:
         if self.use_layerwise:
             return
         event = self.device.record_event()
-        for job in meta.saves:
-            self._queue_save(job, None, event)
+        self._submit_saves([self._save_task(job, None, event) for job in meta.saves])
 
     def save_kv_layer(self, layer_name: str, meta: AscendConnectorMetadata) -> None:
         """Queue this step's saves of one layer (layerwise)."""
@@ -322,10 +336,10 @@ class KVPoolWorker:
         if layer_id is None:
             return
         event = self.device.record_event()
-        for job in meta.saves:
-            self._queue_save(job, layer_id, event)
+        self._submit_saves([self._save_task(job, layer_id, event) for job in meta.saves])
 
-    def _queue_save(self, job: TransferJob, layer_id: int | None, event: Any) -> None:
+    def _save_task(self, job: TransferJob, layer_id: int | None, event: Any) -> SaveTask | None:
+        """The save of ``job``'s blocks this rank writes (``None`` when it writes none)."""
         # Ranks holding the same heads share keys: each saves every put_step-th block.
         offset = self.ctx.tp_rank % self.put_step
         indices = [i for i in range(len(job.hashes))
@@ -334,7 +348,7 @@ class KVPoolWorker:
         with self._lock:
             self._save_reqs.add(job.req_id)
         if not picked:
-            return
+            return None
         keys, addrs, sizes = [], [], []
         for h, b in picked:
             keys.append(self._key(h) if layer_id is None else self._layer_key(h, layer_id))
@@ -348,20 +362,40 @@ class KVPoolWorker:
             log = self.events
             task.on_done = lambda written, present: log.saved(task.keys, written, present,
                                                               blocks, layer_id)
-        self._pending.add(job.req_id)
-        if not self._send.submit(task):
-            self._pending.done(job.req_id)
-            self.recorder.inc("pool_dropped_save_blocks", len(keys), cause="queue_full")
+        return task
+
+    def _submit_saves(self, tasks: Sequence[SaveTask | None]) -> None:
+        """Queue one step's saves as one item: the send thread saves them in one store call."""
+        todo = [t for t in tasks if t is not None]
+        if not todo:
+            return
+        for task in todo:
+            self._pending.add(task.req_id)
+        if not self._send.submit(todo if len(todo) > 1 else todo[0]):
+            for task in todo:
+                self._pending.done(task.req_id)
+                self.recorder.inc("pool_dropped_save_blocks", len(task.keys), cause="queue_full")
         self.recorder.set("pool_pending_saves", self._pending.total())
 
-    def _run_save(self, task: SaveTask) -> None:
+    def _run_save(self, item: SaveTask | list[SaveTask]) -> None:
+        """Run one queued item of saves, with the items queued behind it (not staged: one
+        ``exists`` and one ``put`` for all of them)."""
+        tasks = list(item) if isinstance(item, list) else [item]
+        if not self._staging:
+            for more in self._send.drain(MAX_MERGED_SAVES - 1):
+                tasks.extend(more if isinstance(more, list) else [more])
         try:
             if self._staging:
-                self._staged_save(task)
+                for task in tasks:
+                    try:
+                        self._staged_save(task)
+                    except Exception:  # one failed copy must not cost the step's other saves
+                        logger.exception("KV pool: staged save of %s failed", task.req_id)
             else:
-                run_save(task, self.backend, self.guard, self.recorder)
+                run_save(merge_saves(tasks), self.backend, self.guard, self.recorder)
         finally:
-            self._pending.done(task.req_id)
+            for task in tasks:
+                self._pending.done(task.req_id)
             self.recorder.set("pool_pending_saves", self._pending.total())
 
     # ------------------------------------------------------------ host staging
