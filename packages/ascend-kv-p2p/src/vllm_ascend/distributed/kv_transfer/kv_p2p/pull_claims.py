@@ -154,13 +154,27 @@ class ClaimAhead:
             sent[1].cancel()
 
     def stop(self) -> None:
+        """Drop the claims not sent yet; the claim thread closes its sockets after the one
+        in flight (a socket is never closed under a call on another thread)."""
         if _LOCAL_CLAIMERS.get(self.engine_id) is self:
             del _LOCAL_CLAIMERS[self.engine_id]
-        self._pool.shutdown(wait=False, cancel_futures=True)
         with self._lock:
-            for client in self._clients.values():
-                client.close()
-            self._clients.clear()
+            pending = [fut for _b, fut in self._sent.values()] + list(self._owed.values())
+            self._sent.clear()
+            self._owed.clear()
+        for fut in pending:
+            fut.cancel()
+        try:
+            self._pool.submit(self._close_clients)
+        except RuntimeError:  # stopped already
+            return
+        self._pool.shutdown(wait=False)
+
+    def _close_clients(self) -> None:
+        with self._lock:
+            clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            client.close()
 
     def _client(self, endpoint: str) -> RpcClient[Any]:
         with self._lock:
