@@ -213,6 +213,10 @@ class PullReader:
         * The claims are always awaited before the request ends, so every rank that
           accepted one gets ``Done(success=False)`` on failure, and ``begin_read`` /
           ``end_read`` keep the blocks from vLLM while any read into them can land.
+        * A request D's scheduler claimed ahead (:mod:`.pull_claims`): its accepted answers
+          are these claims (sent earlier, so trusted for less of the read); ranks without
+          one are claimed after the read, which proves as much (held at that answer and
+          continuously since before the read); a refusal means claiming as before.
         * A pull that failed on a stalled or dropped read, or on a side-channel timeout,
           is tried again while the deadline leaves time (:meth:`_retry_delay`): claims
           first, never overlapped, so each retry's read starts under claims P accepted
