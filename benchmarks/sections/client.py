@@ -23,7 +23,8 @@ COLUMNS = (("target", "target"), ("concurrency", "concurrency"), ("completed", "
            ("ttft_p50_ms", "TTFT p50 ms"), ("ttft_p99_ms", "TTFT p99 ms"),
            ("tpot_mean_ms", "TPOT mean ms"), ("tpot_p50_ms", "TPOT p50 ms"),
            ("tpot_p99_ms", "TPOT p99 ms"), ("output_tok_per_s", "output tok/s"),
-           ("kv_loaded", "D loaded KV (requests)"))
+           ("kv_loaded", "D loaded KV (requests)"),
+           ("proxy_fallbacks", "proxy plain re-sends"))
 
 TWO_CORES = (
     "**What the P/D figures mean here.** This machine has 2 cores. P is pinned to core 0 "
@@ -44,7 +45,8 @@ def _runs(d: dict[str, Any]) -> list[dict[str, Any]]:
     for name, entry in (d.get("targets") or {}).items():
         for run in entry.get("runs") or []:
             tr = run.get("transfers") or {}
-            rows.append({"target": name, **run, "kv_loaded": tr.get("kv_loaded")})
+            rows.append({"target": name, **run, "kv_loaded": tr.get("kv_loaded"),
+                         "proxy_fallbacks": tr.get("proxy_fallbacks")})
     return rows
 
 
@@ -68,7 +70,9 @@ def section_client(d: dict[str, Any], images: Images) -> str:
            "run gets fresh prompts after one warm-up request. TTFT includes, for P/D, P's "
            "prefill, the proxy's hop and D's load of P's KV; TPOT is D's decode. `D loaded "
            "KV`: requests whose KV D received from P over the run (D's "
-           "`requests_loaded` counter), to be equal to `completed`.\n\n"]
+           "`requests_loaded` counter), to be equal to `completed`; `proxy plain re-sends`: "
+           "requests D answered with a KV-load error, which the proxy re-sent to D as plain "
+           "requests (D recomputed them: the client saw no failure, but no KV moved).\n\n"]
     runs = _runs(d)
     out.append(md_table(runs, [c[0] for c in COLUMNS], [c[1] for c in COLUMNS]))
     img = images.get("client")

@@ -342,7 +342,8 @@ def run_target(target: Target, cfg: ClientConfig, steps: Steps, work: Path) -> d
                        f"{row.get('failed')} failed, TTFT p50 {_ms(row.get('ttft_p50_ms'))}, "
                        f"TPOT p50 {_ms(row.get('tpot_p50_ms'))}, "
                        f"{_num(row.get('output_tok_per_s'))} output tok/s"
-                       + (f"; D loaded KV of {row['transfers'].get('kv_loaded')}"
+                       + (f"; D loaded KV of {row['transfers'].get('kv_loaded')}, the proxy "
+                          f"re-sent {row['transfers'].get('proxy_fallbacks')} as plain requests"
                           if row.get("transfers") else ""))
     finally:
         for s in reversed(servers):
