@@ -2,9 +2,8 @@
 """Section of ``bench client``: vLLM's own benchmark client (``vllm bench serve``) against a
 plain instance and P/D pairs behind our proxy.
 
-:func:`plot_client` draws the section's plot (same signature as ``render.py``'s plot
-functions: ``(results, path) -> path or None``); the section shows it when the renderer
-hands it in as ``images["client"]``.
+:func:`plot_client` draws the section's plot (``render.py`` calls a module's
+``plot_<bench>`` and hands the image back as ``images["client"]``).
 """
 
 from __future__ import annotations
