@@ -51,8 +51,10 @@ _RC_TEXT = {RC_NOT_FOUND: "object not found", RC_SIZE_MISMATCH: "size mismatch",
             RC_TOO_LARGE: "object larger than local_pool_size", RC_ERROR: "error"}
 
 DEFAULT_CAPACITY = 8 << 30
-#: Largest slab chunk (numpy asks for huge pages from 4 MiB on).
+#: Largest slab chunk.
 CHUNK_BYTES = 64 << 20
+#: Smallest chunk of a size seen twice (numpy asks for huge pages from 4 MiB on).
+HUGE_BYTES = 4 << 20
 #: Parent links learned for keys not stored yet, kept at most.
 MAX_LEARNED_LINKS = 1 << 17
 
@@ -79,8 +81,11 @@ class _Slabs:
             self._free_bytes -= size
             return free.pop()
         grown = self._grown.get(size, 0)
-        # doubling chunks: a size seen once costs one slot, a common size 64 MiB chunks
-        slots = max(1, min(grown, CHUNK_BYTES // max(size, 1), self._max_slots // max(size, 1)))
+        # a size seen once costs one slot; then chunks of at least 4 MiB (huge pages),
+        # doubling up to 64 MiB
+        unit = max(size, 1)
+        slots = 1 if grown == 0 else max(grown, HUGE_BYTES // unit)
+        slots = max(1, min(slots, CHUNK_BYTES // unit, self._max_slots // unit))
         self._grown[size] = grown + slots
         chunk = np.empty(slots * size, dtype=np.uint8)
         views = [chunk[i * size:(i + 1) * size] for i in range(slots)]
@@ -209,7 +214,7 @@ class LocalBackend(Backend):
 
     def _put_batch(self, keys: list[str], addrs: list[list[int]], sizes: list[list[int]],
                    start: int, end: int, out: list[int]) -> None:
-        todo: list[tuple[int, np.ndarray]] = []
+        need: list[tuple[int, int]] = []
         objects = self._objects
         with self._lock:
             if self._learn:
@@ -226,26 +231,30 @@ class LocalBackend(Backend):
                                    "%d", key, total, self.capacity)
                     out[i] = RC_TOO_LARGE
                     continue
-                todo.append((i, self._slabs.alloc(total)))
+                need.append((i, total))
+            if not need:
+                return
+            # make room first, so the new objects are written into the evicted slots
+            incoming = sum(t for _, t in need)
+            evicted = self._evict_locked(incoming)
+            self._used += incoming  # reserved
+            todo = [(i, self._slabs.alloc(t)) for i, t in need]
+        self._notify(evicted)
         for i, value in todo:
             dst = value.ctypes.data
             for addr, n in zip(addrs[i], sizes[i], strict=True):
                 _memmove(dst, addr, n)
                 dst += n
-        if not todo:
-            return
         with self._lock:
             for i, value in todo:
                 key = keys[i]
                 if key in objects:  # stored meanwhile by another thread
+                    self._used -= value.nbytes
                     self._slabs.release(value)
                     continue
                 objects[key] = value
-                self._used += value.nbytes
                 self.policy.insert(key, value.nbytes, self._links.pop(key, None)
                                    if self._learn else None)
-            evicted = self._evict_locked()
-        self._notify(evicted)
 
     def get(self, keys: list[str], addrs: list[list[int]], sizes: list[list[int]]) -> list[int]:
         self._check_lists(keys, addrs, sizes)
@@ -346,9 +355,10 @@ class LocalBackend(Backend):
         while len(links) > MAX_LEARNED_LINKS:
             del links[next(iter(links))]
 
-    def _evict_locked(self) -> list[str]:
+    def _evict_locked(self, incoming: int = 0) -> list[str]:
+        """Evict until ``incoming`` more bytes fit (or every key left is being read)."""
         evicted = []
-        while self._used > self.capacity and self._objects:
+        while self._used + incoming > self.capacity and self._objects:
             key = self.policy.victim(self._pins)
             if key is None:  # everything left is being read: evict after the reads
                 break
