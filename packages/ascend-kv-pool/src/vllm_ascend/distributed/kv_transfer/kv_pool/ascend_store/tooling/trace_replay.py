@@ -149,8 +149,8 @@ def run_trace(args: argparse.Namespace) -> dict[str, Any]:
     n = 1000 if args.quick else None
     traces = {"conversation": load_trace(path, limit=n)}
     for name, gen in GENERATORS.items():
-        traces[name] = gen(n or 8000, 0)
-    fractions = [0.25, 0.5] if args.quick else [0.1, 0.25, 0.5, 0.75]
+        traces[name] = gen(n or 4000, 0)
+    fractions = [0.25, 0.5] if args.quick else [0.1, 0.25, 0.5]
     block_bytes = args.block_bytes
     results = {name: compare_policies(reqs, fractions, block_bytes)
                for name, reqs in progress(list(traces.items()), "traces")}
