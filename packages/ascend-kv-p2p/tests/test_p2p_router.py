@@ -265,11 +265,13 @@ def test_garbage_and_unknown_events_do_not_kill_the_stream(publisher: Publisher)
         def send(seq: int, payload: bytes) -> None:
             pub.send_multipart((b"", seq.to_bytes(8, "big"), payload))
 
-        assert wait_for(lambda: s.state == "live")
+        time.sleep(0.3)
+        assert s.state == "connecting" and not s.usable  # nothing heard yet, no replay socket
         deadline = time.monotonic() + 10
         while s.last_seq is None and time.monotonic() < deadline:  # slow joiner
             send(0, good)
             time.sleep(0.1)
+        assert wait_for(lambda: s.state == "live")
         pub.send_multipart((b"", b"short"))
         send(1, b"\xc1 not msgpack")
         assert wait_for(lambda: s.counts.get("bad_frames") == 2)
@@ -354,3 +356,20 @@ def test_prompt_blocks_are_hashed_only_while_some_instance_holds_them(
     assert len(calls) == 3  # two hits on a, then a miss everywhere
     calls.clear()
     assert r.order([a, b], [5] * 17)[1].reason == "no_hit" and len(calls) == 1
+
+
+def test_a_publisher_that_starts_later_is_picked_up() -> None:
+    late = Publisher.__new__(Publisher)
+    late.port, late.replay_port = free_port(), free_port()
+    s = EventStream("p0", late.where, PrefixIndex(), BlockHasher(),
+                    replay_timeout_s=0.5).start()
+    try:
+        time.sleep(1.0)
+        assert s.state == "connecting" and not s.usable
+        late.pub = late._make()  # the instance comes up, idle: its replay socket answers
+        assert wait_for(lambda: s.state == "live", 15)
+        late.publish(stored(TOKENS[:4]))
+        assert wait_for(lambda: s.index.matched(keys()) == 1)
+    finally:
+        s.stop()
+        late.close()

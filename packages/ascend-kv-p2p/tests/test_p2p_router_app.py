@@ -228,14 +228,14 @@ def test_shared_prefix_lands_on_the_instance_that_cached_it(
         def prefill_states() -> list[str]:
             return [p["events"]["state"] for p in client.get("/status").json()["prefill"]]
 
-        assert wait_for(lambda: prefill_states() == ["live", "live"])
+        assert wait_for(lambda: prefill_states() == ["live", "live"], 30)
         r = client.post("/v1/completions", json={"prompt": prompt(*SHARED, 1), "max_tokens": 3})
         assert r.status_code == 200, r.text
         owner = 0 if ps[0].served else 1
         status = client.get("/status").json()["prefill"]
         assert wait_for(lambda: client.get("/status").json()["prefill"][owner]
-                        ["prefix_index"]["blocks"] == 8)
-        # an unrelated request: no hit anywhere, the idle rotation decides
+                        ["prefix_index"]["blocks"] == 8, 30)
+        # requests sharing the prefix go to its owner, though the other P is idle
         for i in range(4):
             r = client.post("/v1/completions", json={"prompt": prompt(*SHARED, 2 + i, 7, 7, 7)})
             assert r.status_code == 200

@@ -22,6 +22,10 @@ Sequence handling, so that no stale knowledge steers a request:
 - an error in the subscriber itself (a dropped socket): the stream is ``dropped`` while it
   reconnects, and the next batch's sequence number decides as above.
 
+A stream is ``connecting`` until it has heard from the publisher (a batch, or an answer of
+the replay socket, asked again every few seconds): a wrong endpoint shows there in
+``/status``.
+
 While the stream is not ``live`` the policy does not use the index (load-based routing).
 """
 
@@ -41,6 +45,8 @@ from .prefix_index import BlockHasher, PrefixIndex, block_key
 logger = logging.getLogger(__name__)
 
 END_SEQ = -1
+#: How often a stream that has not heard from its publisher asks the replay socket again.
+SYNC_RETRY_S = 3.0
 #: Stream states; only ``live`` lets the policy use the index.
 STATES = ("connecting", "replaying", "live", "dropped", "stopped")
 
@@ -177,15 +183,23 @@ class EventStream:
             sub = ctx.socket(zmq.SUB)
             try:
                 sub.setsockopt(zmq.LINGER, 0)
+                # a peer that vanished without closing is noticed and reconnected
+                sub.setsockopt(zmq.HEARTBEAT_IVL, 2000)
+                sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, 6000)
                 sub.setsockopt(zmq.SUBSCRIBE, self.where.topic.encode())
                 sub.connect(self.where.endpoint)
                 self._sync(ctx)
+                next_sync = time.monotonic() + SYNC_RETRY_S
                 while not self._stop.is_set():
                     if self._fail.is_set():
                         self._fail.clear()
                         raise ConnectionError("subscriber dropped (injected)")
                     if sub.poll(100):
                         self.handle(sub.recv_multipart(), ctx)
+                    elif (self.state == "connecting" and self.where.replay
+                          and time.monotonic() > next_sync):
+                        self._sync(ctx)  # the instance was not up yet: ask again
+                        next_sync = time.monotonic() + SYNC_RETRY_S
             except Exception as exc:  # a subscriber must outlive anything
                 self.state = "dropped"
                 self._count("drops")
@@ -293,9 +307,11 @@ class EventStream:
             if self._replay(start, start, ctx):
                 self.state = "live"
                 return
-        if self.last_seq is not None:
-            self.index.clear()
-            self._count("gaps_rebuilt")
+        if self.last_seq is None:
+            self.state = "connecting"  # nothing heard from the publisher yet
+            return
+        self.index.clear()
+        self._count("gaps_rebuilt")
         self.state = "live"
 
     def _replay(self, start: int, until: int, ctx: Any) -> bool:
