@@ -160,11 +160,26 @@ for _dist in PACKAGES:
     _make_test_session(_dist)
 
 
+#: Engine tests with tensor-parallel engines (a TP=2 engine is three processes and starts in
+#: about a minute on 2 cores): their own session, ``nox -s e2e-tp``, outside the default set.
+E2E_TP = ("test_uneven_tp_e2e.py", "test_mla_tp_e2e.py")
+
+
 @nox.session(python=PYTHON)
 def e2e(session: nox.Session) -> None:
-    """End-to-end tests (tests-e2e/): real vLLM CPU engines, real Mooncake, every package."""
+    """End-to-end tests (tests-e2e/): real vLLM CPU engines, real Mooncake, every package
+    (the TP=2 variants: ``nox -s e2e-tp``)."""
     install_everything(session)
-    run_pytest(session, str(ROOT / "tests-e2e"), timeout=900)
+    run_pytest(session, str(ROOT / "tests-e2e"),
+               *[f"--ignore={ROOT / 'tests-e2e' / f}" for f in E2E_TP], timeout=900)
+
+
+@nox.session(name="e2e-tp", python=PYTHON)
+def e2e_tp(session: nox.Session) -> None:
+    """Uneven TP on real engines (tests-e2e/test_uneven_tp_e2e.py, test_mla_tp_e2e.py): P and
+    D at different TP sizes, MHA/GQA, replicated heads and MLA; about 10 minutes on 2 cores."""
+    install_everything(session)
+    run_pytest(session, *[str(ROOT / "tests-e2e" / f) for f in E2E_TP], timeout=1800)
 
 
 def install_everything(session: nox.Session) -> None:
