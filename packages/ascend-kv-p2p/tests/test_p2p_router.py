@@ -373,3 +373,29 @@ def test_a_publisher_that_starts_later_is_picked_up() -> None:
     finally:
         s.stop()
         late.close()
+
+
+def test_predictions_are_checked_against_the_reported_hit() -> None:
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.model import Metrics
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.router import reported_cached_tokens
+
+    r = router_with({"a": 3, "b": 1})
+    r.metrics = m = Metrics()
+    _, d = r.order([Instance("a", "prefill"), Instance("b", "prefill")], TOKENS)
+    r.record(d, "a", 12)
+    r.record(d, "b", 0)  # failed over to b, whose own prediction was 4 tokens
+    r.record(d, "a", None)
+    r.record(d, "a", 16)
+
+    def value(name: str, **labels: str) -> float | None:
+        return m.registry.get_sample_value(f"vllm_ascend_pd_proxy_{name}", labels)
+
+    assert [value("hit_predictions_total", outcome=o) for o in
+            ("exact", "over", "unreported", "under")] == [1, 1, 1, 1]
+    assert value("predicted_hit_tokens_total", instance="a") == 36
+    assert value("predicted_hit_tokens_total", instance="b") == 4
+    assert value("reported_hit_tokens_total", instance="a") == 28
+    assert value("routed_prompt_tokens_total", instance="a") == 3 * 17
+    assert reported_cached_tokens({"usage": {"prompt_tokens_details": {"cached_tokens": 32}}}
+                                  ) == 32
+    assert reported_cached_tokens({"usage": {"prompt_tokens_details": None}}) is None

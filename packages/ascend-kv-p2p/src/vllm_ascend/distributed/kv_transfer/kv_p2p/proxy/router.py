@@ -70,6 +70,8 @@ class Decision:
     instance: str = ""
     prompt_tokens: int = 0
     predicted_tokens: int = 0
+    #: the predicted hit of every instance with a usable index (a failover's check)
+    cached: dict[str, int] = field(default_factory=dict)
 
 
 class KvRouter:
@@ -145,7 +147,7 @@ class KvRouter:
         top = ranked[0]
         got = cached.get(top.url, 0)
         reason = "no_hit" if best == 0 else ("prefix" if got == best else "load")
-        return ranked + rest, Decision(reason, top.url, n, got)
+        return ranked + rest, Decision(reason, top.url, n, got, cached)
 
     def check(self, decision: Decision, chosen: str, resp: httpx.Response) -> None:
         """Record ``decision`` against P's answer ``resp`` from instance ``chosen``."""
@@ -185,7 +187,8 @@ class KvRouter:
         if self.metrics is None or decision.reason in ("no_tokens",):
             return
         m = self.metrics
-        predicted = decision.predicted_tokens if chosen == decision.instance else 0
+        predicted = (decision.predicted_tokens if chosen == decision.instance
+                     else decision.cached.get(chosen, 0))
         m.prompt_tokens.labels(chosen).inc(decision.prompt_tokens)
         m.predicted_hit.labels(chosen).inc(predicted)
         if reported is None:
