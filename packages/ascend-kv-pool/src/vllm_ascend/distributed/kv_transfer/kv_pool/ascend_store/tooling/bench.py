@@ -96,7 +96,7 @@ def run_pool(args: argparse.Namespace) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
 
     local = LocalBackend(capacity=4 * blocks.nbytes)
-    local_rows, local_rounds = _local_rows(local, blocks, rounds=max(5, repeat))
+    local_rows, local_rounds = _local_rows(local, blocks, rounds=5 if args.quick else 9)
     rows += local_rows
     lookup = _lookup_rates(local, args.quick)
     mooncake: dict[str, Any] = {}
