@@ -152,3 +152,70 @@ def test_a_malformed_mapping_is_a_clear_error(mapping: Any, match: str) -> None:
     with pytest.raises(KVParamsError, match=match):
         parse_rank_hosts({MULTI_NODES_KEY: mapping}, tp_size=2)
     assert parse_rank_hosts({}, tp_size=2) == {}
+
+
+# ---------------------------------------------------------------- pull: P ranks on two hosts
+def test_d_pulls_from_p_ranks_on_their_own_hosts(monkeypatch: pytest.MonkeyPatch) -> None:
+    import test_p2p_pull_worker as pw
+
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.params import (
+        params_for_decode,
+        parse_remote_prefill,
+    )
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_contract import (
+        MooncakeConnectorMetadata,
+        RecvMeta,
+        SendMeta,
+    )
+
+    p_port, d_port = free_port(), free_port()
+    workers = []
+    try:
+        for rank, host in RANK_HOSTS.items():  # P TP=2, one rank per "node"
+            at_host(monkeypatch, host)
+            workers.append(pw.new_worker("kv_producer", p_port, 2, rank, "P"))
+        at_host(monkeypatch, "127.0.0.1")
+        d = pw.new_worker("kv_consumer", d_port, 1, 0, "D")
+        workers.append(d)
+        caches_p = [pw.make_caches("cpu", 2, r, fill=True) for r in RANK_HOSTS]
+        caches_d = pw.make_caches("cpu", 1, 0, fill=False)
+        for w, c in zip(workers[:2], caches_p, strict=True):
+            w.register_kv_caches(c)
+        d.register_kv_caches(caches_d)
+        p_blocks, d_blocks = [7, 2], [1, 4]
+        for w in workers[:2]:
+            w.start_load_kv(MooncakeConnectorMetadata(requests_to_send={
+                "req-p": SendMeta("req-p", p_blocks)}))
+        published = hosts_of({w.tp_rank: RankAddress(w.host, w.port, w.tp_rank)
+                              for w in workers[:2]})
+        params = params_for_decode(block_ids=p_blocks, engine_id="P", host="127.0.0.1",
+                                   port=p_port, request_id="req-p", tp_size=2,
+                                   last_token_id=1, num_prompt_blocks=2, rank_hosts=published)
+        assert params[MULTI_NODES_KEY] == {"0": {"host": "127.0.0.2", "engine_id": "P"},
+                                           "1": {"host": "127.0.0.3", "engine_id": "P"}}
+        remote = parse_remote_prefill(params, prompt_len=2 * pw.BS, block_size=pw.BS)
+        assert remote.host_of(1) == "127.0.0.3"
+        d.start_load_kv(MooncakeConnectorMetadata(requests={"req-d": RecvMeta(
+            "req-d", d_blocks, remote, remote_block_ids=p_blocks)}))
+        assert pw.wait_recv(d, "req-d") == set()
+        pw.wait_sent(workers[:2], "req-p")
+        for layer, value in caches_d.items():
+            for lb, pb in zip(d_blocks, p_blocks, strict=True):
+                want = pw.expected_d_block(caches_p, "cpu", 2, 1, 0, layer, pb)
+                torch.testing.assert_close(value[lb], want, rtol=0, atol=0)
+    finally:
+        for w in workers:
+            w.shutdown()
+
+
+def test_a_p_without_published_hosts_names_rank_0_at_its_host() -> None:
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.params import (
+        params_for_decode,
+        parse_remote_prefill,
+    )
+
+    params = params_for_decode(block_ids=[3], engine_id="P", host="10.0.0.9", port=20000,
+                               request_id="q", tp_size=2, last_token_id=1, num_prompt_blocks=1)
+    assert params[MULTI_NODES_KEY] == {"0": {"host": "10.0.0.9", "engine_id": "P"}}
+    remote = parse_remote_prefill(params, prompt_len=5, block_size=16)
+    assert remote.host_of(0) == remote.host_of(1) == "10.0.0.9"

@@ -37,10 +37,17 @@ class RemotePrefill:
     #: P's capability for this request (``remote_claim_token``); ``""`` from a P that
     #: issues none
     token: str = ""
+    #: where each P rank listens (``remote_multi_nodes_meta_mapping``); a rank it does not
+    #: name is at ``host``
+    rank_hosts: dict[int, str] = field(default_factory=dict)
 
     def endpoint_key(self) -> tuple[str, int]:
         """``(host, base side-channel port)`` of the P instance."""
         return (self.host, self.port)
+
+    def host_of(self, p_rank: int) -> str:
+        """Where P rank ``p_rank``'s side channel listens."""
+        return self.rank_hosts.get(p_rank, self.host)
 
 
 def wants_remote_prefill(params: Any) -> bool:
@@ -111,24 +118,30 @@ def parse_remote_prefill(params: Any, *, prompt_len: int, block_size: int) -> Re
     if not isinstance(token, str) or len(token) > 256:
         raise KVParamsError(f"kv_transfer_params: 'remote_claim_token' must be a string of at "
                             f"most 256 characters, got a {type(token).__name__}")
+    tp_size = _int({"remote_tp_size": tp}, "remote_tp_size", minimum=1, maximum=4096)
     return RemotePrefill(
         engine_id=_str(params, "remote_engine_id"),
         host=_str(params, "remote_host"),
         port=_int(params, "remote_port", minimum=1, maximum=65535),
         request_id=_str(params, "remote_request_id"),
         block_ids=list(blocks),
-        tp_size=_int({"remote_tp_size": tp}, "remote_tp_size", minimum=1, maximum=4096),
+        tp_size=tp_size,
         pcp_size=_int(params, "remote_pcp_size", default=1, minimum=1, maximum=1),
         dcp_size=_int(params, "remote_dcp_size", default=1, minimum=1, maximum=1),
         token=token,
+        rank_hosts=parse_rank_hosts(params, tp_size=tp_size),
     )
 
 
 def params_for_decode(*, block_ids: list[int], engine_id: str, host: str, port: int,
                       request_id: str, tp_size: int, last_token_id: int | None,
-                      num_prompt_blocks: int, claim_token: str = "") -> dict[str, Any]:
+                      num_prompt_blocks: int, claim_token: str = "",
+                      rank_hosts: Mapping[int, str] | None = None) -> dict[str, Any]:
     """The ``kv_transfer_params`` P returns for D (upstream keys, plus ``remote_tp_size`` and
-    ``remote_claim_token``, the request's capability, when P issued one)."""
+    ``remote_claim_token``, the request's capability, when P issued one).
+
+    ``remote_multi_nodes_meta_mapping`` names every rank's host (``rank_hosts``, as the
+    workers published them); without them, rank 0 at ``host`` (upstream's one entry)."""
     out: dict[str, Any] = {
         "do_remote_prefill": True,
         "do_remote_decode": False,
@@ -143,7 +156,7 @@ def params_for_decode(*, block_ids: list[int], engine_id: str, host: str, port: 
         "remote_dcp_size": 1,
         "last_token_id": last_token_id,
         "num_prompt_blocks": num_prompt_blocks,
-        "remote_multi_nodes_meta_mapping": {"0": {"host": host, "engine_id": engine_id}},
+        MULTI_NODES_KEY: multi_nodes_mapping(rank_hosts or {0: host}, engine_id),
     }
     if claim_token:
         out["remote_claim_token"] = claim_token

@@ -194,7 +194,7 @@ class ClaimAhead:
                         num_readers=counts[rank], token=remote.token)
             sent = time.time()
             try:
-                reply = self._client(tcp_endpoint(remote.host, port)).call(msg)
+                reply = self._client(tcp_endpoint(remote.host_of(rank), port)).call(msg)
             except RemoteError as exc:
                 out[rank] = EarlyClaim(ok=False, error=exc.code or "refused")
                 continue

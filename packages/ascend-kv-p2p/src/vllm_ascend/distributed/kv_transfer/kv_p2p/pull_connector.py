@@ -49,6 +49,7 @@ from .p2p_metrics import P2P_METRICS  # noqa: E402
 from .pull_contract import MooncakeConnectorMetadata, RecvMeta, SendMeta  # noqa: E402
 from .pull_scheduler import PullScheduler  # noqa: E402
 from .pull_worker import PullWorker  # noqa: E402
+from .rank_hosts import RankAddress, hosts_of  # noqa: E402
 from .worker_base import refuse_unsupported_shapes  # noqa: E402
 
 if TYPE_CHECKING:
@@ -115,10 +116,23 @@ class MooncakeConnector(ConnectorStatsMixin, KVConnectorBase_V1):
         assert self.connector_scheduler is not None
         return self.connector_scheduler.request_finished(request, block_ids)
 
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        """Where each of this instance's TP ranks listens (vLLM collects them from the
+        workers' :meth:`get_handshake_metadata`); P names them in its params for D."""
+        if self.connector_scheduler is not None:
+            self.connector_scheduler.rank_hosts = hosts_of(metadata)
+
     # ============================== Worker-side methods
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         assert self.connector_worker is not None
         self.connector_worker.register_kv_caches(kv_caches)
+
+    def get_handshake_metadata(self) -> Any:
+        """This rank's side-channel address, for the scheduler (:mod:`.rank_hosts`)."""
+        w = self.connector_worker
+        if w is None:
+            return None
+        return RankAddress(host=w.host, port=w.port, tp_rank=w.tp_rank)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self.connector_worker is not None

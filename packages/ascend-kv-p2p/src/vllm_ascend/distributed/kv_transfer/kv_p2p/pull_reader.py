@@ -291,7 +291,7 @@ class PullReader:
         """
         remote = meta.remote
         assert remote is not None
-        metas = {r: self.remote_meta(remote.host, self._port_of(remote, r),
+        metas = {r: self.remote_meta(remote.host_of(r), self._port_of(remote, r),
                                      expect_tp=remote.tp_size) for r in p_ranks}
         # where to read before the claims are answered (None: a keyed P rank not granted
         # before, whose addresses come only with this claim's grant)
@@ -380,7 +380,7 @@ class PullReader:
         connections accepted by the kernel; a cut network times out: both are retried."""
         for r in p_ranks:
             try:
-                with socket.create_connection((remote.host, self._port_of(remote, r)),
+                with socket.create_connection((remote.host_of(r), self._port_of(remote, r)),
                                               timeout=PROBE_TIMEOUT_S):
                     pass
             except ConnectionRefusedError:
@@ -400,9 +400,9 @@ class PullReader:
         shared = self.shared
         for r in p_ranks:
             port = self._port_of(remote, r)
-            self._granted.pop((remote.host, port), None)
+            self._granted.pop((remote.host_of(r), port), None)
             with shared._meta_lock:
-                shared._remote_meta.pop(tcp_endpoint(remote.host, port), None)
+                shared._remote_meta.pop(tcp_endpoint(remote.host_of(r), port), None)
 
     def _start_claims(self, meta: RecvMeta, p_ranks: list[int], readers: Mapping[int, int], *,
                       overlapped: bool) -> dict[int, Future[Claimed]]:
@@ -429,7 +429,7 @@ class PullReader:
         out: dict[int, AgentMeta] = {}
         for r, m in metas.items():
             known = m if m.region_addrs else self._granted.get(
-                (remote.host, self._port_of(remote, r)))
+                (remote.host_of(r), self._port_of(remote, r)))
             if known is None:
                 return None
             out[r] = known
@@ -457,7 +457,7 @@ class PullReader:
                 continue
             granted = msgspec.structs.replace(m, region_addrs=list(grant.region_addrs),
                                               region_strides=list(grant.region_strides))
-            self._granted[(remote.host, self._port_of(remote, r))] = granted
+            self._granted[(remote.host_of(r), self._port_of(remote, r))] = granted
             out[r] = granted
         return out
 
@@ -515,7 +515,7 @@ class PullReader:
         "unknown request" (its metadata may not have arrived yet), within the deadline."""
         remote = meta.remote
         assert remote is not None
-        client = self.shared._client(remote.host, self._port_of(remote, p_rank))
+        client = self.shared._client(remote.host_of(p_rank), self._port_of(remote, p_rank))
         msg = Claim(request_id=remote.request_id, block_ids=meta.remote_block_ids,
                     reader=self.shared.agent_id, num_readers=num_readers, token=remote.token)
         give_up = time.monotonic() + CLAIM_RETRY_S
@@ -543,7 +543,7 @@ class PullReader:
     def _done(self, meta: RecvMeta, p_rank: int, num_readers: int, *, success: bool) -> bool:
         remote = meta.remote
         assert remote is not None
-        client = self.shared._client(remote.host, self._port_of(remote, p_rank))
+        client = self.shared._client(remote.host_of(p_rank), self._port_of(remote, p_rank))
         reply = client.call(Done(request_id=remote.request_id, reader=self.shared.agent_id,
                                  success=success, num_readers=num_readers, token=remote.token))
         return isinstance(reply, DoneAck) and reply.valid

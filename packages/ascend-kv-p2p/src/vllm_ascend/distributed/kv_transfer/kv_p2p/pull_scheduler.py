@@ -63,6 +63,8 @@ class PullScheduler:
         self.is_consumer = bool(kvc.is_kv_consumer)
         self.tp_size = par.tensor_parallel_size
         self.host = get_host_ip()
+        #: where each TP rank listens, as the workers published them (multi-node P)
+        self.rank_hosts: dict[int, str] = {}
         self.side_port = side_channel_port(kvc.kv_port, dp_rank=par.data_parallel_rank,
                                            tp_size=par.tensor_parallel_size,
                                            pp_size=par.pipeline_parallel_size)
@@ -185,7 +187,7 @@ class PullScheduler:
             block_ids=held, engine_id=self.engine_id, host=self.host, port=self.side_port,
             request_id=rid, tp_size=self.tp_size,
             last_token_id=int(out[-1]) if len(out) else None, num_prompt_blocks=len(held),
-            claim_token=token)
+            claim_token=token, rank_hosts=self.rank_hosts)
 
     def shutdown(self) -> None:
         if self.renewer is not None:

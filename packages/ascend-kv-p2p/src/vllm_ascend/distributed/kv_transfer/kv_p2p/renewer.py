@@ -67,7 +67,7 @@ class LeaseRenewer:
             for remote in self._tracked.values():
                 for rank in range(remote.tp_size):
                     port = worker_port(remote.port, tp_rank=rank, tp_size=remote.tp_size)
-                    by_endpoint.setdefault(tcp_endpoint(remote.host, port), []).append(
+                    by_endpoint.setdefault(tcp_endpoint(remote.host_of(rank), port), []).append(
                         remote.request_id)
         for endpoint, ids in by_endpoint.items():
             client = self._clients.get(endpoint)

@@ -50,6 +50,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from vllm_ascend.distributed.kv_transfer.core import auth
 
 from ..params import RemotePrefill
+from ..rank_hosts import parse_rank_hosts
 from ..renewer import LeaseRenewer
 from .balancer import Instance, Pool
 from .fallback import is_kv_load_error, plain_headers, read_stream_start
@@ -259,8 +260,9 @@ class Proxy:
                 engine_id=str(kv_params.get("remote_engine_id", "")),
                 host=str(kv_params["remote_host"]), port=int(kv_params["remote_port"]),
                 request_id=str(kv_params["remote_request_id"]), block_ids=[],
-                tp_size=int(tp or 1), pcp_size=1, dcp_size=1)
-        except (KeyError, TypeError, ValueError):
+                tp_size=int(tp or 1), pcp_size=1, dcp_size=1,
+                rank_hosts=parse_rank_hosts(kv_params, tp_size=int(tp or 1)))
+        except (KeyError, TypeError, ValueError):  # KVParamsError is a ValueError
             return
         if not (0 < remote.port < 65536 and 0 < remote.tp_size <= 1024 and remote.host):
             return
