@@ -61,8 +61,18 @@ def _child_main() -> int:
             sched = engine.engine_core.engine_core.scheduler
         except AttributeError:
             return bool(engine.has_unfinished_requests())
+        # has_requests() also counts a connector's pending background work (e.g. vLLM's
+        # MooncakeStoreConnector holds a save's blocks until a later step reports it)
+        has_requests = getattr(sched, "has_requests", None)
         return bool(engine.has_unfinished_requests() or getattr(sched, "requests", None)
-                    or getattr(sched, "finished_req_ids", None))
+                    or getattr(sched, "finished_req_ids", None)
+                    or (callable(has_requests) and has_requests()))
+
+    def settle(timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while pending() and time.monotonic() < deadline:
+            engine.step()
+        return not pending()
 
     while True:
         if not sel.select(0.005):
@@ -107,14 +117,23 @@ def _child_main() -> int:
                      "kv_transfer_params": o.kv_transfer_params,
                      "finish_reason": o.outputs[0].finish_reason} for o in outs]})
             elif op == "reset_prefix_cache":
-                answer("ok", bool(llm.reset_prefix_cache()))
+                # vLLM refuses the reset while any block is referenced (a connector's save
+                # in flight): settle first, retry a few steps; the answer says whether the
+                # cache really was reset (a False one makes the next "hit" a device hit)
+                ok = False
+                for _ in range(5):
+                    settle(float(cmd.get("timeout", 30)))
+                    ok = bool(llm.reset_prefix_cache())
+                    if ok:
+                        break
+                    engine.step()
+                    time.sleep(0.05)
+                answer("ok", ok)
             elif op == "settle":
                 # let background saves finish: step while anything is pending, then wait
-                deadline = time.monotonic() + float(cmd.get("timeout", 10))
-                while pending() and time.monotonic() < deadline:
-                    engine.step()
+                settled = settle(float(cmd.get("timeout", 10)))
                 time.sleep(float(cmd.get("sleep", 0.0)))
-                answer("ok", not pending())
+                answer("ok", settled and not pending())
             else:
                 answer("error", f"unknown op {op!r}")
         except Exception:

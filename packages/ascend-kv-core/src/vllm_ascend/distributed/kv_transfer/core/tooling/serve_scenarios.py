@@ -379,11 +379,15 @@ def cache_flow(run: Run, eng: EngineChild, name: str) -> dict[str, Any]:
         eng.call("settle", timeout=30, sleep=0.3)  # background saves finish
         device_s = floor(eng, prompt)
         agains = []
+        resets = []
         for _ in range(run.cfg.repeats):
-            eng.call("reset_prefix_cache")
+            resets.append(bool(eng.call("reset_prefix_cache")))
             agains.append(eng.generate([prompt]))
             eng.call("settle", timeout=30, sleep=0.1)
-        eng.call("reset_prefix_cache")
+        resets.append(bool(eng.call("reset_prefix_cache")))
+        if not all(resets):
+            run.steps.note(f"{name}: {len(prompt)} tokens: reset_prefix_cache refused "
+                           f"{resets.count(False)} time(s): a hit after it may be vLLM's own")
         c = _first(cold)
         again_s = median(a["seconds"] for a in agains)
         a = _first(agains[-1])
@@ -395,6 +399,8 @@ def cache_flow(run: Run, eng: EngineChild, name: str) -> dict[str, Any]:
                      "cold_token": (c["tokens"] or [None])[0],
                      "again_token": (a["tokens"] or [None])[0],
                      "again_tokens_all": [(_first(x)["tokens"] or [None])[0] for x in agains],
+                     # False: vLLM kept its cache, so that sample was not a connector hit
+                     "resets_ok": resets,
                      "finish": a["finish_reason"]})
         run.steps.note(f"{name}: {len(prompt)} tokens: cold {cold['seconds']:.3f}s, "
                        f"after reset {again_s:.3f}s ({a['cached']} cached)")
