@@ -286,6 +286,8 @@ TRACE_NAME = "data/mooncake-traces/conversation_trace.jsonl"
 #: The fixed configuration of `nox -s bench` (minutes on the 2-core machine).
 BENCH_ARGS: dict[str, tuple[str, ...]] = {
     "offload": ("--repeats", "2"),
+    # the pull connector again with a deployment key (issue 19: what the key costs)
+    "p2p": ("--auth",),
     # 5 alternating rounds (engines kept up), one sample of each hit a round
     "serve": ("--rounds", "5", "--repeats", "1"),
 }
@@ -293,7 +295,7 @@ BENCH_ARGS: dict[str, tuple[str, ...]] = {
 
 #: bench-smoke (default set, checks that each benchmark runs): the client benchmark drives
 #: one P/D target behind the proxy (its API servers dominate the smoke run's time).
-SMOKE_ARGS: dict[str, tuple[str, ...]] = {"client": ("--only", "pd-pull")}
+SMOKE_ARGS: dict[str, tuple[str, ...]] = {"client": ("--only", "pd-pull"), "p2p": ("--auth",)}
 
 
 def _bench_env(session: nox.Session) -> None:

@@ -94,9 +94,9 @@ def prefill_process(kv_port: int, q_in: Any, q_out: Any) -> None:
             continue
         if cmd is None:
             break
-        rid, blocks = cmd
+        rid, blocks, token = cmd
         worker.start_load_kv(MooncakeConnectorMetadata(
-            requests_to_send={rid: SendMeta(rid, blocks)}))
+            requests_to_send={rid: SendMeta(rid, blocks, token)}))
         q_out.put(rid)
     worker.shutdown()
 
@@ -128,14 +128,17 @@ def _connector_load(d: Any, q_in: Any, q_out: Any, rid: str, p_port: int,
     ``ahead``: it sends the claim then) or ``start_load_kv`` (the other modes, whose claims
     go out from the worker) until the worker marks the request finished receiving (then
     checked with ``get_finished``)."""
+    from vllm_ascend.distributed.kv_transfer.core.auth import capability_token
+
     from ..params import RemotePrefill
     from ..pull_contract import MooncakeConnectorMetadata, RecvMeta
 
-    q_in.put((rid, p_blocks))
+    token = capability_token()  # P's capability for the request, as P's scheduler issues it
+    q_in.put((rid, p_blocks, token))
     assert q_out.get(timeout=60) == rid
     remote = RemotePrefill(engine_id="bench-kv_producer", host=d.host, port=p_port,
                            request_id=rid, block_ids=p_blocks, tp_size=1, pcp_size=1,
-                           dcp_size=1)
+                           dcp_size=1, token=token)
     ahead = d.claim_ahead if mode == "ahead" else None
     t0 = time.perf_counter()
     early = None
@@ -172,21 +175,15 @@ def _spread(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def run(args: argparse.Namespace) -> int:
+def _measure(sizes: list[int], rounds: int, pairs: int) -> list[dict[str, Any]]:
+    """One phase: a P process and a D worker (with the deployment key of the environment,
+    if any), ``rounds`` rounds of alternating raw reads and connector loads per size."""
     import random
 
     from vllm_ascend.distributed.kv_transfer.core.net import free_port
-    from vllm_ascend.distributed.kv_transfer.core.tooling.benchutil import (
-        format_table,
-        write_results,
-    )
 
     from ..pull_claims import ClaimAhead
-    from ..pull_reader import usable_cpus
 
-    sizes = [1, 16] if args.quick else [1, 16, 128]
-    rounds = 3 if args.quick else args.rounds
-    pairs = 2 if args.quick else args.pairs
     p_port = free_port()
     ctx = mp.get_context("spawn")
     q_in, q_out = ctx.Queue(), ctx.Queue()
@@ -196,7 +193,6 @@ def run(args: argparse.Namespace) -> int:
     d.claim_ahead = ClaimAhead(lambda p_tp: {0: 1}, 10.0, reader="bench-scheduler",
                                engine_id=d.engine_id)
     rows: list[dict[str, Any]] = []
-    cpus = usable_cpus()
     try:
         session, p_addrs, p_strides = q_out.get(timeout=120)
         d.register_kv_caches(_caches(fill=False))
@@ -259,9 +255,55 @@ def run(args: argparse.Namespace) -> int:
             proc.kill()
         d.claim_ahead.stop()
         d.shutdown()
-    print(format_table(rows, ["blocks", "bytes", "raw_GBps", "connector_GBps", "ratio",
-                              "ratio_min", "ratio_max", "raw_ms", "connector_ms",
-                              *(f"ratio_{m}" for m in MODES)]))
+    return rows
+
+
+def _keyed_phase(sizes: list[int], rounds: int, pairs: int) -> list[dict[str, Any]]:
+    """:func:`_measure` with a fresh deployment key in the environment: every side-channel
+    frame sealed and checked, claims carrying the request's token, regions with the grant."""
+    import os
+    import secrets
+
+    from vllm_ascend.distributed.kv_transfer.core import auth
+
+    saved = {k: os.environ.get(k) for k in (auth.ENV_KEY, auth.ENV_KEY_FILE)}
+    os.environ[auth.ENV_KEY] = secrets.token_hex(32)
+    os.environ.pop(auth.ENV_KEY_FILE, None)
+    try:
+        return _measure(sizes, rounds, pairs)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def run(args: argparse.Namespace) -> int:
+    from vllm_ascend.distributed.kv_transfer.core.tooling.benchutil import (
+        format_table,
+        write_results,
+    )
+
+    from ..pull_reader import usable_cpus
+
+    sizes = [1, 16] if args.quick else [1, 16, 128]
+    rounds = 3 if args.quick else args.rounds
+    pairs = 2 if args.quick else args.pairs
+    cpus = usable_cpus()
+    rows = _measure(sizes, rounds, pairs)
+    keyed: list[dict[str, Any]] = []
+    if args.auth:
+        print("with a deployment key:", flush=True)
+        keyed = _keyed_phase(sizes, rounds, pairs)
+        for row, krow in zip(rows, keyed, strict=True):
+            # the key's cost: the keyed phase's connector/raw over the plain phase's
+            krow["vs_unkeyed"] = krow["ratio"] / row["ratio"] if row["ratio"] else None
+    cols = ["blocks", "bytes", "raw_GBps", "connector_GBps", "ratio", "ratio_min", "ratio_max",
+            "raw_ms", "connector_ms", *(f"ratio_{m}" for m in MODES)]
+    print(format_table(rows, cols))
+    if keyed:
+        print(format_table(keyed, [*cols, "vs_unkeyed"]))
     path = write_results("p2p", {
         "description": "MooncakeConnectorV1 load timed from the moment D's scheduler sees the "
                        "request (it sends the claim then; the worker reads at once and gets "
@@ -272,7 +314,10 @@ def run(args: argparse.Namespace) -> int:
                        f"{rounds} rounds of {pairs} alternating loads of each, ratio = the "
                        "median over the rounds of raw / connector (each round's medians), "
                        "with min-max; ratio_overlapped / ratio_claims_first: the worker "
-                       f"claiming itself, overlapped with the read or before it ({cpus} CPUs)",
+                       f"claiming itself, overlapped with the read or before it ({cpus} CPUs)"
+                       + ("; keyed_results: the same with a deployment key (sealed frames, "
+                          "claim tokens, regions with the grant), vs_unkeyed = its ratio over "
+                          "the plain phase's" if keyed else ""),
         "claim_mode": DEFAULT_MODE,
         "cpus": cpus,
         "rounds": rounds,
@@ -280,7 +325,8 @@ def run(args: argparse.Namespace) -> int:
         "goal": "ratio >= 0.9 (min-max above 0.9 to count as met)",
         "layout": {"layers": LAYERS, "block_bytes_per_layer": HEADS * BLOCK_TOKENS * 2 *
                    HEAD_SIZE * 2},
-        "results": rows}, args.out)
+        "results": rows,
+        **({"keyed_results": keyed} if keyed else {})}, args.out)
     print(f"results: {path}")
     return 0
 
@@ -295,4 +341,6 @@ def add_parser(subparsers: Any) -> None:
                    help="rounds per size (each gives one ratio; median and min-max reported)")
     p.add_argument("--pairs", type=int, default=3,
                    help="alternating loads of the raw engine and each claim mode per round")
+    p.add_argument("--auth", action="store_true",
+                   help="measure again with a deployment key (keyed_results in the JSON)")
     p.set_defaults(func=run)
