@@ -9,7 +9,8 @@ cache events on vLLM's own ZeroMQ event stream.
   per request, no failures, nothing left held or pending.
 * KV pool (``AscendStoreConnector``, embedded ``local`` backend, small capacity): a prompt is
   saved, loaded back from the pool after the device prefix cache was reset (same tokens), and
-  pushed out by another prompt; ``vllm:ascend_kv_pool_*`` count the tokens asked, hit and
+  its last two blocks pushed out by another prompt (prefix-aware eviction, the default);
+  ``vllm:ascend_kv_pool_*`` count the tokens asked, hit and
   missed, blocks and bytes saved and loaded, lookups and their latency, and vLLM's event
   publisher carries the pool's ``BlockStored`` / ``BlockRemoved`` (``medium: "cpu"``) under the
   same block hashes as the engine's own device-cache events.
@@ -348,7 +349,9 @@ def test_pool_metrics_and_kv_events(pool: tuple[Server, EventSubscriber],
     time.sleep(1.0)
     assert ours(sub.take(), "BlockStored") == []  # loaded blocks are not announced again
 
-    # 3. another prompt: its three blocks push the two least recently used ones out
+    # 3. another prompt: its three blocks push two of the first prompt's out; the default
+    # prefix-aware policy evicts leaves first (the chain's last block, then the one before),
+    # keeping the first block, a prefix that still hits
     complete(url, b)
     m = wait_for(url, "vllm:ascend_kv_pool_saved_blocks_total", 6)
     assert m["vllm:ascend_kv_pool_saved_blocks_total"] == 6
@@ -356,5 +359,5 @@ def test_pool_metrics_and_kv_events(pool: tuple[Server, EventSubscriber],
     events = wait_events(sub, lambda ev: len(ours(ev, "BlockRemoved")) >= 2
                          and len(ours(ev, "BlockStored")) >= 3)
     removed = [h for e in ours(events, "BlockRemoved") for h in e.block_hashes]
-    assert removed == [e.block_hashes[0] for e in stored[:2]]
+    assert removed == [stored[2].block_hashes[0], stored[1].block_hashes[0]]
     assert len(ours(events, "BlockStored")) == 3
