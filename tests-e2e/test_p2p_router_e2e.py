@@ -29,6 +29,7 @@ from ascend_kv_testing.serving import (
     http,
     metrics,
     proxy,
+    started,
     vllm_serve,
 )
 
@@ -61,21 +62,24 @@ def cluster(model: Path, tmp_path_factory: pytest.TempPathFactory
     logs = tmp_path_factory.mktemp("router-logs")
     servers: dict[str, Server] = {}
     events: list[str] = []
+    where_of: dict[int, str] = {}
+
+    def prefill(i: int) -> Server:
+        cfg, where_of[i] = events_config()  # fresh ports on every attempt
+        return vllm_serve(f"prefill{i}", model, logs, kv_config("kv_producer", f"router-p{i}"),
+                          "--kv-events-config", json.dumps(cfg), "--enable-prompt-tokens-details")
+
     try:
         for i in range(2):
-            cfg, where = events_config()
-            events.append(where)
-            servers[f"p{i}"] = vllm_serve(
-                f"prefill{i}", model, logs, kv_config("kv_producer", f"router-p{i}"),
-                "--kv-events-config", json.dumps(cfg), "--enable-prompt-tokens-details")
-        servers["d"] = vllm_serve("decode", model, logs, kv_config("kv_consumer", "router-d"))
+            servers[f"p{i}"] = started(lambda i=i: prefill(i))
+            events.append(where_of[i])
+        servers["d"] = started(lambda: vllm_serve("decode", model, logs,
+                                                  kv_config("kv_consumer", "router-d")))
         extra = ["--policy", "kv_aware"]
         for where in events:
             extra += ["--prefill-events", where]
-        servers["proxy"] = proxy("proxy", logs, [servers["p0"].url, servers["p1"].url],
-                                 [servers["d"].url], *extra)
-        for s in servers.values():
-            s.wait_ready()
+        servers["proxy"] = started(lambda: proxy(
+            "proxy", logs, [servers["p0"].url, servers["p1"].url], [servers["d"].url], *extra))
         yield servers
     finally:
         for s in reversed(list(servers.values())):

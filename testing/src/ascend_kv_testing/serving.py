@@ -13,6 +13,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +98,22 @@ def vllm_serve(name: str, model: Path, logs: Path, kv: dict[str, Any] | None, *e
     if kv is not None:
         cmd += ["--kv-transfer-config", json.dumps(kv)]
     return Server(name, cmd, port, logs, env or serve_env())
+
+
+def started(make: Callable[[], Server], *, attempts: int = 3) -> Server:
+    """``make()`` a server and wait until it is ready; when it died because a port it was
+    given (``free_port``: free a moment ago) was taken meanwhile by another process, make
+    it again, with the fresh ports ``make`` picks, up to ``attempts`` times."""
+    for attempt in range(attempts):
+        server = make()
+        try:
+            return server.wait_ready()
+        except RuntimeError:
+            lost_race = "Address already in use" in server.tail(200_000)
+            server.stop()
+            if not lost_race or attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 def proxy(name: str, logs: Path, prefill: list[str], decode: list[str], *extra: str,
