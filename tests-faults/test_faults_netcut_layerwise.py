@@ -1,0 +1,236 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The network between P and D cut while P pushes (``MooncakeLayerwiseConnector``).
+
+The push direction of ``test_faults_netcut.py``: P and D run in two network namespaces
+joined by a veth pair (``ip netns``/``ip link``, as root) and bind and advertise their
+namespace's address; the stand-in for the proxy's metaserver listens on D's loopback.
+After a layerwise P/D request over the veth pair proves the path, P's next push is held
+at a layer boundary (after its first write into D's blocks, with D's write lease
+granted), the link is set down, and the held write goes out into a dead network: it
+stalls (TCP retransmits; no reset ever comes) until Mooncake drops it after
+``MC_TCP_PROGRESS_TIMEOUT_SEC``, and P's lease renewals cannot reach D either.
+
+D must fail the load when P's write lease lapses (well before its deadline) and
+recompute the prompt; P must stop the push, count it and free the request's blocks and
+push state; D must release what it held for the push (registered staging); both must
+serve on while the link is down, and a layerwise P/D request must work again once the
+link is back.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ascend_kv_testing.engines import EngineProcess, GenResult
+from ascend_kv_testing.faults import start_in_parallel, wait_for
+from ascend_kv_testing.models import make_tiny_llama
+from ascend_kv_testing.netns import NetnsEngineProcess, VethPair, enter_netns, netns_problem
+from ascend_kv_testing.pd import LAYERWISE, PROBES, Metaserver, baseline, kv_config, prompts_of
+
+HOOKS = "ascend_kv_testing.fault_hooks"
+#: D's write leases (P renews every third of it). P starts no write later than the stall
+#: bound + 0.5 s before a lease ends: 4 s leave P a window of 2.5 s after each renewal, so the
+#: write held across the cut still starts inside it and really goes out into the dead network.
+LEASE_S = 4.0
+DEADLINE_S = 10.0
+#: Mooncake's "no progress" bound on a stalled TCP transfer (30 s by default)
+PROGRESS_S = 1
+ENV = {"MC_TCP_PROGRESS_TIMEOUT_SEC": str(PROGRESS_S)}
+
+_problem = netns_problem()
+pytestmark = pytest.mark.skipif(_problem is not None,
+                                reason=f"network namespaces are not available: {_problem}")
+
+
+@pytest.fixture(scope="module")
+def net() -> Iterator[VethPair]:
+    with VethPair(subnet="10.213.93") as pair:
+        yield pair
+
+
+def metaserver_in(netns: str) -> Metaserver:
+    """A :class:`Metaserver` listening on ``netns``'s loopback (D posts to it from there)."""
+    box: dict[str, Any] = {}
+
+    def make() -> None:
+        try:
+            enter_netns(netns)  # this thread only: the listening socket is created in netns
+            box["meta"] = Metaserver()
+        except BaseException as exc:
+            box["error"] = exc
+
+    thread = threading.Thread(target=make)
+    thread.start()
+    thread.join(30)
+    if "meta" not in box:
+        raise RuntimeError(f"no metaserver in {netns}: {box.get('error')}")
+    return box["meta"]  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def lw(net: VethPair, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """P (chunked prefill, 64 tokens a step) in namespace a, D (recompute policy) in b."""
+    model = make_tiny_llama(tmp_path_factory.mktemp("netcut-lw-model"))
+    made = start_in_parallel({
+        "p": lambda: NetnsEngineProcess(
+            model, kv_config("kv_producer", "cutlw-p", connector=LAYERWISE, lease_ttl_s=LEASE_S,
+                             handshake_timeout_s=2.0),
+            netns=net.ns_a, host=net.addr_a, env=ENV, max_num_batched_tokens=64),
+        "d": lambda: NetnsEngineProcess(
+            model, kv_config("kv_consumer", "cutlw-d", policy="recompute", connector=LAYERWISE,
+                             load_timeout_s=DEADLINE_S, lease_ttl_s=LEASE_S,
+                             handshake_timeout_s=2.0),
+            netns=net.ns_b, host=net.addr_b, env=ENV),
+    })
+    meta = metaserver_in(net.ns_b)
+    yield {**made, "meta": meta}
+    meta.close()
+    for engine in made.values():
+        engine.close()
+
+
+_seq = iter(range(10**6))
+
+
+def state(engine: EngineProcess) -> dict[str, int]:
+    return engine.call(f"{PROBES}:leak_state")
+
+
+def totals(engine: EngineProcess) -> dict[str, float]:
+    return engine.call(f"{PROBES}:connector_totals")
+
+
+def failures(engine: EngineProcess) -> dict[str, float]:
+    return {k.split("cause=")[-1]: v for k, v in totals(engine).items()
+            if k.startswith("p2p_failures")}
+
+
+def new_failures(engine: EngineProcess, before: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0) for k, v in failures(engine).items()
+            if v != before.get(k, 0)}
+
+
+def empty(engine: EngineProcess, report: Any) -> dict[str, int]:
+    """Wait until the engine holds nothing; its leak state (observed as ``zero``)."""
+    idle = engine.wait_idle(30)
+    s = state(engine)
+    report.check("zero", idle and s["requests"] == s["used_blocks"] == 0
+                 and s["p2p_held"] == s["p2p_pending"] == s["p2p_pushes"] == 0,
+                 f"idle={idle}, {s}")
+    assert idle, s
+    assert s["requests"] == 0 and s["used_blocks"] == 0, s
+    assert s["p2p_held"] == s["p2p_pending"] == s["p2p_pushes"] == 0, s
+    return s
+
+
+def start_decode(d: EngineProcess, meta: Metaserver, prompt: list[int],
+                 out: dict[str, Any]) -> tuple[str, threading.Thread]:
+    """D gets the request first (in a thread); returns its id, for ``meta.wait``."""
+    rid = f"cutlw-{next(_seq)}"
+
+    def decode() -> None:
+        start = time.monotonic()
+        try:
+            out["d"] = d.generate([prompt], max_tokens=8, kv_params=[meta.params(rid)],
+                                  timeout=120)[0]
+        except BaseException as exc:
+            out["error"] = exc
+        out["took"] = time.monotonic() - start
+
+    thread = threading.Thread(target=decode, daemon=True)
+    thread.start()
+    return rid, thread
+
+
+def pd_once(p: EngineProcess, d: EngineProcess, meta: Metaserver,
+            prompt: list[int]) -> GenResult:
+    out: dict[str, Any] = {}
+    rid, thread = start_decode(d, meta, prompt, out)
+    p.generate([prompt], max_tokens=1, kv_params=meta.wait([rid]))
+    thread.join(120)
+    assert "d" in out, out
+    return out["d"]  # type: ignore[no-any-return]
+
+
+def test_link_cut_mid_push(lw: dict[str, Any], net: VethPair, tmp_path: Path,
+                           fault_report: Any) -> None:
+    p, d, meta = lw["p"], lw["d"], lw["meta"]
+    endpoints = d.call(f"{PROBES}:kv_endpoints")
+    assert endpoints["transfer_engine"].startswith(f"{net.addr_b}:"), endpoints
+    x, x2, z, x3 = prompts_of([200, 200, 70, 150], seed=801)
+    want = baseline(d, [x, x2, z, x3])
+    # the path works: a first push crosses the veth pair
+    got = pd_once(p, d, meta, x)
+    assert got.token_ids == want[0] and got.finish_reason == "length"
+    loaded = totals(d).get("p2p_requests_loaded", 0)
+    assert loaded == 1
+    fail_p, fail_d = failures(p), failures(d)
+    d_registered = state(d)["registered_bytes"]
+    # P's next push is held after its first write into D's blocks (D's lease granted)
+    out: dict[str, Any] = {}
+    rid, thread = start_decode(d, meta, x2, out)
+    posted = meta.wait([rid])
+    assert p.call(f"{HOOKS}:pause_push", flag_dir=str(tmp_path), after_writes=1, max_wait_s=30)
+    p_out: dict[str, Any] = {}
+    p_thread = threading.Thread(target=lambda: p_out.update(
+        r=p.generate([x2], max_tokens=1, kv_params=posted, timeout=120)[0]), daemon=True)
+    p_thread.start()
+    assert wait_for(lambda: (tmp_path / "pushing").exists(), 60)
+    net.set_link(False)
+    cut_at = time.monotonic()
+    (tmp_path / "go").touch()  # the held write goes out into the dead network
+    thread.join(120)
+    assert not thread.is_alive() and "d" in out, out
+    # D: P's lease lapsed (no renewal crosses a dead link); the load failed and D recomputed
+    assert out["d"].token_ids == want[1] and out["d"].finish_reason == "length"
+    assert fault_report.check("deadline", out["took"] < DEADLINE_S + 3,
+                              f"D's request took {out['took']:.1f}s"), out["took"]
+    d_causes = new_failures(d, fail_d)
+    assert d_causes == {"peer_lost": 1}, d_causes  # the lease lapsed, not the deadline
+    # P: its client got the prefill answer; the stalled write failed, P stopped the push and
+    # freed the request's blocks and push state
+    p_thread.join(60)
+    assert not p_thread.is_alive() and p_out["r"].finish_reason == "length", p_out
+    freed = wait_for(lambda: p.call(f"{PROBES}:step_for", seconds=0.2)["requests"] == 0
+                     and state(p)["p2p_pushes"] == 0, LEASE_S + 10)
+    freed_after = time.monotonic() - cut_at
+    assert fault_report.check("deadline", freed, f"P still held the blocks {freed_after:.1f}s "
+                                                 "after the cut"), freed_after
+    p_causes = new_failures(p, fail_p)
+    assert p_causes and set(p_causes) <= {"transfer", "lease_lapsed", "peer_timeout"}, p_causes
+    assert (tmp_path / "resumed").exists()
+    # both serve on while the network is down
+    assert fault_report.check("survivor", d.generate([z], max_tokens=8)[0].token_ids == want[2],
+                              "D's answer with the link down")
+    assert fault_report.check("survivor", len(p.generate([z], max_tokens=4)[0].token_ids) == 4,
+                              "P's answer with the link down")
+    empty(p, fault_report)
+    empty(d, fault_report)
+    regd = state(d)["registered_bytes"]
+    assert fault_report.check("zero", regd == d_registered,
+                              f"D's registered bytes {d_registered} -> {regd}")
+    # the network comes back: layerwise P/D works again
+    net.set_link(True)
+    again = pd_once(p, d, meta, x3)
+    assert fault_report.check("survivor", again.token_ids == want[3],
+                              "layerwise P/D once the link was back")
+    assert totals(d).get("p2p_requests_loaded", 0) == loaded + 1
+    empty(p, fault_report)
+    empty(d, fault_report)
+    fault_report(fault="layerwise: network between P and D cut mid-push (veth link down, P's "
+                       "write held at a layer boundary)",
+                 happened=f"P's write went out into the dead network and its lease renewals "
+                          f"could not reach D; D failed the load when P's write lease lapsed "
+                          f"(cause {', '.join(sorted(d_causes))}) and recomputed "
+                          f"({out['took']:.1f}s); P stopped the push "
+                          f"({', '.join(sorted(p_causes))}) and freed the blocks "
+                          f"({freed_after:.1f}s after the cut, lease {LEASE_S:.0f}s); P/D "
+                          "worked again once the link was back",
+                 deadline=f"yes ({out['took']:.1f}s < {DEADLINE_S:.0f}s)",
+                 client="the right tokens (recompute policy)")
