@@ -12,7 +12,7 @@ from .app import ProxyConfig, build_app
 from .balancer import POLICIES
 from .events import EventsEndpoint
 from .model import MODES
-from .prefix_index import HASH_ALGOS
+from .prefix_index import HASH_ALGOS, POOL_MAX_BLOCKS, POOL_MEDIUM
 from .router import KvAwareSettings
 
 
@@ -70,6 +70,24 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--kv-load-weight", type=float, default=0.25,
                     help="score = cached fraction of the prompt - WEIGHT * requests in "
                          "flight (default: %(default)s)")
+    kv.add_argument("--pool-shared", action="store_true",
+                    help="the --prefill instances run AscendStoreConnector with one KV pool "
+                         "they share (Mooncake Store, Memcache): a block the pool's events "
+                         "announce on any instance's stream counts for every instance (score: "
+                         "the longer prefix of its device cache or the pool; the device on a "
+                         "tie). Not with the embedded 'local' backend: each instance has its "
+                         "own (its pool events then count for it alone, the default)")
+    kv.add_argument("--prefill-pool", action="append", default=[], metavar="NAME",
+                    help="several shared pools: the pool of the --prefill instance in the "
+                         "same position ('-' for none); instances with the same NAME share "
+                         "one pool")
+    kv.add_argument("--pool-medium", default=POOL_MEDIUM,
+                    help="the 'medium' of the pool's KV events (default: %(default)s, "
+                         "AscendStoreConnector's)")
+    kv.add_argument("--pool-max-blocks", type=int, default=POOL_MAX_BLOCKS,
+                    help="blocks a pool index keeps at most, the most recently stored "
+                         "(Mooncake Store and Memcache do not announce their evictions; "
+                         "default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="seconds to wait for an instance's answer (default: %(default)s)")
     parser.add_argument("--lease-renew-interval", type=float, default=5.0,
@@ -104,9 +122,18 @@ def kv_settings(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Kv
             parser.error(str(exc))
     if args.kv_block_size is not None and args.kv_block_size <= 0:
         parser.error("--kv-block-size must be positive")
+    if len(args.prefill_pool) > len(args.prefill):
+        parser.error("more --prefill-pool than --prefill instances")
+    pools = {url: name.strip() for url, name in zip(args.prefill, args.prefill_pool,
+                                                     strict=False)
+             if name.strip() not in ("", "-")}
+    if args.pool_max_blocks <= 0:
+        parser.error("--pool-max-blocks must be positive")
     return KvAwareSettings(hash_algo=args.kv_hash_algo, hash_seed=args.kv_hash_seed,
                            block_size=args.kv_block_size, load_weight=args.kv_load_weight,
-                           topic=args.kv_events_topic, events=events)
+                           topic=args.kv_events_topic, events=events,
+                           pool_shared=args.pool_shared, pools=pools,
+                           pool_medium=args.pool_medium, pool_max_blocks=args.pool_max_blocks)
 
 
 def metaserver_url(args: argparse.Namespace) -> str:
@@ -138,6 +165,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("the following arguments are required: --prefill, --decode")
     if args.prefill_events and args.policy != "kv_aware":
         parser.error("--prefill-events is for --policy kv_aware")
+    if (args.pool_shared or args.prefill_pool) and args.policy != "kv_aware":
+        parser.error("--pool-shared and --prefill-pool are for --policy kv_aware")
     if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
         parser.error("--ssl-certfile and --ssl-keyfile go together")
     logging.basicConfig(level=args.log_level.upper(),

@@ -27,6 +27,16 @@ the replay socket, asked again every few seconds): a wrong endpoint shows there 
 ``/status``.
 
 While the stream is not ``live`` the policy does not use the index (load-based routing).
+
+KV pool events: an ``AscendStoreConnector`` instance publishes, on the same stream, the
+blocks it stored in the pool and (where its backend reports them) the pool's evictions,
+as ``BlockStored`` / ``BlockRemoved`` with ``medium="cpu"`` and vLLM's own block hashes.
+Without a shared pool index they are held by the instance's own index like any medium.
+With one (``pool``: the instances share their pool), they feed that index instead, and
+every loss of knowledge above (gap, restart, garbled batch, reconnect without replay) also
+makes the pool index forget what this stream announced (:meth:`.PoolIndex.forget`): its
+removals may have been lost. ``AllBlocksCleared`` (vLLM's reset of its device cache)
+leaves the pool alone.
 """
 
 from __future__ import annotations
@@ -40,7 +50,7 @@ from typing import Any
 
 import msgspec
 
-from .prefix_index import BlockHasher, PrefixIndex, block_key
+from .prefix_index import POOL_MEDIUM, BlockHasher, PoolIndex, PrefixIndex, block_key
 
 logger = logging.getLogger(__name__)
 
@@ -118,13 +128,19 @@ class EventStream:
         on_event: called with a counter name (``batches``, ``bad_frames``, ``unknown_events``,
             ``gaps_replayed``, ``gaps_rebuilt``, ``restarts``, ``cleared``, ``drops``).
         replay_timeout_s: how long to wait for the replay socket.
+        pool: the shared index of the KV pool the instance writes to; None: its pool
+            events go to ``index`` like any medium.
+        pool_medium: the ``medium`` of the pool's events.
     """
 
     def __init__(self, name: str, where: EventsEndpoint, index: PrefixIndex,
                  hasher: BlockHasher | None = None,
                  on_event: Callable[[str], None] | None = None,
-                 replay_timeout_s: float = 2.0) -> None:
+                 replay_timeout_s: float = 2.0, pool: PoolIndex | None = None,
+                 pool_medium: str = POOL_MEDIUM) -> None:
         self.name = name
+        self.pool = pool
+        self.pool_medium = pool_medium
         self.where = where
         self.index = index
         self.hasher = hasher
@@ -224,7 +240,7 @@ class EventStream:
             logger.warning("KV events of %s: sequence went back from %d to %d: the instance "
                            "restarted; clearing its prefix index", self.name, last, seq)
             self._count("restarts")
-            self.index.clear()
+            self._lost()
             self.last_seq = last = None
         self._replayed.clear()
         if last is None and seq > 0 or last is not None and seq > last + 1:
@@ -234,7 +250,7 @@ class EventStream:
                                seq - 1)
             self.state = "replaying"
             if not self._replay(start, seq, ctx):
-                self.index.clear()
+                self._lost()
                 self._count("gaps_rebuilt")
                 logger.warning("KV events of %s: batches %d..%d not replayable; prefix "
                                "index cleared and rebuilt from live events", self.name, start,
@@ -253,7 +269,7 @@ class EventStream:
             batch = self._decode_batch.decode(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             self._count("bad_frames")
-            self.index.clear()
+            self._lost()
             logger.warning("KV events of %s: batch %d does not decode (%s); prefix index "
                            "cleared", self.name, seq, exc)
             return
@@ -265,20 +281,36 @@ class EventStream:
                 self._count("unknown_events")
                 continue
             kind = type(event).__name__
+            pool = (self.pool if self.pool is not None
+                    and getattr(event, "medium", None) == self.pool_medium else None)
             if kind == "BlockStored":
                 keys = [block_key(h) for h in event.block_hashes]
-                self._verify(event)
-                self.index.store(keys, event.medium, event.block_size)
+                if pool is not None:
+                    self._verify(event, pool)
+                    pool.store(keys, self.name, event.block_size)
+                else:
+                    self._verify(event, self.index)
+                    self.index.store(keys, event.medium, event.block_size)
             elif kind == "BlockRemoved":
-                self.index.remove([block_key(h) for h in event.block_hashes], event.medium)
+                keys = [block_key(h) for h in event.block_hashes]
+                if pool is not None:
+                    pool.remove(keys)
+                else:
+                    self.index.remove(keys, event.medium)
             elif kind == "AllBlocksCleared":
                 self._count("cleared")
                 self.index.clear()
 
-    def _verify(self, event: Any) -> None:
+    def _lost(self) -> None:
+        """Events of this stream were lost: what it told may be stale."""
+        self.index.clear()
+        if self.pool is not None:
+            self.pool.forget(self.name)
+
+    def _verify(self, event: Any, index: PrefixIndex | PoolIndex) -> None:
         """Recompute the first stored block's hash from its tokens (when the event gives
         its parent as bytes or has none): a mismatch means the proxy's hash settings are
-        not the instance's."""
+        not the instance's (``index``: the index the event feeds, disabled by it)."""
         hasher = self.hasher
         parent = event.parent_block_hash
         size = event.block_size
@@ -289,14 +321,14 @@ class EventStream:
             return
         mine = block_key(hasher.hash_block(parent, event.token_ids[:size]))
         if mine == block_key(event.block_hashes[0]):
-            self.index.hash_verified += 1
+            index.hash_verified += 1
         else:
-            if self.index.hash_mismatched == 0:
+            if index.hash_mismatched == 0:
                 logger.error("KV events of %s: a stored block's hash differs from the one "
                              "computed with --kv-hash-algo %s and its seed: align them with "
                              "the instance's --prefix-caching-hash-algo and PYTHONHASHSEED; "
                              "its prefix index is not used", self.name, hasher.algo)
-            self.index.hash_mismatched += 1
+            index.hash_mismatched += 1
 
     def _sync(self, ctx: Any) -> None:
         """On (re)connecting: fetch what the publisher sent before (at start) or while
@@ -310,7 +342,7 @@ class EventStream:
         if self.last_seq is None:
             self.state = "connecting"  # nothing heard from the publisher yet
             return
-        self.index.clear()
+        self._lost()
         self._count("gaps_rebuilt")
         self.state = "live"
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,6 +28,10 @@ _MASK = (1 << 64) - 1
 #: Algorithms whose seed is random per process unless PYTHONHASHSEED is set (vLLM's rule).
 NON_CRYPTO_ALGOS = ("xxhash", "xxhash_cbor")
 HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+#: ``medium`` of the KV pool's events (``AscendStoreConnector``, as vLLM-Ascend's).
+POOL_MEDIUM = "cpu"
+#: Blocks a shared pool index remembers at most (the oldest stored are forgotten first).
+POOL_MAX_BLOCKS = 1 << 20
 
 
 def block_key(block_hash: bytes | int) -> int:
@@ -171,4 +176,104 @@ class PrefixIndex:
         return {"blocks": len(self), "block_size": self.block_size, "stored": self.stored,
                 "removed": self.removed, "cleared": self.cleared,
                 "hash_verified": self.hash_verified, "hash_mismatched": self.hash_mismatched,
+                "block_size_mismatch": self.block_size_mismatch, "aligned": self.aligned}
+
+
+class PoolIndex:
+    """The block keys a KV pool shared by several instances holds (thread-safe).
+
+    Fed by the pool's events (``medium`` ``cpu``) on the event streams of every instance
+    attached to the pool: the instance that wrote a block announces it, the one whose
+    backend reports the eviction removes it. Each key remembers which streams announced
+    it, so that a stream that lost events (gap, restart, garbled batch) makes the index
+    :meth:`forget` what that stream told, not the others' knowledge. Bounded: Mooncake
+    Store and Memcache evict without saying so, so the index keeps the ``max_blocks``
+    most recently stored keys (a forgotten key only under-predicts).
+    """
+
+    def __init__(self, name: str, block_size: int | None = None,
+                 max_blocks: int = POOL_MAX_BLOCKS) -> None:
+        self.name = name
+        self.block_size = block_size
+        self.max_blocks = max(1, int(max_blocks))
+        self._blocks: OrderedDict[int, set[str]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.stored = 0
+        self.removed = 0
+        self.forgotten = 0
+        self.evicted = 0
+        self.hash_verified = 0
+        self.hash_mismatched = 0
+        self.block_size_mismatch: int | None = None
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def store(self, keys: Sequence[int], owner: str, block_size: int | None) -> None:
+        """``owner``'s stream announced ``keys`` stored in the pool."""
+        if block_size:
+            if self.block_size is None:
+                self.block_size = block_size
+            elif block_size != self.block_size:
+                self.block_size_mismatch = block_size
+        with self._lock:
+            for k in keys:
+                owners = self._blocks.get(k)
+                if owners is None:
+                    self._blocks[k] = {owner}
+                else:
+                    owners.add(owner)
+                    self._blocks.move_to_end(k)
+            self.stored += len(keys)
+            while len(self._blocks) > self.max_blocks:
+                self._blocks.popitem(last=False)
+                self.evicted += 1
+
+    def remove(self, keys: Sequence[int]) -> None:
+        """The pool dropped ``keys`` (whoever announced them)."""
+        with self._lock:
+            for k in keys:
+                self._blocks.pop(k, None)
+            self.removed += len(keys)
+
+    def forget(self, owner: str) -> None:
+        """Drop what ``owner``'s stream announced (its removals may have been lost)."""
+        with self._lock:
+            gone = []
+            for k, owners in self._blocks.items():
+                owners.discard(owner)
+                if not owners:
+                    gone.append(k)
+            for k in gone:
+                del self._blocks[k]
+            self.forgotten += len(gone)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._blocks.clear()
+
+    def holds(self, key: int) -> bool:
+        return key in self._blocks  # one dict lookup: atomic under the GIL
+
+    def matched(self, keys: Sequence[int]) -> int:
+        """How many leading ``keys`` are held."""
+        n = 0
+        with self._lock:
+            for k in keys:
+                if k not in self._blocks:
+                    break
+                n += 1
+        return n
+
+    @property
+    def aligned(self) -> bool:
+        """False once a pool block's hash or block size disagreed with the proxy's."""
+        return self.hash_mismatched == 0 and self.block_size_mismatch is None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "blocks": len(self), "max_blocks": self.max_blocks,
+                "block_size": self.block_size, "stored": self.stored,
+                "removed": self.removed, "forgotten": self.forgotten,
+                "evicted": self.evicted, "hash_verified": self.hash_verified,
+                "hash_mismatched": self.hash_mismatched,
                 "block_size_mismatch": self.block_size_mismatch, "aligned": self.aligned}
