@@ -25,6 +25,7 @@ prompts through the decode kernel for the last token, as D computes it.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,6 +35,7 @@ from typing import Any
 import pytest
 
 from ascend_kv_testing.engines import EngineProcess
+from ascend_kv_testing.faults import start_in_parallel
 from ascend_kv_testing.models import make_tiny_deepseek, mla_engine
 from ascend_kv_testing.pd import LAYERWISE, PROBES, Metaserver, kv_config, prefill, prompts_of
 
@@ -56,25 +58,10 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _start_all(model: Path, specs: dict[str, dict[str, Any]]) -> dict[str, EngineProcess]:
     """Start the engines side by side (each takes ~25 s on 2 cores)."""
-    engines: dict[str, EngineProcess] = {}
-    errors: list[BaseException] = []
-
-    def start(name: str, cfg: dict[str, Any]) -> None:
-        try:
-            engines[name] = EngineProcess(model, cfg, pre_import=[KEEP_PREFIX_CACHE], **ENGINE)
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=start, args=(n, c)) for n, c in specs.items()]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        for e in engines.values():
-            e.close()
-        raise errors[0]
-    return engines
+    return start_in_parallel({
+        name: functools.partial(EngineProcess, model, cfg, pre_import=[KEEP_PREFIX_CACHE],
+                                **ENGINE)
+        for name, cfg in specs.items()})
 
 
 @pytest.fixture(scope="class")

@@ -23,8 +23,9 @@ what shows the transfer right; the repeat shows D decoded from exactly those byt
 
 from __future__ import annotations
 
+import functools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -32,6 +33,7 @@ from typing import Any
 import pytest
 
 from ascend_kv_testing.engines import EngineProcess
+from ascend_kv_testing.faults import start_in_parallel
 from ascend_kv_testing.models import make_tiny_deepseek, mla_engine
 from ascend_kv_testing.pd import LAYERWISE, Metaserver, kv_config, prefill, prompts_of
 
@@ -51,27 +53,13 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def start_pair(model: Path, p_cfg: dict[str, Any], p_tp: int, d_cfg: dict[str, Any],
                d_tp: int) -> tuple[EngineProcess, EngineProcess]:
-    out: dict[str, EngineProcess] = {}
-    errors: list[BaseException] = []
+    """P and D side by side (a TP=2 engine takes a minute on 2 cores)."""
+    def engine(cfg: dict[str, Any], tp: int) -> Callable[[], EngineProcess]:
+        return functools.partial(EngineProcess, model, cfg, pre_import=[KEEP_PREFIX_CACHE],
+                                 tensor_parallel_size=tp, startup_timeout=600,
+                                 env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"}, **ENGINE)
 
-    def start(name: str, cfg: dict[str, Any], tp: int) -> None:
-        try:
-            out[name] = EngineProcess(model, cfg, pre_import=[KEEP_PREFIX_CACHE],
-                                      tensor_parallel_size=tp, startup_timeout=600,
-                                      env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"}, **ENGINE)
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=start, args=a)
-               for a in (("p", p_cfg, p_tp), ("d", d_cfg, d_tp))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        for e in out.values():
-            e.close()
-        raise errors[0]
+    out = start_in_parallel({"p": engine(p_cfg, p_tp), "d": engine(d_cfg, d_tp)})
     return out["p"], out["d"]
 
 

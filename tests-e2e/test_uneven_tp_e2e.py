@@ -17,8 +17,9 @@ bytes moved are each D rank's heads once per block and layer, nothing more.
 
 from __future__ import annotations
 
+import functools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -26,6 +27,7 @@ from typing import Any
 import pytest
 
 from ascend_kv_testing.engines import EngineProcess
+from ascend_kv_testing.faults import start_in_parallel
 from ascend_kv_testing.models import make_tiny_llama
 from ascend_kv_testing.pd import (
     LAYERWISE,
@@ -57,26 +59,11 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
 def start_pair(model: Path, p_cfg: dict[str, Any], p_tp: int, d_cfg: dict[str, Any],
                d_tp: int) -> tuple[EngineProcess, EngineProcess]:
     """P and D side by side (a TP=2 engine takes a minute on 2 cores)."""
-    out: dict[str, EngineProcess] = {}
-    errors: list[BaseException] = []
+    def engine(cfg: dict[str, Any], tp: int) -> Callable[[], EngineProcess]:
+        return functools.partial(EngineProcess, model, cfg, tensor_parallel_size=tp,
+                                 startup_timeout=600, env=NOBIND)
 
-    def start(name: str, cfg: dict[str, Any], tp: int) -> None:
-        try:
-            out[name] = EngineProcess(model, cfg, tensor_parallel_size=tp, startup_timeout=600,
-                                      env=NOBIND)
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=start, args=a)
-               for a in (("p", p_cfg, p_tp), ("d", d_cfg, d_tp))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        for e in out.values():
-            e.close()
-        raise errors[0]
+    out = start_in_parallel({"p": engine(p_cfg, p_tp), "d": engine(d_cfg, d_tp)})
     return out["p"], out["d"]
 
 
