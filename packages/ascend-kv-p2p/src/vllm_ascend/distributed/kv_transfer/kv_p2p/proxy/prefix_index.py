@@ -11,6 +11,9 @@ default seed for the sha256 algorithms when unset). vLLM is imported lazily: onl
 Keys are the low 64 bits of a hash as an unsigned big-endian integer: that is what vLLM
 publishes with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1`` (``maybe_convert_block_hash``), and
 a bytes hash from an event is reduced the same way, so either setting of the instance works.
+
+:class:`PrefixIndex` holds one instance's blocks; :class:`PoolIndex` those of a KV pool
+several instances share (fed by the pool's events on their streams).
 """
 
 from __future__ import annotations
@@ -196,7 +199,9 @@ class PoolIndex:
         self.name = name
         self.block_size = block_size
         self.max_blocks = max(1, int(max_blocks))
-        self._blocks: OrderedDict[int, set[str]] = OrderedDict()
+        #: key -> the streams that announced it, one bit each (a small int: no allocation)
+        self._blocks: OrderedDict[int, int] = OrderedDict()
+        self._bits: dict[str, int] = {}
         self._lock = threading.Lock()
         self.stored = 0
         self.removed = 0
@@ -217,13 +222,17 @@ class PoolIndex:
             elif block_size != self.block_size:
                 self.block_size_mismatch = block_size
         with self._lock:
+            bit = self._bits.get(owner)
+            if bit is None:
+                bit = self._bits[owner] = 1 << len(self._bits)
+            blocks = self._blocks
             for k in keys:
-                owners = self._blocks.get(k)
+                owners = blocks.get(k)
                 if owners is None:
-                    self._blocks[k] = {owner}
+                    blocks[k] = bit
                 else:
-                    owners.add(owner)
-                    self._blocks.move_to_end(k)
+                    blocks[k] = owners | bit
+                    blocks.move_to_end(k)
             self.stored += len(keys)
             while len(self._blocks) > self.max_blocks:
                 self._blocks.popitem(last=False)
@@ -239,13 +248,16 @@ class PoolIndex:
     def forget(self, owner: str) -> None:
         """Drop what ``owner``'s stream announced (its removals may have been lost)."""
         with self._lock:
-            gone = []
-            for k, owners in self._blocks.items():
-                owners.discard(owner)
-                if not owners:
-                    gone.append(k)
+            bit = self._bits.get(owner)
+            if bit is None:
+                return
+            blocks = self._blocks
+            shared = [k for k, owners in blocks.items() if owners & bit and owners != bit]
+            gone = [k for k, owners in blocks.items() if owners == bit]
+            for k in shared:
+                blocks[k] &= ~bit  # an existing key: its place in the order stays
             for k in gone:
-                del self._blocks[k]
+                del blocks[k]
             self.forgotten += len(gone)
 
     def clear(self) -> None:

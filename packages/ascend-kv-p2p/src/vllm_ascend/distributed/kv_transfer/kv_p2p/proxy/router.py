@@ -41,6 +41,7 @@ agree; a member's lost events make it forget what that member announced.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -160,8 +161,12 @@ class KvRouter:
         group = self.members.pop(url, None)
         if stream is not None:
             stream.stop(wait)
-            if group is not None and group in self.pools:
-                self.pools[group].forget(url)
+            pool = self.pools.get(group) if group is not None else None
+            if pool is not None and wait:
+                pool.forget(url)
+            elif pool is not None:  # O(pool size): off the event loop (admin removals)
+                threading.Thread(target=pool.forget, args=(url,), daemon=True,
+                                 name=f"pool-forget-{url}").start()
 
     def stop(self) -> None:
         for url in list(self.streams):
