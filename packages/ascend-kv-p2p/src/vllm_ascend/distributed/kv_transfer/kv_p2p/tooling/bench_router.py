@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 NAME = "router"
 POLICIES = ("round_robin", "least_loaded", "kv_aware")
 TRACE_NAME = "data/mooncake-traces/conversation_trace.jsonl"
-NUM_REQUESTS, QUICK_REQUESTS = 96, 24
+NUM_REQUESTS, QUICK_REQUESTS = 200, 24
 BLOCK_SIZE = 32
 MAX_BLOCKS = 16
 OUTPUT_LEN = 4
@@ -311,7 +311,9 @@ def start_engines(cfg: RouterConfig, logs: Path) -> tuple[list[Any], list[str]]:
                      "endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{replay}"}),
                         "--enable-prompt-tokens-details"]
                 events.append(f"tcp://127.0.0.1:{pub},tcp://127.0.0.1:{replay}")
-            servers.append(Server(name, cmd, port, logs, engine_env(cores_)))
+            # VLLM_SERVER_DEV_MODE: P's /reset_prefix_cache empties its cache between policies
+            servers.append(Server(name, cmd, port, logs,
+                                  {**engine_env(cores_), "VLLM_SERVER_DEV_MODE": "1"}))
         for s in servers:
             s.wait_ready(cfg.startup_timeout)
     except BaseException:
@@ -367,7 +369,12 @@ def run_policy(policy: str, engines: list[Any], events: list[str], cfg: RouterCo
         httpx.post(p.url + "/reset_prefix_cache", timeout=30).raise_for_status()
     proxy = start_proxy(policy, engines, events, cfg, logs)
     try:
+        from .bench_client_procs import warm_up
+
+        # the proxy's connections and D's first load; random blocks no request shares
+        warm_up(proxy.url, cfg.model, cfg.vocab, cfg.block_size * 2, seed=11)
         before = prefix_counts([_get(p.url + "/metrics") for p in engines[:2]])
+        routed_before = decisions(_get(proxy.url + "/metrics"))
         start = time.monotonic()
         ttfts, errors = send_all(proxy.url, cfg.model, cfg.prompts, cfg.output_len,
                                  cfg.concurrency)
@@ -375,7 +382,8 @@ def run_policy(policy: str, engines: list[Any], events: list[str], cfg: RouterCo
         time.sleep(1.0)  # vLLM publishes its counters with its step stats
         after = prefix_counts([_get(p.url + "/metrics") for p in engines[:2]])
         served = [p.get("served") for p in json.loads(_get(proxy.url + "/status"))["prefill"]]
-        routed = decisions(_get(proxy.url + "/metrics"))
+        routed = {k: v - routed_before.get(k, 0.0)
+                  for k, v in decisions(_get(proxy.url + "/metrics")).items()}
     finally:
         proxy.stop()
     return {"policy": policy, **hit_rate(before, after), **ttft_summary(ttfts),
@@ -530,6 +538,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_parser(parser.add_subparsers(dest="bench", required=True))
     args = parser.parse_args([NAME, *(sys.argv[1:] if argv is None else argv)])
     logging.basicConfig(level=logging.INFO)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line a request otherwise
     return int(args.func(args))
 
 
