@@ -433,8 +433,10 @@ def test_push_to_a_dead_d_stops_and_frees(pd: Any) -> None:
     p_step([pd.p], [pd.cp], {"r": PushReq("r", tgt, [0, 1], [3, 4], last=True)})
     assert time.monotonic() - start < 5.0  # one handshake timeout, not one per layer
     assert pd.p.recorder.total("p2p_failures", cause="peer_timeout") == 1
+    assert pd.p.recorder.gauge("p2p_held_requests") == 1  # vLLM has not finished it yet
     assert p_step([pd.p], [pd.cp], {}, finished={"r"}) == [{"r"}]
     assert pd.p.sender.sessions == {}
+    assert pd.p.recorder.gauge("p2p_held_requests") == 0
 
 
 def test_p_retries_until_d_knows_the_request(pd: Any) -> None:

@@ -222,6 +222,9 @@ class PushSender:
                 del links.sessions[rid]
                 if not session.closed:
                     notify.append(session)
+            held = len(links.sessions)
+        # requests whose blocks P holds for D: pushing, or finished while a push reads them
+        self.recorder.set("p2p_held_requests", held)
         for session in notify:
             # P finished the request before its prompt was pushed (aborted): D must not wait
             self._queue.put(_FailNotice(session.target, None, "the request ended on the "
