@@ -71,7 +71,14 @@ def section_router(d: dict[str, Any], images: Images) -> str:
         "in vLLM, the last prompt token is always computed (a prompt of `n` full blocks hits at "
         f"most `n - 1`). Hit tokens over prompt tokens: **{fmt(num(best.get('rate')))}** "
         f"({best.get('hit_tokens')} of {best.get('query_tokens')}). Two P's can reach it only "
-        "when every request goes to the P holding its prefix.\n\n"]
+        "when every request goes to the P holding its prefix.\n\n"
+        "**Reading it**: `kv_aware` scores each P by its cached fraction of the prompt minus "
+        f"{cfg.get('kv_load_weight')} × its requests in flight. With one request at a time "
+        "the load term never acts, so requests sharing a block all go to the P that holds it "
+        "(see `P0 / P1 served`); the TTFT gap then mixes the saved prefill with where the "
+        "work ran (which P, which core), on a machine other work shares. The policies ran on "
+        "the same engines one after the other, so compare within a round, and across rounds "
+        "for the spread.\n\n"]
     rows = _rows(d)
     if rows:
         out.append(md_table(rows, [c[0] for c in COLUMNS], [c[1] for c in COLUMNS]))
