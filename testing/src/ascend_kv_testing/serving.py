@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 import urllib.error
@@ -24,6 +25,12 @@ HOST = "127.0.0.1"
 MODEL_NAME = "tiny"
 BLOCK_SIZE = 32
 PROXY_MODULE = "vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.cli"
+#: vLLM's count of finished requests (on every engine, P's max_tokens=1 requests included).
+REQUESTS_DONE = "vllm:request_success_total"
+#: P's requests whose blocks it still holds for D (pull mode).
+HELD = "vllm:ascend_kv_p2p_held_requests"
+#: D's requests whose KV it received from P.
+LOADED = "vllm:ascend_kv_p2p_requests_loaded_total"
 
 
 class Server:
@@ -116,6 +123,24 @@ def started(make: Callable[[], Server], *, attempts: int = 3) -> Server:
     raise AssertionError("unreachable")
 
 
+def start_all(make: dict[str, Callable[[], Server]], servers: dict[str, Server]) -> None:
+    """Start several servers side by side, each through :func:`started`, into ``servers``
+    (a vLLM start is mostly single-threaded imports and loading: two cores start two at
+    once in about the time of one). If one fails, the others are stopped and it raises."""
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(len(make)) as pool:
+        futures = {k: pool.submit(started, f) for k, f in make.items()}
+        concurrent.futures.wait(futures.values())
+    failed = [f.exception() for f in futures.values() if f.exception() is not None]
+    ready = {k: f.result() for k, f in futures.items() if f.exception() is None}
+    if failed:
+        for server in ready.values():
+            server.stop()
+        raise failed[0]  # type: ignore[misc]
+    servers.update(ready)
+
+
 def proxy(name: str, logs: Path, prefill: list[str], decode: list[str], *extra: str,
           port: int | None = None, env: dict[str, str] | None = None) -> Server:
     """Start ``vllm-ascend-pd-proxy`` in front of the given instances."""
@@ -175,6 +200,51 @@ def metrics(base: str) -> dict[str, float]:
         except ValueError:
             continue
     return out
+
+
+def wait_metric(base: str, name: str, ok: Callable[[float], bool], *,
+                timeout: float = 30.0) -> float:
+    """Poll ``base/metrics`` until ``ok(value of name)`` (absent counts 0) or ``timeout``;
+    the last value (vLLM publishes connector stats with its step stats, a little late)."""
+    deadline = time.monotonic() + timeout
+    value = metrics(base).get(name, 0.0)
+    while not ok(value) and time.monotonic() < deadline:
+        time.sleep(0.25)
+        value = metrics(base).get(name, 0.0)
+    return value
+
+
+def bench_client(base: str, tokenizer: Path, work: Path, *, num_prompts: int, concurrency: int,
+                 input_len: int = 64, output_len: int = 8, seed: int = 0,
+                 extra: tuple[str, ...] = (), timeout: float = 600.0) -> dict[str, Any]:
+    """vLLM's benchmark client (``vllm bench serve``, random dataset unless ``extra`` names
+    another, e.g. ``--dataset-name prefix_repetition ...``) against ``base`` once, model
+    ``MODEL_NAME`` with ``tokenizer``'s tokenizer; the summary row of bench client
+    (``completed``, ``failed``, ``errors``, latencies)."""
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.tooling.bench_client_procs import (
+        client_cmd,
+        failed_row,
+        summarize,
+    )
+
+    work.mkdir(parents=True, exist_ok=True)
+    name = f"client-c{concurrency}-s{seed}-{len(list(work.iterdir()))}"
+    cmd = [*client_cmd(sys.executable, base, MODEL_NAME, num_prompts=num_prompts,
+                       concurrency=concurrency, input_len=input_len, output_len=output_len,
+                       seed=seed, result_dir=work, result_file=name + ".json"),
+           "--tokenizer", str(tokenizer), *extra]
+    log = work / (name + ".log")
+    with open(log, "wb") as out:
+        try:
+            rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=timeout,
+                                env=serve_env(), check=False).returncode
+        except subprocess.TimeoutExpired:
+            return failed_row(num_prompts, f"vLLM's client ran past {timeout:.0f}s")
+    result = work / (name + ".json")
+    if rc != 0 or not result.exists():
+        return failed_row(num_prompts, f"vLLM's client exited with {rc}: "
+                          + log.read_text(errors="replace")[-1200:])
+    return summarize(json.loads(result.read_text()))
 
 
 class StubInstance:
