@@ -50,7 +50,8 @@ def section_router(d: dict[str, Any], images: Images) -> str:
         f"Random-weight Llama ({spec.get('num_hidden_layers')} layers, hidden "
         f"{spec.get('hidden_size')}), {cfg.get('dtype')}, block size {cfg.get('block_size')}"
         + (" (**quick run**)" if cfg.get("quick") else "")
-        + f"; P's on cores {cores.get('prefill')}, D on {cores.get('decode')}"
+        + f"; P's on cores {' and '.join(map(str, cores.get('prefill') or []))}, D on "
+        f"{cores.get('decode')}"
         + ("" if cfg.get("pinned") else " (not pinned here)") + ".\n\n"
         f"**Workload**: {wl.get('source')}: {wl.get('requests')} requests in trace order, "
         f"{wl.get('prompt_tokens')} prompt tokens ({wl.get('prompt_len_min')} to "

@@ -284,6 +284,11 @@ def _get(url: str) -> str:
     return httpx.get(url, timeout=10).text
 
 
+def _served(proxy_url: str) -> list[int]:
+    """Requests each P served, from the proxy's ``/status``."""
+    return [int(p.get("served") or 0) for p in json.loads(_get(proxy_url + "/status"))["prefill"]]
+
+
 def start_engines(cfg: RouterConfig, logs: Path) -> tuple[list[Any], list[str]]:
     """P0, P1 (with KV events) and D; returns the servers and the P's ``--prefill-events``."""
     from vllm_ascend.distributed.kv_transfer.core.net import free_port
@@ -375,13 +380,14 @@ def run_policy(policy: str, engines: list[Any], events: list[str], cfg: RouterCo
         warm_up(proxy.url, cfg.model, cfg.vocab, cfg.block_size * 2, seed=11)
         before = prefix_counts([_get(p.url + "/metrics") for p in engines[:2]])
         routed_before = decisions(_get(proxy.url + "/metrics"))
+        served_before = _served(proxy.url)
         start = time.monotonic()
         ttfts, errors = send_all(proxy.url, cfg.model, cfg.prompts, cfg.output_len,
                                  cfg.concurrency)
         wall = time.monotonic() - start
         time.sleep(1.0)  # vLLM publishes its counters with its step stats
         after = prefix_counts([_get(p.url + "/metrics") for p in engines[:2]])
-        served = [p.get("served") for p in json.loads(_get(proxy.url + "/status"))["prefill"]]
+        served = [n - m for n, m in zip(_served(proxy.url), served_before, strict=True)]
         routed = {k: v - routed_before.get(k, 0.0)
                   for k, v in decisions(_get(proxy.url + "/metrics")).items()}
     finally:
