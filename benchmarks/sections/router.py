@@ -16,7 +16,7 @@ SOURCE = "issue 18 (bench router)"
 COLUMNS = (("round", "round"), ("policy", "policy"), ("hit_rate", "P hit rate"),
            ("of_best", "of best"), ("ttft_mean_ms", "TTFT mean ms"),
            ("ttft_p50_ms", "TTFT p50 ms"), ("ttft_p99_ms", "TTFT p99 ms"),
-           ("completed", "completed"), ("failed", "failed"), ("served", "P0 / P1 served"),
+           ("p_prefill_s", "P prefill s (both)"), ("completed", "completed"), ("failed", "failed"), ("served", "P0 / P1 served"),
            ("reasons", "routing decisions (reason: count)"))
 
 
@@ -77,7 +77,10 @@ def section_router(d: dict[str, Any], images: Images) -> str:
         f"{cfg.get('kv_load_weight')} × its requests in flight. With one request at a time "
         "the load term never acts, so requests sharing a block all go to the P that holds it "
         "(see `P0 / P1 served`); the TTFT gap then mixes the saved prefill with where the "
-        "work ran (which P, which core), on a machine other work shares. The policies ran on "
+        "work ran (which P, which core), on a machine other work shares. `P prefill s`: the "
+        "prefill seconds both P's reported over the run (vLLM's "
+        "`request_prefill_time_seconds`), the work the hits saved without the hops TTFT "
+        "also holds. The policies ran on "
         "the same engines one after the other, so compare within a round, and across rounds "
         "for the spread.\n\n"]
     rows = _rows(d)

@@ -62,6 +62,17 @@ def test_prefix_counts_and_hit_rate_from_deltas() -> None:
     assert br.hit_rate(before, before)["hit_rate"] is None
 
 
+def test_prefill_time_per_p() -> None:
+    text = ('vllm:request_prefill_time_seconds_sum{engine="0"} 1.5\n'
+            'vllm:request_prefill_time_seconds_count{engine="0"} 10.0\n'
+            'vllm:request_prefill_time_seconds_bucket{engine="0",le="1.0"} 9.0\n')
+    before = br.prefill_time([text, ""])
+    assert before == [(1.5, 10.0), (0.0, 0.0)]
+    after = [(2.5, 14.0), (0.0, 0.0)]
+    assert br.prefill_delta(before, after) == {"p_prefill_s": 1.0,
+                                               "p_prefill_mean_ms": [250.0, None]}
+
+
 def test_decisions_by_role_policy_reason() -> None:
     text = ("# TYPE vllm_ascend_pd_proxy_routing_decisions_total counter\n"
             'vllm_ascend_pd_proxy_routing_decisions_total{policy="kv_aware",reason="prefix",'

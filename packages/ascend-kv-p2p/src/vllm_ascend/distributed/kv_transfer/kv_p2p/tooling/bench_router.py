@@ -55,6 +55,7 @@ P_CORES, D_CORES = ("0", "1"), "1"
 PREFIX_HITS = "vllm:prefix_cache_hits"
 PREFIX_QUERIES = "vllm:prefix_cache_queries"
 DECISIONS = "vllm_ascend_pd_proxy_routing_decisions_total"
+PREFILL_TIME = "vllm:request_prefill_time_seconds"
 
 
 # ====================================================================== workload
@@ -158,6 +159,23 @@ def prefix_counts(texts: Sequence[str]) -> dict[str, float]:
     """P's prefix cache hits and queries (tokens), summed over the instances' ``/metrics``."""
     return {"hits": sum(counter(t, PREFIX_HITS) for t in texts),
             "queries": sum(counter(t, PREFIX_QUERIES) for t in texts)}
+
+
+def prefill_time(texts: Sequence[str]) -> list[tuple[float, float]]:
+    """Each P's prefill seconds and requests (vLLM's ``request_prefill_time_seconds``)."""
+    from .bench_client_procs import scrape
+
+    return [(scrape(t, PREFILL_TIME + "_sum"), scrape(t, PREFILL_TIME + "_count"))
+            for t in texts]
+
+
+def prefill_delta(before: Sequence[tuple[float, float]],
+                  after: Sequence[tuple[float, float]]) -> dict[str, Any]:
+    """P's prefill seconds over a run, in all and each P's mean per request (ms): the work
+    the hits saved, apart from the hops that TTFT also holds."""
+    per = [(a[0] - b[0], a[1] - b[1]) for a, b in zip(after, before, strict=True)]
+    return {"p_prefill_s": sum(s for s, _ in per),
+            "p_prefill_mean_ms": [s / n * 1000 if n > 0 else None for s, n in per]}
 
 
 def hit_rate(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
@@ -378,7 +396,8 @@ def run_policy(policy: str, engines: list[Any], events: list[str], cfg: RouterCo
 
         # the proxy's connections and D's first load; random blocks no request shares
         warm_up(proxy.url, cfg.model, cfg.vocab, cfg.block_size * 2, seed=11)
-        before = prefix_counts([_get(p.url + "/metrics") for p in engines[:2]])
+        texts = [_get(p.url + "/metrics") for p in engines[:2]]
+        before, busy_before = prefix_counts(texts), prefill_time(texts)
         routed_before = decisions(_get(proxy.url + "/metrics"))
         served_before = _served(proxy.url)
         start = time.monotonic()
@@ -386,13 +405,14 @@ def run_policy(policy: str, engines: list[Any], events: list[str], cfg: RouterCo
                                  cfg.concurrency)
         wall = time.monotonic() - start
         time.sleep(1.0)  # vLLM publishes its counters with its step stats
-        after = prefix_counts([_get(p.url + "/metrics") for p in engines[:2]])
+        texts = [_get(p.url + "/metrics") for p in engines[:2]]
+        after, busy = prefix_counts(texts), prefill_delta(busy_before, prefill_time(texts))
         served = [n - m for n, m in zip(_served(proxy.url), served_before, strict=True)]
         routed = {k: v - routed_before.get(k, 0.0)
                   for k, v in decisions(_get(proxy.url + "/metrics")).items()}
     finally:
         proxy.stop()
-    return {"policy": policy, **hit_rate(before, after), **ttft_summary(ttfts),
+    return {"policy": policy, **hit_rate(before, after), **ttft_summary(ttfts), **busy,
             "completed": len(ttfts), "failed": len(errors), "errors": sorted(set(errors))[:3],
             "served_per_p": served, "decisions": routed, "wall_s": wall}
 
