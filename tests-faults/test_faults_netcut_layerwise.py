@@ -15,6 +15,12 @@ recompute the prompt; P must stop the push, count it and free the request's bloc
 push state; D must release what it held for the push (registered staging); both must
 serve on while the link is down, and a layerwise P/D request must work again once the
 link is back.
+
+Not covered (a gap of Mooncake's TCP transport, seen with ``ss`` in P's namespace): the
+write Mooncake "dropped" is not withdrawn. Its bytes stay queued in P's kernel (the closed
+socket in FIN-WAIT-1) and land in D's blocks once the link is back, a few seconds after
+D handed those blocks back to vLLM. Here they are the same request's KV, which D
+recomputed into the same blocks, so the tokens are not affected.
 """
 
 from __future__ import annotations
@@ -38,7 +44,9 @@ HOOKS = "ascend_kv_testing.fault_hooks"
 #: bound + 0.5 s before a lease ends: 4 s leave P a window of 2.5 s after each renewal, so the
 #: write held across the cut still starts inside it and really goes out into the dead network.
 LEASE_S = 4.0
-DEADLINE_S = 10.0
+#: D's load deadline: D fails the load when P's lease lapses, well before it (a longer
+#: deadline costs nothing while that works, and keeps the cause ``peer_lost`` on a busy machine)
+DEADLINE_S = 15.0
 #: Mooncake's "no progress" bound on a stalled TCP transfer (30 s by default)
 PROGRESS_S = 1
 ENV = {"MC_TCP_PROGRESS_TIMEOUT_SEC": str(PROGRESS_S)}
@@ -91,8 +99,11 @@ def lw(net: VethPair, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict
     meta = metaserver_in(net.ns_b)
     yield {**made, "meta": meta}
     meta.close()
-    for engine in made.values():
-        engine.close()
+    closing = [threading.Thread(target=engine.close) for engine in made.values()]
+    for thread in closing:  # in parallel: each engine's shutdown takes seconds
+        thread.start()
+    for thread in closing:
+        thread.join()
 
 
 _seq = iter(range(10**6))
@@ -109,6 +120,13 @@ def totals(engine: EngineProcess) -> dict[str, float]:
 def failures(engine: EngineProcess) -> dict[str, float]:
     return {k.split("cause=")[-1]: v for k, v in totals(engine).items()
             if k.startswith("p2p_failures")}
+
+
+def held_requests(llm: Any) -> float | None:
+    """In the engine (``EngineProcess.call``): P's ``p2p_held_requests`` gauge."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return get_kv_transfer_group().recorder.gauge("p2p_held_requests")  # type: ignore[no-any-return]
 
 
 def new_failures(engine: EngineProcess, before: dict[str, float]) -> dict[str, float]:
@@ -202,6 +220,8 @@ def test_link_cut_mid_push(lw: dict[str, Any], net: VethPair, tmp_path: Path,
     freed_after = time.monotonic() - cut_at
     assert fault_report.check("deadline", freed, f"P still held the blocks {freed_after:.1f}s "
                                                  "after the cut"), freed_after
+    held = p.call(f"{__name__}:held_requests")
+    assert fault_report.check("zero", held == 0, f"P's p2p_held_requests gauge: {held}"), held
     p_causes = new_failures(p, fail_p)
     assert p_causes and set(p_causes) <= {"transfer", "lease_lapsed", "peer_timeout"}, p_causes
     assert (tmp_path / "resumed").exists()
@@ -223,10 +243,15 @@ def test_link_cut_mid_push(lw: dict[str, Any], net: VethPair, tmp_path: Path,
     assert totals(d).get("p2p_requests_loaded", 0) == loaded + 1
     empty(p, fault_report)
     empty(d, fault_report)
+    if "transfer" in p_causes:
+        write = (f"P's held write went out into the dead network and stalled until Mooncake "
+                 f"dropped it ({PROGRESS_S}s without progress)")
+    else:
+        write = "P's held write found its write window closed and never started"
     fault_report(fault="layerwise: network between P and D cut mid-push (veth link down, P's "
                        "write held at a layer boundary)",
-                 happened=f"P's write went out into the dead network and its lease renewals "
-                          f"could not reach D; D failed the load when P's write lease lapsed "
+                 happened=f"{write}; P's lease renewals could not reach D, D failed the load "
+                          f"when P's write lease lapsed "
                           f"(cause {', '.join(sorted(d_causes))}) and recomputed "
                           f"({out['took']:.1f}s); P stopped the push "
                           f"({', '.join(sorted(p_causes))}) and freed the blocks "
