@@ -31,7 +31,7 @@ def test_p2p_config_defaults_and_nested_values() -> None:
     ({"prefill": {"tp_size": True}}, "expected an integer, got True"),
     ({"prefill": {"pp_size": 2, "pp_layer_partition": [4]}}, "has 1 entries but pp_size is 2"),
     ({"decode": {"pp_size": 2}}, "decode.pp_size must be 1"),
-    ({"prefill": {"pp_size": 2}}, "prefill.pp_size must be 1"),
+    ({"prefill": {"pp_size": 2, "pp_layer_partition": "0,8"}}, "must be positive"),
     ({"protocol": "udp"}, "expected one of 'tcp', 'rdma', 'ascend', got 'udp'"),
     ({"prefill": [1, 2]}, "expected an object"),
     ({"lease_ttl_s": "soon"}, "lease_ttl_s: expected a number, got 'soon'"),
@@ -60,3 +60,8 @@ def test_layerwise_config_tls() -> None:
     assert cfg.tls_config.ssl_enable is True and cfg.tls_config.ssl_ca_certs == "/ca.pem"
     with pytest.raises(ConfigError, match="ssl_enable: expected a bool"):
         MooncakeLayerwiseConfig.from_dict({"tls_config": {"ssl_enable": "maybe"}})
+
+
+def test_a_pipeline_parallel_prefill_is_accepted_by_the_pull_connector() -> None:
+    cfg = MooncakeP2PConfig.from_dict({"prefill": {"pp_size": 2, "pp_layer_partition": "3,5"}})
+    assert cfg.prefill.pp_size == 2 and cfg.prefill.pp_layer_partition == [3, 5]

@@ -26,10 +26,15 @@ class ParallelSpec(ConfigSection):
     dp_size: int = option(1, doc="Data-parallel size of the instance.", minimum=1)
     pp_size: int = option(
         1, minimum=1,
-        doc="Pipeline-parallel size of the instance; only 1 is supported (kept for upstream "
-            "configs, a larger value is refused at start-up).")
+        doc="Pipeline-parallel size of the instance. prefill.pp_size above 1: a "
+            "pipeline-parallel P, served by MooncakeConnectorV1 (D reads each layer from the "
+            "P stage that holds it; set it on P and D alike); refused by "
+            "MooncakeLayerwiseConnector. decode.pp_size must be 1.")
     pp_layer_partition: list[int] | None = option(
-        None, doc="Layers per pipeline stage, e.g. '20,20' or [20, 20]; default: even split.")
+        None, doc="Layers per pipeline stage, e.g. '3,5' or [3, 5]: pp_size entries adding up "
+                  "to the model's layer count (the same as vLLM's VLLM_PP_LAYER_PARTITION on "
+                  "P); default: vLLM's split (even, the remainder on the stages before the "
+                  "last).")
 
     def validate(self, source: str) -> None:
         part = self.pp_layer_partition
@@ -83,12 +88,6 @@ class MooncakeP2PConfig(ConfigSection):
     num_recv_workers: int = option(4, minimum=1, doc="Threads on D that pull KV from P instances.")
 
     def validate(self, source: str) -> None:
-        if self.prefill.pp_size != 1:
-            raise ConfigError(
-                f"{source}: prefill.pp_size must be 1: D pulls every layer from P's first "
-                f"pipeline stage, so a pipeline-parallel prefill instance is not supported yet, "
-                f"got {self.prefill.pp_size}", key=f"{source}.prefill.pp_size",
-                value=self.prefill.pp_size, source=source)
         if self.decode.pp_size != 1:
             raise ConfigError(f"{source}: decode.pp_size must be 1 (pipeline parallel decode is "
                               f"not supported), got {self.decode.pp_size}",
@@ -109,3 +108,12 @@ class MooncakeLayerwiseConfig(MooncakeP2PConfig):
         30.0, minimum=0.01,
         doc="How long P's wait_for_save waits for the step's layer pushes before the engine "
             "goes on (their requests keep their blocks until the pushes end).")
+
+    def validate(self, source: str) -> None:
+        super().validate(source)
+        if self.prefill.pp_size != 1:
+            raise ConfigError(
+                f"{source}: prefill.pp_size must be 1 for MooncakeLayerwiseConnector (P pushes "
+                f"every layer from one pipeline stage; a pipeline-parallel P is served by the "
+                f"pull connector, MooncakeConnectorV1), got {self.prefill.pp_size}",
+                key=f"{source}.prefill.pp_size", value=self.prefill.pp_size, source=source)

@@ -50,6 +50,12 @@ class AgentMeta(Message):
     region_addrs: list[int]
     region_strides: list[int]
     vllm_version: str = ""
+    #: a pipeline-parallel P stage (:mod:`.pp_layout`): the instance's stages, the index of
+    #: this stage's first layer and the model's layer count (``layout`` has the stage's
+    #: layers only); ``total_num_layers`` 0: ``layout.num_layers``
+    pp_size: int = 1
+    first_layer: int = 0
+    total_num_layers: int = 0
 
 
 class Claim(Message):
@@ -233,7 +239,8 @@ def compatibility_problem(mine: AgentMeta, theirs: AgentMeta, *, expect_tp: int,
         ("dtype", a.dtype, b.dtype),
         ("block size", a.block_size, b.block_size),
         ("KV layout", a.kind, b.kind),
-        ("number of layers", a.num_layers, b.num_layers),
+        ("number of layers", mine.total_num_layers or a.num_layers,
+         theirs.total_num_layers or b.num_layers),
         ("head size", a.head_size, b.head_size),
         ("MLA", a.is_mla, b.is_mla),
         ("total KV heads", mine.total_num_kv_heads, theirs.total_num_kv_heads),

@@ -48,6 +48,7 @@ from vllm_ascend.distributed.kv_transfer.core.errors import (
 )
 
 from .errors import HandshakeMismatchError, RemoteKVUnavailable
+from .pp_layout import expand_over_stages
 from .protocol import (
     AgentMeta,
     Claim,
@@ -177,7 +178,8 @@ class PullReader:
             plan = tuple(head_slices(s.total_kv_heads, p_tp, s.tp_size, s.tp_rank,
                                      is_mla=is_mla))
             readers = head_partners(s.total_kv_heads, p_tp, s.tp_size, is_mla=is_mla)
-            cached = self._plans[key] = (plan, readers)
+            cached = self._plans[key] = expand_over_stages(  # P ranks of every stage
+                plan, readers, tp_size=p_tp, pp_size=s.cfg.prefill.pp_size)
         return cached
 
     def _pull(self, meta: RecvMeta) -> None:
@@ -567,7 +569,7 @@ class PullReader:
         remote = meta.remote
         assert remote is not None
         _plan, readers = self._head_plan(remote.tp_size)
-        for r in range(remote.tp_size):
+        for r in range(remote.tp_size * self.shared.cfg.prefill.pp_size):
             if r in readers or r % self.shared.tp_size != self.shared.tp_rank:
                 continue
             try:
@@ -582,7 +584,8 @@ class PullReader:
         returns bytes. (One call a read of the request: the fault tests hook it.)"""
         s = self.shared
         assert s.layout is not None and s.te is not None
-        return read_request(s.te, s.layout, meta, remotes, plan)
+        return read_request(s.te, s.layout, meta, remotes, plan,
+                            stages=getattr(s, "p_stages", None))
 
 
 def _moved(read: Mapping[int, AgentMeta] | None, granted: Mapping[int, AgentMeta]) -> bool:

@@ -24,6 +24,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from vllm_ascend.distributed.kv_transfer.core.auth import capability_token
+from vllm_ascend.distributed.kv_transfer.core.errors import ConfigError
 from vllm_ascend.distributed.kv_transfer.core.net import get_host_ip
 from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig
 
@@ -35,6 +36,7 @@ from .params import (
     wants_remote_decode,
     wants_remote_prefill,
 )
+from .pp_layout import expand_over_stages
 from .protocol import side_channel_port
 from .pull_claims import ClaimAhead
 from .pull_contract import MooncakeConnectorMetadata, RecvMeta, SendMeta
@@ -63,8 +65,8 @@ class PullScheduler:
         self.is_consumer = bool(kvc.is_kv_consumer)
         self.tp_size = par.tensor_parallel_size
         self.host = get_host_ip()
-        #: where each TP rank listens, as the workers published them (multi-node P)
-        self.rank_hosts: dict[int, str] = {}
+        self.pp_size = int(getattr(par, "pipeline_parallel_size", 1))
+        self._rank_hosts: dict[int, str] = {}
         self.side_port = side_channel_port(kvc.kv_port, dp_rank=par.data_parallel_rank,
                                            tp_size=par.tensor_parallel_size,
                                            pp_size=par.pipeline_parallel_size)
@@ -75,6 +77,23 @@ class PullScheduler:
                         if self.is_consumer else None)
         #: claims sent when a request is first seen (``None``: the workers claim)
         self.claims = _claim_ahead(vllm_config, cfg, engine_id) if self.is_consumer else None
+
+    @property
+    def rank_hosts(self) -> dict[int, str]:
+        """Where each TP rank listens, as the workers published them (multi-node P)."""
+        return self._rank_hosts
+
+    @rank_hosts.setter
+    def rank_hosts(self, hosts: dict[int, str]) -> None:
+        if self.pp_size > 1 and len(set(hosts.values())) > 1:
+            # the published addresses name TP ranks, not pipeline stages: D would dial a
+            # stage's rank at another stage's host
+            raise ConfigError(
+                f"a pipeline-parallel P (pipeline_parallel_size={self.pp_size}) whose ranks "
+                f"listen on several hosts ({sorted(set(hosts.values()))}) is not supported "
+                "yet: D dials every pipeline stage at P's host; run P's stages on one host",
+                key="pipeline_parallel_size", value=self.pp_size, source="parallel_config")
+        self._rank_hosts = dict(hosts)
 
     # ------------------------------------------------------------ helpers
     def _parse(self, request: Request) -> RemotePrefill | KVParamsError:
@@ -198,8 +217,9 @@ class PullScheduler:
 
 def _claim_ahead(vllm_config: VllmConfig, cfg: MooncakeP2PConfig,
                  engine_id: str) -> ClaimAhead | None:
-    """D's claims sent ahead, with the readers of each P rank the workers' head plans give
-    (``None`` when the model config cannot tell the KV heads: the workers claim)."""
+    """D's claims sent ahead, with the readers of each P rank the workers' head plans give,
+    on every pipeline stage of P (``None`` when the model config cannot tell the KV heads:
+    the workers claim)."""
     from vllm_ascend.distributed.kernels.heads import partners_per_remote_rank
 
     try:
@@ -210,6 +230,8 @@ def _claim_ahead(vllm_config: VllmConfig, cfg: MooncakeP2PConfig,
         logger.debug("no claims ahead: %s", exc)
         return None
     d_tp = vllm_config.parallel_config.tensor_parallel_size
-    return ClaimAhead(lambda p_tp: partners_per_remote_rank(heads, p_tp, d_tp, is_mla=is_mla),
-                      cfg.handshake_timeout_s, reader=f"{engine_id}/scheduler",
-                      engine_id=engine_id)
+    pp = cfg.prefill.pp_size
+    return ClaimAhead(lambda p_tp: expand_over_stages(
+        (), partners_per_remote_rank(heads, p_tp, d_tp, is_mla=is_mla), tp_size=p_tp,
+        pp_size=pp)[1], cfg.handshake_timeout_s, reader=f"{engine_id}/scheduler",
+        engine_id=engine_id)

@@ -33,34 +33,75 @@ logger = logging.getLogger(__name__)
 
 
 def read_request(te: MooncakeTransferEngine, layout: KVCacheLayout, meta: RecvMeta,
-                 remotes: Mapping[int, AgentMeta], plan: Sequence[HeadSlice]) -> int:
+                 remotes: Mapping[int, AgentMeta], plan: Sequence[HeadSlice], *,
+                 stages: Sequence[range] | None = None) -> int:
     """Read every P rank's slices of the request into the local blocks; returns bytes.
 
     Args:
         te: the transfer engine (the local cache is registered with it).
         layout: the local KV cache.
         meta: the request: local and remote block ids.
-        remotes: the metadata of every P rank to read from, by P rank.
+        remotes: the metadata of every P rank to read from, by P rank (the instance rank
+            ``pp_rank * tp_size + tp_rank`` of a pipeline-parallel P).
         plan: this rank's head slices (``remote_rank`` is the P rank).
+        stages: the layers of each of P's pipeline stages (:func:`~.pp_layout.stage_layers`);
+            ``None``: P is one stage. Each P rank is read for its stage's layers only.
     """
-    staged: dict[int, list[HeadSlice]] = {}
+    staged: dict[int, tuple[int, list[HeadSlice]]] = {}
     moved = 0
     for p_rank, remote in remotes.items():
         slices = [s for s in plan if s.remote_rank == p_rank]
-        moved += _read_direct(te, layout, meta, remote, slices, staged)
-    for i, slices in staged.items():
-        moved += _read_staged(te, layout.regions[i], i, meta, remotes, slices)
+        pairs = _region_pairs(layout, remote, p_rank, stages)
+        moved += _read_direct(te, layout, meta, remote, slices, pairs, staged)
+    for i, (j, slices) in staged.items():
+        moved += _read_staged(te, layout.regions[i], j, meta, remotes, slices)
     return moved
 
 
-def _read_direct(te: MooncakeTransferEngine, layout: KVCacheLayout, meta: RecvMeta,
-                 remote: AgentMeta, slices: list[HeadSlice],
-                 staged: dict[int, list[HeadSlice]]) -> int:
-    """Read P rank ``remote``'s contiguous slices; the others go to ``staged`` by region."""
-    local_regions = layout.regions
-    if len(remote.region_addrs) != len(local_regions):
+def _region_pairs(layout: KVCacheLayout, remote: AgentMeta, p_rank: int,
+                  stages: Sequence[range] | None) -> list[tuple[int, int]]:
+    """``(local region, P region)`` index pairs of the regions P rank ``p_rank`` holds: all
+    of them, or those of its pipeline stage's layers.
+
+    Raises:
+        HandshakeMismatchError: P's stages, or the layers of this rank's stage, are not
+            those D was configured with (``prefill.pp_size``, ``prefill.pp_layer_partition``).
+    """
+    n_local = len(layout.regions)
+    if not stages:
+        if getattr(remote, "pp_size", 1) != 1:
+            raise HandshakeMismatchError(
+                f"P runs {remote.pp_size} pipeline stages, but D was configured with "
+                "prefill.pp_size=1: set prefill.pp_size (and prefill.pp_layer_partition) on D "
+                "as P runs")
+        if len(remote.region_addrs) != n_local:
+            raise HandshakeMismatchError(
+                f"P has {len(remote.region_addrs)} KV regions, D has {n_local}")
+        return [(i, i) for i in range(n_local)]
+    s = p_rank // remote.tp_size
+    stage = stages[s]
+    held = range(remote.first_layer, remote.first_layer + remote.layout.num_layers)
+    if (remote.pp_size, remote.pp_rank, held) != (len(stages), s, stage):
         raise HandshakeMismatchError(
-            f"P has {len(remote.region_addrs)} KV regions, D has {len(local_regions)}")
+            f"P rank {remote.tp_rank} of pipeline stage {remote.pp_rank} holds layers "
+            f"[{held.start}, {held.stop}) of a P with pp_size={remote.pp_size}; D expected "
+            f"stage {s} with layers [{stage.start}, {stage.stop}) of pp_size={len(stages)}: "
+            "set prefill.pp_size and prefill.pp_layer_partition on D as P runs")
+    per_layer = n_local // layout.num_layers
+    if len(remote.region_addrs) != len(stage) * per_layer:
+        raise HandshakeMismatchError(
+            f"P has {len(remote.region_addrs)} KV regions, D has {len(stage) * per_layer} "
+            f"for layers [{stage.start}, {stage.stop})")
+    first = stage.start * per_layer
+    return [(first + j, j) for j in range(len(stage) * per_layer)]
+
+
+def _read_direct(te: MooncakeTransferEngine, layout: KVCacheLayout, meta: RecvMeta,
+                 remote: AgentMeta, slices: list[HeadSlice], pairs: list[tuple[int, int]],
+                 staged: dict[int, tuple[int, list[HeadSlice]]]) -> int:
+    """Read P rank ``remote``'s contiguous slices of the regions ``pairs`` (local, P index);
+    the others go to ``staged`` by local region, with P's index."""
+    local_regions = layout.regions
     layout.check_block_ids(meta.local_block_ids, what="local block ids")
     p_blocks = remote.layout.num_blocks
     for b in meta.remote_block_ids:
@@ -70,9 +111,10 @@ def _read_direct(te: MooncakeTransferEngine, layout: KVCacheLayout, meta: RecvMe
     local_addrs: list[int] = []
     remote_addrs: list[int] = []
     lengths: list[int] = []
-    for i, region in enumerate(local_regions):
-        r_len = remote.layout.block_lens[i]
-        r_base, r_stride = remote.region_addrs[i], remote.region_strides[i]
+    for i, j in pairs:
+        region = local_regions[i]
+        r_len = remote.layout.block_lens[j]
+        r_base, r_stride = remote.region_addrs[j], remote.region_strides[j]
         if region.head_axis is not None and any(
                 s.local_offset + s.num_heads > heads_in_block(region) for s in slices):
             # a plan of more heads than the block holds would read into the next blocks
@@ -89,7 +131,7 @@ def _read_direct(te: MooncakeTransferEngine, layout: KVCacheLayout, meta: RecvMe
                 off_l, off_r = sl.local_offset * per_head, sl.remote_offset * per_head
                 length = sl.num_heads * per_head
             else:
-                staged.setdefault(i, []).append(sl)
+                staged.setdefault(i, (j, []))[1].append(sl)
                 continue
             for lb, rb in zip(meta.local_block_ids, meta.remote_block_ids, strict=True):
                 local_addrs.append(region.base_addr + lb * region.block_stride + off_l)
@@ -102,7 +144,8 @@ def _read_direct(te: MooncakeTransferEngine, layout: KVCacheLayout, meta: RecvMe
 
 def _read_staged(te: MooncakeTransferEngine, region: KVRegion, index: int, meta: RecvMeta,
                  remotes: Mapping[int, AgentMeta], slices: list[HeadSlice]) -> int:
-    """Region ``index``'s heads that are not contiguous in a block (NPU layout): read the
+    """A region's heads that are not contiguous in a block (NPU layout; ``index``: the
+    region's index in P's ranks, those of one pipeline stage): read the
     whole P blocks into staging buffers, select each slice's heads, merge them in local
     head order and scatter the merged blocks into the local cache."""
     axis = region.head_axis

@@ -12,6 +12,11 @@ handshake) and hands each role's work to its own object:
   and how each ends, and :mod:`.pull_transfer`, the bytes of one request.
 
 What the scheduler tells the worker is :mod:`.pull_contract`.
+
+A pipeline-parallel P (``prefill.pp_size`` > 1, :mod:`.pp_layout`): each stage's workers
+register only their stage's layers (vLLM gives them no others) and say which in their
+``AgentMeta`` (``pp_size``, ``first_layer``, ``total_num_layers``); D (one stage) claims
+and reads every stage's ranks, each for its stage's layers, and sends each its ``Done``.
 """
 
 from __future__ import annotations
@@ -20,9 +25,13 @@ import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
+from vllm_ascend.distributed.kv_transfer.core.errors import ConfigError
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
 from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig
 
+from .pp_layout import stage_layers
 from .protocol import CODEC
 from .pull_contract import MooncakeConnectorMetadata
 from .pull_holder import LeaseHolder
@@ -43,7 +52,11 @@ class PullWorker(P2PWorkerBase):
         holder: P's leases and side channel (``None`` on a pure consumer).
         reader: D's pulls (``None`` on a pure producer).
         loads: D's loads in flight (``None`` on a pure producer).
+        p_stages: on D, the layers of each of P's pipeline stages (``None``: P is one stage;
+            known once the KV caches are registered).
     """
+
+    serves_pipeline_stages = True
 
     def __init__(self, vllm_config: VllmConfig, cfg: MooncakeP2PConfig, engine_id: str,
                  recorder: MetricsRecorder, *, tp_rank: int | None = None,
@@ -53,18 +66,56 @@ class PullWorker(P2PWorkerBase):
         self.holder = LeaseHolder(self) if self.is_producer else None
         self.loads = LoadTracker(recorder, cfg.load_timeout_s) if self.is_consumer else None
         self.reader = PullReader(self, self.loads) if self.loads is not None else None
+        self.p_stages: list[range] | None = None
+        pp_size = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1))
+        if pp_size != 1 and cfg.prefill.pp_size != pp_size:
+            raise ConfigError(
+                f"PullWorker: this P runs pipeline_parallel_size={pp_size} but "
+                f"kv_connector_extra_config says prefill.pp_size={cfg.prefill.pp_size}; set "
+                "prefill.pp_size (and prefill.pp_layer_partition, if any) on P and D as P runs",
+                key="prefill.pp_size", value=cfg.prefill.pp_size, source="kv_connector_extra_config")
+        #: the model's layer count, where vLLM's config tells it (a P stage checks its layers)
+        self._model_layers = _model_layers(vllm_config)
 
     # ================================================================ set-up
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         """Describe the cache, register it with the transfer engine, start the side channel."""
         self._register_kv_memory(kv_caches)
-        assert self.layout is not None
+        assert self.layout is not None and self.meta is not None
+        spec = self.cfg.prefill
+        if self.is_consumer and spec.pp_size > 1:
+            self.p_stages = stage_layers(self.layout.num_layers, spec.pp_size,
+                                         spec.pp_layer_partition)
+        if self.is_producer and spec.pp_size > 1:
+            self._publish_stage()
         if self.holder is not None:
             self.holder.serve()
             assert self.holder.server is not None
             logger.info("P side channel on %s (engine %s, %d layers, %d blocks)",
                         self.holder.server.endpoint, self.engine_id, self.layout.num_layers,
                         self.layout.num_blocks)
+
+    def _publish_stage(self) -> None:
+        """A P stage: check that its layers are its stage's, and say which in its meta."""
+        assert self.layout is not None and self.meta is not None
+        spec = self.cfg.prefill
+        total = self._model_layers or sum(spec.pp_layer_partition or ())
+        if not total:
+            raise ConfigError(
+                "PullWorker: the model's layer count is unknown; set "
+                "prefill.pp_layer_partition", key="prefill.pp_layer_partition", value=None,
+                source="kv_connector_extra_config")
+        stage = stage_layers(total, spec.pp_size, spec.pp_layer_partition)[self.pp_rank]
+        held = [layer.index for layer in self.layout.layers]
+        if held != list(stage):
+            raise ConfigError(
+                f"PullWorker: pipeline stage {self.pp_rank} holds layers {held} but "
+                f"prefill.pp_layer_partition={spec.pp_layer_partition} gives it "
+                f"[{stage.start}, {stage.stop}); set it as vLLM splits the model "
+                "(VLLM_PP_LAYER_PARTITION)", key="prefill.pp_layer_partition",
+                value=spec.pp_layer_partition, source="kv_connector_extra_config")
+        self.meta = msgspec.structs.replace(self.meta, pp_size=spec.pp_size,
+                                            first_layer=stage.start, total_num_layers=total)
 
     def shutdown(self) -> None:
         """Stop serving, stop pulling, release the registered KV memory."""
@@ -124,3 +175,10 @@ class PullWorker(P2PWorkerBase):
     def overlap_claims(self, value: bool) -> None:
         assert self.reader is not None, "only a kv_consumer pulls"
         self.reader.overlap_claims = value
+
+
+def _model_layers(vllm_config: Any) -> int:
+    """The model's hidden layer count from vLLM's config; 0 where it does not say."""
+    hf = getattr(getattr(vllm_config, "model_config", None), "hf_text_config", None)
+    value = getattr(hf, "num_hidden_layers", None)
+    return value if isinstance(value, int) else 0

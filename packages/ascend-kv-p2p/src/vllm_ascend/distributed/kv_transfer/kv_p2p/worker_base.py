@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from vllm_ascend.distributed.kernels import KernelShapeError
 from vllm_ascend.distributed.kernels.heads import (
@@ -63,6 +63,9 @@ class P2PWorkerBase:
         pp_rank: this worker's PP rank (default: likewise).
     """
 
+    #: whether a pure kv_producer of this worker may be one stage of a pipeline-parallel P
+    serves_pipeline_stages: ClassVar[bool] = False
+
     def __init__(self, vllm_config: VllmConfig, cfg: MooncakeP2PConfig, engine_id: str,
                  recorder: MetricsRecorder, *, codec: Codec[Message], tp_rank: int | None = None,
                  pp_rank: int | None = None) -> None:
@@ -82,13 +85,16 @@ class P2PWorkerBase:
         self.total_kv_heads = 1 if self.is_mla else int(
             vllm_config.model_config.get_total_num_kv_heads())
         self.tp_size = par.tensor_parallel_size
-        if int(getattr(par, "pipeline_parallel_size", 1)) != 1:
+        pp_size = int(getattr(par, "pipeline_parallel_size", 1))
+        if pp_size != 1 and not (self.serves_pipeline_stages and self.is_producer
+                                 and not self.is_consumer):
+            where = ("on a kv_consumer or kv_both instance: D runs one pipeline stage"
+                     if self.serves_pipeline_stages else "by this connector")
             raise ConfigError(
-                f"{type(self).__name__}: pipeline_parallel_size="
-                f"{par.pipeline_parallel_size} is not supported yet (D pulls every layer from "
-                "P's first pipeline stage); run P/D instances with pipeline_parallel_size 1",
-                key="pipeline_parallel_size", value=par.pipeline_parallel_size,
-                source="parallel_config")
+                f"{type(self).__name__}: pipeline_parallel_size={pp_size} is not supported "
+                f"{where}; run it with pipeline_parallel_size 1 (a pipeline-parallel P is "
+                "served by MooncakeConnectorV1)",
+                key="pipeline_parallel_size", value=pp_size, source="parallel_config")
         refuse_unsupported_shapes(vllm_config, None, type(self).__name__)
         if tp_rank is None or pp_rank is None:
             ranks = rank_info_from_vllm(par)
