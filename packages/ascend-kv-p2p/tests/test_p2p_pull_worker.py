@@ -422,11 +422,11 @@ def test_a_read_in_flight_at_the_deadline_keeps_the_blocks_until_it_returns(pd: 
         wait_sent([pd.p], "r")  # D's Done gave P its blocks back
         # a load whose deadline passed while its pull waited for a thread never reads
         release.clear()
-        d.reader._pool.submit(time.sleep, 1.5)  # the only pull thread is busy past the deadline
+        d.reader._pool.submit(time.sleep, 1.0)  # the only pull thread is busy past the deadline
         pd.p.start_load_kv(MooncakeConnectorMetadata(requests_to_send={"q": SendMeta("q", [3])}))
         load("queued", "q", 3, 4)
         assert wait_recv(d, "queued") == {4}
-        time.sleep(2.0)
+        time.sleep(1.5)  # the thread is free (1 s) and the late pull has run
         assert reads == ["slow"]
         wait_sent([pd.p], "q")  # the late pull released P's blocks without reading
     finally:
