@@ -163,15 +163,19 @@ for _dist in PACKAGES:
 #: Engine tests with tensor-parallel engines (a TP=2 engine is three processes and starts in
 #: about a minute on 2 cores): their own session, ``nox -s e2e-tp``, outside the default set.
 E2E_TP = ("test_uneven_tp_e2e.py", "test_mla_tp_e2e.py")
+#: 2 P + 2 D ``vllm serve`` behind the proxy, layerwise, failover and vLLM's benchmark client
+#: at concurrency 8 and 16 (several minutes): ``nox -s e2e-fleet``, outside the default set.
+E2E_FLEET = ("test_p2p_fleet_e2e.py",)
 
 
 @nox.session(python=PYTHON)
 def e2e(session: nox.Session) -> None:
     """End-to-end tests (tests-e2e/): real vLLM CPU engines, real Mooncake, every package
-    (the TP=2 variants: ``nox -s e2e-tp``)."""
+    (the TP=2 variants: ``nox -s e2e-tp``; the 2P+2D fleet: ``nox -s e2e-fleet``)."""
     install_everything(session)
     run_pytest(session, str(ROOT / "tests-e2e"),
-               *[f"--ignore={ROOT / 'tests-e2e' / f}" for f in E2E_TP], timeout=900)
+               *[f"--ignore={ROOT / 'tests-e2e' / f}" for f in (*E2E_TP, *E2E_FLEET)],
+               timeout=900)
 
 
 @nox.session(name="e2e-tp", python=PYTHON)
@@ -180,6 +184,16 @@ def e2e_tp(session: nox.Session) -> None:
     D at different TP sizes, MHA/GQA, replicated heads and MLA; about 10 minutes on 2 cores."""
     install_everything(session)
     run_pytest(session, *[str(ROOT / "tests-e2e" / f) for f in E2E_TP], timeout=1800)
+
+
+@nox.session(name="e2e-fleet", python=PYTHON)
+def e2e_fleet(session: nox.Session) -> None:
+    """2 P + 2 D real ``vllm serve`` behind the proxy (tests-e2e/test_p2p_fleet_e2e.py):
+    layerwise and pull, the load spread over all four, a P and a D SIGKILLed under load and
+    taken back after restart, vLLM's benchmark client at concurrency 8 and 16 (random and
+    prefix_repetition): nothing fails, no block stays held."""
+    install_everything(session)
+    run_pytest(session, *[str(ROOT / "tests-e2e" / f) for f in E2E_FLEET], timeout=1800)
 
 
 def install_everything(session: nox.Session) -> None:

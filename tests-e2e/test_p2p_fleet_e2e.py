@@ -1,0 +1,307 @@
+# SPDX-License-Identifier: Apache-2.0
+"""2 P and 2 D ``vllm serve`` instances behind ``vllm-ascend-pd-proxy``, all real: the fleet
+runs of issue 18, outside the default e2e session (``nox -s e2e-fleet``, several minutes).
+
+* Layerwise (``--mode layerwise``): completions equal a single instance's and the load
+  spreads over all four instances.
+* Pull mode, P's lease short (3 s):
+  * vLLM's benchmark client at concurrency 8 and 16, random and ``prefix_repetition``
+    datasets: nothing fails, and no block is left held on either P;
+  * one P SIGKILLed while requests stream in: every request ends (200 through the other P,
+    or a clear HTTP error, never a hang), new requests go to the other P, and the restarted
+    P (same port) is taken back after the proxy's health check and gets requests again;
+  * one D SIGKILLed (paused first, so requests are in flight on it): the same, and P holds
+    no block afterwards (D's Done or, for what D never claimed, the lease freed them).
+
+The two fleets run one after the other (class-scoped fixtures), four engines at most.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import random
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ascend_kv_testing.models import make_tiny_llama, make_tokenizer
+from ascend_kv_testing.pd import LAYERWISE, kv_config
+from ascend_kv_testing.serving import (
+    HELD,
+    LOADED,
+    MODEL_NAME,
+    REQUESTS_DONE,
+    Server,
+    bench_client,
+    http,
+    metrics,
+    proxy,
+    start_all,
+    started,
+    vllm_serve,
+    wait_metric,
+)
+
+TEXT = ("the quick brown fox jumps over the lazy dog while the small cat sleeps near the warm "
+        "fire and the old man reads a long book about ships sailing far across the cold "
+        "northern sea in the winter of a year nobody remembers any more")
+WORDS = TEXT.split(" ")
+ENGINES = ("p0", "p1", "d0", "d1")
+#: P's lease on a request's blocks (pull mode): short, so a lapsed lease shows quickly.
+LEASE_TTL_S = 3.0
+
+
+def prompt(i: int, words: int = 60) -> str:
+    """A distinct prompt of about ``words`` tokens (two blocks and a bit)."""
+    rng = random.Random(i)
+    return f"request {i}: " + " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("fleet-model")
+    make_tokenizer(path)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    return make_tiny_llama(path, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
+                           eos_token_id=tok.eos_token_id)
+
+
+def fleet(model: Path, logs: Path, kv: Callable[[str, str], dict[str, Any]],
+          proxy_args: tuple[str, ...], p_args: tuple[str, ...] = ()) -> Iterator[dict[str, Server]]:
+    servers: dict[str, Server] = {}
+    make: dict[str, Callable[[], Server]] = {}
+    for i in range(2):
+        make[f"p{i}"] = lambda i=i: vllm_serve(f"prefill{i}", model, logs,  # type: ignore[misc]
+                                               kv("kv_producer", f"fleet-p{i}"), *p_args)
+        make[f"d{i}"] = lambda i=i: vllm_serve(f"decode{i}", model, logs,  # type: ignore[misc]
+                                               kv("kv_consumer", f"fleet-d{i}"))
+    try:
+        start_all(make, servers)
+        servers["proxy"] = started(lambda: proxy(
+            "proxy", logs, [servers["p0"].url, servers["p1"].url],
+            [servers["d0"].url, servers["d1"].url], *proxy_args))
+        yield servers
+    finally:
+        for s in reversed(list(servers.values())):
+            s.stop()
+
+
+def complete(base: str, text: str, timeout: float = 180.0) -> tuple[int, Any]:
+    return http(base + "/v1/completions", {
+        "model": MODEL_NAME, "prompt": text, "max_tokens": 8, "temperature": 0.0,
+        "ignore_eos": True, "return_token_ids": True}, timeout=timeout)
+
+
+def tokens(base: str, text: str) -> list[int]:
+    status, out = complete(base, text)
+    assert status == 200, out
+    return list(out["choices"][0]["token_ids"])
+
+
+def reference(d: Server, texts: list[str]) -> list[list[int]]:
+    """Single-instance tokens (D without kv params is a plain engine), then a clean cache."""
+    want = [tokens(d.url, t) for t in texts]
+    assert http(d.url + "/reset_prefix_cache", {})[0] == 200
+    return want
+
+
+def status(base: str) -> dict[str, Any]:
+    code, out = http(base + "/status")
+    assert code == 200, out
+    return dict(out)
+
+
+def served_counts(base: str) -> dict[str, int]:
+    """The proxy's count of requests each instance answered (p0, p1, d0, d1)."""
+    out = status(base)
+    return {f"{role[0]}{i}": int(inst["served"])
+            for role in ("prefill", "decode") for i, inst in enumerate(out[role])}
+
+
+def healthy(base: str, key: str) -> bool:
+    role = "prefill" if key[0] == "p" else "decode"
+    return bool(status(base)[role][int(key[1])]["healthy"])
+
+
+def wait_healthy(base: str, key: str, want: bool, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while healthy(base, key) != want:
+        assert time.monotonic() < deadline, status(base)
+        time.sleep(0.25)
+
+
+def spread_equals_single(servers: dict[str, Server], n: int = 8) -> None:
+    """``n`` distinct prompts through the proxy (4 at a time): the single instance's tokens,
+    and every instance took a share (the proxy's counts and the engines' own)."""
+    router = servers["proxy"]
+    texts = [prompt(100 + i) for i in range(n)]
+    want = reference(servers["d0"], texts)
+    served0 = served_counts(router.url)
+    done0 = {k: metrics(servers[k].url).get(REQUESTS_DONE, 0.0) for k in ENGINES}
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda t: tokens(router.url, t), texts))
+    assert got == want
+    served = {k: v - served0[k] for k, v in served_counts(router.url).items()}
+    assert served["p0"] + served["p1"] == n and served["d0"] + served["d1"] == n, served
+    assert min(served.values()) >= 1, served
+    for k in ENGINES:
+        done = wait_metric(servers[k].url, REQUESTS_DONE,
+                           lambda v, k=k: v >= done0[k] + served[k])  # type: ignore[misc]
+        assert done == done0[k] + served[k], (k, done, done0[k], served)
+
+
+def nothing_held(servers: dict[str, Server], timeout: float = 30.0,
+                 keys: tuple[str, ...] = ("p0", "p1")) -> None:
+    """No P holds a block for D any more (P's held-requests gauge is 0)."""
+    for k in keys:
+        held = wait_metric(servers[k].url, HELD, lambda v: v == 0, timeout=timeout)
+        assert held == 0, (k, held, metrics(servers[k].url))
+
+
+class TestLayerwise:
+    @pytest.fixture(scope="class")
+    def servers(self, model: Path, tmp_path_factory: pytest.TempPathFactory
+                ) -> Iterator[dict[str, Server]]:
+        def kv(role: str, engine_id: str) -> dict[str, Any]:
+            return kv_config(role, engine_id, connector=LAYERWISE, load_timeout_s=60,
+                             prefill={"tp_size": 1}, decode={"tp_size": 1})
+
+        yield from fleet(model, tmp_path_factory.mktemp("fleet-lw-logs"), kv,
+                         ("--mode", "layerwise"), ("--max-num-batched-tokens", "64"))
+
+    def test_layerwise_spread_equals_single_instance(self, servers: dict[str, Server]) -> None:
+        loaded0 = sum(metrics(servers[k].url).get(LOADED, 0.0) for k in ("d0", "d1"))
+        spread_equals_single(servers)
+        out = status(servers["proxy"].url)
+        assert out["prefill_failures"] == 0, out
+        loaded = sum(metrics(servers[k].url).get(LOADED, 0.0) for k in ("d0", "d1"))
+        assert loaded - loaded0 == 8  # every request's layers were pushed into D
+
+
+class TestPull:
+    @pytest.fixture(scope="class")
+    def servers(self, model: Path, tmp_path_factory: pytest.TempPathFactory
+                ) -> Iterator[dict[str, Server]]:
+        def kv(role: str, engine_id: str) -> dict[str, Any]:
+            return kv_config(role, engine_id, lease_ttl_s=LEASE_TTL_S)
+
+        yield from fleet(model, tmp_path_factory.mktemp("fleet-pull-logs"), kv,
+                         ("--policy", "least_loaded"))
+
+    def test_pull_spread_equals_single_instance(self, servers: dict[str, Server]) -> None:
+        spread_equals_single(servers)
+
+    @pytest.mark.parametrize("concurrency", [8, 16])
+    @pytest.mark.parametrize("dataset", ["random", "prefix_repetition"])
+    def test_vllm_bench_client(self, servers: dict[str, Server], model: Path, tmp_path: Path,
+                               dataset: str, concurrency: int) -> None:
+        extra: tuple[str, ...] = ()
+        if dataset == "prefix_repetition":  # 4 prefixes of 2 blocks, each shared by a few
+            extra = ("--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len",
+                     "64", "--prefix-repetition-suffix-len", "32",
+                     "--prefix-repetition-num-prefixes", "4",
+                     "--prefix-repetition-output-len", "8")
+        n = 2 * concurrency
+        row = bench_client(servers["proxy"].url, model, tmp_path, num_prompts=n,
+                           concurrency=concurrency, input_len=64, output_len=8, seed=5,
+                           extra=extra)
+        assert row["failed"] == 0 and row["completed"] == n, row
+        nothing_held(servers)
+        assert status(servers["proxy"].url)["fallbacks"] == 0
+
+    def load_while(self, servers: dict[str, Server], victim: str, act: Callable[[], None],
+                   seed: int) -> list[tuple[int, Any, float]]:
+        """Requests from 4 threads, 24 in all, while ``act`` runs after the 4th answer; each
+        request's (status, answer, seconds)."""
+        router = servers["proxy"]
+        texts = [prompt(seed + i, words=40) for i in range(24)]
+        want = reference(servers["d0" if victim != "d0" else "d1"], texts)
+        answered: list[int] = []
+
+        def one(i: int) -> tuple[int, Any, float]:
+            start = time.monotonic()
+            code, out = complete(router.url, texts[i])
+            answered.append(i)
+            if code == 200:
+                assert list(out["choices"][0]["token_ids"]) == want[i], (i, out)
+            return code, out, time.monotonic() - start
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(one, i) for i in range(24)]
+            while len(answered) < 4:
+                time.sleep(0.05)
+            act()
+            # every request ends: answered or failed, none hangs
+            done, pending = concurrent.futures.wait(futures, timeout=240)
+            assert not pending, f"{len(pending)} requests still open"
+        return [f.result() for f in futures]
+
+    def assert_clear(self, results: list[tuple[int, Any, float]]) -> None:
+        for code, out, _ in results:
+            if code != 200:  # a failed request says why
+                assert code >= 400 and "error" in str(out).lower(), (code, out)
+
+    def test_p_killed_while_requests_stream(self, servers: dict[str, Server]) -> None:
+        router, p1 = servers["proxy"], servers["p1"]
+        results = self.load_while(servers, "p1", p1.kill, seed=300)
+        self.assert_clear(results)
+        ok = sum(1 for code, _, _ in results if code == 200)
+        assert ok >= len(results) - 4, results  # at most the in-flight ones fail
+        wait_healthy(router.url, "p1", False)
+        before = served_counts(router.url)
+        for i in range(4):  # new requests go to the other P
+            assert complete(router.url, prompt(400 + i, words=20))[0] == 200
+        after = served_counts(router.url)
+        assert after["p1"] == before["p1"] and after["p0"] == before["p0"] + 4, after
+        nothing_held(servers, keys=("p0",))
+
+        started(lambda: p1.restart())  # same port: taken back after its health check
+        wait_healthy(router.url, "p1", True)
+        before = served_counts(router.url)
+        for i in range(4):
+            assert complete(router.url, prompt(500 + i, words=20))[0] == 200
+        after = served_counts(router.url)
+        assert after["p1"] > before["p1"], after
+        nothing_held(servers)
+
+    def test_d_killed_while_requests_stream(self, servers: dict[str, Server]) -> None:
+        router, d1 = servers["proxy"], servers["d1"]
+        expired0 = sum(metrics(servers[k].url).get("vllm:ascend_kv_p2p_expired_leases_total",
+                                                   0.0) for k in ("p0", "p1"))
+
+        def pause_then_kill() -> None:  # requests pile up on the paused D, then it dies
+            os.killpg(d1.proc.pid, signal.SIGSTOP)
+            time.sleep(2.0)
+            d1.kill()
+
+        results = self.load_while(servers, "d1", pause_then_kill, seed=600)
+        self.assert_clear(results)
+        ok = sum(1 for code, _, _ in results if code == 200)
+        assert ok >= len(results) - 4, results
+        wait_healthy(router.url, "d1", False)
+        before = served_counts(router.url)
+        for i in range(4):  # new requests go to the other D
+            assert complete(router.url, prompt(700 + i, words=20))[0] == 200
+        after = served_counts(router.url)
+        assert after["d1"] == before["d1"] and after["d0"] == before["d0"] + 4, after
+        # what P held for the dead D is freed: D's Done, or the lease lapsing
+        nothing_held(servers, timeout=LEASE_TTL_S + 30)
+        expired = sum(metrics(servers[k].url).get("vllm:ascend_kv_p2p_expired_leases_total",
+                                                   0.0) for k in ("p0", "p1")) - expired0
+        print(f"leases expired after the D kill: {expired:.0f}")
+
+        started(lambda: d1.restart())
+        wait_healthy(router.url, "d1", True)
+        before = served_counts(router.url)
+        for i in range(4):
+            assert complete(router.url, prompt(800 + i, words=20))[0] == 200
+        after = served_counts(router.url)
+        assert after["d1"] > before["d1"], after
+        nothing_held(servers)
