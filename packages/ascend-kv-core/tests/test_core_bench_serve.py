@@ -1,10 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``bench serve``: prompts, scenario selection and skips, summaries, the engine process."""
+"""``bench serve``: prompts, scenario selection and skips, summaries (its engine processes:
+``test_core_serve_engines.py``)."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -13,7 +13,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ascend_kv_testing.requires import require
 from vllm_ascend.distributed.kv_transfer.core.tooling import bench_serve as bs
 from vllm_ascend.distributed.kv_transfer.core.tooling import serve_scenarios
 from vllm_ascend.distributed.kv_transfer.core.tooling.cli import main
@@ -213,44 +212,6 @@ def test_failed_d_requests_are_reported(tmp_path: Path) -> None:
                "pd/ours": _pd([64], 0.2, [None])}
     s = bs.summarize(results, _cfg(tmp_path))["pd/ours"]
     assert s["failed"] == [64] and not s["tokens_equal"]
-
-
-# ---------------------------------------------------------------------- engine process
-@pytest.mark.vllm
-def test_engine_that_cannot_start_reports_its_error(tmp_path: Path) -> None:
-    require("vllm")
-    with pytest.raises(bs.EngineError) as info:
-        bs.EngineChild({"model": str(tmp_path / "no-such-model"), "skip_tokenizer_init": True},
-                       log=tmp_path / "engine.log", timeout=240)
-    assert "no-such-model" in str(info.value) or "Error" in str(info.value)
-
-
-@pytest.mark.vllm
-@pytest.mark.slow
-def test_serve_example_connector_against_the_baseline(tmp_path: Path,
-                                                      capsys: pytest.CaptureFixture[str]
-                                                      ) -> None:
-    """Two real engines: no connector, and vLLM's ExampleConnector (which misses k*block+1)."""
-    require("vllm")
-    require("transformers", why="to make the model")
-    out = tmp_path / "out"
-    rc = main(["bench", "serve", "--quick", "--only", "pool/vllm-example", "--out", str(out),
-               "--model-dir", str(tmp_path / "model"), "--throughput-tokens", "2"])
-    assert rc == 0
-    doc = json.loads((out / "serve.json").read_text())
-    assert doc["benchmark"] == "serve"
-    sc = doc["scenarios"]
-    assert sc["baseline"]["status"] == "ok" and sc["pool/vllm-example"]["status"] == "ok"
-    assert "pd/ours" not in sc and sc["peer/LMCacheConnectorV1"]["status"] == "unsupported"
-    ex = doc["summary"]["pool/vllm-example"]
-    assert ex["tokens_equal"] is True
-    assert ex["missed"] == [doc["config"]["lengths"][1]]  # k*block + 1
-    cached = {int(k): v for k, v in ex["cached"].items()}
-    full, plus_one, half = doc["config"]["lengths"]
-    assert cached[full] > 0 and cached[half] > 0 and cached[plus_one] == 0
-    assert doc["summary"]["baseline"]["throughput_over_baseline"] == 1.0
-    assert "pool/vllm-example" in capsys.readouterr().out
-    assert (out / "serve-logs" / "baseline.log").exists()
 
 
 def test_ratios_use_the_reference_measured_next_to_the_scenario(tmp_path: Path) -> None:

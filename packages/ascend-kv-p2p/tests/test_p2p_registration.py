@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import importlib
+import sys
 import tomllib
 from pathlib import Path
 
+from ascend_kv_testing.procs import start_in_background
 from vllm_ascend.distributed.kv_transfer import kv_p2p
 from vllm_ascend.distributed.kv_transfer.kv_p2p import plugin
 
@@ -52,22 +54,23 @@ def test_the_plugin_entry_point_is_not_an_upstream_path() -> None:
     assert value.partition(":")[0] not in UPSTREAM_PATHS
 
 
+#: A fresh interpreter importing the three connectors (vLLM with them: the slowest check of
+#: this session), started when this module is collected: it runs on a free core meanwhile.
+_FRESH_IMPORT = start_in_background([sys.executable, "-c", (
+    "import sys\n"
+    "for m in ('pull_connector', 'layerwise_connector', 'multi_connector', 'plugin'):\n"
+    "    __import__('vllm_ascend.distributed.kv_transfer.kv_p2p.' + m)\n"
+    "print('\\n'.join(m for m in sys.modules if m.startswith('vllm_ascend')))")], timeout=300)
+
+
 def test_runtime_imports_avoid_upstream_paths() -> None:
     """A fresh import of the three connectors loads no file vLLM-Ascend's wheel also ships
     (but the package ``__init__`` Python runs on the way, harmless in vLLM-Ascend's copy)."""
-    import subprocess
-    import sys
-
     packages = {  # upstream packages: nothing under them either
         "vllm_ascend.distributed.parallel_state", "vllm_ascend.distributed.utils",
         "vllm_ascend.distributed.device_communicators",
         "vllm_ascend.distributed.kv_transfer.utils"}
-    code = ("import sys\n"
-            "for m in ('pull_connector', 'layerwise_connector', 'multi_connector', 'plugin'):\n"
-            "    __import__('vllm_ascend.distributed.kv_transfer.kv_p2p.' + m)\n"
-            "print('\\n'.join(m for m in sys.modules if m.startswith('vllm_ascend')))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=300)
+    proc = _FRESH_IMPORT.result()
     assert proc.returncode == 0, proc.stderr[-2000:]
     loaded = set(proc.stdout.split())
     bad = {m for m in loaded if m in UPSTREAM_PATHS or m in packages

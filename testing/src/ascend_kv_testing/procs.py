@@ -9,8 +9,16 @@ torch's own.
 
 from __future__ import annotations
 
+import atexit
 import subprocess
+import tempfile
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -45,3 +53,68 @@ def spawn(cmd: list[str], *, log: Path | None = None,
     from vllm_ascend.distributed.kv_transfer.core.tooling.procs import spawn as impl
 
     return impl(cmd, log=log, env=env)
+
+
+class Background:
+    """A command started at once in the background, its result read when a test needs it.
+
+    A test module starts a slow, self-contained check (a fresh interpreter importing vLLM)
+    when it is collected, so the check runs on a free core while the tests before it do; the
+    test then asserts on :meth:`result` exactly as on ``subprocess.run``. A process still
+    running when the interpreter exits (its test deselected or never reached) is killed.
+    """
+
+    def __init__(self, cmd: list[str], *, timeout: float = 300.0,
+                 cwd: str | Path | None = None) -> None:
+        self.cmd, self.timeout = cmd, timeout
+        # files, not pipes: nobody reads while it runs, and a full pipe would block it
+        self._out = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (closed by result())
+        self._err = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115
+        self._proc = subprocess.Popen(cmd, stdout=self._out, stderr=self._err, text=True,
+                                      cwd=cwd)
+        self._result: subprocess.CompletedProcess[str] | None = None
+        atexit.register(self._kill)
+
+    def result(self) -> subprocess.CompletedProcess[str]:
+        """Wait for the command (``timeout`` seconds from now at most) and return what
+        ``subprocess.run(cmd, capture_output=True, text=True)`` would have."""
+        if self._result is None:
+            try:
+                rc = self._proc.wait(self.timeout)
+            except subprocess.TimeoutExpired:
+                self._kill()
+                raise
+            self._out.seek(0)
+            self._err.seek(0)
+            self._result = subprocess.CompletedProcess(self.cmd, rc, self._out.read(),
+                                                       self._err.read())
+            self._out.close()
+            self._err.close()
+        return self._result
+
+    def _kill(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+
+
+def start_in_background(cmd: list[str], *, timeout: float = 300.0,
+                        cwd: str | Path | None = None) -> Background:
+    """Start ``cmd`` now (see :class:`Background`); ``.result()`` waits for it."""
+    return Background(cmd, timeout=timeout, cwd=cwd)
+
+
+def call_in_background(fn: Callable[..., T], *args: Any) -> Future[T]:
+    """``fn(*args)`` in a daemon thread started now (a slow check whose work happens in a
+    child process, such as an engine start); the future holds its result or exception."""
+    future: Future[T] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:  # handed to whoever reads the result
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name=f"background-{getattr(fn, '__name__', 'call')}",
+                     daemon=True).start()
+    return future
