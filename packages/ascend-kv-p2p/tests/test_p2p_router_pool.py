@@ -226,6 +226,14 @@ def test_lost_events_make_the_pool_forget_that_streams_blocks() -> None:
     assert wait_for(lambda: len(pool) == 0, 5)  # (forgotten off the caller's thread)
 
 
+def test_a_re_added_instance_forgets_at_once() -> None:
+    r = fed_router(pool_shared=True)
+    r.streams[A].handle(Frames()(pool_stored(0)))
+    r.streams[B].handle(Frames()(pool_stored(1)))
+    r.add(A, None)  # before its new stream could re-announce anything
+    assert len(r.pools[SHARED_POOL]) == 1 and r.members[A] == SHARED_POOL
+
+
 def test_pool_hash_mismatch_disables_the_pool_only() -> None:
     r = KvRouter(KvAwareSettings(pool_shared=True, hash_seed="not-the-instances"))
     r.add(A, None)

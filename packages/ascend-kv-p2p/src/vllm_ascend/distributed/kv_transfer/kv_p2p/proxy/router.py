@@ -131,7 +131,8 @@ class KvRouter:
         """Follow ``url``'s events (None: it has no events; it is routed by load, and by
         its pool's index if it shares one). ``pool``: the shared pool it writes to
         (default: the settings')."""
-        self.remove(url)
+        # a re-added instance: its pool's forgetting must not race its new stream's replay
+        self.remove(url, forget_now=True)
         index = PrefixIndex(self.settings.block_size)
         self.indexes[url] = index
         group = pool or self.settings.pool_of(url)
@@ -153,16 +154,17 @@ class KvRouter:
                                         pool=pool_index,
                                         pool_medium=self.settings.pool_medium).start()
 
-    def remove(self, url: str, wait: bool = False) -> None:
+    def remove(self, url: str, wait: bool = False, forget_now: bool = False) -> None:
         """Stop following ``url`` (its subscriber thread ends on its own unless ``wait``);
-        its pool forgets what it announced (its removals would go unheard)."""
+        its pool forgets what it announced (its removals would go unheard), in a thread of
+        its own unless ``wait`` or ``forget_now``."""
         stream = self.streams.pop(url, None)
         self.indexes.pop(url, None)
         group = self.members.pop(url, None)
         if stream is not None:
             stream.stop(wait)
             pool = self.pools.get(group) if group is not None else None
-            if pool is not None and wait:
+            if pool is not None and (wait or forget_now):
                 pool.forget(url)
             elif pool is not None:  # O(pool size): off the event loop (admin removals)
                 threading.Thread(target=pool.forget, args=(url,), daemon=True,
