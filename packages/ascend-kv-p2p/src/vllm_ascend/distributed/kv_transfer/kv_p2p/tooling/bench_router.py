@@ -17,10 +17,8 @@ alternates over rounds. The requests go in trace order, ``--concurrency`` at a t
 TTFT is measured by the client. P's hit rate is the growth of vLLM's
 ``prefix_cache_hits`` over ``prefix_cache_queries`` counters of both P's over the run (D not
 counted). The best achievable rate is computed from the workload alone (:func:`best_achievable`).
-
-Two requests at a time by default: one at a time, ``kv_aware``'s load term never acts, and a
-block every prompt shares (the trace's first) sends every request to the P that cached it
-first.
+Two at a time by default: one at a time, ``kv_aware``'s load term never acts, and the trace's
+first block (in every prompt) sends every request to the P that cached it first.
 """
 
 from __future__ import annotations
@@ -44,6 +42,8 @@ from vllm_ascend.distributed.kv_transfer.core.tooling.benchutil import (
     format_table,
     write_results,
 )
+
+from .bench_client_procs import Server, scrape, warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -157,8 +157,6 @@ def best_achievable(hash_lists: Sequence[Sequence[int]], block: int) -> dict[str
 # ====================================================================== metrics
 def counter(text: str, name: str) -> float:
     """A Prometheus counter summed over its label sets (``name_total`` or ``name``)."""
-    from .bench_client_procs import scrape
-
     total = scrape(text, name + "_total")
     return total if total else scrape(text, name)
 
@@ -171,8 +169,6 @@ def prefix_counts(texts: Sequence[str]) -> dict[str, float]:
 
 def prefill_time(texts: Sequence[str]) -> list[tuple[float, float]]:
     """Each P's prefill seconds and requests (vLLM's ``request_prefill_time_seconds``)."""
-    from .bench_client_procs import scrape
-
     return [(scrape(t, PREFILL_TIME + "_sum"), scrape(t, PREFILL_TIME + "_count"))
             for t in texts]
 
@@ -307,7 +303,7 @@ def order(round_no: int) -> list[str]:
 def _get(url: str) -> str:
     import httpx
 
-    return httpx.get(url, timeout=10).text
+    return str(httpx.get(url, timeout=10).text)
 
 
 def _served(proxy_url: str) -> list[int]:
@@ -315,46 +311,64 @@ def _served(proxy_url: str) -> list[int]:
     return [int(p.get("served") or 0) for p in json.loads(_get(proxy_url + "/status"))["prefill"]]
 
 
-def start_engines(cfg: RouterConfig, logs: Path) -> tuple[list[Any], list[str]]:
-    """P0, P1 (with KV events) and D; returns the servers and the P's ``--prefill-events``."""
+def _spawn_engine(i: int, cfg: RouterConfig, logs: Path) -> tuple[Any, str | None]:
+    """Engine ``i`` (0, 1: P with KV events; 2: D) on fresh ports; the server and, for a P,
+    its ``--prefill-events``."""
     from vllm_ascend.distributed.kv_transfer.core.net import free_port
 
     from .bench_client import Target, engine_env, kv_config, server_cmd, targets
-    from .bench_client_procs import Server
 
     pull: Target = next(t for t in targets() if t.name == "pd-pull")
-    servers, events = [], []
+    role = "p" if i < 2 else "d"
+    name = f"router-{role}{i if role == 'p' else ''}"
+    cores = (*P_CORES, D_CORES)[i] if cfg.pin else None
+    port = free_port()
+    cmd = server_cmd(cfg.python, cfg.model, port, block_size=cfg.block_size,
+                     max_model_len=cfg.max_model_len, max_num_seqs=max(4, cfg.concurrency),
+                     cores=cores, kv=kv_config(pull, "kv_producer" if role == "p" else
+                                               "kv_consumer", name, free_port()))
+    events = None
+    if role == "p":
+        pub, replay = free_port(), free_port()
+        cmd += ["--kv-events-config", json.dumps(
+            {"enable_kv_cache_events": True, "publisher": "zmq",
+             "endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{replay}"}),
+                "--enable-prompt-tokens-details"]
+        events = f"tcp://127.0.0.1:{pub},tcp://127.0.0.1:{replay}"
+    # VLLM_SERVER_DEV_MODE: P's /reset_prefix_cache empties its cache between policies;
+    # a P's cache holds the whole workload (200 prompts of the 8-layer model: 1.2 GB)
+    env = {**engine_env(cores), "VLLM_SERVER_DEV_MODE": "1"}
+    if role == "p":
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(P_CACHE_GB)
+    return Server(name, cmd, port, logs, env), events
+
+
+def start_engines(cfg: RouterConfig, logs: Path,
+                  attempts: int = 3) -> tuple[list[Any], list[str]]:
+    """P0, P1 (with KV events) and D; returns the servers and the P's ``--prefill-events``.
+
+    An engine that exits while starting (a port ``free_port`` gave was taken meanwhile by
+    another process) is started again on fresh ports, ``attempts`` times in all.
+    """
+    made = [_spawn_engine(i, cfg, logs) for i in range(3)]
     try:
-        for i, cores in enumerate((*P_CORES, D_CORES)):
-            role = "p" if i < 2 else "d"
-            name = f"router-{role}{i if role == 'p' else ''}"
-            cores_ = cores if cfg.pin else None
-            port = free_port()
-            cmd = server_cmd(cfg.python, cfg.model, port, block_size=cfg.block_size,
-                             max_model_len=cfg.max_model_len,
-                             max_num_seqs=max(4, cfg.concurrency), cores=cores_,
-                             kv=kv_config(pull, "kv_producer" if role == "p" else "kv_consumer",
-                                          name, free_port()))
-            if role == "p":
-                pub, replay = free_port(), free_port()
-                cmd += ["--kv-events-config", json.dumps(
-                    {"enable_kv_cache_events": True, "publisher": "zmq",
-                     "endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{replay}"}),
-                        "--enable-prompt-tokens-details"]
-                events.append(f"tcp://127.0.0.1:{pub},tcp://127.0.0.1:{replay}")
-            # VLLM_SERVER_DEV_MODE: P's /reset_prefix_cache empties its cache between policies;
-            # a P's cache holds the whole workload (200 prompts of the 8-layer model: 1.2 GB)
-            env = {**engine_env(cores_), "VLLM_SERVER_DEV_MODE": "1"}
-            if role == "p":
-                env["VLLM_CPU_KVCACHE_SPACE"] = str(P_CACHE_GB)
-            servers.append(Server(name, cmd, port, logs, env))
-        for s in servers:
-            s.wait_ready(cfg.startup_timeout)
+        for i in range(3):
+            for attempt in range(1, attempts + 1):
+                try:
+                    made[i][0].wait_ready(cfg.startup_timeout)
+                    break
+                except RuntimeError as exc:
+                    if attempt == attempts or "exited" not in str(exc):
+                        raise
+                    logger.warning("%s did not start (%s); again on fresh ports",
+                                   made[i][0].name, str(exc)[-200:])
+                    made[i][0].stop()
+                    made[i] = _spawn_engine(i, cfg, logs)
     except BaseException:
-        for s in reversed(servers):
-            s.stop()
+        for server, _ in reversed(made):
+            server.stop()
         raise
-    return servers, events
+    return [m[0] for m in made], [m[1] for m in made if m[1] is not None]
 
 
 def start_proxy(policy: str, engines: list[Any], events: list[str], cfg: RouterConfig,
@@ -366,7 +380,6 @@ def start_proxy(policy: str, engines: list[Any], events: list[str], cfg: RouterC
     from vllm_ascend.distributed.kv_transfer.core.net import free_port
 
     from .bench_client import proxy_cmd
-    from .bench_client_procs import Server
 
     port = free_port()
     cmd = proxy_cmd(cfg.python, "pull", engines[0].url, engines[2].url, port)
@@ -403,8 +416,6 @@ def run_policy(policy: str, engines: list[Any], events: list[str], cfg: RouterCo
         httpx.post(p.url + "/reset_prefix_cache", timeout=30).raise_for_status()
     proxy = start_proxy(policy, engines, events, cfg, logs)
     try:
-        from .bench_client_procs import warm_up
-
         # the proxy's connections and D's first load; random blocks no request shares
         warm_up(proxy.url, cfg.model, cfg.vocab, cfg.block_size * 2, seed=11)
         texts = [_get(p.url + "/metrics") for p in engines[:2]]
@@ -441,8 +452,6 @@ def run_rounds(cfg: RouterConfig, steps: Steps) -> tuple[list[dict[str, Any]], s
         return [], str(exc)[-2000:]
     rows = []
     try:
-        from .bench_client_procs import warm_up
-
         warm_up(engines[0].url, cfg.model, cfg.vocab, cfg.block_size * 2, seed=7)
         warm_up(engines[1].url, cfg.model, cfg.vocab, cfg.block_size * 2, seed=7)
         for r in range(cfg.rounds):
@@ -465,7 +474,7 @@ def run_rounds(cfg: RouterConfig, steps: Steps) -> tuple[list[dict[str, Any]], s
 
 
 def _f(v: Any) -> str:
-    return f"{v:.3g}" if isinstance(v, (int, float)) else "-"
+    return f"{v:.3g}" if isinstance(v, int | float) else "-"
 
 
 def build_config(args: argparse.Namespace) -> RouterConfig:
