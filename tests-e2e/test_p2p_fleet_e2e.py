@@ -11,7 +11,9 @@ runs of issue 18, outside the default e2e session (``nox -s e2e-fleet``, several
     or a clear HTTP error, never a hang), new requests go to the other P, and the restarted
     P (same port) is taken back after the proxy's health check and gets requests again;
   * one D SIGKILLed (paused first, so requests are in flight on it): the same, and P holds
-    no block afterwards (D's Done or, for what D never claimed, the lease freed them).
+    no block afterwards: the proxy re-sends what D had to the other D, whose Done frees P's
+    blocks, and two requests handed to the dead D directly (no proxy renewing, none
+    re-sending) are freed by P's lease lapsing.
 
 The two fleets run one after the other (class-scoped fixtures), four engines at most.
 """
@@ -30,7 +32,7 @@ from typing import Any
 import pytest
 
 from ascend_kv_testing.models import make_tiny_llama, make_tokenizer
-from ascend_kv_testing.pd import LAYERWISE, kv_config
+from ascend_kv_testing.pd import LAYERWISE, PREFILL, kv_config
 from ascend_kv_testing.serving import (
     HELD,
     LOADED,
@@ -157,6 +159,25 @@ def spread_equals_single(servers: dict[str, Server], n: int = 8) -> None:
         assert done == done0[k] + served[k], (k, done, done0[k], served)
 
 
+def prefilled(p_url: str, text: str) -> dict[str, Any]:
+    """Prefill ``text`` on P as the proxy does; the kv_transfer_params P answers for D."""
+    code, out = http(p_url + "/v1/completions", {
+        "model": MODEL_NAME, "prompt": text, "max_tokens": 1, "temperature": 0.0,
+        "kv_transfer_params": dict(PREFILL)})
+    assert code == 200 and isinstance(out.get("kv_transfer_params"), dict), out
+    return dict(out["kv_transfer_params"])
+
+
+def to_decode(d_url: str, text: str, params: dict[str, Any]) -> int | str:
+    """Send a prefilled request to D; its HTTP status, or how the connection failed."""
+    try:
+        return http(d_url + "/v1/completions", {
+            "model": MODEL_NAME, "prompt": text, "max_tokens": 8, "temperature": 0.0,
+            "ignore_eos": True, "kv_transfer_params": params}, timeout=120)[0]
+    except OSError as exc:  # the connection died with D
+        return f"{type(exc).__name__}: {exc}"
+
+
 def nothing_held(servers: dict[str, Server], timeout: float = 30.0,
                  keys: tuple[str, ...] = ("p0", "p1")) -> None:
     """No P holds a block for D any more (P's held-requests gauge is 0)."""
@@ -165,16 +186,33 @@ def nothing_held(servers: dict[str, Server], timeout: float = 30.0,
         assert held == 0, (k, held, metrics(servers[k].url))
 
 
-class TestLayerwise:
-    @pytest.fixture(scope="class")
-    def servers(self, model: Path, tmp_path_factory: pytest.TempPathFactory
-                ) -> Iterator[dict[str, Server]]:
-        def kv(role: str, engine_id: str) -> dict[str, Any]:
-            return kv_config(role, engine_id, connector=LAYERWISE, load_timeout_s=60,
-                             prefill={"tp_size": 1}, decode={"tp_size": 1})
+@pytest.fixture(scope="class")
+def layerwise_fleet(model: Path, tmp_path_factory: pytest.TempPathFactory
+                    ) -> Iterator[dict[str, Server]]:
+    """2P+2D layerwise behind ``--mode layerwise`` (stopped when its class is done)."""
+    def kv(role: str, engine_id: str) -> dict[str, Any]:
+        return kv_config(role, engine_id, connector=LAYERWISE, load_timeout_s=60,
+                         prefill={"tp_size": 1}, decode={"tp_size": 1})
 
-        yield from fleet(model, tmp_path_factory.mktemp("fleet-lw-logs"), kv,
-                         ("--mode", "layerwise"), ("--max-num-batched-tokens", "64"))
+    yield from fleet(model, tmp_path_factory.mktemp("fleet-lw-logs"), kv,
+                     ("--mode", "layerwise"), ("--max-num-batched-tokens", "64"))
+
+
+@pytest.fixture(scope="class")
+def pull_fleet(model: Path, tmp_path_factory: pytest.TempPathFactory
+               ) -> Iterator[dict[str, Server]]:
+    """2P+2D pull mode, P's lease ``LEASE_TTL_S`` (stopped when its class is done)."""
+    def kv(role: str, engine_id: str) -> dict[str, Any]:
+        return kv_config(role, engine_id, lease_ttl_s=LEASE_TTL_S)
+
+    yield from fleet(model, tmp_path_factory.mktemp("fleet-pull-logs"), kv,
+                     ("--policy", "least_loaded"))
+
+
+class TestLayerwise:
+    @pytest.fixture
+    def servers(self, layerwise_fleet: dict[str, Server]) -> dict[str, Server]:
+        return layerwise_fleet
 
     def test_layerwise_spread_equals_single_instance(self, servers: dict[str, Server]) -> None:
         loaded0 = sum(metrics(servers[k].url).get(LOADED, 0.0) for k in ("d0", "d1"))
@@ -186,14 +224,9 @@ class TestLayerwise:
 
 
 class TestPull:
-    @pytest.fixture(scope="class")
-    def servers(self, model: Path, tmp_path_factory: pytest.TempPathFactory
-                ) -> Iterator[dict[str, Server]]:
-        def kv(role: str, engine_id: str) -> dict[str, Any]:
-            return kv_config(role, engine_id, lease_ttl_s=LEASE_TTL_S)
-
-        yield from fleet(model, tmp_path_factory.mktemp("fleet-pull-logs"), kv,
-                         ("--policy", "least_loaded"))
+    @pytest.fixture
+    def servers(self, pull_fleet: dict[str, Server]) -> dict[str, Server]:
+        return pull_fleet
 
     def test_pull_spread_equals_single_instance(self, servers: dict[str, Server]) -> None:
         spread_equals_single(servers)
@@ -253,6 +286,7 @@ class TestPull:
         results = self.load_while(servers, "p1", p1.kill, seed=300)
         self.assert_clear(results)
         ok = sum(1 for code, _, _ in results if code == 200)
+        print(f"P killed: {ok} of {len(results)} requests answered 200")
         assert ok >= len(results) - 4, results  # at most the in-flight ones fail
         wait_healthy(router.url, "p1", False)
         before = served_counts(router.url)
@@ -276,15 +310,29 @@ class TestPull:
         expired0 = sum(metrics(servers[k].url).get("vllm:ascend_kv_p2p_expired_leases_total",
                                                    0.0) for k in ("p0", "p1"))
 
+        p0 = servers["p0"]
+        orphans: list[concurrent.futures.Future[Any]] = []
+        side = concurrent.futures.ThreadPoolExecutor(2)
+
         def pause_then_kill() -> None:  # requests pile up on the paused D, then it dies
             os.killpg(d1.proc.pid, signal.SIGSTOP)
+            # and two requests P prefilled for it, handed to it directly (no proxy to renew
+            # their lease, none to re-send them): only their lease frees P's blocks
+            for i in range(2):
+                params = prefilled(p0.url, prompt(650 + i))
+                orphans.append(side.submit(to_decode, d1.url, prompt(650 + i), params))
             time.sleep(2.0)
             d1.kill()
 
         results = self.load_while(servers, "d1", pause_then_kill, seed=600)
         self.assert_clear(results)
         ok = sum(1 for code, _, _ in results if code == 200)
+        print(f"D killed: {ok} of {len(results)} requests answered 200, "
+              f"{status(router.url)['fallbacks']} plain re-sends in all")
         assert ok >= len(results) - 4, results
+        for fut in orphans:  # D died with them: an error, not an answer
+            assert fut.result(timeout=60) != 200
+        side.shutdown()
         wait_healthy(router.url, "d1", False)
         before = served_counts(router.url)
         for i in range(4):  # new requests go to the other D
@@ -295,7 +343,7 @@ class TestPull:
         nothing_held(servers, timeout=LEASE_TTL_S + 30)
         expired = sum(metrics(servers[k].url).get("vllm:ascend_kv_p2p_expired_leases_total",
                                                    0.0) for k in ("p0", "p1")) - expired0
-        print(f"leases expired after the D kill: {expired:.0f}")
+        assert expired >= 2, expired  # the orphans' leases lapsed; P freed their blocks
 
         started(lambda: d1.restart())
         wait_healthy(router.url, "d1", True)
