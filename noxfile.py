@@ -304,6 +304,9 @@ BENCH_ARGS: dict[str, tuple[str, ...]] = {
     "p2p": ("--auth",),
     # 5 alternating rounds (engines kept up), one sample of each hit a round
     "serve": ("--rounds", "5", "--repeats", "1"),
+    # the quick model on all 200 requests, 2 rounds (about 6 minutes; the 8-layer model takes
+    # about 21): fewer requests share too little of the trace to tell the policies apart
+    "router": ("--quick", "--num-requests", "200", "--rounds", "2"),
 }
 
 
