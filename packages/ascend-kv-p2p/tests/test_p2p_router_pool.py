@@ -313,3 +313,19 @@ def test_command_line_of_pools() -> None:
     with pytest.raises(SystemExit):
         kv_settings(parser, parser.parse_args([*base, "--pool-max-blocks", "0"]))
     assert "--pool-shared" in parser.format_help()
+
+
+def test_the_proxy_tokenizes_when_only_a_pool_index_predicts() -> None:
+    """Every device index unusable, the pool's usable: the prompt is still tokenized."""
+    from types import SimpleNamespace
+
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.app import Proxy
+
+    r = fed_router(pool_shared=True)
+    r.streams[B].handle(Frames()(*[pool_stored(i) for i in range(4)]))
+    proxy = SimpleNamespace(router=r)
+    assert Proxy._predicts(proxy, insts())  # type: ignore[arg-type]
+    r.usable = lambda _url: None  # type: ignore[method-assign]  # no device index usable
+    assert r.pool_usable(A) is not None and Proxy._predicts(proxy, insts())  # type: ignore[arg-type]
+    r.pool_usable = lambda _url: None  # type: ignore[method-assign]
+    assert not Proxy._predicts(proxy, insts())  # type: ignore[arg-type]

@@ -126,9 +126,16 @@ class Proxy:
         if self.router is None or self.client is None:
             return None
         healthy = [i for i in self.prefill.instances if i.healthy]
-        if not any(self.router.usable(i.url) is not None for i in healthy):
+        if not self._predicts(healthy):
             return None
         return asyncio.create_task(prompt_tokens(self.client, healthy[0].url, path, body))
+
+    def _predicts(self, instances: list[Instance]) -> bool:
+        """Whether kv_aware can predict a hit on one of ``instances``: its own cache's index
+        or its KV pool's is usable (else the prompt is not tokenized: load decides)."""
+        assert self.router is not None
+        return any(self.router.usable(i.url) is not None
+                   or self.router.pool_usable(i.url) is not None for i in instances)
 
     async def route_prefill(self, path: str, body: dict[str, Any],
                             tokens_task: asyncio.Task[Any] | None = None
@@ -143,7 +150,7 @@ class Proxy:
         assert self.client is not None
         tokens = None
         healthy = [i for i in order if i.healthy] or order
-        if any(self.router.usable(i.url) is not None for i in healthy):
+        if self._predicts(healthy):
             tokens = await (tokens_task or prompt_tokens(self.client, healthy[0].url, path,
                                                          body))
         order, decision = self.router.order(order, tokens)

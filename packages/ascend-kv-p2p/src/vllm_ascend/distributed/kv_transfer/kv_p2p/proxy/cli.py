@@ -93,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lease-renew-interval", type=float, default=5.0,
                         help="pull mode: renew P's lease on a request's blocks this often "
                              "while D has the request, so a request queued on a busy D keeps "
-                             "its KV; 0 turns it off (default: %(default)s s)")
+                             "its KV; keep it at most a third of P's lease_ttl_s; 0 turns it "
+                             "off (default: %(default)s s)")
     parser.add_argument("--no-kv-error-fallback", dest="kv_error_fallback",
                         action="store_false",
                         help="pull mode: pass D's KV-load errors to the client instead of "
