@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import selectors
+import signal
 import subprocess
 import sys
 import time
@@ -195,6 +196,8 @@ class EngineChild:
                 [python or sys.executable, "-m", __name__],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logf, env=child_env,
                 start_new_session=True)
+        #: stopped (SIGSTOP) while other engines are measured: :meth:`pause`
+        self.paused = False
         self._sel = selectors.DefaultSelector()
         assert self.proc.stdout is not None
         self._sel.register(self.proc.stdout, selectors.EVENT_READ)
@@ -233,8 +236,29 @@ class EngineChild:
                               f"lines:\n{tail(self.log)}")
         raise EngineError(f"no answer from the engine within {timeout:.0f}s (log: {self.log})")
 
+    def _signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            try:  # the engine leads its own session: its worker processes stop with it
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def pause(self) -> None:
+        """Stop the engine's processes (SIGSTOP) so an idle engine takes no CPU time from
+        the engines being measured; the next :meth:`call` (or :meth:`resume`) continues it."""
+        if not self.paused:
+            self._signal(signal.SIGSTOP)
+            self.paused = True
+
+    def resume(self) -> None:
+        """Continue a paused engine (SIGCONT)."""
+        if self.paused:
+            self._signal(signal.SIGCONT)
+            self.paused = False
+
     def call(self, op: str, timeout: float = 600.0, **args: Any) -> Any:
-        """Send one command and return its answer's payload."""
+        """Send one command and return its answer's payload (a paused engine goes on first)."""
+        self.resume()
         self._send({"op": op, **args})
         return self._answer(timeout)
 
@@ -248,6 +272,7 @@ class EngineChild:
 
     def close(self, timeout: float = 30.0) -> None:
         """Ask the engine to stop; kill it if it does not."""
+        self.resume()
         if self.proc.poll() is None:
             try:
                 self.call("close", timeout)

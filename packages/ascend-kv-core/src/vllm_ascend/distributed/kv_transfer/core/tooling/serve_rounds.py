@@ -5,8 +5,9 @@ The scenarios of one family (``pd``, ``pool``, ``offload``, ...) are measured
 together: their engines start once and stay up, and each round measures the
 engine without a connector (the recompute and floor of that round's prompts) and
 then every scenario of the family once, in turns (reversed every other round, so
-neither side always goes first). P/D families run once per thread binding
-(:data:`~.serve_scenarios.PD_BINDINGS`); each scenario is then reported once per
+neither side always goes first). While one P/D pair (or the engine without a connector)
+is measured, the other kept P/D engines are paused (SIGSTOP). P/D families run once per
+thread binding (:data:`~.serve_scenarios.PD_BINDINGS`); each scenario is then reported once per
 binding, as ``<name>[<binding>]``. The rounds of a scenario are kept beside
 their aggregate (median per prompt over the rounds), so the report can put an
 interval on every ratio (:mod:`.serve_stats`).
@@ -112,6 +113,7 @@ def run_rounds(run: Run, chosen: Sequence[Scenario]) -> dict[str, dict[str, Any]
                 steps.note(f"{fam}{f' ({binding})' if binding else ''}: round {r + 1} of "
                            f"{cfg.rounds}: the engine without a connector")
                 if fam == "pd":
+                    run.pause_live()  # the kept pairs take no CPU time from the reference
                     ref = reference(run, run.pd_prompts, throughput=False)
                 else:
                     data, _status = _call(baseline, run)

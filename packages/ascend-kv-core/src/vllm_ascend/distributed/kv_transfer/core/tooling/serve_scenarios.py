@@ -326,12 +326,34 @@ class Run:
             self.batches = [make_prompts([self.cfg.throughput_prompt] * self.cfg.throughput_batch,
                                          seed + 500, self.vocab)]
 
-    def kept(self, key: str, start: Callable[[], list[EngineChild]]) -> list[EngineChild]:
+    def kept(self, key: str, start: Callable[[], list[EngineChild]], *,
+             pause_others: bool = False) -> list[EngineChild]:
         """The engines of ``key``, started by ``start`` on first use and kept up until
-        :meth:`close_live` (the rounds of one family measure the same engines)."""
+        :meth:`close_live` (the rounds of one family measure the same engines).
+
+        With ``pause_others`` (P/D: three pairs of engines on two cores), every other kept
+        engine and the engine without a connector are paused first (SIGSTOP; a call
+        continues them): idle engines kept up beside the measured pair took its CPU time
+        (device-hit floors from 0.08 s in the first round to seconds in later ones)."""
+        if pause_others:
+            for other, engines in self.live.items():
+                if other != key:
+                    for eng in engines:
+                        eng.pause()
+            if self.base_engine is not None:
+                self.base_engine.pause()
         if key not in self.live:
             self.live[key] = start()
+        for eng in self.live[key]:
+            eng.resume()
         return self.live[key]
+
+    def pause_live(self) -> None:
+        """Pause every kept engine (before the P/D reference is measured on the engine
+        without a connector)."""
+        for engines in self.live.values():
+            for eng in engines:
+                eng.pause()
 
     def drop(self, key: str) -> None:
         """Stop the engines of ``key`` (after a failure: the next round starts them again)."""
@@ -536,7 +558,7 @@ def run_pd(run: Run, name: str, p_kv: dict[str, Any], d_kv: dict[str, Any],
             raise
         return [p, d]
 
-    p, d = run.kept(key, start)
+    p, d = run.kept(key, start, pause_others=True)
     try:
         return pd_flow(run, p, d, name, params)
     except BaseException:

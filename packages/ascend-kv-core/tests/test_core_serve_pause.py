@@ -1,0 +1,108 @@
+# SPDX-License-Identifier: Apache-2.0
+"""bench serve pauses the P/D engines it is not measuring (SIGSTOP; a call continues them)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from vllm_ascend.distributed.kv_transfer.core.tooling.benchutil import Steps
+from vllm_ascend.distributed.kv_transfer.core.tooling.serve_child import EngineChild
+from vllm_ascend.distributed.kv_transfer.core.tooling.serve_scenarios import Run
+
+#: a stand-in engine: a process (and a worker child of it) that counts up while it runs
+BUSY = ("import subprocess, sys, time\n"
+        "subprocess.Popen([sys.executable, '-c', 'import time\\nwhile True: time.sleep(0.01)'])\n"
+        "while True: time.sleep(0.01)\n")
+
+
+def state(pid: int) -> str:
+    """The process state letter of ``pid`` (``T``: stopped)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def group_states(pgid: int) -> list[str]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:
+            out.append(fields[0])
+    return out
+
+
+def fake_engine() -> EngineChild:
+    """An EngineChild around a stand-in process (no vLLM): the same pause, resume, kill."""
+    eng = object.__new__(EngineChild)
+    eng.proc = subprocess.Popen([sys.executable, "-c", BUSY], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, start_new_session=True)
+    eng.paused = False
+    import selectors
+
+    eng._sel = selectors.DefaultSelector()
+    time.sleep(0.3)  # its worker child is up
+    return eng
+
+
+def wait_states(pgid: int, want: set[str], timeout: float = 5.0) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while True:
+        states = group_states(pgid)
+        if (states and set(states) <= want) or time.monotonic() > deadline:
+            return states
+        time.sleep(0.02)
+
+
+def test_pause_stops_the_engine_and_its_workers_and_resume_continues_them() -> None:
+    eng = fake_engine()
+    try:
+        assert len(group_states(eng.proc.pid)) == 2
+        eng.pause()
+        assert eng.paused and wait_states(eng.proc.pid, {"T"}) == ["T", "T"]
+        eng.pause()  # twice is once
+        eng.resume()
+        assert not eng.paused and "T" not in wait_states(eng.proc.pid, {"S", "R"})
+    finally:
+        eng.kill()
+
+
+def test_a_paused_engine_is_killed_and_a_dead_one_paused_quietly() -> None:
+    eng = fake_engine()
+    eng.pause()
+    eng.kill()  # SIGKILL ends a stopped process
+    assert eng.proc.returncode is not None
+    eng.paused = False
+    eng.pause()  # gone: nothing to signal, no error
+
+
+class _Eng:
+    def __init__(self) -> None:
+        self.paused = False
+
+    def pause(self) -> None:
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+
+
+def test_kept_pauses_the_other_pairs_and_the_baseline_for_p_d(tmp_path: Path) -> None:
+    run: Any = object.__new__(Run)
+    run.live, run.steps = {}, Steps("serve")
+    run.base_engine = _Eng()
+    ours = run.kept("ours", lambda: [_Eng(), _Eng()], pause_others=True)
+    assert run.base_engine.paused and not any(e.paused for e in ours)
+    peer = run.kept("peer", lambda: [_Eng(), _Eng()], pause_others=True)
+    assert all(e.paused for e in ours) and not any(e.paused for e in peer)
+    again = run.kept("ours", list, pause_others=True)  # kept: the same engines, going
+    assert again is ours and not any(e.paused for e in ours) and all(e.paused for e in peer)
+    run.pause_live()  # before the reference on the engine without a connector
+    assert all(e.paused for e in (*ours, *peer))
+    # other families keep their neighbours running
+    pool = run.kept("pool", lambda: [_Eng()])
+    assert not pool[0].paused and all(e.paused for e in peer)
