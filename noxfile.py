@@ -162,7 +162,7 @@ for _dist in PACKAGES:
 
 #: Engine tests with tensor-parallel engines (a TP=2 engine is three processes and starts in
 #: about a minute on 2 cores): their own session, ``nox -s e2e-tp``, outside the default set.
-E2E_TP = ("test_uneven_tp_e2e.py", "test_mla_tp_e2e.py")
+E2E_TP = ("test_uneven_tp_e2e.py", "test_mla_tp_e2e.py", "test_p2p_hetero_tp_e2e.py")
 #: 2 P + 2 D ``vllm serve`` behind the proxy, layerwise, failover and vLLM's benchmark client
 #: at concurrency 8 and 16 (several minutes): ``nox -s e2e-fleet``, outside the default set.
 E2E_FLEET = ("test_p2p_fleet_e2e.py",)
@@ -180,8 +180,8 @@ def e2e(session: nox.Session) -> None:
 
 @nox.session(name="e2e-tp", python=PYTHON)
 def e2e_tp(session: nox.Session) -> None:
-    """Uneven TP on real engines (tests-e2e/test_uneven_tp_e2e.py, test_mla_tp_e2e.py): P and
-    D at different TP sizes, MHA/GQA, replicated heads and MLA; about 10 minutes on 2 cores."""
+    """Uneven TP on real engines (tests-e2e/test_uneven_tp_e2e.py, test_mla_tp_e2e.py,
+    test_p2p_hetero_tp_e2e.py): P and D at different TP sizes, MHA/GQA, replicated heads and MLA; about 10 minutes on 2 cores."""
     install_everything(session)
     run_pytest(session, *[str(ROOT / "tests-e2e" / f) for f in E2E_TP], timeout=1800)
 
@@ -435,7 +435,21 @@ def faults(session: nox.Session) -> None:
     faults, every socket fuzzed, malformed params; a few minutes. Writes the reliability
     table to $VLLM_ASCEND_KV_FAULTS_REPORT when set."""
     install_everything(session)
-    run_pytest(session, "-rxs", str(ROOT / "tests-faults"), timeout=600)
+    run_pytest(session, "-rxs", str(ROOT / "tests-faults"),
+               *[f"--ignore={ROOT / 'tests-faults' / f}" for f in FAULTS_LONG], timeout=600)
+
+
+#: Fault tests outside the default set (CI's 40 minutes): ``nox -s faults-long``.
+FAULTS_LONG = ("test_faults_netcut_layerwise.py",)
+
+
+@nox.session(name="faults-long", python=PYTHON)
+def faults_long(session: nox.Session) -> None:
+    """The layerwise push under a cut network (tests-faults/test_faults_netcut_layerwise.py,
+    two more engines in network namespaces; a few minutes)."""
+    install_everything(session)
+    run_pytest(session, "-rxs", *[str(ROOT / "tests-faults" / f) for f in FAULTS_LONG],
+               timeout=900)
 
 
 @nox.session(python=PYTHON)
