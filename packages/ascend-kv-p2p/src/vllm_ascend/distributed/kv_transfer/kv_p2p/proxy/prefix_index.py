@@ -22,7 +22,7 @@ import logging
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -102,7 +102,43 @@ class BlockHasher:
         return out
 
 
-class PrefixIndex:
+class _KeyIndex:
+    """What every block-key index answers: size, membership, the held prefix, alignment.
+
+    Subclasses set ``_blocks`` (keyed by block key), ``_lock``, ``hash_mismatched`` and
+    ``block_size_mismatch``.
+    """
+
+    _blocks: Mapping[int, Any]
+    _lock: threading.Lock
+    hash_mismatched: int
+    block_size_mismatch: int | None
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def holds(self, key: int) -> bool:
+        return key in self._blocks  # one dict lookup: atomic under the GIL
+
+    def matched(self, keys: Sequence[int]) -> int:
+        """How many leading ``keys`` are held (the prefix a request would hit)."""
+        n = 0
+        with self._lock:
+            for k in keys:
+                if k not in self._blocks:
+                    break
+                n += 1
+        return n
+
+    @property
+    def aligned(self) -> bool:
+        """False once a stored block's hash disagreed with the one computed here, or its
+        block size with the configured one: the proxy's hash settings are not the
+        instance's (or the pool's), and its predictions would be wrong."""
+        return self.hash_mismatched == 0 and self.block_size_mismatch is None
+
+
+class PrefixIndex(_KeyIndex):
     """The block keys one instance holds, fed by its KV events (thread-safe).
 
     A block may be held on several media (``GPU``, ``CPU`` from an offload tier): it stays
@@ -122,9 +158,6 @@ class PrefixIndex:
         self.hash_mismatched = 0
         #: the event's block size differs from the configured one
         self.block_size_mismatch: int | None = None
-
-    def __len__(self) -> int:
-        return len(self._blocks)
 
     def store(self, keys: Sequence[int], medium: str | None, block_size: int | None) -> None:
         if block_size:
@@ -155,26 +188,6 @@ class PrefixIndex:
             self._blocks.clear()
             self.cleared += 1
 
-    def holds(self, key: int) -> bool:
-        return key in self._blocks  # one dict lookup: atomic under the GIL
-
-    def matched(self, keys: Sequence[int]) -> int:
-        """How many leading ``keys`` are held (the prefix a request would hit)."""
-        n = 0
-        with self._lock:
-            for k in keys:
-                if k not in self._blocks:
-                    break
-                n += 1
-        return n
-
-    @property
-    def aligned(self) -> bool:
-        """False once a stored block's hash disagreed with the one computed here, or its
-        block size with the configured one: the proxy's hash settings are not the
-        instance's, and its predictions would be wrong."""
-        return self.hash_mismatched == 0 and self.block_size_mismatch is None
-
     def as_dict(self) -> dict[str, Any]:
         return {"blocks": len(self), "block_size": self.block_size, "stored": self.stored,
                 "removed": self.removed, "cleared": self.cleared,
@@ -182,7 +195,7 @@ class PrefixIndex:
                 "block_size_mismatch": self.block_size_mismatch, "aligned": self.aligned}
 
 
-class PoolIndex:
+class PoolIndex(_KeyIndex):
     """The block keys a KV pool shared by several instances holds (thread-safe).
 
     Fed by the pool's events (``medium`` ``cpu``) on the event streams of every instance
@@ -210,9 +223,6 @@ class PoolIndex:
         self.hash_verified = 0
         self.hash_mismatched = 0
         self.block_size_mismatch: int | None = None
-
-    def __len__(self) -> int:
-        return len(self._blocks)
 
     def store(self, keys: Sequence[int], owner: str, block_size: int | None) -> None:
         """``owner``'s stream announced ``keys`` stored in the pool."""
@@ -263,24 +273,6 @@ class PoolIndex:
     def clear(self) -> None:
         with self._lock:
             self._blocks.clear()
-
-    def holds(self, key: int) -> bool:
-        return key in self._blocks  # one dict lookup: atomic under the GIL
-
-    def matched(self, keys: Sequence[int]) -> int:
-        """How many leading ``keys`` are held."""
-        n = 0
-        with self._lock:
-            for k in keys:
-                if k not in self._blocks:
-                    break
-                n += 1
-        return n
-
-    @property
-    def aligned(self) -> bool:
-        """False once a pool block's hash or block size disagreed with the proxy's."""
-        return self.hash_mismatched == 0 and self.block_size_mismatch is None
 
     def as_dict(self) -> dict[str, Any]:
         return {"name": self.name, "blocks": len(self), "max_blocks": self.max_blocks,
