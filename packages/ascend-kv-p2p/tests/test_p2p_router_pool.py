@@ -7,12 +7,13 @@ instance attached to the pool; lost events make the pool forget what that stream
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
 import pytest
 
+from ascend_kv_testing.faults import wait_for
 from vllm_ascend.distributed.kv_transfer.core.net import free_port
 from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.balancer import Instance
 from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.cli import build_parser, kv_settings
@@ -35,15 +36,6 @@ A, B, C = "http://a", "http://b", "http://c"
 @pytest.fixture(autouse=True)
 def _no_seed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
 
 
 def vllm_block_hashes(tokens: list[int]) -> list[bytes]:
@@ -289,12 +281,12 @@ def test_shared_pool_over_vllms_publishers(publishers: list[Any]) -> None:
     try:
         r.add(A, wa)  # its history (2 pool blocks) comes from the replay socket
         r.add(B, wb)
-        assert wait_for(lambda: r.pool_usable(B) is not None)
-        assert wait_for(lambda: r.order(insts()[:2], TOKENS)[1].cached == {A: 8, B: 8})
+        assert wait_for(lambda: r.pool_usable(B) is not None, 10.0)
+        assert wait_for(lambda: r.order(insts()[:2], TOKENS)[1].cached == {A: 8, B: 8}, 10.0)
         pb.publish(kv_events.KVEventBatch(ts=time.time(), events=[pool_stored(2)]))
-        assert wait_for(lambda: r.order(insts()[:2], TOKENS)[1].cached == {A: 12, B: 12})
+        assert wait_for(lambda: r.order(insts()[:2], TOKENS)[1].cached == {A: 12, B: 12}, 10.0)
         pb.publish(kv_events.KVEventBatch(ts=time.time(), events=[removed(0)]))
-        assert wait_for(lambda: r.order(insts()[:2], TOKENS)[1].reason == "no_hit")
+        assert wait_for(lambda: r.order(insts()[:2], TOKENS)[1].reason == "no_hit", 10.0)
     finally:
         r.stop()
 
