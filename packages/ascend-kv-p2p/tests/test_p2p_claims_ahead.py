@@ -21,6 +21,7 @@ import pytest
 import torch
 from p2p_worker_harness import numbered_caches, pd_vllm_config
 
+from ascend_kv_testing.keys import set_deployment_key
 from vllm_ascend.distributed.kv_transfer.core import auth
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
 from vllm_ascend.distributed.kv_transfer.core.net import free_port
@@ -48,19 +49,12 @@ BS, NB, HEADS, HD, LAYERS = 16, 8, 2, 8, 2
 KEY = "deployment-key-for-the-claims-ahead-tests-01"
 
 
-def set_key(monkeypatch: pytest.MonkeyPatch, key: str | None) -> None:
-    if key is None:
-        monkeypatch.delenv(auth.ENV_KEY, raising=False)
-    else:
-        monkeypatch.setenv(auth.ENV_KEY, key)
-    monkeypatch.delenv(auth.ENV_KEY_FILE, raising=False)
-    monkeypatch.setattr(auth, "_cached", None)
 
 
 @pytest.fixture(params=["unkeyed", "keyed"])
 def pd(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
     """A P and a D pull worker, and D's scheduler-side claimer (same engine id as D)."""
-    set_key(monkeypatch, KEY if request.param == "keyed" else None)
+    set_deployment_key(monkeypatch, KEY if request.param == "keyed" else None)
     p_port, d_port = free_port(), free_port()
     p = PullWorker(pd_vllm_config("kv_producer", p_port, block_size=BS, heads=HEADS),
                    MooncakeP2PConfig.from_dict({"lease_ttl_s": 30.0}), "P",

@@ -20,6 +20,7 @@ import pytest
 import torch
 from p2p_worker_harness import numbered_caches, pd_vllm_config
 
+from ascend_kv_testing.keys import set_deployment_key
 from vllm_ascend.distributed.kv_transfer.core import auth
 from vllm_ascend.distributed.kv_transfer.core.channel import RpcClient, tcp_endpoint
 from vllm_ascend.distributed.kv_transfer.core.errors import RemoteError
@@ -57,19 +58,12 @@ def caches(fill: bool) -> dict[str, Any]:
                            head_size=HD)
 
 
-def set_key(monkeypatch: pytest.MonkeyPatch, key: str | None) -> None:
-    if key is None:
-        monkeypatch.delenv(auth.ENV_KEY, raising=False)
-    else:
-        monkeypatch.setenv(auth.ENV_KEY, key)
-    monkeypatch.delenv(auth.ENV_KEY_FILE, raising=False)
-    monkeypatch.setattr(auth, "_cached", None)
 
 
 @pytest.fixture
 def pd(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
     """A P and a D pull worker, keyed or not (``request.param``)."""
-    set_key(monkeypatch, KEY if request.param == "keyed" else None)
+    set_deployment_key(monkeypatch, KEY if request.param == "keyed" else None)
     p_port, d_port = free_port(), free_port()
     p = PullWorker(vllm_config("kv_producer", p_port),
                    MooncakeP2PConfig.from_dict({"lease_ttl_s": 30.0}), "P",

@@ -25,6 +25,7 @@ from test_p2p_layerwise_worker import (
     wait_recv,
 )
 
+from ascend_kv_testing.keys import set_deployment_key
 from vllm_ascend.distributed.kv_transfer.core import auth
 from vllm_ascend.distributed.kv_transfer.core.channel import RpcClient, tcp_endpoint
 from vllm_ascend.distributed.kv_transfer.core.errors import RemoteError
@@ -50,18 +51,11 @@ KEY = "deployment-key-for-the-layerwise-grant-tests"
 TOKEN = "the-requests-capability-0123456789abcdef"
 
 
-def _set_key(monkeypatch: pytest.MonkeyPatch, key: str | None) -> None:
-    if key is None:
-        monkeypatch.delenv(auth.ENV_KEY, raising=False)
-    else:
-        monkeypatch.setenv(auth.ENV_KEY, key)
-    monkeypatch.delenv(auth.ENV_KEY_FILE, raising=False)
-    monkeypatch.setattr(auth, "_cached", None)
 
 
 @pytest.fixture(params=["keyed", "unkeyed"])
 def pd(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
-    _set_key(monkeypatch, KEY if request.param == "keyed" else None)
+    set_deployment_key(monkeypatch, KEY if request.param == "keyed" else None)
     monkeypatch.setattr(layerwise_links, "BEGIN_RETRY_S", 0.5)
     p_port, d_port = free_port(), free_port()
     p = new_worker("kv_producer", p_port, 1, 0, "P", {"lease_ttl_s": 2.5,
