@@ -160,9 +160,11 @@ for _dist in PACKAGES:
     _make_test_session(_dist)
 
 
-#: Engine tests with tensor-parallel engines (a TP=2 engine is three processes and starts in
-#: about a minute on 2 cores): their own session, ``nox -s e2e-tp``, outside the default set.
-E2E_TP = ("test_uneven_tp_e2e.py", "test_mla_tp_e2e.py", "test_p2p_hetero_tp_e2e.py")
+#: Engine tests with tensor- or pipeline-parallel engines (a TP=2 or PP=2 engine is three
+#: processes and starts in about a minute on 2 cores): their own session, ``nox -s e2e-tp``,
+#: outside the default set.
+E2E_TP = ("test_uneven_tp_e2e.py", "test_mla_tp_e2e.py", "test_p2p_hetero_tp_e2e.py",
+          "test_p2p_pp_e2e.py")
 #: 2 P + 2 D ``vllm serve`` behind the proxy, layerwise, failover and vLLM's benchmark client
 #: at concurrency 8 and 16 (several minutes): ``nox -s e2e-fleet``, outside the default set.
 E2E_FLEET = ("test_p2p_fleet_e2e.py",)
@@ -184,8 +186,10 @@ def e2e(session: nox.Session) -> None:
 
 @nox.session(name="e2e-tp", python=PYTHON)
 def e2e_tp(session: nox.Session) -> None:
-    """Uneven TP on real engines (tests-e2e/test_uneven_tp_e2e.py, test_mla_tp_e2e.py,
-    test_p2p_hetero_tp_e2e.py): P and D at different TP sizes, MHA/GQA, replicated heads and MLA; about 10 minutes on 2 cores."""
+    """Uneven TP and a pipeline-parallel P on real engines (tests-e2e/test_uneven_tp_e2e.py,
+    test_mla_tp_e2e.py, test_p2p_hetero_tp_e2e.py, test_p2p_pp_e2e.py): P and D at different
+    TP sizes, MHA/GQA, replicated heads and MLA; P at PP 2 with an uneven layer split; about
+    12 minutes on 2 cores."""
     install_everything(session)
     run_pytest(session, *[str(ROOT / "tests-e2e" / f) for f in E2E_TP], timeout=1800)
 
@@ -305,8 +309,9 @@ TRACE_NAME = "data/mooncake-traces/conversation_trace.jsonl"
 #: The fixed configuration of `nox -s bench` (minutes on the 2-core machine).
 BENCH_ARGS: dict[str, tuple[str, ...]] = {
     "offload": ("--repeats", "2"),
-    # the pull connector again with a deployment key (issue 19: what the key costs)
-    "p2p": ("--auth",),
+    # a keyed pair alternating with the plain one (issue 19: what the key costs); 15 rounds,
+    # as one-block loads take about 2 ms and a round's median still moves with the machine
+    "p2p": ("--auth", "--rounds", "15"),
     # 5 alternating rounds (engines kept up), one sample of each hit a round
     "serve": ("--rounds", "5", "--repeats", "1"),
     # the quick model on all 200 requests, 2 rounds (about 6 minutes; the 8-layer model takes

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """``vllm-ascend-kv bench p2p`` runs (smoke size): repeated alternating rounds, the median
-ratio with its min-max, the claims sent ahead and the worker's two claim modes.
+ratio with its min-max, the claims sent ahead, the worker's two claim modes, and a pair
+with a deployment key alternating with them.
 
 Timings are recorded, never asserted. The run (real transfer engines, seconds of CPU) goes
 in a child process started when this module is collected: it runs on a free core while the
@@ -27,7 +28,7 @@ _RUN = start_in_background([sys.executable, "-c", (
     "from vllm_ascend.distributed.kv_transfer.kv_p2p.tooling import bench\n"
     "parser = argparse.ArgumentParser()\n"
     "bench.add_parser(parser.add_subparsers(dest='bench'))\n"
-    "args = parser.parse_args(['p2p', '--quick', '--out', sys.argv[1]])\n"
+    "args = parser.parse_args(['p2p', '--quick', '--auth', '--out', sys.argv[1]])\n"
     "sys.exit(args.func(args))\n"), str(_OUT)], timeout=540)
 
 
@@ -44,4 +45,11 @@ def test_quick_run_reports_the_connector_and_every_claim_mode() -> None:
         assert row["ratio"] == row[f"ratio_{doc['claim_mode']}"] > 0
         assert 0 < row["ratio_min"] <= row["ratio"] <= row["ratio_max"]
         assert row["ratio_overlapped"] > 0 and row["ratio_claims_first"] > 0
+        # a keyed pair's loads alternate with the plain ones in the same rounds
+        assert row["keyed_ms"] > 0
+        assert 0 < row["keyed_vs_plain_min"] <= row["keyed_vs_plain"] <= row["keyed_vs_plain_max"]
+        # the 95% bootstrap intervals over the rounds
+        assert 0 < row["ratio_low"] <= row["ratio_high"]
+        assert 0 < row["keyed_vs_plain_low"] <= row["keyed_vs_plain_high"]
+    assert doc["keyed"] is True and "alternating with the others" in doc["description"]
     assert "claims_first" in proc.stdout

@@ -23,16 +23,28 @@ it: what it does when the scheduler sent none) are measured beside it, from
 Measurement: ``--rounds`` rounds (round 0 warms up and is dropped); in each, for
 each size, ``--pairs`` times (8 times as many at 1 block, whose loads take a millisecond)
 the raw read and every claim mode in turn (the order turns each time). A round's ratio is raw median / connector median of that round;
-``ratio`` is the median over the rounds, with ``ratio_min`` / ``ratio_max``.
+``ratio`` is the median over the rounds, with ``ratio_min`` / ``ratio_max``, and
+``ratio_low`` / ``ratio_high``: the 95% paired bootstrap interval over the rounds of the
+ratio of the rounds' median times (as ``bench serve``), which decides the goal.
+
+With ``--auth`` (issue 19: what a deployment key costs), a second P process and D
+worker with a fresh key load the same block ranges, their loads alternating with the
+others in the same rounds; ``keyed_vs_plain`` is the median over the rounds of the
+plain connector's time over the keyed one's (1.0: the key costs nothing), with its
+min-max and its bootstrap interval (``keyed_vs_plain_low`` / ``_high``). Measuring the two in separate phases compared two states of a noisy machine
+(the raw read's own median moved by 40% between them).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
+import os
 import queue
 import statistics
 import time
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -175,34 +187,111 @@ def _spread(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def _measure(sizes: list[int], rounds: int, pairs: int) -> list[dict[str, Any]]:
-    """One phase: a P process and a D worker (with the deployment key of the environment,
-    if any), ``rounds`` rounds of alternating raw reads and connector loads per size."""
+@contextlib.contextmanager
+def _deployment_key(key: str | None) -> Iterator[None]:
+    """The environment's deployment key set to ``key`` (``None``: no key) meanwhile.
+
+    Sockets take their key from the environment when they are made (P's side channel
+    when its process starts, D's clients at a load's first message to a P), so each
+    pair's loads run inside this with its own key."""
+    from vllm_ascend.distributed.kv_transfer.core import auth
+
+    saved = {k: os.environ.get(k) for k in (auth.ENV_KEY, auth.ENV_KEY_FILE)}
+    os.environ.pop(auth.ENV_KEY_FILE, None)
+    if key is None:
+        os.environ.pop(auth.ENV_KEY, None)
+    else:
+        os.environ[auth.ENV_KEY] = key
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+class _Pair:
+    """A P process holding requests on command and the D worker in this process that
+    loads from it, both with the deployment key ``key`` (``None``: none)."""
+
+    def __init__(self, key: str | None) -> None:
+        from vllm_ascend.distributed.kv_transfer.core.net import free_port
+
+        from ..pull_claims import ClaimAhead
+
+        self.key = key
+        self.p_port = free_port()
+        ctx = mp.get_context("spawn")
+        self.q_in, self.q_out = ctx.Queue(), ctx.Queue()
+        with _deployment_key(key):
+            self.proc = ctx.Process(target=prefill_process,
+                                    args=(self.p_port, self.q_in, self.q_out), daemon=True)
+            self.proc.start()
+            self.d = _worker("kv_consumer", free_port())
+            self.d.claim_ahead = ClaimAhead(lambda p_tp: {0: 1}, 10.0, reader="bench-scheduler",
+                                            engine_id=self.d.engine_id)
+
+    def connect(self) -> None:
+        """Wait for P's caches; register D's."""
+        self.session, self.p_addrs, self.p_strides = self.q_out.get(timeout=120)
+        with _deployment_key(self.key):
+            self.d.register_kv_caches(_caches(fill=False))
+        assert self.d.layout is not None and self.d.te is not None
+
+    def raw(self, d_blocks: list[int], p_blocks: list[int], nbytes: int) -> float:
+        return _raw_read(self.d, self.session, self.p_addrs, self.p_strides, d_blocks,
+                         p_blocks, nbytes)
+
+    def load(self, rid: str, d_blocks: list[int], p_blocks: list[int], mode: str) -> float:
+        with _deployment_key(self.key):
+            t = _connector_load(self.d, self.q_in, self.q_out, rid, self.p_port, d_blocks,
+                                p_blocks, mode)
+        if self.d.get_block_ids_with_load_errors():
+            raise RuntimeError(f"connector load {rid} failed")
+        return t
+
+    def sealing(self) -> set[bool]:
+        """Whether each client D opened to P seals its frames (one value per client)."""
+        clients = [*self.d._clients.values(), *self.d.claim_ahead._clients.values()]
+        return {c.auth is not None for c in clients}
+
+    def stop(self) -> None:
+        self.q_in.put(None)
+        self.proc.join(30)
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.d.claim_ahead.stop()
+        self.d.shutdown()
+
+
+def _measure(sizes: list[int], rounds: int, pairs: int, *,
+             keyed: bool = False) -> list[dict[str, Any]]:
+    """``rounds`` rounds of alternating raw reads and connector loads per size, between a
+    P process and a D worker without a deployment key; with ``keyed``, loads of a second
+    pair with a fresh key (sealed frames, claim tokens, regions with the grant) alternate
+    with them in the same rounds."""
     import random
+    import secrets
 
-    from vllm_ascend.distributed.kv_transfer.core.net import free_port
-
-    from ..pull_claims import ClaimAhead
-
-    p_port = free_port()
-    ctx = mp.get_context("spawn")
-    q_in, q_out = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=prefill_process, args=(p_port, q_in, q_out), daemon=True)
-    proc.start()
-    d = _worker("kv_consumer", free_port())
-    d.claim_ahead = ClaimAhead(lambda p_tp: {0: 1}, 10.0, reader="bench-scheduler",
-                               engine_id=d.engine_id)
+    plain = _Pair(None)
+    sealed = _Pair(secrets.token_hex(32)) if keyed else None
     rows: list[dict[str, Any]] = []
     try:
-        session, p_addrs, p_strides = q_out.get(timeout=120)
-        d.register_kv_caches(_caches(fill=False))
-        assert d.layout is not None and d.te is not None
+        plain.connect()
+        if sealed is not None:
+            sealed.connect()
+        d = plain.d
         rng = random.Random(0)
         auto = d.overlap_claims
-        paths = ["raw", *MODES]
+        paths = ["raw", *MODES, *(["keyed"] if sealed is not None else [])]
         # per size: each round's ratio of each mode, and every time measured
-        ratios: dict[int, dict[str, list[float]]] = {n: {m: [] for m in MODES} for n in sizes}
+        ratios: dict[int, dict[str, list[float]]] = {
+            n: {m: [] for m in [*MODES, "keyed", "keyed_vs_plain"]} for n in sizes}
         times: dict[int, dict[str, list[float]]] = {n: {k: [] for k in paths} for n in sizes}
+        # per size and path: each round's median time (the unit of the bootstrap)
+        medians: dict[int, dict[str, list[float]]] = {n: {k: [] for k in paths} for n in sizes}
         for rnd in range(rounds + 1):  # round 0 warms connections up
             for n in sizes:
                 nbytes = n * d.layout.block_bytes
@@ -212,71 +301,82 @@ def _measure(sizes: list[int], rounds: int, pairs: int) -> list[dict[str, Any]]:
                     d_blocks = rng.sample(range(NUM_BLOCKS), n)
                     # the same memory is warm for every path (one untimed read); ours and
                     # raw alternate, and the order turns each time
-                    _raw_read(d, session, p_addrs, p_strides, d_blocks, p_blocks, nbytes)
+                    plain.raw(d_blocks, p_blocks, nbytes)
+                    if sealed is not None:
+                        sealed.raw(d_blocks, p_blocks, nbytes)
                     k = pair + rnd
                     for kind in paths[k % len(paths):] + paths[:k % len(paths)]:
+                        rid = f"bench-{n}-{rnd}-{pair}-{kind}"
                         if kind == "raw":
-                            t = _raw_read(d, session, p_addrs, p_strides, d_blocks, p_blocks,
-                                          nbytes)
+                            t = plain.raw(d_blocks, p_blocks, nbytes)
+                        elif kind == "keyed":
+                            assert sealed is not None
+                            t = sealed.load(rid, d_blocks, p_blocks, DEFAULT_MODE)
                         else:
                             d.overlap_claims = auto if MODES[kind] is None else MODES[kind]
-                            t = _connector_load(d, q_in, q_out, f"bench-{n}-{rnd}-{pair}-{kind}",
-                                                p_port, d_blocks, p_blocks, kind)
-                            if d.get_block_ids_with_load_errors():
-                                raise RuntimeError(f"connector load of {n} blocks failed")
+                            t = plain.load(rid, d_blocks, p_blocks, kind)
                         got[kind].append(t)
                 d.overlap_claims = auto
                 if not rnd:
                     continue
                 raw = statistics.median(got["raw"])
-                for m in MODES:
+                for m in paths[1:]:
                     ratios[n][m].append(raw / statistics.median(got[m]))
+                if sealed is not None:
+                    ratios[n]["keyed_vs_plain"].append(statistics.median(got[DEFAULT_MODE])
+                                                       / statistics.median(got["keyed"]))
                 for kind in paths:
                     times[n][kind].extend(got[kind])
+                    medians[n][kind].append(statistics.median(got[kind]))
         for n in sizes:
-            nbytes = n * d.layout.block_bytes
-            raw = statistics.median(times[n]["raw"])
-            conn = statistics.median(times[n][DEFAULT_MODE])
-            spread = _spread(ratios[n][DEFAULT_MODE])
-            rows.append({"blocks": n, "bytes": nbytes, "raw_GBps": nbytes / raw / 1e9,
-                         "connector_GBps": nbytes / conn / 1e9, "ratio": spread["median"],
-                         "ratio_min": spread["min"], "ratio_max": spread["max"],
-                         "raw_ms": raw * 1e3, "connector_ms": conn * 1e3,
-                         **{f"ratio_{m}": statistics.median(ratios[n][m]) for m in MODES}})
-            print(f"{n} blocks: ratio {spread['median']:.2f} ({spread['min']:.2f}-"
-                  f"{spread['max']:.2f} over {rounds} rounds; raw {raw * 1e3:.2f} ms, "
-                  f"connector {conn * 1e3:.2f} ms; "
-                  + ", ".join(f"{m} {statistics.median(ratios[n][m]):.2f}" for m in MODES)
-                  + ")", flush=True)
+            rows.append(_row(n, n * d.layout.block_bytes, times[n], ratios[n], medians[n],
+                             rounds))
+        # a comparison counts only if the keyed pair sealed every frame and the plain did not
+        if plain.sealing() != {False} or (sealed is not None and sealed.sealing() != {True}):
+            raise RuntimeError(f"the pairs did not run as set up: plain clients sealed "
+                               f"{plain.sealing()}, keyed {sealed and sealed.sealing()}")
     finally:
-        q_in.put(None)
-        proc.join(30)
-        if proc.is_alive():
-            proc.kill()
-        d.claim_ahead.stop()
-        d.shutdown()
+        plain.stop()
+        if sealed is not None:
+            sealed.stop()
     return rows
 
 
-def _keyed_phase(sizes: list[int], rounds: int, pairs: int) -> list[dict[str, Any]]:
-    """:func:`_measure` with a fresh deployment key in the environment: every side-channel
-    frame sealed and checked, claims carrying the request's token, regions with the grant."""
-    import os
-    import secrets
+def _row(n: int, nbytes: int, times: dict[str, list[float]], ratios: dict[str, list[float]],
+         medians: dict[str, list[float]], rounds: int) -> dict[str, Any]:
+    """One block count's result. ``ratio_low``/``ratio_high`` (and ``keyed_vs_plain_low``/
+    ``_high``) are the 95% paired bootstrap interval over the rounds of the ratio of the
+    rounds' medians (``core.tooling.serve_stats.compare``, as ``bench serve``)."""
+    from vllm_ascend.distributed.kv_transfer.core.tooling.serve_stats import compare
 
-    from vllm_ascend.distributed.kv_transfer.core import auth
-
-    saved = {k: os.environ.get(k) for k in (auth.ENV_KEY, auth.ENV_KEY_FILE)}
-    os.environ[auth.ENV_KEY] = secrets.token_hex(32)
-    os.environ.pop(auth.ENV_KEY_FILE, None)
-    try:
-        return _measure(sizes, rounds, pairs)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    raw = statistics.median(times["raw"])
+    conn = statistics.median(times[DEFAULT_MODE])
+    spread = _spread(ratios[DEFAULT_MODE])
+    iv = compare(medians["raw"], medians[DEFAULT_MODE])
+    row: dict[str, Any] = {
+        "blocks": n, "bytes": nbytes, "raw_GBps": nbytes / raw / 1e9,
+        "connector_GBps": nbytes / conn / 1e9, "ratio": spread["median"],
+        "ratio_min": spread["min"], "ratio_max": spread["max"],
+        "ratio_low": iv.low, "ratio_high": iv.high,
+        "raw_ms": raw * 1e3, "connector_ms": conn * 1e3,
+        **{f"ratio_{m}": statistics.median(ratios[m]) for m in MODES}}
+    line = (f"{n} blocks: ratio {spread['median']:.2f} ({spread['min']:.2f}-"
+            f"{spread['max']:.2f} over {rounds} rounds, 95% interval {iv.low:.2f}-"
+            f"{iv.high:.2f}; raw {raw * 1e3:.2f} ms, connector {conn * 1e3:.2f} ms; "
+            + ", ".join(f"{m} {statistics.median(ratios[m]):.2f}" for m in MODES) + ")")
+    if times.get("keyed"):
+        cost = _spread(ratios["keyed_vs_plain"])
+        kiv = compare(medians[DEFAULT_MODE], medians["keyed"])
+        row.update(keyed_ms=statistics.median(times["keyed"]) * 1e3,
+                   ratio_keyed=statistics.median(ratios["keyed"]),
+                   keyed_vs_plain=cost["median"], keyed_vs_plain_min=cost["min"],
+                   keyed_vs_plain_max=cost["max"], keyed_vs_plain_low=kiv.low,
+                   keyed_vs_plain_high=kiv.high)
+        line += (f"; keyed {row['keyed_ms']:.2f} ms, plain / keyed {cost['median']:.2f} "
+                 f"({cost['min']:.2f}-{cost['max']:.2f}, 95% interval {kiv.low:.2f}-"
+                 f"{kiv.high:.2f})")
+    print(line, flush=True)
+    return row
 
 
 def run(args: argparse.Namespace) -> int:
@@ -291,19 +391,12 @@ def run(args: argparse.Namespace) -> int:
     rounds = 3 if args.quick else args.rounds
     pairs = 2 if args.quick else args.pairs
     cpus = usable_cpus()
-    rows = _measure(sizes, rounds, pairs)
-    keyed: list[dict[str, Any]] = []
-    if args.auth:
-        print("with a deployment key:", flush=True)
-        keyed = _keyed_phase(sizes, rounds, pairs)
-        for row, krow in zip(rows, keyed, strict=True):
-            # the key's cost: the keyed phase's connector/raw over the plain phase's
-            krow["vs_unkeyed"] = krow["ratio"] / row["ratio"] if row["ratio"] else None
+    rows = _measure(sizes, rounds, pairs, keyed=args.auth)
     cols = ["blocks", "bytes", "raw_GBps", "connector_GBps", "ratio", "ratio_min", "ratio_max",
             "raw_ms", "connector_ms", *(f"ratio_{m}" for m in MODES)]
+    if args.auth:
+        cols += ["keyed_ms", "keyed_vs_plain", "keyed_vs_plain_low", "keyed_vs_plain_high"]
     print(format_table(rows, cols))
-    if keyed:
-        print(format_table(keyed, [*cols, "vs_unkeyed"]))
     path = write_results("p2p", {
         "description": "MooncakeConnectorV1 load timed from the moment D's scheduler sees the "
                        "request (it sends the claim then; the worker reads at once and gets "
@@ -315,18 +408,22 @@ def run(args: argparse.Namespace) -> int:
                        "median over the rounds of raw / connector (each round's medians), "
                        "with min-max; ratio_overlapped / ratio_claims_first: the worker "
                        f"claiming itself, overlapped with the read or before it ({cpus} CPUs)"
-                       + ("; keyed_results: the same with a deployment key (sealed frames, "
-                          "claim tokens, regions with the grant), vs_unkeyed = its ratio over "
-                          "the plain phase's" if keyed else ""),
+                       + ("; keyed: a second P and D pair with a deployment key (sealed "
+                          "frames, claim tokens, regions with the grant), its loads (claims "
+                          "sent ahead) alternating with the others in the same rounds; "
+                          "keyed_vs_plain = the median over the rounds of plain connector "
+                          "time / keyed connector time, with min-max and the 95% paired "
+                          "bootstrap interval over the rounds" if args.auth else ""),
         "claim_mode": DEFAULT_MODE,
         "cpus": cpus,
         "rounds": rounds,
         "pairs": pairs,
-        "goal": "ratio >= 0.9 (min-max above 0.9 to count as met)",
+        "goal": "ratio >= 0.9 (the 95% bootstrap interval over the rounds at or above 0.9 to "
+                "count as met)",
         "layout": {"layers": LAYERS, "block_bytes_per_layer": HEADS * BLOCK_TOKENS * 2 *
                    HEAD_SIZE * 2},
-        "results": rows,
-        **({"keyed_results": keyed} if keyed else {})}, args.out)
+        "keyed": bool(args.auth),
+        "results": rows}, args.out)
     print(f"results: {path}")
     return 0
 
@@ -342,5 +439,6 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--pairs", type=int, default=3,
                    help="alternating loads of the raw engine and each claim mode per round")
     p.add_argument("--auth", action="store_true",
-                   help="measure again with a deployment key (keyed_results in the JSON)")
+                   help="a second pair with a deployment key, its loads alternating with the "
+                        "others (keyed_* in each result)")
     p.set_defaults(func=run)
