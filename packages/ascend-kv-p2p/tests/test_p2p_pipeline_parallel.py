@@ -288,3 +288,25 @@ def test_a_pp_p_whose_ranks_listen_on_several_hosts_is_refused() -> None:
     assert sched.rank_hosts == {0: "127.0.0.1", 1: "127.0.0.1"}
     with pytest.raises(ConfigError, match="listen on several hosts"):
         sched.rank_hosts = {0: "127.0.0.2", 1: "127.0.0.3"}
+
+
+def test_the_connector_takes_every_stages_handshake_metadata() -> None:
+    """vLLM hands a PP engine's handshake metadata keyed by (pp rank, tp rank); its default
+    refuses any stage above 0. Stages on one host name their TP ranks' host; stages on
+    several hosts are refused, naming them."""
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_connector import MooncakeConnector
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_scheduler import PullScheduler
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.rank_hosts import RankAddress
+
+    sched = PullScheduler(_vllm_config("kv_producer", free_port(), tp=2, pp=2, layers=8),
+                          MooncakeP2PConfig.from_dict({"prefill": {"pp_size": 2}}), "P")
+    conn = object.__new__(MooncakeConnector)  # the scheduler side alone
+    conn.connector_scheduler = sched
+    conn.set_xfer_handshake_metadata_pp_aware({
+        (pp, tp): RankAddress("10.0.0.7", 5000 + 2 * pp + tp, tp)
+        for pp in range(2) for tp in range(2)})
+    assert sched.rank_hosts == {0: "10.0.0.7", 1: "10.0.0.7"}
+    with pytest.raises(ConfigError, match=r"listen on several hosts \(\['10.0.0.7', '10.0.0.8'\]"):
+        conn.set_xfer_handshake_metadata_pp_aware({
+            (0, 0): RankAddress("10.0.0.7", 5000, 0), (0, 1): RankAddress("10.0.0.7", 5001, 1),
+            (1, 0): RankAddress("10.0.0.8", 5002, 0), (1, 1): RankAddress("10.0.0.8", 5003, 1)})

@@ -154,8 +154,9 @@ class EngineProcess:
             kwargs["kv_transfer_config"] = kv_transfer_config
         ctx = mp.get_context("spawn")
         self._conn, child_conn = ctx.Pipe()
-        # vLLM starts worker processes of its own for TP > 1: a daemon process may not.
-        daemon = int(kwargs.get("tensor_parallel_size", 1)) <= 1
+        # vLLM starts worker processes of its own for TP or PP > 1: a daemon process may not.
+        daemon = (int(kwargs.get("tensor_parallel_size", 1))
+                  * int(kwargs.get("pipeline_parallel_size", 1))) <= 1
         self.proc = ctx.Process(target=_child,
                                 args=(child_conn, kwargs, {**ENGINE_ENV, **(env or {})},
                                       pre_import or []), daemon=daemon)

@@ -122,6 +122,18 @@ class MooncakeConnector(ConnectorStatsMixin, KVConnectorBase_V1):
         if self.connector_scheduler is not None:
             self.connector_scheduler.rank_hosts = hosts_of(metadata)
 
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]
+                                             ) -> None:
+        """Each ``(pipeline stage, TP rank)``'s address (vLLM's PP-aware form; its default
+        refuses any stage above 0): a pipeline-parallel P's stages on one host name their
+        TP ranks' host; stages on several hosts are refused, naming them."""
+        if self.connector_scheduler is None:
+            return
+        by_stage: dict[int, dict[int, str]] = {}
+        for (pp_rank, tp_rank), meta in metadata.items():
+            by_stage.setdefault(int(pp_rank), {}).update(hosts_of({tp_rank: meta}))
+        self.connector_scheduler.set_stage_hosts(by_stage)
+
     # ============================== Worker-side methods
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         assert self.connector_worker is not None

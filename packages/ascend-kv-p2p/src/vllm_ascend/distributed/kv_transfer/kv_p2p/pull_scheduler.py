@@ -95,6 +95,15 @@ class PullScheduler:
                 key="pipeline_parallel_size", value=self.pp_size, source="parallel_config")
         self._rank_hosts = dict(hosts)
 
+    def set_stage_hosts(self, by_stage: dict[int, dict[int, str]]) -> None:
+        """Where each pipeline stage's TP ranks listen (``{pp rank: {tp rank: host}}``):
+        the TP ranks' hosts, once every stage is on one host (refused otherwise, as
+        :attr:`rank_hosts` is)."""
+        every = {h for stage in by_stage.values() for h in stage.values()}
+        if len(by_stage) > 1 and len(every) > 1:
+            self.rank_hosts = {i: h for i, h in enumerate(sorted(every))}  # raises
+        self.rank_hosts = dict(by_stage.get(0, {}))
+
     # ------------------------------------------------------------ helpers
     def _parse(self, request: Request) -> RemotePrefill | KVParamsError:
         try:
