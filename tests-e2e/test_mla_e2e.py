@@ -4,7 +4,9 @@
 TCP. One engine set per connector, shared by its test class and living only as long as
 it, so that no more than two engines run at once: P and D pulling (``MooncakeConnectorV1``),
 P and D pushing layer by layer (``MooncakeLayerwiseConnector``, with ``do_virtual``), one
-engine with the ``local`` pool (``AscendStoreConnector``).
+engine with the ``local`` pool (``AscendStoreConnector``), one with CPU offload
+(``CPUOffloadingConnector``), two on one Mooncake Store (the second loads what the first
+saved).
 
 Two checks, because bf16 greedy tokens alone prove nothing here (``docs/model-shapes.md``):
 
@@ -208,7 +210,46 @@ class TestLayerwise:
         lw.d.reset_prefix_cache()  # the virtual request's blocks hold no real KV
 
 
-# ---------------------------------------------------------------- local pool
+# ---------------------------------------------------------------- pool and offload
+OFFLOAD_TOTALS = "vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.introspect:offload_totals"
+
+
+def one_copy(n: int) -> int:
+    """The bytes of ``n`` full blocks: one latent per token and layer, one copy."""
+    return n * BS * LATENT_BYTES * LAYERS
+
+
+def served_back(engine: EngineProcess, seed: int, totals: str, prefix: str) -> None:
+    """One engine: the prompt's blocks go to the connector's store; its own prefix cache is
+    reset and the blocks zeroed; the prompt again loads them from the store, byte for byte,
+    one copy of the latent per block and layer, and the tokens equal the warm instance's."""
+    length = LENGTHS[0]
+    prompt = prompts_of([length], seed=seed + length)[0]
+    full = (length - 1) // BS
+    before = engine.call(totals)
+    engine.generate([prompt], max_tokens=8)
+    saved = engine.call(f"{KB}:prefix_digests", prompt=prompt)
+    assert len(saved["block_ids"]) == full
+    warm = engine.generate([prompt], max_tokens=8)[0]  # from vLLM's own prefix cache
+    assert warm.num_cached_tokens == full * BS
+    assert engine.wait_idle(20)
+    mid = engine.call(totals)
+    assert mid.get(f"{prefix}_save_bytes", 0) - before.get(f"{prefix}_save_bytes", 0) \
+        == one_copy(full)
+    assert engine.reset_prefix_cache()
+    engine.call(f"{KB}:zero_blocks", block_ids=saved["block_ids"])
+    got = engine.generate([prompt], max_tokens=8)[0]
+    assert got.num_cached_tokens == full * BS
+    after = engine.call(totals)
+    assert after.get(f"{prefix}_loaded_blocks", 0) - mid.get(f"{prefix}_loaded_blocks", 0) == full
+    assert after.get(f"{prefix}_load_bytes", 0) - mid.get(f"{prefix}_load_bytes", 0) \
+        == one_copy(full)
+    loaded = engine.call(f"{KB}:prefix_digests", prompt=prompt)
+    assert loaded["ranks"][0]["layers"] == saved["ranks"][0]["layers"]
+    assert got.token_ids == warm.token_ids
+    assert engine.reset_prefix_cache()
+
+
 @pytest.fixture(scope="class")
 def pool(model: Path) -> Iterator[EngineProcess]:
     cfg = {"kv_connector": "AscendStoreConnector", "kv_role": "kv_both",
@@ -224,25 +265,70 @@ class TestLocalPool:
     """``AscendStoreConnector`` with the ``local`` backend."""
 
     def test_local_pool_serves_the_saved_bytes_back(self, pool: EngineProcess) -> None:
-        """One engine: the prompt's blocks go to the pool; its own prefix cache is reset and the
-        blocks zeroed; the prompt again loads them from the pool, byte for byte."""
+        served_back(pool, 200, f"{PROBES}:pool_totals", "pool")
+
+
+@pytest.fixture(scope="class")
+def offload(model: Path) -> Iterator[EngineProcess]:
+    cfg = {"kv_connector": "CPUOffloadingConnector", "kv_role": "kv_both",
+           "kv_connector_extra_config": {"cpu_swap_space": "64MB"}}
+    engine = _start_all(model, {"offload": cfg})["offload"]
+    try:
+        yield engine
+    finally:
+        engine.close()
+
+
+class TestCpuOffload:
+    """``CPUOffloadingConnector``: blocks saved to host memory, loaded back."""
+
+    def test_offload_serves_the_saved_bytes_back(self, offload: EngineProcess) -> None:
+        served_back(offload, 300, OFFLOAD_TOTALS, "offload")
+
+
+@pytest.fixture(scope="class")
+def store(model: Path, mooncake_master: Any) -> Iterator[dict[str, EngineProcess]]:
+    """Two engines on one Mooncake Store; a ``mooncake_client`` holds the pool's memory."""
+    from ascend_kv_testing.mooncake import MooncakeSegmentHolder
+
+    holder = MooncakeSegmentHolder(mooncake_master, segment_size="64MB").start()
+    cfg = {"kv_connector": "AscendStoreConnector", "kv_role": "kv_both",
+           "kv_connector_extra_config": {
+               "backend": "mooncake",
+               "mooncake": mooncake_master.config(global_segment_size=0,
+                                                  local_buffer_size="16MB")}}
+    engines: dict[str, EngineProcess] = {}
+    try:
+        engines = _start_all(model, {"first": cfg, "second": cfg})
+        yield engines
+    finally:
+        for e in engines.values():
+            e.close()
+        holder.stop()
+
+
+class TestMooncakeStorePool:
+    """``AscendStoreConnector`` with the Mooncake Store backend: a second engine hits the
+    prefix the first saved."""
+
+    def test_second_engine_loads_the_first_engines_bytes(self, store: Any) -> None:
+        first, second = store["first"], store["second"]
         length = LENGTHS[0]
-        prompt = prompts_of([length], seed=200 + length)[0]
+        prompt = prompts_of([length], seed=400 + length)[0]
         full = (length - 1) // BS
-        pool.generate([prompt], max_tokens=8)
-        saved = pool.call(f"{KB}:prefix_digests", prompt=prompt)
+        first.generate([prompt], max_tokens=8)
+        saved = first.call(f"{KB}:prefix_digests", prompt=prompt)
         assert len(saved["block_ids"]) == full
-        warm = pool.generate([prompt], max_tokens=8)[0]  # from vLLM's own prefix cache
+        warm = first.generate([prompt], max_tokens=8)[0]  # from its own prefix cache
         assert warm.num_cached_tokens == full * BS
-        assert pool.wait_idle(20)
-        before = pool.call(f"{PROBES}:pool_totals")
-        assert pool.reset_prefix_cache()
-        pool.call(f"{KB}:zero_blocks", block_ids=saved["block_ids"])
-        got = pool.generate([prompt], max_tokens=8)[0]
+        assert first.wait_idle(20)
+        assert first.call(f"{PROBES}:pool_totals").get("pool_save_bytes", 0) == one_copy(full)
+        got = second.generate([prompt], max_tokens=8)[0]
         assert got.num_cached_tokens == full * BS
-        after = pool.call(f"{PROBES}:pool_totals")
-        assert after.get("pool_loaded_blocks", 0) - before.get("pool_loaded_blocks", 0) == full
-        loaded = pool.call(f"{KB}:prefix_digests", prompt=prompt)
+        totals = second.call(f"{PROBES}:pool_totals")
+        assert totals.get("pool_loaded_blocks", 0) == full
+        assert totals.get("pool_load_bytes", 0) == one_copy(full)
+        loaded = second.call(f"{KB}:prefix_digests", prompt=prompt)
         assert loaded["ranks"][0]["layers"] == saved["ranks"][0]["layers"]
+        assert len(set(next(iter(saved["ranks"][0]["layers"].values())))) == full  # not zeros
         assert got.token_ids == warm.token_ids
-        assert pool.reset_prefix_cache()
