@@ -80,6 +80,16 @@ def test_roles_and_bad_config(make_vllm_config: Callable[..., Any]) -> None:
     with pytest.raises(ConfigError, match="swap_in_threshold: must be >= 0"):
         CPUOffloadingConnector(make_vllm_config({"swap_in_threshold": -1}),
                                KVConnectorRole.SCHEDULER, None)
+    # several KV cache groups (a hybrid model, the hybrid manager forced on): refused
+    from ascend_kv_testing.models import hybrid_kv_cache_config
+
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(ConfigError, match="CPUOffloadingConnector moves the blocks of one "
+                                              "KV cache group, but this model has 2"):
+            CPUOffloadingConnector(make_vllm_config(), role, hybrid_kv_cache_config())
+    one = CPUOffloadingConnector(make_vllm_config(), KVConnectorRole.SCHEDULER,
+                                 hybrid_kv_cache_config(1))
+    one.shutdown()
 
 
 def test_stats_classmethods_round_trip() -> None:

@@ -93,3 +93,24 @@ def test_bad_layouts_are_clear_errors() -> None:
 def test_layer_index() -> None:
     assert layer_index("model.layers.12.self_attn.attn") == 12
     assert layer_index("attn") == -1
+
+
+def test_more_than_one_kv_cache_group_is_refused_naming_them() -> None:
+    from types import SimpleNamespace
+
+    from vllm_ascend.distributed.kv_transfer.core.errors import ConfigError
+    from vllm_ascend.distributed.kv_transfer.core.layout import refuse_kv_cache_groups
+
+    class SlidingWindowSpec:
+        sliding_window = 128
+
+    full = SimpleNamespace(kv_cache_spec=object(), layer_names=[f"l.{i}" for i in range(6)])
+    window = SimpleNamespace(kv_cache_spec=SlidingWindowSpec(), layer_names=["l.6"])
+    refuse_kv_cache_groups(None, "X")  # not known yet: nothing to check
+    refuse_kv_cache_groups(SimpleNamespace(kv_cache_groups=[full]), "X")
+    with pytest.raises(ConfigError, match=r"^X moves the blocks of one KV cache group, but this "
+                                          r"model has 2: object \[l.0, l.1, l.2, l.3, \.\.\. "
+                                          r"\(6 layers\)\]; SlidingWindowSpec\(sliding_window="
+                                          r"128\) \[l.6\]") as info:
+        refuse_kv_cache_groups(SimpleNamespace(kv_cache_groups=[full, window]), "X")
+    assert info.value.key == "kv_cache_groups" and info.value.value == 2

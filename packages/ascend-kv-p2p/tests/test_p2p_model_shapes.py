@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from ascend_kv_testing.models import hybrid_kv_cache_config
 from vllm_ascend.distributed.kernels.heads import HeadSlice
 from vllm_ascend.distributed.kv_transfer.core.errors import ConfigError
 from vllm_ascend.distributed.kv_transfer.core.layout import KVCacheLayout
@@ -129,23 +130,6 @@ def test_context_parallelism_is_refused_naming_key_and_value(worker: Any, cfg: A
         worker(vllm_config(role=role, **{key: 2}), cfg(), "e", MetricsRecorder(P2P_METRICS),
                tp_rank=0, pp_rank=0)
     assert info.value.key == key and info.value.value == 2
-
-
-def hybrid_kv_cache_config(groups: int = 2) -> Any:
-    """A model with full-attention and sliding-window layers under the hybrid manager."""
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-        SlidingWindowSpec,
-    )
-
-    full = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.float32)
-    window = SlidingWindowSpec(block_size=BS, num_kv_heads=2, head_size=64,
-                               dtype=torch.float32, sliding_window=128)
-    specs = [KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn" for i in (0, 2)], full),
-             KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn" for i in (1, 3)], window)]
-    return KVCacheConfig(num_blocks=NB, kv_cache_tensors=[], kv_cache_groups=specs[:groups])
 
 
 def test_more_than_one_kv_cache_group_is_refused_naming_the_groups() -> None:

@@ -110,3 +110,26 @@ def test_upstream_paths_re_export_ours(path: str) -> None:
     ours = importlib.import_module(f"{PKG}.{module}")
     for name in names:
         assert getattr(shim, name) is getattr(ours, name), name
+
+
+@pytest.mark.parametrize("role", ["SCHEDULER", "WORKER"])
+def test_a_hybrid_kv_cache_is_refused_at_start_up(role: str) -> None:
+    """The pool moves one KV cache group's blocks: a model with several (the hybrid
+    manager forced on) is refused, naming them, instead of pooling part of its KV."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from ascend_kv_testing.models import hybrid_kv_cache_config
+    from vllm_ascend.distributed.kv_transfer.core.errors import ConfigError
+    from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.store_connector import (
+        AscendStoreConnector,
+    )
+
+    cfg = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config={}))
+    with pytest.raises(ConfigError, match=r"AscendStoreConnector moves the blocks of one KV "
+                                          r"cache group, but this model has 2: "
+                                          r"FullAttentionSpec") as info:
+        AscendStoreConnector(cfg, getattr(KVConnectorRole, role),  # type: ignore[arg-type]
+                             hybrid_kv_cache_config())
+    assert info.value.key == "kv_cache_groups"

@@ -116,3 +116,24 @@ def make_tokenizer(path: Path, *, vocab_size: int = 1024) -> Path:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(path)
     return path
+
+
+def hybrid_kv_cache_config(groups: int = 2, *, block_size: int = 16, num_blocks: int = 8) -> Any:
+    """vLLM's ``KVCacheConfig`` of a model with full-attention and sliding-window layers
+    under the hybrid KV cache manager (``groups`` 1: the full-attention group alone)."""
+    import torch
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
+
+    full = FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=64,
+                             dtype=torch.float32)
+    window = SlidingWindowSpec(block_size=block_size, num_kv_heads=2, head_size=64,
+                               dtype=torch.float32, sliding_window=128)
+    specs = [KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn" for i in (0, 2)], full),
+             KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn" for i in (1, 3)], window)]
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                         kv_cache_groups=specs[:groups])

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import msgspec
 import torch
 
-from .errors import LayoutError
+from .errors import ConfigError, LayoutError
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
@@ -297,3 +297,39 @@ def _heads_nbhd(name: str, t: torch.Tensor, block_size: int) -> tuple[int, int]:
 def _head_axis_nbhd(t: torch.Tensor) -> int:
     # block shape (block_size, heads, head_size): heads at axis 1
     return 1
+
+
+# ---------------------------------------------------------------------- KV cache groups
+def refuse_kv_cache_groups(kv_cache_config: object, who: str) -> None:
+    """Refuse at start-up a model with more than one KV cache group.
+
+    A hybrid model (e.g. sliding window and full attention) under vLLM's hybrid KV cache
+    manager has one group of blocks per attention kind; every connector of this project
+    moves one group's blocks, so it would move a part of each request's KV as if it were
+    all of it. None declares vLLM's ``SupportsHMA``, so vLLM turns the hybrid manager off
+    for them (one group for every layer) unless it is forced on.
+
+    Args:
+        kv_cache_config: the engine's ``KVCacheConfig`` (``None`` where not known yet).
+        who: the connector or worker, named in the error.
+
+    Raises:
+        ConfigError: naming the model's groups and the way out.
+    """
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    if len(groups) > 1:
+        names = "; ".join(_group_name(g) for g in groups)
+        raise ConfigError(
+            f"{who} moves the blocks of one KV cache group, but this model has {len(groups)}: "
+            f"{names}. Serve it with the hybrid KV cache manager off "
+            "(--disable-hybrid-kv-cache-manager), which gives every layer one group",
+            key="kv_cache_groups", value=len(groups), source="kv_cache_config")
+
+
+def _group_name(group: object) -> str:
+    spec = getattr(group, "kv_cache_spec", None)
+    kind = type(spec).__name__ if spec is not None else "?"
+    window = getattr(spec, "sliding_window", None)
+    layers = list(getattr(group, "layer_names", []) or [])
+    shown = ", ".join(layers[:4]) + (f", ... ({len(layers)} layers)" if len(layers) > 4 else "")
+    return f"{kind}{f'(sliding_window={window})' if window else ''} [{shown}]"

@@ -29,7 +29,11 @@ from vllm_ascend.distributed.kernels.heads import (
 )
 from vllm_ascend.distributed.kv_transfer.core.channel import RpcClient, tcp_endpoint
 from vllm_ascend.distributed.kv_transfer.core.errors import ConfigError
-from vllm_ascend.distributed.kv_transfer.core.layout import KVCacheLayout, KVRegion
+from vllm_ascend.distributed.kv_transfer.core.layout import (
+    KVCacheLayout,
+    KVRegion,
+    refuse_kv_cache_groups,
+)
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
 from vllm_ascend.distributed.kv_transfer.core.net import get_host_ip
 from vllm_ascend.distributed.kv_transfer.core.ranks import rank_info_from_vllm
@@ -213,23 +217,7 @@ def refuse_unsupported_shapes(vllm_config: Any, kv_cache_config: Any, who: str) 
                 f"{who}: {key}={value} is not supported (P/D moves whole blocks of one rank "
                 f"and tells D a context-parallel size of 1); run P/D instances with {key} 1",
                 key=key, value=value, source="parallel_config")
-    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
-    if len(groups) > 1:
-        names = "; ".join(_group_name(g) for g in groups)
-        raise ConfigError(
-            f"{who} moves the blocks of one KV cache group, but this model has {len(groups)}: "
-            f"{names}. Serve it with the hybrid KV cache manager off "
-            "(--disable-hybrid-kv-cache-manager), which gives every layer one group",
-            key="kv_cache_groups", value=len(groups), source="kv_cache_config")
-
-
-def _group_name(group: Any) -> str:
-    spec = getattr(group, "kv_cache_spec", None)
-    kind = type(spec).__name__ if spec is not None else "?"
-    window = getattr(spec, "sliding_window", None)
-    layers = list(getattr(group, "layer_names", []) or [])
-    shown = ", ".join(layers[:4]) + (f", ... ({len(layers)} layers)" if len(layers) > 4 else "")
-    return f"{kind}{f'(sliding_window={window})' if window else ''} [{shown}]"
+    refuse_kv_cache_groups(kv_cache_config, who)
 
 
 def head_slices(total_heads: int, remote_tp: int, local_tp: int, local_rank: int, *,

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_ascend.distributed.kv_transfer.core.layout import refuse_kv_cache_groups
 from vllm_ascend.distributed.kv_transfer.core.vllm_compat import require_vllm
 
 require_vllm("CPUOffloadingConnector")
@@ -94,10 +95,8 @@ def endpoint_for(vllm_config: Any, cfg: CPUOffloadConfig) -> str:
 
 def block_size_of(vllm_config: Any, kv_cache_config: Any) -> int:
     """Tokens per block: the KV cache group's block size, else the cache config's."""
+    refuse_kv_cache_groups(kv_cache_config, "CPUOffloadingConnector")
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
-    if len(groups) > 1:
-        raise ValueError(f"CPUOffloadingConnector supports one KV cache group, the model has "
-                         f"{len(groups)} (hybrid attention); disable the connector for it")
     if groups:
         return int(groups[0].kv_cache_spec.block_size)
     return int(vllm_config.cache_config.block_size)

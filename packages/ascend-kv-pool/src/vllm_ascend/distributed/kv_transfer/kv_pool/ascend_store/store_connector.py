@@ -25,6 +25,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from vllm_ascend.distributed.kv_transfer.core.layout import refuse_kv_cache_groups
 from vllm_ascend.distributed.kv_transfer.core.vllm_compat import require_vllm
 
 require_vllm("AscendStoreConnector")
@@ -171,6 +172,7 @@ class AscendStoreConnector(ConnectorStatsMixin, KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        refuse_kv_cache_groups(kv_cache_config, type(self).__name__)
         kv_config = vllm_config.kv_transfer_config
         self.pool_config = AscendStoreConfig.from_dict(
             kv_config.kv_connector_extra_config,
