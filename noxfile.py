@@ -168,10 +168,6 @@ E2E_TP = ("test_uneven_tp_e2e.py", "test_mla_tp_e2e.py", "test_p2p_hetero_tp_e2e
 #: 2 P + 2 D ``vllm serve`` behind the proxy, layerwise, failover and vLLM's benchmark client
 #: at concurrency 8 and 16 (several minutes): ``nox -s e2e-fleet``, outside the default set.
 E2E_FLEET = ("test_p2p_fleet_e2e.py",)
-#: Single tests of default modules left to the long sessions (CI's 40 minutes); none today:
-#: vLLM's benchmark client through the 2P+2D router (16 requests at concurrency 8) is back
-#: in the default e2e session, and e2e-fleet runs the client at concurrency 8 and 16.
-E2E_LONG_TESTS: tuple[str, ...] = ()
 
 
 @nox.session(python=PYTHON)
@@ -181,7 +177,6 @@ def e2e(session: nox.Session) -> None:
     install_everything(session)
     run_pytest(session, str(ROOT / "tests-e2e"),
                *[f"--ignore={ROOT / 'tests-e2e' / f}" for f in (*E2E_TP, *E2E_FLEET)],
-               *[f"--deselect=tests-e2e/{t}" for t in E2E_LONG_TESTS],  # rootdir-relative
                timeout=900)
 
 
@@ -202,8 +197,7 @@ def e2e_fleet(session: nox.Session) -> None:
     taken back after restart, vLLM's benchmark client at concurrency 8 and 16 (random and
     prefix_repetition): nothing fails, no block stays held."""
     install_everything(session)
-    run_pytest(session, *[str(ROOT / "tests-e2e" / f) for f in E2E_FLEET],
-               *[str(ROOT / "tests-e2e" / t) for t in E2E_LONG_TESTS], timeout=1800)
+    run_pytest(session, *[str(ROOT / "tests-e2e" / f) for f in E2E_FLEET], timeout=1800)
 
 
 def install_everything(session: nox.Session) -> None:
