@@ -85,24 +85,26 @@ class PullScheduler:
 
     @rank_hosts.setter
     def rank_hosts(self, hosts: dict[int, str]) -> None:
-        if self.pp_size > 1 and len(set(hosts.values())) > 1:
-            # the published addresses name TP ranks, not pipeline stages: D would dial a
-            # stage's rank at another stage's host
-            raise ConfigError(
-                f"a pipeline-parallel P (pipeline_parallel_size={self.pp_size}) whose ranks "
-                f"listen on several hosts ({sorted(set(hosts.values()))}) is not supported "
-                "yet: D dials every pipeline stage at P's host; run P's stages on one host",
-                key="pipeline_parallel_size", value=self.pp_size, source="parallel_config")
+        self._refuse_stages_on_several_hosts(set(hosts.values()))
         self._rank_hosts = dict(hosts)
 
     def set_stage_hosts(self, by_stage: dict[int, dict[int, str]]) -> None:
         """Where each pipeline stage's TP ranks listen (``{pp rank: {tp rank: host}}``):
         the TP ranks' hosts, once every stage is on one host (refused otherwise, as
         :attr:`rank_hosts` is)."""
-        every = {h for stage in by_stage.values() for h in stage.values()}
-        if len(by_stage) > 1 and len(every) > 1:
-            self.rank_hosts = {i: h for i, h in enumerate(sorted(every))}  # raises
-        self.rank_hosts = dict(by_stage.get(0, {}))
+        self._refuse_stages_on_several_hosts(
+            {h for stage in by_stage.values() for h in stage.values()})
+        self._rank_hosts = dict(by_stage.get(0, {}))
+
+    def _refuse_stages_on_several_hosts(self, hosts: set[str]) -> None:
+        if self.pp_size > 1 and len(hosts) > 1:
+            # the published addresses name TP ranks, not pipeline stages: D would dial a
+            # stage's rank at another stage's host
+            raise ConfigError(
+                f"a pipeline-parallel P (pipeline_parallel_size={self.pp_size}) whose ranks "
+                f"listen on several hosts ({sorted(hosts)}) is not supported "
+                "yet: D dials every pipeline stage at P's host; run P's stages on one host",
+                key="pipeline_parallel_size", value=self.pp_size, source="parallel_config")
 
     # ------------------------------------------------------------ helpers
     def _parse(self, request: Request) -> RemotePrefill | KVParamsError:
