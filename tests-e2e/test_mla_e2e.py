@@ -250,15 +250,20 @@ def served_back(engine: EngineProcess, seed: int, totals: str, prefix: str) -> N
     assert engine.reset_prefix_cache()
 
 
-@pytest.fixture(scope="class")
-def pool(model: Path) -> Iterator[EngineProcess]:
-    cfg = {"kv_connector": "AscendStoreConnector", "kv_role": "kv_both",
-           "kv_connector_extra_config": {"backend": "local", "local_pool_size": "64MB"}}
-    engine = _start_all(model, {"pool": cfg})["pool"]
+def _one_engine(model: Path, kv: dict[str, Any]) -> Iterator[EngineProcess]:
+    """One engine with ``kv``, closed when its class is done."""
+    engine = _start_all(model, {"engine": kv})["engine"]
     try:
         yield engine
     finally:
         engine.close()
+
+
+@pytest.fixture(scope="class")
+def pool(model: Path) -> Iterator[EngineProcess]:
+    yield from _one_engine(model, {
+        "kv_connector": "AscendStoreConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"backend": "local", "local_pool_size": "64MB"}})
 
 
 class TestLocalPool:
@@ -270,13 +275,9 @@ class TestLocalPool:
 
 @pytest.fixture(scope="class")
 def offload(model: Path) -> Iterator[EngineProcess]:
-    cfg = {"kv_connector": "CPUOffloadingConnector", "kv_role": "kv_both",
-           "kv_connector_extra_config": {"cpu_swap_space": "64MB"}}
-    engine = _start_all(model, {"offload": cfg})["offload"]
-    try:
-        yield engine
-    finally:
-        engine.close()
+    yield from _one_engine(model, {
+        "kv_connector": "CPUOffloadingConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"cpu_swap_space": "64MB"}})
 
 
 class TestCpuOffload:

@@ -31,8 +31,9 @@ With ``--auth`` (issue 19: what a deployment key costs), a second P process and 
 worker with a fresh key load the same block ranges, their loads alternating with the
 others in the same rounds; ``keyed_vs_plain`` is the median over the rounds of the
 plain connector's time over the keyed one's (1.0: the key costs nothing), with its
-min-max and its bootstrap interval (``keyed_vs_plain_low`` / ``_high``). Measuring the two in separate phases compared two states of a noisy machine
-(the raw read's own median moved by 40% between them).
+min-max and its bootstrap interval (``keyed_vs_plain_low`` / ``_high``). Measuring the
+two in separate phases compared two states of a noisy machine (the raw read's own
+median moved by 40% between them).
 """
 
 from __future__ import annotations

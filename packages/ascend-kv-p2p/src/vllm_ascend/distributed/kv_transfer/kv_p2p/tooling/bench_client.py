@@ -35,6 +35,7 @@ each run show that the requests really moved KV rather than being recomputed on 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import os
@@ -395,24 +396,20 @@ def run_target(target: Target, cfg: ClientConfig, steps: Steps, work: Path) -> d
             warm_up(dep.url, cfg.model, cfg.vocab, cfg.input_len, seed=7)
         except Exception as exc:
             steps.note(f"{target.name}: warm-up failed: {exc}")
-        i = 0
-        for dataset in target.datasets:
+        for i, (dataset, conc) in enumerate(itertools.product(target.datasets, concurrency)):
             extra = dataset_args(dataset, cfg.input_len, cfg.output_len, cfg.block_size)
-            for conc in concurrency:
-                runs.append({"concurrency": conc, "dataset": dataset,
-                             **one_run(dep, cfg, conc, seed=100 + i, extra=extra,
-                                       work=work / target.name, tag=f"-{dataset}")})
-                i += 1
-                row = runs[-1]
-                steps.note(
-                    f"{target.name}: {dataset}, concurrency {conc}: {row.get('completed')} "
-                    f"completed, {row.get('failed')} failed, TTFT p50 "
-                    f"{_ms(row.get('ttft_p50_ms'))}, TPOT p50 {_ms(row.get('tpot_p50_ms'))}, "
-                    f"{_num(row.get('output_tok_per_s'))} output tok/s"
-                    + (f"; D loaded KV of {row['transfers'].get('kv_loaded')}, the proxy "
-                       f"re-sent {row['transfers'].get('proxy_fallbacks')} as plain requests; "
-                       f"P's still held {row.get('p_held_after')}"
-                       if row.get("transfers") else ""))
+            row = one_run(dep, cfg, conc, seed=100 + i, extra=extra, work=work / target.name,
+                          tag=f"-{dataset}")
+            runs.append({"concurrency": conc, "dataset": dataset, **row})
+            steps.note(
+                f"{target.name}: {dataset}, concurrency {conc}: {row.get('completed')} "
+                f"completed, {row.get('failed')} failed, TTFT p50 "
+                f"{_ms(row.get('ttft_p50_ms'))}, TPOT p50 {_ms(row.get('tpot_p50_ms'))}, "
+                f"{_num(row.get('output_tok_per_s'))} output tok/s"
+                + (f"; D loaded KV of {row['transfers'].get('kv_loaded')}, the proxy "
+                   f"re-sent {row['transfers'].get('proxy_fallbacks')} as plain requests; "
+                   f"P's still held {row.get('p_held_after')}"
+                   if row.get("transfers") else ""))
     finally:
         for s in reversed(dep.servers):
             s.stop()
