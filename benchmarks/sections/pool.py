@@ -25,7 +25,9 @@ def section_pool(d: dict[str, Any], images: Images) -> str:
             "rounds (ours, then the copy), with the rounds' min and max. `put (empty pool)` "
             "is compared with a copy into freshly allocated memory, `put (full pool)` (every "
             "put evicts as much as it writes) and `get` with a copy into memory touched "
-            "before.\n" if d.get("local_rounds") else ""),
+            "before. The copy is one `numpy.copyto` (one thread); the backend splits a call "
+            f"over {d.get('config', {}).get('local_copy_threads', 1)} copy thread(s) "
+            "(`local_copy_threads`).\n" if d.get("local_rounds") else ""),
            "\nLookup rate (goal >= 100k keys/s):\n\n",
            md_table(look, ["path", "keys/s"])]
     if isinstance(d.get("mooncake"), dict) and d["mooncake"].get("skipped"):

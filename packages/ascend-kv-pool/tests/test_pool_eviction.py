@@ -263,3 +263,70 @@ def test_concurrent_puts_and_gets_keep_bytes_and_capacity() -> None:
         t.join()
     assert not errors
     assert b.used_bytes <= b.capacity
+
+
+# ---------------------------------------------------------------------- copy threads
+def _blocks(n: int, parts: int, part: int) -> tuple[np.ndarray, list[list[int]], list[list[int]]]:
+    arr = np.random.default_rng(n).integers(0, 255, (parts, n * part), dtype=np.uint8)
+    addrs = [[int(arr[p].ctypes.data) + i * part for p in range(parts)] for i in range(n)]
+    return arr, addrs, [[part] * parts for _ in range(n)]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_large_put_and_get_are_split_over_the_copy_threads(
+        threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    n, parts, part = 64, 4, 64 << 10  # 16 MiB: above PARALLEL_MIN_BYTES
+    assert n * parts * part >= local_backend.PARALLEL_MIN_BYTES
+    src, src_a, sizes = _blocks(n, parts, part)
+    dst = np.zeros_like(src)
+    dst_a = [[int(dst[p].ctypes.data) + i * part for p in range(parts)] for i in range(n)]
+    b = LocalBackend(capacity=64 << 20, copy_threads=threads)
+    expect = min(threads, local_backend._usable_cpus())
+    assert b.copy_threads == expect
+    real = local_backend._memmove
+    seen: list[str] = []
+    lock = threading.Lock()
+
+    def recording(d: int, s: int, k: int) -> None:
+        with lock:
+            seen.append(threading.current_thread().name)
+        real(d, s, k)
+
+    monkeypatch.setattr(local_backend, "_memmove", recording)
+    keys = [f"m@h@{i}" for i in range(n)]
+    assert b.put(keys, src_a, sizes) == [0] * n
+    assert b.get(keys, dst_a, sizes) == [0] * n
+    assert np.array_equal(dst, src)
+    assert len(seen) == 2 * n * parts
+    on_pool = sum(name.startswith("local-pool-copy") for name in seen)
+    if expect == 1:
+        assert on_pool == 0
+    else:  # about half of each call's bytes moved on the pool thread
+        assert 0.3 * len(seen) < on_pool < 0.7 * len(seen)
+    b.close()  # stops the threads; the next large call starts them again
+    assert b.put(keys, src_a, sizes) == [0] * n
+    dst[:] = 0
+    assert b.get(keys, dst_a, sizes) == [0] * n
+    assert np.array_equal(dst, src)
+    b.close()
+
+
+def test_small_calls_copy_on_the_calling_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    src, src_a, sizes = _blocks(4, 2, 4096)
+    b = LocalBackend(capacity=1 << 20, copy_threads=2)
+    real = local_backend._memmove
+    names: list[str] = []
+    monkeypatch.setattr(local_backend, "_memmove",
+                        lambda d, s, k: (names.append(threading.current_thread().name),
+                                         real(d, s, k)))
+    assert b.put([f"m@h@{i}" for i in range(4)], src_a, sizes) == [0] * 4
+    assert names and set(names) == {threading.current_thread().name}
+    assert b._copier._pool is None  # no thread started for a small call
+
+
+def test_copy_threads_come_from_the_config() -> None:
+    cfg = AscendStoreConfig.from_dict({"local_copy_threads": 1, "local_pool_size": "1MB"})
+    assert LocalBackend(config=cfg).copy_threads == 1
+    assert AscendStoreConfig.from_dict({}).local_copy_threads == local_backend.DEFAULT_COPY_THREADS
+    with pytest.raises(ConfigError, match="local_copy_threads"):
+        AscendStoreConfig.from_dict({"local_copy_threads": 0})

@@ -142,6 +142,11 @@ class AscendStoreConfig(ConfigSection):
         doc="What the 'local' backend evicts first: 'prefix' (LRU over chain leaves: a "
             "prefix block outlives the blocks after it), 'lru', 's3fifo' (scan resistant) or "
             "'prefix-s3fifo' (both).")
+    local_copy_threads: int = option(
+        2, minimum=1,
+        doc="Threads the 'local' backend copies one put or get of 4 MiB or more with "
+            "(memmove releases the GIL; one core's copy leaves memory bandwidth unused); 1 "
+            "copies on the calling thread only.")
     mooncake: MooncakeStoreConfig | None = option(
         None, aliases=("mooncake_config",),
         doc="Mooncake Store config inline; default: the JSON file named by MOONCAKE_CONFIG_PATH.")

@@ -6,7 +6,8 @@ Zero configuration: with no ``backend`` key the pool keeps blocks here, up to
 ``eviction_policy`` option (:mod:`.eviction`; prefix-aware LRU by default,
 ``lru``, ``s3fifo`` and ``prefix-s3fifo`` selectable). Copies are ``memmove``
 calls that release the GIL, so the save and load threads overlap the forward
-pass.
+pass; a put or get of at least 4 MiB is split over ``local_copy_threads``
+threads (2 by default), as one core's copy stream leaves memory bandwidth unused.
 
 Memory comes from slabs: objects of one size share chunks (up to 64 MiB, so the
 kernel backs them with huge pages), and an evicted object's slot is reused by
@@ -29,8 +30,10 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
 import numpy as np
@@ -58,7 +61,75 @@ HUGE_BYTES = 4 << 20
 #: Parent links learned for keys not stored yet, kept at most.
 MAX_LEARNED_LINKS = 1 << 17
 
+#: A put or get moving at least this many bytes is split over the copy threads.
+PARALLEL_MIN_BYTES = 4 << 20
+#: Copy threads by default (at most the CPUs this process may run on).
+DEFAULT_COPY_THREADS = 2
+
 _memmove = ctypes.memmove
+
+
+def _usable_cpus() -> int:
+    """CPUs this process may run on (a pinned engine: its own)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
+def _move_all(moves: list[tuple[int, int, int]]) -> None:
+    for dst, src, n in moves:
+        _memmove(dst, src, n)
+
+
+class _Copier:
+    """Runs a batch of ``(dst, src, nbytes)`` moves, split over ``threads`` threads when the
+    batch is large: the caller copies one share, pool threads the others (``memmove``
+    releases the GIL), and :meth:`run` returns when every share is done.
+
+    Args:
+        threads: copy threads in all, the caller's included; 1 copies on the caller only.
+    """
+
+    def __init__(self, threads: int) -> None:
+        self.threads = max(1, min(int(threads), _usable_cpus()))
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def run(self, moves: list[tuple[int, int, int]]) -> None:
+        total = sum(m[2] for m in moves)
+        if self.threads == 1 or len(moves) < 2 or total < PARALLEL_MIN_BYTES:
+            _move_all(moves)
+            return
+        shares: list[list[tuple[int, int, int]]] = [[]]
+        quota, acc = total / self.threads, 0
+        for move in moves:  # contiguous shares of about equal bytes
+            if acc >= quota * len(shares) and len(shares) < self.threads:
+                shares.append([])
+            shares[-1].append(move)
+            acc += move[2]
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.threads - 1,
+                                                thread_name_prefix="local-pool-copy")
+            pool = self._pool
+        futures = []
+        for share in shares[1:]:
+            try:
+                futures.append(pool.submit(_move_all, share))
+            except RuntimeError:  # closed meanwhile: this share on the caller
+                _move_all(share)
+        try:
+            _move_all(shares[0])
+        finally:
+            for future in futures:
+                future.result()
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
 
 
 class _Slabs:
@@ -127,6 +198,8 @@ class LocalBackend(Backend):
         eviction_policy: a policy name (:data:`.eviction.POLICY_NAMES`) or an
             :class:`~.eviction.EvictionPolicy`; default ``config.eviction_policy``,
             else :data:`.eviction.DEFAULT_POLICY`.
+        copy_threads: threads a large put or get is copied with; default
+            ``config.local_copy_threads``, else :data:`DEFAULT_COPY_THREADS`.
         **kwargs: ``config``, the pool's ``AscendStoreConfig`` (optional), and the
             options of :class:`~.base.Backend`.
 
@@ -139,7 +212,8 @@ class LocalBackend(Backend):
     host_memory_only: ClassVar[bool] = True
 
     def __init__(self, parallel_config: Any = None, *, capacity: int | None = None,
-                 eviction_policy: str | EvictionPolicy | None = None, **kwargs: Any) -> None:
+                 eviction_policy: str | EvictionPolicy | None = None,
+                 copy_threads: int | None = None, **kwargs: Any) -> None:
         config = kwargs.get("config")
         if config is not None:
             kwargs.setdefault("max_batch_keys", config.max_batch_keys)
@@ -154,6 +228,9 @@ class LocalBackend(Backend):
         self.policy = (eviction_policy if isinstance(eviction_policy, EvictionPolicy)
                        else make_policy(eviction_policy, self.capacity))
         self._learn = self.policy.uses_parents
+        if copy_threads is None:
+            copy_threads = getattr(config, "local_copy_threads", None) or DEFAULT_COPY_THREADS
+        self._copier = _Copier(copy_threads)
         self._lock = threading.Lock()
         self._objects: dict[str, np.ndarray] = {}  # in the order stored
         self._pins: dict[str, int] = {}  # readers per key
@@ -169,6 +246,11 @@ class LocalBackend(Backend):
         """Bytes held now."""
         with self._lock:
             return self._used
+
+    @property
+    def copy_threads(self) -> int:
+        """Threads a large put or get is copied with."""
+        return self._copier.threads
 
     def __len__(self) -> int:
         with self._lock:
@@ -240,11 +322,13 @@ class LocalBackend(Backend):
             self._used += incoming  # reserved
             todo = [(i, self._slabs.alloc(t)) for i, t in need]
         self._notify(evicted)
+        moves = []
         for i, value in todo:
             dst = value.ctypes.data
             for addr, n in zip(addrs[i], sizes[i], strict=True):
-                _memmove(dst, addr, n)
+                moves.append((dst, addr, n))
                 dst += n
+        self._copier.run(moves)
         with self._lock:
             for i, value in todo:
                 key = keys[i]
@@ -276,11 +360,13 @@ class LocalBackend(Backend):
                 pins[key] = pins.get(key, 0) + 1
                 reads.append((i, value))
         try:
+            moves = []
             for i, value in reads:
                 src = value.ctypes.data
                 for addr, n in zip(addrs[i], sizes[i], strict=True):
-                    _memmove(addr, src, n)
+                    moves.append((addr, src, n))
                     src += n
+            self._copier.run(moves)
         finally:
             if reads:
                 with self._lock:
@@ -311,6 +397,7 @@ class LocalBackend(Backend):
         return len(gone)
 
     def close(self) -> None:
+        self._copier.close()  # a later put or get starts its threads again
         with self._lock:
             for key in list(self._objects):
                 self.policy.remove(key)
@@ -371,4 +458,4 @@ class LocalBackend(Backend):
 
     def __repr__(self) -> str:
         return (f"LocalBackend(capacity={self.capacity}, used={self._used}, "
-                f"policy={self.policy.name})")
+                f"policy={self.policy.name}, copy_threads={self._copier.threads})")

@@ -109,7 +109,8 @@ def run_pool(args: argparse.Namespace) -> dict[str, Any]:
     for r in lookup:
         rows.append(r)
     return {"config": {"blocks": n, "ranges_per_block": parts, "range_bytes": part,
-                       "repeat": repeat, "local_rounds": len(local_rounds)},
+                       "repeat": repeat, "local_rounds": len(local_rounds),
+                       "local_copy_threads": local.copy_threads},
             "rows": rows, "local_rounds": local_rounds, "mooncake": mooncake}
 
 
