@@ -27,7 +27,16 @@ def section_pool(d: dict[str, Any], images: Images) -> str:
             "put evicts as much as it writes) and `get` with a copy into memory touched "
             "before. The copy is one `numpy.copyto` (one thread); the backend splits a call "
             f"over {d.get('config', {}).get('local_copy_threads', 1)} copy thread(s) "
-            "(`local_copy_threads`).\n" if d.get("local_rounds") else ""),
+            "(`local_copy_threads`).\n\n"
+            "Why the puts trail the copy: the copy is one `memcpy` per 16 MiB region, which "
+            "glibc does with non-temporal stores (its threshold is a few MiB); the backend "
+            "copies one block's 128 KiB piece of each region at a time, which glibc copies "
+            "through the cache (a read for ownership of every destination line). A library "
+            "cannot change that threshold in a running process. Measured once (2026-12-02, "
+            "same bench): with `GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=0x10000` "
+            "(our pieces non-temporal too) `put (empty pool)` was 1.34 of the copy; with the "
+            "threshold out of reach for both, 0.83 (`put (full pool)` 0.92, `get` 1.09).\n"
+            if d.get("local_rounds") else ""),
            "\nLookup rate (goal >= 100k keys/s):\n\n",
            md_table(look, ["path", "keys/s"])]
     if isinstance(d.get("mooncake"), dict) and d["mooncake"].get("skipped"):
