@@ -65,11 +65,11 @@ def test_the_proxy_renews_while_d_has_the_request(p_worker: tuple[PullWorker, in
     worker, port = p_worker
     proxy = Proxy(ProxyConfig(prefill=["http://p"], decode=["http://d"],
                               lease_renew_interval_s=0.25))
-    assert proxy.renewer is not None
+    assert proxy.leases.renewer is not None
     try:
         worker.start_load_kv(MooncakeConnectorMetadata(
             requests_to_send={"r": SendMeta("r", [1]), "unrenewed": SendMeta("unrenewed", [2])}))
-        proxy.renew_while_decoding("pd-1", _params(port, "r"))
+        proxy.leases.renew_while_decoding("pd-1", _params(port, "r"))
         freed: list[str] = []
         end = time.monotonic() + 3 * LEASE_S
         while time.monotonic() < end:
@@ -77,7 +77,7 @@ def test_the_proxy_renews_while_d_has_the_request(p_worker: tuple[PullWorker, in
             time.sleep(0.05)
         # the request nobody renews lapses on time; the one D still has is held
         assert freed == ["unrenewed"]
-        proxy.stop_renewing("pd-1")  # D answered
+        proxy.leases.stop_renewing("pd-1")  # D answered
         end = time.monotonic() + 3 * LEASE_S
         while "r" not in freed and time.monotonic() < end:
             freed += _freed(worker)
@@ -85,7 +85,7 @@ def test_the_proxy_renews_while_d_has_the_request(p_worker: tuple[PullWorker, in
         assert freed == ["unrenewed", "r"]
         assert worker.recorder.total("p2p_expired_leases") == 2
     finally:
-        proxy.renewer.stop()
+        proxy.leases.renewer.stop()
 
 
 @pytest.mark.parametrize("params", [
@@ -96,24 +96,24 @@ def test_the_proxy_renews_while_d_has_the_request(p_worker: tuple[PullWorker, in
 ])
 def test_params_that_name_no_side_channel_are_left_to_d(params: dict[str, Any]) -> None:
     proxy = Proxy(ProxyConfig(prefill=["http://p"], decode=["http://d"]))
-    proxy.renew_while_decoding("pd-x", params)
-    assert proxy._renewing == {}
-    proxy.stop_renewing("pd-x")  # idempotent, unknown ids ignored
+    proxy.leases.renew_while_decoding("pd-x", params)
+    assert proxy.leases.renewing == []
+    proxy.leases.stop_renewing("pd-x")  # idempotent, unknown ids ignored
 
 
 def test_renewals_end_with_the_proxy_timeout_and_can_be_turned_off() -> None:
     proxy = Proxy(ProxyConfig(prefill=["http://p"], decode=["http://d"], timeout_s=0.01))
-    assert proxy.renewer is not None
+    assert proxy.leases.renewer is not None
     try:
-        proxy.renew_while_decoding("pd-y", _params(free_port(), "r"))
-        assert list(proxy._renewing) == ["pd-y"]
+        proxy.leases.renew_while_decoding("pd-y", _params(free_port(), "r"))
+        assert proxy.leases.renewing == ["pd-y"]
         time.sleep(0.05)
-        proxy.expire_renewals()
-        assert proxy._renewing == {}
+        proxy.leases.expire()
+        assert proxy.leases.renewing == []
     finally:
-        proxy.renewer.stop()
+        proxy.leases.renewer.stop()
     off = Proxy(ProxyConfig(prefill=["http://p"], decode=["http://d"],
                             lease_renew_interval_s=0))
-    assert off.renewer is None
-    off.renew_while_decoding("pd-z", _params(1234, "r"))
-    assert off._renewing == {}
+    assert off.leases.renewer is None
+    off.leases.renew_while_decoding("pd-z", _params(1234, "r"))
+    assert off.leases.renewing == []

@@ -49,11 +49,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from vllm_ascend.distributed.kv_transfer.core import auth
 
-from ..params import RemotePrefill
-from ..rank_hosts import parse_rank_hosts
-from ..renewer import LeaseRenewer
 from .balancer import Instance, Pool
 from .fallback import is_kv_load_error, plain_headers, read_stream_start
+from .leases import DecodeLeases
 from .model import (
     LayerwiseRequest,
     Metrics,
@@ -101,12 +99,8 @@ class Proxy:
         self.pending: dict[str, LayerwiseRequest] = {}
         self.history: collections.deque[dict[str, Any]] = collections.deque(maxlen=HISTORY)
         self._tasks: set[asyncio.Task[None]] = set()
-        #: pull mode: P's leases renewed while D has the request (proxy request id -> until)
-        self.renewer: LeaseRenewer | None = None
-        self._renewing: dict[str, float] = {}
-        if cfg.mode == "pull" and cfg.lease_renew_interval_s > 0:
-            self.renewer = LeaseRenewer(cfg.lease_renew_interval_s,
-                                        timeout_s=min(2.0, cfg.lease_renew_interval_s))
+        #: pull mode: P's leases renewed while D has the request
+        self.leases = DecodeLeases(cfg)
         #: the kv_aware policy's prefix indexes (started with the app)
         self.router: KvRouter | None = None
         if cfg.policy == "kv_aware":
@@ -223,7 +217,7 @@ class Proxy:
                         self.router.instance_down(inst.url)  # it may come back empty
                     pool.mark(inst, ok, "" if ok else err)
                     self.metrics.healthy.labels(pool.role, inst.url).set(1 if ok else 0)
-            self.expire_renewals()
+            self.leases.expire()
             await asyncio.sleep(self.cfg.health_interval_s)
 
     # ------------------------------------------------------------ P/D flow
@@ -243,49 +237,16 @@ class Proxy:
         if kv_params is not None:
             plain = dict(d_body) if self.cfg.kv_error_fallback else None
             d_body["kv_transfer_params"] = kv_params
-            self.renew_while_decoding(request_id, kv_params)
+            self.leases.renew_while_decoding(request_id, kv_params)
         try:
             response = await self.decode_step(path, d_body, headers, stream=stream,
                                               request_id=request_id, plain=plain)
         except BaseException:
-            self.stop_renewing(request_id)
+            self.leases.stop_renewing(request_id)
             raise
         if not isinstance(response, StreamingResponse):
-            self.stop_renewing(request_id)  # a stream stops renewing when it ends
+            self.leases.stop_renewing(request_id)  # a stream stops renewing when it ends
         return response
-
-    # ------------------------------------------------------------ P's leases (pull mode)
-    def renew_while_decoding(self, request_id: str, kv_params: dict[str, Any]) -> None:
-        """Keep P's lease on the request's blocks while D has the request: D's scheduler
-        renews only requests it has looked at, and a request queued behind a full batch on
-        D is not looked at. Params that do not name P's side channel are left to D."""
-        if self.renewer is None:
-            return
-        try:
-            tp = kv_params.get("remote_tp_size", kv_params.get("remote_ptp_size", 1))
-            remote = RemotePrefill(
-                engine_id=str(kv_params.get("remote_engine_id", "")),
-                host=str(kv_params["remote_host"]), port=int(kv_params["remote_port"]),
-                request_id=str(kv_params["remote_request_id"]), block_ids=[],
-                tp_size=int(tp or 1), pcp_size=1, dcp_size=1,
-                rank_hosts=parse_rank_hosts(kv_params, tp_size=int(tp or 1)))
-        except (KeyError, TypeError, ValueError):  # KVParamsError is a ValueError
-            return
-        if not (0 < remote.port < 65536 and 0 < remote.tp_size <= 1024 and remote.host):
-            return
-        self._renewing[request_id] = time.monotonic() + self.cfg.timeout_s
-        self.renewer.track(request_id, remote)
-
-    def stop_renewing(self, request_id: str) -> None:
-        if self.renewer is not None and self._renewing.pop(request_id, None) is not None:
-            self.renewer.untrack(request_id)
-
-    def expire_renewals(self) -> None:
-        """Stop renewing requests older than the proxy's own timeout (a stream whose
-        client went away before it started)."""
-        now = time.monotonic()
-        for rid in [r for r, until in self._renewing.items() if until < now]:
-            self.stop_renewing(rid)
 
     async def prefill_step(self, path: str, body: dict[str, Any],
                            headers: dict[str, str]) -> dict[str, Any] | None:
@@ -503,7 +464,7 @@ class Proxy:
                     yield chunk
                 ok = True
             finally:
-                self.stop_renewing(request_id)
+                self.leases.stop_renewing(request_id)
                 await resp.aclose()
                 self.decode.end(inst, ok=ok, error="" if ok else "stream interrupted")
                 self.metrics.stage.labels("decode").observe(time.perf_counter() - start)
@@ -515,7 +476,7 @@ class Proxy:
 
     def _fall_back(self, request_id: str, inst: Instance, reason: str, what: str) -> None:
         """D failed the request's KV load: count and log the plain re-send."""
-        self.stop_renewing(request_id)  # P's blocks are not read any more
+        self.leases.stop_renewing(request_id)  # P's blocks are not read any more
         self.records["fallbacks"] += 1
         self.metrics.fallbacks.labels(reason).inc()
         logger.warning("request %s: decode instance %s answered a KV-load error (%s); "
@@ -544,8 +505,7 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
                 t.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-            if proxy.renewer is not None:
-                proxy.renewer.stop()
+            proxy.leases.stop()
             await proxy.client.aclose()
 
     app = FastAPI(title="vllm-ascend P/D proxy", lifespan=lifespan)
