@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import sys
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -85,8 +86,13 @@ def _child(conn: Any, llm_kwargs: dict[str, Any], env: dict[str, str],
         cmd: _Cmd = conn.recv()
         try:
             if cmd.op == "close":
+                _shut_down(llm)
                 conn.send(("ok", None))
-                return
+                # vLLM's native teardown after this point takes seconds and frees nothing
+                # another process sees: leave without it
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(0)
             if cmd.op == "generate":
                 params = []
                 for kvp in cmd.args["kv_params"]:
@@ -122,6 +128,15 @@ def _child(conn: Any, llm_kwargs: dict[str, Any], env: dict[str, str],
                 conn.send(("error", f"unknown op {cmd.op}"))
         except Exception:
             conn.send(("error", traceback.format_exc()))
+
+
+def _shut_down(llm: Any) -> None:
+    """Shut the engine down as vLLM does at exit: executor, workers, KV connectors (which
+    close their transfer engines and pool clients)."""
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # still leave: the parent is waiting
+        traceback.print_exc()
 
 
 def _has_pending_work(engine: Any) -> bool:
