@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -111,3 +112,11 @@ def test_cuda_device_calls_through_to_torch_cuda(monkeypatch: pytest.MonkeyPatch
         ("synchronize", 3), ("current_stream", 3),
     ]
     assert dev._DEVICES["cuda"] is dev.CudaDevice
+
+
+def test_usable_cpus_follows_this_threads_affinity(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3}, raising=False)
+    assert dev.usable_cpus() == 1  # an engine pinned to one core
+    monkeypatch.delattr(os, "sched_getaffinity")  # not Linux: the machine's count
+    monkeypatch.setattr(os, "cpu_count", lambda: 6)
+    assert dev.usable_cpus() == 6

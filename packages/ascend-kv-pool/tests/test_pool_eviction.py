@@ -9,6 +9,7 @@ import threading
 import numpy as np
 import pytest
 
+from vllm_ascend.distributed.kv_transfer.core.device import usable_cpus
 from vllm_ascend.distributed.kv_transfer.core.errors import ConfigError
 from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.backend import local_backend
 from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.backend.eviction import (
@@ -281,7 +282,7 @@ def test_a_large_put_and_get_are_split_over_the_copy_threads(
     dst = np.zeros_like(src)
     dst_a = [[int(dst[p].ctypes.data) + i * part for p in range(parts)] for i in range(n)]
     b = LocalBackend(capacity=64 << 20, copy_threads=threads)
-    expect = min(threads, local_backend._usable_cpus())
+    expect = min(threads, usable_cpus())
     assert b.copy_threads == expect
     real = local_backend._memmove
     seen: list[str] = []

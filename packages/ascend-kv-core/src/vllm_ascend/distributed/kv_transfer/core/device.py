@@ -211,6 +211,15 @@ def _import_torch_npu() -> Any:
 _DEVICES: dict[str, type[Device]] = {"cpu": CpuDevice, "cuda": CudaDevice, "npu": NpuDevice}
 
 
+def usable_cpus() -> int:
+    """Host CPUs this process (its calling thread) may run on: an engine pinned to a core
+    gets 1. Sizes the helper threads connectors start beside the engine."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
 def detect_device_kind() -> str:
     """``npu``, ``cuda`` or ``cpu``: the env override, else vLLM's platform, else torch."""
     forced = os.environ.get(DEVICE_ENV, "").strip().lower()

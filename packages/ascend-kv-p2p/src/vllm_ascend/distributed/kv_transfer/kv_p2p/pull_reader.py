@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import socket
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -40,6 +39,7 @@ import msgspec
 
 from vllm_ascend.distributed.kernels.heads import HeadSlice
 from vllm_ascend.distributed.kv_transfer.core.channel import tcp_endpoint
+from vllm_ascend.distributed.kv_transfer.core.device import usable_cpus
 from vllm_ascend.distributed.kv_transfer.core.errors import (
     KVTransferError,
     PeerTimeoutError,
@@ -90,14 +90,6 @@ RETRY_MAX_DELAY_S = 4.0
 #: How long D waits for a TCP connection to P's side channel when it checks, before a
 #: retry, whether P is still there.
 PROBE_TIMEOUT_S = 1.0
-
-
-def usable_cpus() -> int:
-    """CPUs this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 class PullReader:

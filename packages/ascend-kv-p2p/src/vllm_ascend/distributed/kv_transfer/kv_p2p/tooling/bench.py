@@ -381,12 +381,11 @@ def _row(n: int, nbytes: int, times: dict[str, list[float]], ratios: dict[str, l
 
 
 def run(args: argparse.Namespace) -> int:
+    from vllm_ascend.distributed.kv_transfer.core.device import usable_cpus
     from vllm_ascend.distributed.kv_transfer.core.tooling.benchutil import (
         format_table,
         write_results,
     )
-
-    from ..pull_reader import usable_cpus
 
     sizes = [1, 16] if args.quick else [1, 16, 128]
     rounds = 3 if args.quick else args.rounds

@@ -24,6 +24,7 @@ from vllm_ascend.distributed.kv_transfer.core.config.base import ConfigSection, 
 from vllm_ascend.distributed.kv_transfer.core.errors import ConfigError
 
 from .backend.eviction import DEFAULT_POLICY, POLICY_NAMES
+from .backend.local_backend import DEFAULT_COPY_THREADS
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +144,7 @@ class AscendStoreConfig(ConfigSection):
             "prefix block outlives the blocks after it), 'lru', 's3fifo' (scan resistant) or "
             "'prefix-s3fifo' (both).")
     local_copy_threads: int = option(
-        2, minimum=1,
+        DEFAULT_COPY_THREADS, minimum=1,
         doc="Threads the 'local' backend copies one put or get of 4 MiB or more with "
             "(memmove releases the GIL; one core's copy leaves memory bandwidth unused); 1 "
             "copies on the calling thread only.")

@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
 import numpy as np
+
+from vllm_ascend.distributed.kv_transfer.core.device import usable_cpus
 
 from .base import RC_ERROR, Backend
 from .eviction import DEFAULT_POLICY, EvictionPolicy, make_policy
@@ -69,14 +70,6 @@ DEFAULT_COPY_THREADS = 2
 _memmove = ctypes.memmove
 
 
-def _usable_cpus() -> int:
-    """CPUs this process may run on (a pinned engine: its own)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        return os.cpu_count() or 1
-
-
 def _move_all(moves: list[tuple[int, int, int]]) -> None:
     for dst, src, n in moves:
         _memmove(dst, src, n)
@@ -92,7 +85,7 @@ class _Copier:
     """
 
     def __init__(self, threads: int) -> None:
-        self.threads = max(1, min(int(threads), _usable_cpus()))
+        self.threads = max(1, min(int(threads), usable_cpus()))
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
 
