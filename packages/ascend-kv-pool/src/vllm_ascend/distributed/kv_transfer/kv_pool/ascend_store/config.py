@@ -24,7 +24,6 @@ from vllm_ascend.distributed.kv_transfer.core.config.base import ConfigSection, 
 from vllm_ascend.distributed.kv_transfer.core.errors import ConfigError
 
 from .backend.eviction import DEFAULT_POLICY, POLICY_NAMES
-from .backend.local_backend import DEFAULT_COPY_THREADS
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +32,10 @@ MOONCAKE_CONFIG_ENV = "MOONCAKE_CONFIG_PATH"
 
 #: Backends of the pool, by the name used in the ``backend`` key.
 POOL_BACKENDS = ("local", "mooncake", "memcache")
+
+#: Threads the ``local`` backend copies a big put or get with, by default (at most the CPUs
+#: the process may run on).
+DEFAULT_COPY_THREADS = 2
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ import numpy as np
 
 from vllm_ascend.distributed.kv_transfer.core.device import usable_cpus
 
+from ..config import DEFAULT_COPY_THREADS
 from .base import RC_ERROR, Backend
 from .eviction import DEFAULT_POLICY, EvictionPolicy, make_policy
 
@@ -64,8 +65,6 @@ MAX_LEARNED_LINKS = 1 << 17
 
 #: A put or get moving at least this many bytes is split over the copy threads.
 PARALLEL_MIN_BYTES = 4 << 20
-#: Copy threads by default (at most the CPUs this process may run on).
-DEFAULT_COPY_THREADS = 2
 
 _memmove = ctypes.memmove
 
