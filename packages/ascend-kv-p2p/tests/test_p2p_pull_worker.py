@@ -273,6 +273,8 @@ def test_released_request_cannot_be_read_twice(pd: Any) -> None:
     pd.p.start_load_kv(MooncakeConnectorMetadata(requests_to_send={"r": SendMeta("r", [4])}))
     recv(pd, "a", "r", [4], [1])
     assert wait_recv(pd.d, "a") == set()
+    # D reports "a" done when its read returned; P frees "r" when D's Done arrives
+    wait_sent([pd.p], "r")
     recv(pd, "b", "r", [4], [2])
     assert wait_recv(pd.d, "b") == {2}
     assert pd.d.recorder.total("p2p_failures", cause="released") == 1

@@ -14,7 +14,6 @@ parent was opened before and keeps working across namespaces.
 from __future__ import annotations
 
 import ctypes
-import multiprocessing as mp
 import os
 import subprocess
 import uuid
@@ -22,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .engines import ENGINE_ENV, EngineProcess, _child, engine_kwargs
+from .engines import ENGINE_ENV, EngineProcess, _child, engine_context, engine_kwargs
 
 CLONE_NEWNET = 0x40000000
 NETNS_DIR = Path("/var/run/netns")
@@ -136,9 +135,9 @@ def enter_netns(name: str) -> None:
 
 
 def _netns_child(conn: Any, llm_kwargs: dict[str, Any], env: dict[str, str],
-                 pre_import: list[str], netns: str) -> None:
+                 pre_import: list[str], netns: str, parent_env: dict[str, str]) -> None:
     enter_netns(netns)
-    _child(conn, llm_kwargs, env, pre_import)
+    _child(conn, llm_kwargs, env, pre_import, parent_env)
 
 
 class NetnsEngineProcess(EngineProcess):
@@ -154,12 +153,12 @@ class NetnsEngineProcess(EngineProcess):
             kwargs["kv_transfer_config"] = kv_transfer_config
         hosts = {"VLLM_HOST_IP": host, "VLLM_ASCEND_KV_HOST": host, "MC_TCP_BIND_ADDRESS": host,
                  "MOONCAKE_REQUESTER_LOCAL_HOSTNAME": host}
-        ctx = mp.get_context("spawn")
+        ctx = engine_context()
         self._conn, child_conn = ctx.Pipe()
         self.netns = netns
         self.proc = ctx.Process(target=_netns_child,
                                 args=(child_conn, kwargs, {**ENGINE_ENV, **hosts, **(env or {})},
-                                      pre_import or [], netns), daemon=True)
+                                      pre_import or [], netns, dict(os.environ)), daemon=True)
         self.proc.start()
         status, payload = self._recv(startup_timeout)
         if status != "ready":
