@@ -20,6 +20,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ __all__ = ["ENGINE_ENV", "EngineProcess", "engine_context", "engine_kwargs"]
 PRELOAD = ["vllm", "vllm.entrypoints.llm", "vllm.inputs", "vllm.sampling_params"]
 
 _CONTEXT: Any = None
+_CONTEXT_LOCK = threading.Lock()
 
 
 def engine_context() -> Any:
@@ -45,7 +47,9 @@ def engine_context() -> Any:
     ``ASCEND_KV_TESTING_SPAWN=1`` spawns each engine afresh instead (slower).
     """
     global _CONTEXT
-    if _CONTEXT is None:
+    with _CONTEXT_LOCK:
+        if _CONTEXT is not None:
+            return _CONTEXT
         if os.environ.get("ASCEND_KV_TESTING_SPAWN") == "1":
             _CONTEXT = mp.get_context("spawn")
             return _CONTEXT
@@ -63,7 +67,34 @@ def engine_context() -> Any:
             else:
                 os.environ["OMP_NUM_THREADS"] = saved
         _CONTEXT = ctx
-    return _CONTEXT
+        return _CONTEXT
+
+
+class _StdStreams:
+    """The parent's stdout and stderr as they are when an engine starts, passed to the child
+    as file descriptors: a forked child would otherwise write to those the fork server was
+    started with (another test's captured output)."""
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        from multiprocessing import reduction
+
+        return _std_streams, (reduction.DupFd(1), reduction.DupFd(2))
+
+
+def _std_streams(out: Any, err: Any) -> tuple[int, int]:
+    return out.detach(), err.detach()
+
+
+def _adopt_std_streams(fds: Any) -> None:
+    if not isinstance(fds, tuple):
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for fd, target in zip(fds, (1, 2), strict=True):
+        if fd != target:  # a spawned child received them as they were
+            os.dup2(fd, target)
+            os.close(fd)
+
 
 def engine_kwargs(model: str | Path, **overrides: Any) -> dict[str, Any]:
     """Keyword arguments of ``vllm.LLM`` for a fast, deterministic CPU engine."""
@@ -96,7 +127,9 @@ class _Cmd:
 
 
 def _child(conn: Any, llm_kwargs: dict[str, Any], env: dict[str, str],
-           pre_import: list[str], parent_env: dict[str, str] | None = None) -> None:
+           pre_import: list[str], parent_env: dict[str, str] | None = None,
+           streams: Any = None) -> None:
+    _adopt_std_streams(streams)
     if parent_env is not None:  # forked from the fork server: start from the parent's
         os.environ.clear()
         os.environ.update(parent_env)
@@ -219,7 +252,8 @@ class EngineProcess:
                   * int(kwargs.get("pipeline_parallel_size", 1))) <= 1
         self.proc = ctx.Process(target=_child,
                                 args=(child_conn, kwargs, {**ENGINE_ENV, **(env or {})},
-                                      pre_import or [], dict(os.environ)), daemon=daemon)
+                                      pre_import or [], dict(os.environ), _StdStreams()),
+                                daemon=daemon)
         self.proc.start()
         status, payload = self._recv(startup_timeout)
         if status != "ready":

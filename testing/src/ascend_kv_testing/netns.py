@@ -21,7 +21,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .engines import ENGINE_ENV, EngineProcess, _child, engine_context, engine_kwargs
+from .engines import (
+    ENGINE_ENV,
+    EngineProcess,
+    _child,
+    _StdStreams,
+    engine_context,
+    engine_kwargs,
+)
 
 CLONE_NEWNET = 0x40000000
 NETNS_DIR = Path("/var/run/netns")
@@ -135,9 +142,10 @@ def enter_netns(name: str) -> None:
 
 
 def _netns_child(conn: Any, llm_kwargs: dict[str, Any], env: dict[str, str],
-                 pre_import: list[str], netns: str, parent_env: dict[str, str]) -> None:
+                 pre_import: list[str], netns: str, parent_env: dict[str, str],
+                 streams: Any) -> None:
     enter_netns(netns)
-    _child(conn, llm_kwargs, env, pre_import, parent_env)
+    _child(conn, llm_kwargs, env, pre_import, parent_env, streams)
 
 
 class NetnsEngineProcess(EngineProcess):
@@ -158,7 +166,8 @@ class NetnsEngineProcess(EngineProcess):
         self.netns = netns
         self.proc = ctx.Process(target=_netns_child,
                                 args=(child_conn, kwargs, {**ENGINE_ENV, **hosts, **(env or {})},
-                                      pre_import or [], netns, dict(os.environ)), daemon=True)
+                                      pre_import or [], netns, dict(os.environ),
+                                      _StdStreams()), daemon=True)
         self.proc.start()
         status, payload = self._recv(startup_timeout)
         if status != "ready":
