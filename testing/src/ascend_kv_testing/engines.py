@@ -6,10 +6,10 @@ Two engines cannot share one Python process (vLLM keeps global state), so an
 pipe. Children are forked from a fork server that imported vLLM once
 (:func:`engine_context`): importing vLLM and torch takes about 9 of the 12 seconds
 an engine takes to start on these machines, and a test session starts dozens. The
-child starts from the parent's environment, as a spawned one would. Between commands the child keeps stepping
-the engine, so a prefill instance holding blocks for a decode instance keeps
-serving the connector's side of the exchange (vLLM only polls connectors
-inside ``step()``).
+child starts from the parent's environment and output streams, as a spawned one
+would. Between commands the child keeps stepping the engine, so a prefill instance
+holding blocks for a decode instance keeps serving the connector's side of the
+exchange (vLLM only polls connectors inside ``step()``).
 
 Prompts are token ids (no tokenizer); sampling is greedy, so two runs of the
 same model and prompt give the same tokens, which is what the tests compare.
@@ -85,9 +85,7 @@ def _std_streams(out: Any, err: Any) -> tuple[int, int]:
     return out.detach(), err.detach()
 
 
-def _adopt_std_streams(fds: Any) -> None:
-    if not isinstance(fds, tuple):
-        return
+def _adopt_std_streams(fds: tuple[int, int]) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     for fd, target in zip(fds, (1, 2), strict=True):
@@ -126,16 +124,18 @@ class _Cmd:
     args: dict[str, Any] = field(default_factory=dict)
 
 
-def _child(conn: Any, llm_kwargs: dict[str, Any], env: dict[str, str],
-           pre_import: list[str], parent_env: dict[str, str] | None = None,
-           streams: Any = None) -> None:
+def _child(conn: Any, llm_kwargs: dict[str, Any], env: dict[str, str], pre_import: list[str],
+           parent_env: dict[str, str], streams: tuple[int, int], netns: str | None) -> None:
+    if netns is not None:  # before anything opens a socket
+        from .netns import enter_netns
+
+        enter_netns(netns)
     _adopt_std_streams(streams)
-    if parent_env is not None:  # forked from the fork server: start from the parent's
-        os.environ.clear()
-        os.environ.update(parent_env)
+    os.environ.clear()  # a forked child has the fork server's
+    os.environ.update(parent_env)
     os.environ.update(env)
-    if parent_env is not None and os.environ.get("OMP_NUM_THREADS", "").isdigit():
-        import torch  # the OpenMP runtime read the server's OMP_NUM_THREADS=1
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        import torch  # a forked child's OpenMP runtime read the server's OMP_NUM_THREADS=1
 
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     try:
@@ -227,7 +227,7 @@ def _has_pending_work(engine: Any) -> bool:
 
 
 class EngineProcess:
-    """A ``vllm.LLM`` in a spawned child process.
+    """A ``vllm.LLM`` in a child process (see :func:`engine_context`).
 
     Args:
         model: model directory.
@@ -242,6 +242,14 @@ class EngineProcess:
     def __init__(self, model: str | Path, kv_transfer_config: dict[str, Any] | None = None, *,
                  env: dict[str, str] | None = None, pre_import: list[str] | None = None,
                  startup_timeout: float = 300.0, **llm_overrides: Any) -> None:
+        self._launch(model, kv_transfer_config, env or {}, pre_import, startup_timeout,
+                     llm_overrides)
+
+    def _launch(self, model: str | Path, kv_transfer_config: dict[str, Any] | None,
+                env: dict[str, str], pre_import: list[str] | None, startup_timeout: float,
+                llm_overrides: dict[str, Any], netns: str | None = None) -> None:
+        """Start the child (in network namespace ``netns``, if one) and wait until it is
+        ready."""
         kwargs = engine_kwargs(model, **llm_overrides)
         if kv_transfer_config is not None:
             kwargs["kv_transfer_config"] = kv_transfer_config
@@ -251,14 +259,15 @@ class EngineProcess:
         daemon = (int(kwargs.get("tensor_parallel_size", 1))
                   * int(kwargs.get("pipeline_parallel_size", 1))) <= 1
         self.proc = ctx.Process(target=_child,
-                                args=(child_conn, kwargs, {**ENGINE_ENV, **(env or {})},
-                                      pre_import or [], dict(os.environ), _StdStreams()),
+                                args=(child_conn, kwargs, {**ENGINE_ENV, **env},
+                                      pre_import or [], dict(os.environ), _StdStreams(), netns),
                                 daemon=daemon)
         self.proc.start()
         status, payload = self._recv(startup_timeout)
         if status != "ready":
             self.kill()
-            raise RuntimeError(f"engine failed to start:\n{payload}")
+            where = f" in {netns}" if netns is not None else ""
+            raise RuntimeError(f"engine{where} failed to start:\n{payload}")
 
     def _recv(self, timeout: float) -> tuple[str, Any]:
         deadline = time.monotonic() + timeout

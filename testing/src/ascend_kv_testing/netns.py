@@ -21,14 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .engines import (
-    ENGINE_ENV,
-    EngineProcess,
-    _child,
-    _StdStreams,
-    engine_context,
-    engine_kwargs,
-)
+from .engines import EngineProcess
 
 CLONE_NEWNET = 0x40000000
 NETNS_DIR = Path("/var/run/netns")
@@ -141,13 +134,6 @@ def enter_netns(name: str) -> None:
         os.close(fd)
 
 
-def _netns_child(conn: Any, llm_kwargs: dict[str, Any], env: dict[str, str],
-                 pre_import: list[str], netns: str, parent_env: dict[str, str],
-                 streams: Any) -> None:
-    enter_netns(netns)
-    _child(conn, llm_kwargs, env, pre_import, parent_env, streams)
-
-
 class NetnsEngineProcess(EngineProcess):
     """An :class:`~.engines.EngineProcess` inside network namespace ``netns``, binding and
     advertising ``host`` (``VLLM_HOST_IP``, ``VLLM_ASCEND_KV_HOST``, Mooncake's addresses)."""
@@ -156,20 +142,8 @@ class NetnsEngineProcess(EngineProcess):
                  netns: str, host: str, env: dict[str, str] | None = None,
                  pre_import: list[str] | None = None, startup_timeout: float = 300.0,
                  **llm_overrides: Any) -> None:
-        kwargs = engine_kwargs(model, **llm_overrides)
-        if kv_transfer_config is not None:
-            kwargs["kv_transfer_config"] = kv_transfer_config
         hosts = {"VLLM_HOST_IP": host, "VLLM_ASCEND_KV_HOST": host, "MC_TCP_BIND_ADDRESS": host,
                  "MOONCAKE_REQUESTER_LOCAL_HOSTNAME": host}
-        ctx = engine_context()
-        self._conn, child_conn = ctx.Pipe()
         self.netns = netns
-        self.proc = ctx.Process(target=_netns_child,
-                                args=(child_conn, kwargs, {**ENGINE_ENV, **hosts, **(env or {})},
-                                      pre_import or [], netns, dict(os.environ),
-                                      _StdStreams()), daemon=True)
-        self.proc.start()
-        status, payload = self._recv(startup_timeout)
-        if status != "ready":
-            self.kill()
-            raise RuntimeError(f"engine in {netns} failed to start:\n{payload}")
+        self._launch(model, kv_transfer_config, {**hosts, **(env or {})}, pre_import,
+                     startup_timeout, llm_overrides, netns=netns)
