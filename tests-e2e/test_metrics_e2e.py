@@ -198,6 +198,10 @@ def test_pd_metrics_on_both_instances(pd: dict[str, Server], model: tuple[Path, 
     assert dm["vllm:ascend_kv_p2p_transfer_request_bytes_count"] == n
     assert dm["vllm:ascend_kv_p2p_transfer_request_bytes_sum"] == moved
     assert dm["vllm:ascend_kv_p2p_transfer_seconds_count"] == n
+    # P's params carry its read window and engine start (the scheduler's and the worker's
+    # are one vLLM config): D read requests without claiming them (a read that ended after
+    # the window on this loaded machine was claimed instead, so not all of them need be)
+    assert 1 <= dm.get("vllm:ascend_kv_p2p_window_reads_total", 0.0) <= n
     assert 0 < dm["vllm:ascend_kv_p2p_transfer_seconds_sum"] < 60 * n
     assert dm.get("vllm:ascend_kv_p2p_failures_total", 0.0) == 0
     assert dm.get("vllm:ascend_kv_p2p_load_deadlines_total", 0.0) == 0

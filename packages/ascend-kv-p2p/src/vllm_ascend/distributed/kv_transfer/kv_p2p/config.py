@@ -79,6 +79,13 @@ class MooncakeP2PConfig(ConfigSection):
         doc="How long P holds a request's blocks for D without hearing from it; D (once its "
             "scheduler looks at the request) and the P/D proxy (while D has the request) "
             "renew the lease, a lapsed lease frees the blocks.")
+    read_window_s: float = option(
+        1.0, minimum=0.0,
+        doc="How long (seconds) P keeps a finished request's blocks at least, counted from "
+            "its hold, even after D's Done. D trusts a read that ends within this window "
+            "(minus 0.5 s for the clocks of P and D) without claiming the request first, "
+            "which takes the claim's round trip off the load; later reads are claimed as "
+            "before. Capped at lease_ttl_s / 2; 0 turns it off (every read is claimed).")
     load_timeout_s: float = option(
         120.0, minimum=0.1,
         doc="Deadline for D to receive a request's KV; afterwards the request fails or is "
@@ -86,6 +93,11 @@ class MooncakeP2PConfig(ConfigSection):
     handshake_timeout_s: float = option(
         10.0, minimum=0.1, doc="Timeout of one side-channel request to the peer.")
     num_recv_workers: int = option(4, minimum=1, doc="Threads on D that pull KV from P instances.")
+
+    @property
+    def hold_window_s(self) -> float:
+        """``read_window_s`` as P applies it (at most half the lease)."""
+        return min(self.read_window_s, self.lease_ttl_s / 2)
 
     def validate(self, source: str) -> None:
         if self.decode.pp_size != 1:

@@ -20,7 +20,10 @@ P2P_METRICS = [
                "the load deadline, by reason (transfer: a read stalled or dropped; "
                "peer_timeout: P's side channel did not answer).", labels=("reason",)),
     MetricSpec("p2p_late_completions", "counter", "Done messages for requests already freed."),
-    MetricSpec("p2p_held_requests", "gauge", "Requests whose blocks P holds for D."),
+    MetricSpec("p2p_window_reads", "counter", "D reads trusted without a claim: they ended "
+               "within P's read window (read_window_s)."),
+    MetricSpec("p2p_held_requests", "gauge", "Requests whose blocks P holds for D (those "
+               "released within their read window included)."),
     MetricSpec("p2p_pending_loads", "gauge", "Requests D is loading from P."),
     MetricSpec("p2p_virtual_requests", "counter", "Virtual (do_virtual) requests completed "
                "without a transfer."),

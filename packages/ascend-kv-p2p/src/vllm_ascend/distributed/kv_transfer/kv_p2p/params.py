@@ -40,6 +40,13 @@ class RemotePrefill:
     #: where each P rank listens (``remote_multi_nodes_meta_mapping``); a rank it does not
     #: name is at ``host``
     rank_hosts: dict[int, str] = field(default_factory=dict)
+    #: P's engine start (``remote_instance``, :func:`engine_instance`; ``""``: not told)
+    instance: str = ""
+    #: P's ``time.time()`` when it began holding the blocks (``remote_held_at``), and how
+    #: long it keeps them at least from then, D's ``Done`` or not (``remote_hold_s``; 0:
+    #: no such promise): D's read window (:mod:`.pull_window`)
+    held_at: float = 0.0
+    hold_s: float = 0.0
 
     def endpoint_key(self) -> tuple[str, int]:
         """``(host, base side-channel port)`` of the P instance."""
@@ -84,6 +91,23 @@ def _str(params: Mapping[str, Any], key: str) -> str:
     return value
 
 
+def _float(params: Mapping[str, Any], key: str, *, maximum: float) -> float:
+    value = params.get(key, 0.0)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            0.0 <= value <= maximum):
+        raise KVParamsError(f"kv_transfer_params: {key!r} must be a number in [0, {maximum:g}], "
+                            f"got {value!r} ({type(value).__name__})")
+    return float(value)
+
+
+def engine_instance(vllm_config: Any, engine_id: str) -> str:
+    """This start of the engine: its ``engine_id`` and vLLM's ``instance_id`` (set when
+    the config is made, shared by the scheduler and the workers), ``""`` when the config
+    has none. A P restarted at the same address has another."""
+    instance = getattr(vllm_config, "instance_id", "")
+    return f"{engine_id}/{instance}" if isinstance(instance, str) and instance else ""
+
+
 def parse_remote_prefill(params: Any, *, prompt_len: int, block_size: int) -> RemotePrefill:
     """Check D-side ``kv_transfer_params`` against the request's prompt.
 
@@ -119,6 +143,10 @@ def parse_remote_prefill(params: Any, *, prompt_len: int, block_size: int) -> Re
         raise KVParamsError(f"kv_transfer_params: 'remote_claim_token' must be a string of at "
                             f"most 256 characters, got a {type(token).__name__}")
     tp_size = _int({"remote_tp_size": tp}, "remote_tp_size", minimum=1, maximum=4096)
+    instance = params.get("remote_instance", "")
+    if not isinstance(instance, str) or len(instance) > 256:
+        raise KVParamsError(f"kv_transfer_params: 'remote_instance' must be a string of at "
+                            f"most 256 characters, got a {type(instance).__name__}")
     return RemotePrefill(
         engine_id=_str(params, "remote_engine_id"),
         host=_str(params, "remote_host"),
@@ -130,15 +158,20 @@ def parse_remote_prefill(params: Any, *, prompt_len: int, block_size: int) -> Re
         dcp_size=_int(params, "remote_dcp_size", default=1, minimum=1, maximum=1),
         token=token,
         rank_hosts=parse_rank_hosts(params, tp_size=tp_size),
+        instance=instance,
+        held_at=_float(params, "remote_held_at", maximum=1e11),
+        hold_s=_float(params, "remote_hold_s", maximum=3600.0),
     )
 
 
 def params_for_decode(*, block_ids: list[int], engine_id: str, host: str, port: int,
                       request_id: str, tp_size: int, last_token_id: int | None,
                       num_prompt_blocks: int, claim_token: str = "",
-                      rank_hosts: Mapping[int, str] | None = None) -> dict[str, Any]:
+                      rank_hosts: Mapping[int, str] | None = None, instance: str = "",
+                      held_at: float = 0.0, hold_s: float = 0.0) -> dict[str, Any]:
     """The ``kv_transfer_params`` P returns for D (upstream keys, plus ``remote_tp_size`` and
-    ``remote_claim_token``, the request's capability, when P issued one).
+    ``remote_claim_token``, the request's capability, when P issued one, and with a read
+    window: ``remote_instance``, ``remote_held_at`` and ``remote_hold_s``).
 
     ``remote_multi_nodes_meta_mapping`` names every rank's host (``rank_hosts``, as the
     workers published them); without them, rank 0 at ``host`` (upstream's one entry)."""
@@ -160,6 +193,8 @@ def params_for_decode(*, block_ids: list[int], engine_id: str, host: str, port: 
     }
     if claim_token:
         out["remote_claim_token"] = claim_token
+    if instance and hold_s > 0:
+        out.update(remote_instance=instance, remote_held_at=held_at, remote_hold_s=hold_s)
     return out
 
 

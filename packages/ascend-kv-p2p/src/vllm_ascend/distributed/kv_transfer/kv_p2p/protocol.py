@@ -56,6 +56,9 @@ class AgentMeta(Message):
     pp_size: int = 1
     first_layer: int = 0
     total_num_layers: int = 0
+    #: this start of the engine (:func:`~.params.engine_instance`; ``""``: not told): a
+    #: P that restarted at the same address has another
+    instance: str = ""
 
 
 class Claim(Message):
@@ -85,6 +88,8 @@ class ClaimGrant(Message):
     lease_s: float
     region_addrs: list[int]
     region_strides: list[int]
+    #: the engine start whose regions these are (``AgentMeta.instance``)
+    instance: str = ""
 
 
 class Renew(Message):

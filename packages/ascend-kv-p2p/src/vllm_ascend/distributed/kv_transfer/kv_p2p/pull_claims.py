@@ -204,7 +204,8 @@ class ClaimAhead:
             if isinstance(reply, ClaimGrant):
                 out[rank] = EarlyClaim(ok=True, first_try=True, sent_wall=sent,
                                        region_addrs=list(reply.region_addrs),
-                                       region_strides=list(reply.region_strides))
+                                       region_strides=list(reply.region_strides),
+                                       instance=reply.instance)
             elif isinstance(reply, ClaimOK):
                 out[rank] = EarlyClaim(ok=True, first_try=True, sent_wall=sent)
             else:
@@ -321,7 +322,7 @@ def accepted_ahead(answers: Mapping[int, EarlyClaim] | None,
             continue
         grant = (None if a.region_addrs is None else ClaimGrant(
             lease_s=0.0, region_addrs=list(a.region_addrs),
-            region_strides=list(a.region_strides or [])))
+            region_strides=list(a.region_strides or []), instance=a.instance))
         fut: Future[Claimed] = Future()
         fut.set_result(Claimed(first_try=a.first_try, sent_at=claim_sent_at(a), grant=grant))
         out[r] = fut

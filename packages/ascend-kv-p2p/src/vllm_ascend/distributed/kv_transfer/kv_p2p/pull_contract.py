@@ -49,6 +49,8 @@ class EarlyClaim:
     region_addrs: list[int] | None = None
     region_strides: list[int] | None = None
     error: str = ""
+    #: the grant's P engine start (``ClaimGrant.instance``)
+    instance: str = ""
 
 
 @dataclass

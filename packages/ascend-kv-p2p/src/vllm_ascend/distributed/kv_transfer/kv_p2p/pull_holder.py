@@ -23,6 +23,13 @@ leaves out the base addresses of P's registered KV cache, and an accepted ``Clai
 answered :class:`~.protocol.ClaimGrant`, which carries them. So only a D that presents a
 held request's token learns where P's KV lives. Without a key ``GetMeta`` and ``ClaimOK``
 are the messages (and bytes) of before.
+
+The read window: the scheduler stamps each request's params with the wall time it began
+holding the blocks and ``read_window_s``; this worker keeps them at least that long from
+when it registers the hold (a moment later), even when every reader's ``Done`` came
+sooner (the release is then deferred, while a later ``Claim`` is refused as after any
+release). So a D read that ends within the window of the stamp (:mod:`.pull_window`) read
+the request's KV without a claim.
 """
 
 from __future__ import annotations
@@ -73,6 +80,9 @@ class Held:
     readers_done: set[str] = field(default_factory=set)
     #: the request's capability (``""``: issued none)
     token: str = ""
+    #: ``time.monotonic()`` before which P does not free the blocks, D's ``Done`` or not
+    #: (the read window, ``read_window_s``, from when this worker began holding them)
+    keep_until: float = 0.0
 
 
 class LeaseHolder:
@@ -88,6 +98,8 @@ class LeaseHolder:
         self.held: LeaseTable[str, Held] = LeaseTable(shared.cfg.lease_ttl_s, name="p2p-held")
         self._released: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._finished: set[str] = set()
+        #: released requests whose blocks stay until their read window ends (monotonic)
+        self._deferred: dict[str, float] = {}
         self._lock = threading.Lock()
         # signalled when the scheduler's metadata registers new held requests
         self._held_cv = threading.Condition()
@@ -109,12 +121,15 @@ class LeaseHolder:
     def hold(self, requests: Iterable[SendMeta]) -> None:
         """Hold the blocks of the scheduler's newly finished requests until D is done."""
         added = False
+        window = self.shared.cfg.hold_window_s
         for req in requests:
             added = True
+            keep = time.monotonic() + window if window > 0 else 0.0
             try:
                 # held for the D instance(s) the request goes to; which D is known only
                 # once it claims, so the owner names the request's readers
-                self.held.add(req.request_id, Held(list(req.block_ids), token=req.token),
+                self.held.add(req.request_id, Held(list(req.block_ids), token=req.token,
+                                                   keep_until=keep),
                               owner=f"readers of {req.request_id}")
             except KeyError:
                 logger.warning("request %s is already held; ignoring a duplicate",
@@ -201,7 +216,7 @@ class LeaseHolder:
         meta = self.shared.meta
         assert meta is not None
         return ClaimGrant(lease_s=lease_s, region_addrs=list(meta.region_addrs),
-                          region_strides=list(meta.region_strides))
+                          region_strides=list(meta.region_strides), instance=meta.instance)
 
     def _on_done(self, msg: Done) -> Message:
         held = self.held.get(msg.request_id)
@@ -217,14 +232,19 @@ class LeaseHolder:
             return DoneAck(valid=msg.request_id in self.held)
         if self.held.complete(msg.request_id) is None:
             return DoneAck(valid=False)  # expired between the two calls
-        self._release(msg.request_id)
+        self._release(msg.request_id, keep_until=held.keep_until)
         if msg.success:
             self.shared.recorder.inc("p2p_requests_served")
         return DoneAck(valid=True)
 
-    def _release(self, request_id: str) -> None:
+    def _release(self, request_id: str, keep_until: float = 0.0) -> None:
+        """No longer held: refused from now on, its blocks given back to vLLM now or, within
+        its read window, once the window ends."""
         with self._lock:
-            self._finished.add(request_id)
+            if keep_until > time.monotonic():
+                self._deferred[request_id] = keep_until
+            else:
+                self._finished.add(request_id)
             self._released[request_id] = None
             while len(self._released) > RELEASED_MEMORY:
                 self._released.popitem(last=False)
@@ -238,7 +258,12 @@ class LeaseHolder:
                            "blocks", rid, self.shared.cfg.lease_ttl_s)
             recorder.inc("p2p_expired_leases")
             self._release(rid)
-        recorder.set("p2p_held_requests", len(self.held))
+        now = time.monotonic()
         with self._lock:
-            out, self._finished = self._finished, set()
+            due = [rid for rid, until in self._deferred.items() if until <= now]
+            for rid in due:
+                del self._deferred[rid]
+            out, self._finished = self._finished | set(due), set()
+            waiting = len(self._deferred)  # released, their blocks kept for the window
+        recorder.set("p2p_held_requests", len(self.held) + waiting)
         return out

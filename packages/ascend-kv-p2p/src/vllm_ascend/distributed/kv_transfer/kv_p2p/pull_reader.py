@@ -35,8 +35,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import msgspec
-
 from vllm_ascend.distributed.kernels.heads import HeadSlice
 from vllm_ascend.distributed.kv_transfer.core.channel import tcp_endpoint
 from vllm_ascend.distributed.kv_transfer.core.device import usable_cpus
@@ -63,6 +61,14 @@ from .pull_claims import Claimed, ClaimInbox, accepted_ahead, refused_ahead
 from .pull_contract import RecvMeta
 from .pull_loads import LoadTracker
 from .pull_transfer import read_request
+from .pull_window import (
+    Granted,
+    granted_metas,
+    known_regions,
+    regions_moved,
+    same_instance,
+    window_end,
+)
 from .worker_base import P2PWorkerBase, head_partners, head_slices
 
 logger = logging.getLogger(__name__)
@@ -116,7 +122,9 @@ class PullReader:
         # (P's TP size, MLA) -> this rank's head plan and the readers of each P rank
         self._plans: dict[tuple[int, bool], tuple[tuple[HeadSlice, ...], Mapping[int, int]]] = {}
         # keyed P ranks: (host, port) -> their AgentMeta with the regions of the last grant
-        self._granted: dict[tuple[str, int], AgentMeta] = {}
+        self._granted: Granted = {}
+        # (P endpoint, engine start) whose metadata was fetched again for that start
+        self._refetched: set[tuple[tuple[str, int], str]] = set()
         #: answers of the claims D's scheduler sent ahead (:mod:`.pull_claims`)
         self.inbox = ClaimInbox(shared.engine_id)
 
@@ -211,6 +219,8 @@ class PullReader:
           are these claims (sent earlier, so trusted for less of the read); ranks without
           one are claimed after the read, which proves as much (held at that answer and
           continuously since before the read); a refusal means claiming as before.
+        * Within P's read window (:mod:`.pull_window`): read at once; a read ending within
+          it needs no claim (P keeps the blocks), a later one is claimed after it, as above.
         * A pull that failed on a stalled or dropped read, or on a side-channel timeout,
           is tried again while the deadline leaves time (:meth:`_retry_delay`): claims
           first, never overlapped, so each retry's read starts under claims P accepted
@@ -285,21 +295,25 @@ class PullReader:
         """
         remote = meta.remote
         assert remote is not None
-        metas = {r: self.remote_meta(remote.host_of(r), self._port_of(remote, r),
-                                     expect_tp=remote.tp_size) for r in p_ranks}
+        metas = self._metas(remote, p_ranks)
         # where to read before the claims are answered (None: a keyed P rank not granted
         # before, whose addresses come only with this claim's grant)
-        early = self._known_regions(remote, metas)
+        early = known_regions(self._granted, remote, metas)
+        # within P's read window (pull_window): read at once, claim only a read ending after
+        until = (window_end(remote) if not (fresh or meta.claimed_ahead) and early is not None
+                 and same_instance(remote, early) else -math.inf)
+        if time.time() >= until:  # over already: claimed as any other request
+            until = -math.inf
         # claimed by D's scheduler (pull_claims): read at once, claim only what it could not
-        ahead = meta.claimed_ahead and not fresh
-        if ahead and not self.overlap_claims and self.inbox.local:
+        ahead = (meta.claimed_ahead or until > -math.inf) and not fresh
+        if meta.claimed_ahead and ahead and not self.overlap_claims and self.inbox.local:
             # few CPUs: a claim answered during the read slows it down; the answer comes
             # from the scheduler in this process within a round trip of its sending
             self.inbox.get(meta.request_id, AHEAD_WAIT_S)
         ahead = ahead and not refused_ahead(self.inbox.get(meta.request_id))
         if ahead and early is None:  # the grant of a keyed P rank is with the answer
-            early = self._known_regions(remote, self._granted_metas(
-                remote, metas, accepted_ahead(self.inbox.get(meta.request_id, AHEAD_WAIT_S),
+            early = known_regions(self._granted, remote, granted_metas(
+                self._granted, remote, metas, accepted_ahead(self.inbox.get(meta.request_id, AHEAD_WAIT_S),
                                               p_ranks) or {}, partial=True))
             ahead = early is not None
         overlapped = early is not None and not fresh and (ahead or self.overlap_claims)
@@ -314,7 +328,7 @@ class PullReader:
                     # not overlapped: every claim was answered, the grants are in
                     nbytes = self._read_all(
                         meta, early if overlapped and early is not None
-                        else self._granted_metas(remote, metas, claims), plan)
+                        else granted_metas(self._granted, remote, metas, claims), plan)
                 except TransferError as exc:
                     if not overlapped:
                         raise
@@ -326,14 +340,17 @@ class PullReader:
                 # proves as much as a claim during it), but only if it did not fail
                 claims = accepted_ahead(self.inbox.get(meta.request_id), p_ranks) or {}
                 missing = [r for r in p_ranks if r not in claims]
+                if read_ok and early_error is None and not claims and time.time() <= until:
+                    missing = []  # read within the window: P still held the blocks
+                    self.shared.recorder.inc("p2p_window_reads")
                 if missing and read_ok:
                     claims.update(self._start_claims(meta, missing, readers, overlapped=False))
             # Never end with a claim in flight; a claim error replaces a read error
             # (P's refusal says more than the failed read of blocks it does not hold).
             first_try, claimed_at = self._await_claims(claims, claimed)
         if overlapped:
-            granted = self._granted_metas(remote, metas, claims)
-            moved = _moved(early, granted)
+            granted = granted_metas(self._granted, remote, metas, claims) if claims else early or {}
+            moved = regions_moved(early, granted)
             if early_error is not None and not moved:
                 raise early_error
             if not first_try or moved:
@@ -369,9 +386,9 @@ class PullReader:
         return delay
 
     def _p_gone(self, remote: Any, p_ranks: Iterable[int]) -> bool:
-        """Whether a P rank's side-channel port refuses connections: the process is gone (a
-        retry would only wait for timeouts). A P starved of CPU, or stopped, still has its
-        connections accepted by the kernel; a cut network times out: both are retried."""
+        """Whether a P rank's side-channel port refuses connections: the process is gone. (A
+        P starved of CPU or stopped still has connections accepted; a cut network times
+        out: both are retried.)"""
         for r in p_ranks:
             try:
                 with socket.create_connection((remote.host_of(r), self._port_of(remote, r)),
@@ -415,45 +432,19 @@ class PullReader:
                 break
         return out
 
-    def _known_regions(self, remote: Any, metas: dict[int, AgentMeta]
-                       ) -> dict[int, AgentMeta] | None:
-        """P ranks' metadata with region addresses known before this request's claims
-        (an unkeyed P's ``GetMeta``, or a keyed P rank's last grant); ``None`` if a rank's
-        are not known yet."""
-        out: dict[int, AgentMeta] = {}
-        for r, m in metas.items():
-            known = m if m.region_addrs else self._granted.get(
-                (remote.host_of(r), self._port_of(remote, r)))
-            if known is None:
-                return None
-            out[r] = known
-        return out
-
-    def _granted_metas(self, remote: Any, metas: dict[int, AgentMeta],
-                       claims: Mapping[int, Future[Claimed]], *,
-                       partial: bool = False) -> dict[int, AgentMeta]:
-        """P ranks' metadata with the regions of this request's grants (every claim has
-        been accepted; ``partial``: only the ranks in ``claims``); remembers each keyed
-        rank's grant for later requests."""
-        out: dict[int, AgentMeta] = {}
-        for r, m in metas.items():
-            if partial and r not in claims:
-                out[r] = m
-                continue
-            grant = claims[r].result().grant
-            if grant is None:
-                if not m.region_addrs:
-                    raise RemoteKVUnavailable(
-                        f"P rank {r} accepted the claim without saying where its KV cache "
-                        "is (no region addresses in GetMeta nor in the grant)",
-                        code="no_regions")
-                out[r] = m
-                continue
-            granted = msgspec.structs.replace(m, region_addrs=list(grant.region_addrs),
-                                              region_strides=list(grant.region_strides))
-            self._granted[(remote.host_of(r), self._port_of(remote, r))] = granted
-            out[r] = granted
-        return out
+    def _metas(self, remote: Any, p_ranks: list[int]) -> dict[int, AgentMeta]:
+        """P ranks' metadata (cached), fetched again once when the request names another
+        engine start of P than the cached one (P restarted at the same address)."""
+        for again in (False, True):
+            metas = {r: self.remote_meta(remote.host_of(r), self._port_of(remote, r),
+                                         expect_tp=remote.tp_size) for r in p_ranks}
+            seen = (remote.endpoint_key(), remote.instance)
+            if again or not remote.instance or same_instance(remote, metas) or (
+                    seen in self._refetched):
+                break
+            self._refetched.add(seen)
+            self._forget_session(remote, p_ranks)
+        return metas
 
     def _read_all(self, meta: RecvMeta, metas: dict[int, AgentMeta],
                   plan: Sequence[HeadSlice]) -> int:
@@ -579,10 +570,3 @@ class PullReader:
         return read_request(s.te, s.layout, meta, remotes, plan,
                             stages=getattr(s, "p_stages", None))
 
-
-def _moved(read: Mapping[int, AgentMeta] | None, granted: Mapping[int, AgentMeta]) -> bool:
-    """Whether the regions a read used differ from those of the request's grants."""
-    if read is None:
-        return True
-    return any((read[r].region_addrs, read[r].region_strides)
-               != (g.region_addrs, g.region_strides) for r, g in granted.items())

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from typing import TYPE_CHECKING, Any
 
 from vllm_ascend.distributed.kv_transfer.core.auth import capability_token
@@ -31,6 +32,7 @@ from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig
 from .errors import KVParamsError
 from .params import (
     RemotePrefill,
+    engine_instance,
     params_for_decode,
     parse_remote_prefill,
     wants_remote_decode,
@@ -40,6 +42,7 @@ from .pp_layout import expand_over_stages
 from .protocol import side_channel_port
 from .pull_claims import ClaimAhead
 from .pull_contract import MooncakeConnectorMetadata, RecvMeta, SendMeta
+from .pull_window import in_window
 from .renewer import LeaseRenewer
 
 if TYPE_CHECKING:
@@ -77,6 +80,8 @@ class PullScheduler:
                         if self.is_consumer else None)
         #: claims sent when a request is first seen (``None``: the workers claim)
         self.claims = _claim_ahead(vllm_config, cfg, engine_id) if self.is_consumer else None
+        #: this engine start, in the params of the requests P holds (their read window)
+        self.instance = engine_instance(vllm_config, engine_id)
 
     @property
     def rank_hosts(self) -> dict[int, str]:
@@ -130,8 +135,11 @@ class PullScheduler:
             self.renewer.track(request.request_id, parsed)
         if count <= 0:
             return 0, False
-        if isinstance(parsed, RemotePrefill) and self.claims is not None:
-            # the blocks the worker will read (vLLM's prefix hit is num_computed_tokens)
+        if (isinstance(parsed, RemotePrefill) and self.claims is not None
+                and not in_window(parsed)):
+            # the blocks the worker will read (vLLM's prefix hit is num_computed_tokens);
+            # a request well within P's read window is read unclaimed (pull_window), one
+            # still waiting here once it is not is claimed then (vLLM asks every step)
             self.claims.start(request.request_id, parsed,
                               parsed.block_ids[num_computed_tokens // self.block_size:])
         return count, True
@@ -211,13 +219,17 @@ class PullScheduler:
         if not held:
             return False, None
         token = capability_token()
+        # P's workers hold the blocks at least cfg.hold_window_s from their next step (after
+        # this moment): D trusts a read within that window of held_at (pull_window)
+        held_at = time.time()
         self._to_hold[rid] = SendMeta(rid, held, token)
         out = request.output_token_ids
         return True, params_for_decode(
             block_ids=held, engine_id=self.engine_id, host=self.host, port=self.side_port,
             request_id=rid, tp_size=self.tp_size,
             last_token_id=int(out[-1]) if len(out) else None, num_prompt_blocks=len(held),
-            claim_token=token, rank_hosts=self.rank_hosts)
+            claim_token=token, rank_hosts=self.rank_hosts, instance=self.instance,
+            held_at=held_at, hold_s=self.cfg.hold_window_s)
 
     def shutdown(self) -> None:
         if self.renewer is not None:

@@ -45,6 +45,7 @@ from vllm_ascend.distributed.kv_transfer.core.wire import Codec, Message
 from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig
 
 from .errors import HandshakeMismatchError, RemoteKVUnavailable
+from .params import engine_instance
 from .protocol import PROTOCOL_VERSION, AgentMeta, GetMeta, side_channel_port, worker_port
 
 if TYPE_CHECKING:
@@ -114,6 +115,8 @@ class P2PWorkerBase:
                                 pp_rank=self.pp_rank)
         #: how this worker names itself to peers (reader on D, sender on P)
         self.agent_id = f"{engine_id}/tp{self.tp_rank}"
+        #: this engine start (``AgentMeta.instance``)
+        self.instance = engine_instance(vllm_config, engine_id)
         own = cfg.prefill if self.is_producer and not self.is_consumer else cfg.decode
         if own.tp_size is not None and own.tp_size != self.tp_size:
             raise HandshakeMismatchError(
@@ -144,7 +147,7 @@ class P2PWorkerBase:
             layout=self.layout.descriptor(),
             region_addrs=[r.base_addr for r in self.layout.regions],
             region_strides=[r.block_stride for r in self.layout.regions],
-            vllm_version=_vllm_version())
+            vllm_version=_vllm_version(), instance=self.instance)
         return self.layout
 
     def _release_resources(self) -> None:

@@ -1,0 +1,123 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The read window: D reads a fresh request's blocks without claiming them first; and
+where D reads P's KV from (the regions of P's metadata or of a keyed P's last grant).
+
+A claim costs D a side-channel round trip before a load may end; for a small request
+that is as long as the read itself. P therefore promises more than the lease:
+
+* P's scheduler stamps the request's ``kv_transfer_params`` with the wall time it began
+  holding the blocks (``remote_held_at``), the window (``remote_hold_s``, P's
+  ``read_window_s``, at most half the lease) and its engine start (``remote_instance``).
+* P's worker keeps the blocks at least that long from when it registers the hold (after
+  the stamp), even when D's ``Done`` comes sooner (:mod:`.pull_holder` defers the
+  release; a ``Claim`` after a ``Done`` is still refused).
+
+So a read that ended before ``remote_held_at + remote_hold_s`` in P's clock read the
+request's KV, whoever read it and however often: P could not have freed the blocks yet.
+D checks that with its own clock at the end of the read, less :data:`~.pull_claims.
+CLOCK_SKEW_S` for the difference between the clocks (:func:`window_end`). A read that
+ends later is claimed after it, which proves as much (held at the answer, and
+continuously since before the read: see :meth:`~.pull_reader.PullReader._pull`).
+
+D uses the window only with region addresses of the same P engine start
+(:func:`same_instance`): a P restarted at the same address is another instance, whose
+memory D's cached metadata does not describe. D's scheduler does not claim ahead a
+request still well within its window (:func:`in_window`); one that waited longer in D's
+queue is claimed ahead as before.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping
+from concurrent.futures import Future
+
+import msgspec
+
+from .errors import RemoteKVUnavailable
+from .params import RemotePrefill
+from .protocol import AgentMeta, worker_port
+from .pull_claims import CLOCK_SKEW_S, Claimed
+
+#: keyed P ranks, ``(host, side-channel port)`` -> their metadata with the regions of their
+#: last grant (D's :class:`~.pull_reader.PullReader` keeps one)
+Granted = dict[tuple[str, int], AgentMeta]
+
+#: How much of the window must be left for D's scheduler to leave a request unclaimed
+#: (the read and the hand-off to the worker must fit in it).
+AHEAD_MARGIN_S = 0.1
+
+
+def window_end(remote: RemotePrefill) -> float:
+    """D's ``time.time()`` by which a read of ``remote``'s blocks must end to be trusted
+    without a claim; ``-inf`` when P made no such promise."""
+    if remote.hold_s <= 0 or remote.held_at <= 0 or not remote.instance:
+        return -math.inf
+    return remote.held_at + remote.hold_s - CLOCK_SKEW_S
+
+
+def in_window(remote: RemotePrefill, *, margin_s: float = AHEAD_MARGIN_S,
+              now: float | None = None) -> bool:
+    """Whether more than ``margin_s`` of the request's read window is left."""
+    return (time.time() if now is None else now) + margin_s < window_end(remote)
+
+
+def same_instance(remote: RemotePrefill, metas: Mapping[int, AgentMeta]) -> bool:
+    """Whether every P rank's regions in ``metas`` are of the engine start that holds the
+    request (both told; an unknown instance never matches)."""
+    return bool(remote.instance) and all(m.instance == remote.instance
+                                         for m in metas.values())
+
+
+def _endpoint(remote: RemotePrefill, p_rank: int) -> tuple[str, int]:
+    return (remote.host_of(p_rank),
+            worker_port(remote.port, tp_rank=p_rank, tp_size=remote.tp_size))
+
+
+def known_regions(granted: Granted, remote: RemotePrefill, metas: Mapping[int, AgentMeta]
+                  ) -> dict[int, AgentMeta] | None:
+    """P ranks' metadata with region addresses known before this request's claims (an
+    unkeyed P's ``GetMeta``, or a keyed P rank's last grant); ``None`` if a rank's are not
+    known yet."""
+    out: dict[int, AgentMeta] = {}
+    for r, m in metas.items():
+        known = m if m.region_addrs else granted.get(_endpoint(remote, r))
+        if known is None:
+            return None
+        out[r] = known
+    return out
+
+
+def granted_metas(granted: Granted, remote: RemotePrefill, metas: Mapping[int, AgentMeta],
+                  claims: Mapping[int, Future[Claimed]], *,
+                  partial: bool = False) -> dict[int, AgentMeta]:
+    """P ranks' metadata with the regions of this request's grants (every claim has been
+    accepted; ``partial``: only the ranks in ``claims``); remembers each keyed rank's grant
+    (with its engine start) in ``granted`` for later requests."""
+    out: dict[int, AgentMeta] = {}
+    for r, m in metas.items():
+        if partial and r not in claims:
+            out[r] = m
+            continue
+        grant = claims[r].result().grant
+        if grant is None:
+            if not m.region_addrs:
+                raise RemoteKVUnavailable(
+                    f"P rank {r} accepted the claim without saying where its KV cache is (no "
+                    "region addresses in GetMeta nor in the grant)", code="no_regions")
+            out[r] = m
+            continue
+        out[r] = granted[_endpoint(remote, r)] = msgspec.structs.replace(
+            m, region_addrs=list(grant.region_addrs),
+            region_strides=list(grant.region_strides), instance=grant.instance)
+    return out
+
+
+def regions_moved(read: Mapping[int, AgentMeta] | None,
+                  granted: Mapping[int, AgentMeta]) -> bool:
+    """Whether the regions a read used differ from those of the request's grants."""
+    if read is None:
+        return True
+    return any((read[r].region_addrs, read[r].region_strides)
+               != (g.region_addrs, g.region_strides) for r, g in granted.items())
