@@ -41,17 +41,23 @@ def section_p2p(d: dict[str, Any], images: Images) -> str:
                "connector_ms"]
     names = ["blocks", "bytes", "raw GB/s", "connector GB/s", "connector / raw", "raw ms",
              "connector ms"]
-    modes = [k for k in ("ratio_overlapped", "ratio_claims_first")
-             if any(k in r for r in rows)]
+    modes = [k for k in ("ratio_ahead", "ratio_overlapped", "ratio_claims_first")
+             if any(k in r for r in rows) and d.get("claim_mode") != k[len("ratio_"):]]
     rounds = d.get("rounds")
     spread = (f"connector / raw: median of {rounds} rounds [min–max] (95%: the paired bootstrap "
               "interval over the rounds of the ratio of their median times, which decides the "
-              "goal); the worker's own claims "
-              "(no claim sent ahead by D's scheduler), overlapped with the read or before it: "
-              "medians of the same rounds. " if rounds else "")
+              "goal); the other ways of claiming, medians of the same rounds: ahead (D's "
+              "scheduler claims when it first sees the request, P's params without a read "
+              "window), and the worker's own claims (no claim sent ahead by D's scheduler), "
+              "overlapped with the read or before it. " if rounds else "")
+    unclaimed = ["window_reads"] if any("window_reads" in r for r in rows) else []
+    if unclaimed:
+        spread += ("`unclaimed`: the share of the window loads D trusted without a claim (the "
+                   "others ended after P's read window and were claimed after the read). ")
     out = (f"{d.get('description', '')}. {spread}Goal: {d.get('goal', '')}.\n\n"
-           + md_table(rows, columns + modes,
-                      names + [m.replace("ratio_", "").replace("_", " ") for m in modes]))
+           + md_table(rows, columns + modes + unclaimed,
+                      names + [m.replace("ratio_", "").replace("_", " ") for m in modes]
+                      + ["unclaimed"] * len(unclaimed)))
     keyed = [{**r, "keyed_vs_plain": _with_spread(r, "keyed_vs_plain")} for r in d.get("results", []) if "keyed_ms" in r]
     if keyed:
         out += ("\nWith a deployment key (every side-channel frame sealed and checked, the "

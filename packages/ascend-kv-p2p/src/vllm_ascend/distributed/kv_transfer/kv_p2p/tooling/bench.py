@@ -10,10 +10,13 @@ time is the connector's efficiency (the connector adds the claim, the
 hand-off to its pull thread and the bookkeeping; the done message goes to P
 after the load was reported).
 
-The connector's time runs from the moment D's scheduler sees the request (it sends
-the claim then, :mod:`..pull_claims`, and hands the request to the worker with the
-answer if it is in, else the next engine step brings it, one step every
-:data:`ENGINE_STEP_S`) until the worker marks the request finished receiving
+The connector's time runs from the moment D's scheduler sees the request until the
+worker marks the request finished receiving. P's params carry its read window
+(:mod:`..pull_window`), so D reads the fresh request without claiming it; mode ``ahead``
+(params without the window) has the scheduler send the claim when it sees the request
+(:mod:`..pull_claims`) and hand the request to the worker with the answer if it is in,
+else the next engine step brings it, one step every :data:`ENGINE_STEP_S`. The time ends
+when the worker marks the request finished receiving
 (:meth:`PullWorker.wait_loads` wakes up), so it includes waking the waiting thread
 but not a ``get_finished`` polling interval, which in vLLM is one engine step and no
 part of the connector. The worker's own claims (overlapped with the read, or before
@@ -65,7 +68,8 @@ def _vllm_config(role: str, kv_port: int) -> Any:
         parallel_config=SimpleNamespace(tensor_parallel_size=1, data_parallel_rank=0,
                                         pipeline_parallel_size=1),
         cache_config=SimpleNamespace(block_size=BLOCK_TOKENS),
-        model_config=SimpleNamespace(model="/bench/model", get_total_num_kv_heads=lambda: HEADS))
+        model_config=SimpleNamespace(model="/bench/model", get_total_num_kv_heads=lambda: HEADS),
+        instance_id=f"{os.getpid()}-{time.time_ns()}")
 
 
 def _caches(fill: bool) -> dict[str, Any]:
@@ -98,7 +102,8 @@ def prefill_process(kv_port: int, q_in: Any, q_out: Any) -> None:
     caches = _caches(fill=True)
     worker.register_kv_caches(caches)
     assert worker.meta is not None
-    q_out.put((worker.meta.session, worker.meta.region_addrs, worker.meta.region_strides))
+    q_out.put((worker.meta.session, worker.meta.region_addrs, worker.meta.region_strides,
+               worker.meta.instance))
     while True:
         try:
             cmd = q_in.get(timeout=0.005)
@@ -136,32 +141,41 @@ ENGINE_STEP_S = 0.001
 
 
 def _connector_load(d: Any, q_in: Any, q_out: Any, rid: str, p_port: int,
-                    d_blocks: list[int], p_blocks: list[int], mode: str) -> float:
-    """One connector load: seconds from the moment D's scheduler sees the request (mode
-    ``ahead``: it sends the claim then) or ``start_load_kv`` (the other modes, whose claims
-    go out from the worker) until the worker marks the request finished receiving (then
-    checked with ``get_finished``)."""
+                    d_blocks: list[int], p_blocks: list[int], mode: str,
+                    instance: str = "") -> float:
+    """One connector load: seconds from the moment D's scheduler sees the request (modes
+    ``window`` and ``ahead``: it sends the claim then unless the request is within P's
+    read window) or ``start_load_kv`` (the other modes, whose claims go out from the worker)
+    until the worker marks the request finished receiving (then checked with
+    ``get_finished``). Only ``window`` loads carry P's read window in their params."""
     from vllm_ascend.distributed.kv_transfer.core.auth import capability_token
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig
 
     from ..params import RemotePrefill
     from ..pull_contract import MooncakeConnectorMetadata, RecvMeta
+    from ..pull_window import in_window
 
     token = capability_token()  # P's capability for the request, as P's scheduler issues it
+    held_at = time.time()  # P's scheduler stamps the params before its worker holds
     q_in.put((rid, p_blocks, token))
     assert q_out.get(timeout=60) == rid
+    window = mode == "window"
     remote = RemotePrefill(engine_id="bench-kv_producer", host=d.host, port=p_port,
                            request_id=rid, block_ids=p_blocks, tp_size=1, pcp_size=1,
-                           dcp_size=1, token=token)
-    ahead = d.claim_ahead if mode == "ahead" else None
+                           dcp_size=1, token=token, instance=instance if window else "",
+                           held_at=held_at if window else 0.0,
+                           hold_s=MooncakeP2PConfig().hold_window_s if window else 0.0)
+    ahead = d.claim_ahead if mode in ("ahead", "window") else None
     t0 = time.perf_counter()
     early = None
-    if ahead is not None:
+    sent = False
+    if ahead is not None and not in_window(remote):
         # D's scheduler: get_num_new_matched_tokens sends the claim, update_state_after_alloc
         # hands the request over (with the answers if they are in already)
         ahead.start(rid, remote, p_blocks)
-        _sent, early = ahead.hand_over(rid, p_blocks)
+        sent, early = ahead.hand_over(rid, p_blocks)
     d.start_load_kv(MooncakeConnectorMetadata(requests={rid: RecvMeta(
-        rid, d_blocks, remote, remote_block_ids=p_blocks, claimed_ahead=ahead is not None,
+        rid, d_blocks, remote, remote_block_ids=p_blocks, claimed_ahead=sent,
         early_claims=early)}))
     deadline = t0 + 60
     while not d.wait_loads([rid], timeout=ENGINE_STEP_S):
@@ -176,12 +190,14 @@ def _connector_load(d: Any, q_in: Any, q_out: Any, rid: str, p_port: int,
     return float(elapsed)
 
 
-#: the connector's claim modes: ``ahead`` (D's scheduler claims when it first sees the
-#: request: the connector's way in vLLM), and the worker's own claims with
+#: the connector's claim modes: ``window`` (P's params carry its read window, D reads
+#: unclaimed: the connector's way in vLLM for a request D takes up within it), ``ahead``
+#: (D's scheduler claims when it first sees the request: its way after the window, or
+#: with a P whose ``read_window_s`` is 0), and the worker's own claims with
 #: ``PullWorker.overlap_claims`` on and off (its way when the scheduler sent none)
-MODES = {"ahead": None, "overlapped": True, "claims_first": False}
+MODES = {"window": None, "ahead": None, "overlapped": True, "claims_first": False}
 #: the mode ``ratio`` reports
-DEFAULT_MODE = "ahead"
+DEFAULT_MODE = "window"
 
 
 def _spread(values: list[float]) -> dict[str, float]:
@@ -236,7 +252,7 @@ class _Pair:
 
     def connect(self) -> None:
         """Wait for P's caches; register D's."""
-        self.session, self.p_addrs, self.p_strides = self.q_out.get(timeout=120)
+        self.session, self.p_addrs, self.p_strides, self.instance = self.q_out.get(timeout=120)
         with _deployment_key(self.key):
             self.d.register_kv_caches(_caches(fill=False))
         assert self.d.layout is not None and self.d.te is not None
@@ -248,7 +264,7 @@ class _Pair:
     def load(self, rid: str, d_blocks: list[int], p_blocks: list[int], mode: str) -> float:
         with _deployment_key(self.key):
             t = _connector_load(self.d, self.q_in, self.q_out, rid, self.p_port, d_blocks,
-                                p_blocks, mode)
+                                p_blocks, mode, self.instance)
         if self.d.get_block_ids_with_load_errors():
             raise RuntimeError(f"connector load {rid} failed")
         return t
@@ -293,6 +309,7 @@ def _measure(sizes: list[int], rounds: int, pairs: int, *,
         times: dict[int, dict[str, list[float]]] = {n: {k: [] for k in paths} for n in sizes}
         # per size and path: each round's median time (the unit of the bootstrap)
         medians: dict[int, dict[str, list[float]]] = {n: {k: [] for k in paths} for n in sizes}
+        unclaimed: dict[int, list[bool]] = {n: [] for n in sizes}
         for rnd in range(rounds + 1):  # round 0 warms connections up
             for n in sizes:
                 nbytes = n * d.layout.block_bytes
@@ -315,7 +332,11 @@ def _measure(sizes: list[int], rounds: int, pairs: int, *,
                             t = sealed.load(rid, d_blocks, p_blocks, DEFAULT_MODE)
                         else:
                             d.overlap_claims = auto if MODES[kind] is None else MODES[kind]
+                            before = d.recorder.total("p2p_window_reads")
                             t = plain.load(rid, d_blocks, p_blocks, kind)
+                            if kind == "window" and rnd:
+                                unclaimed[n].append(
+                                    d.recorder.total("p2p_window_reads") > before)
                         got[kind].append(t)
                 d.overlap_claims = auto
                 if not rnd:
@@ -332,6 +353,8 @@ def _measure(sizes: list[int], rounds: int, pairs: int, *,
         for n in sizes:
             rows.append(_row(n, n * d.layout.block_bytes, times[n], ratios[n], medians[n],
                              rounds))
+            # how many of the window loads read unclaimed (the others ended after it)
+            rows[-1]["window_reads"] = sum(unclaimed[n]) / max(1, len(unclaimed[n]))
         # a comparison counts only if the keyed pair sealed every frame and the plain did not
         if plain.sealing() != {False} or (sealed is not None and sealed.sealing() != {True}):
             raise RuntimeError(f"the pairs did not run as set up: plain clients sealed "
@@ -393,24 +416,26 @@ def run(args: argparse.Namespace) -> int:
     cpus = usable_cpus()
     rows = _measure(sizes, rounds, pairs, keyed=args.auth)
     cols = ["blocks", "bytes", "raw_GBps", "connector_GBps", "ratio", "ratio_min", "ratio_max",
-            "raw_ms", "connector_ms", *(f"ratio_{m}" for m in MODES)]
+            "raw_ms", "connector_ms", *(f"ratio_{m}" for m in MODES), "window_reads"]
     if args.auth:
         cols += ["keyed_ms", "keyed_vs_plain", "keyed_vs_plain_low", "keyed_vs_plain_high"]
     print(format_table(rows, cols))
     path = write_results("p2p", {
         "description": "MooncakeConnectorV1 load timed from the moment D's scheduler sees the "
-                       "request (it sends the claim then; the worker reads at once and gets "
-                       "the answer with the next step's metadata, one engine step every "
-                       f"{ENGINE_STEP_S * 1e3:g} ms) until the worker marks the request "
-                       "finished receiving, vs one raw Mooncake batch read of the same "
+                       "request (within P's read window: read at once, no claim; ahead: "
+                       "params without the window, the scheduler sends the claim then, the "
+                       "worker reads at once and gets the answer with the next step's "
+                       f"metadata, one engine step every {ENGINE_STEP_S * 1e3:g} ms) until "
+                       "the worker marks the request finished receiving, vs one raw Mooncake "
+                       "batch read of the same "
                        "ranges, TCP on loopback, P in another process; "
                        f"{rounds} rounds of {pairs} alternating loads of each, ratio = the "
                        "median over the rounds of raw / connector (each round's medians), "
                        "with min-max; ratio_overlapped / ratio_claims_first: the worker "
                        f"claiming itself, overlapped with the read or before it ({cpus} CPUs)"
                        + ("; keyed: a second P and D pair with a deployment key (sealed "
-                          "frames, claim tokens, regions with the grant), its loads (claims "
-                          "sent ahead) alternating with the others in the same rounds; "
+                          "frames, claim tokens, regions with the grant), its loads (made "
+                          "as the plain pair's) alternating with the others in the same rounds; "
                           "keyed_vs_plain = the median over the rounds of plain connector "
                           "time / keyed connector time, with min-max and the 95% paired "
                           "bootstrap interval over the rounds" if args.auth else ""),
