@@ -10,6 +10,7 @@ holds the request (a P restarted at the same address is fetched again).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from types import SimpleNamespace
@@ -24,6 +25,7 @@ from ascend_kv_testing.keys import set_deployment_key
 from vllm_ascend.distributed.kv_transfer.core import auth
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
 from vllm_ascend.distributed.kv_transfer.core.net import free_port
+from vllm_ascend.distributed.kv_transfer.kv_p2p import pull_reader
 from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig
 from vllm_ascend.distributed.kv_transfer.kv_p2p.errors import KVParamsError
 from vllm_ascend.distributed.kv_transfer.kv_p2p.p2p_metrics import P2P_METRICS
@@ -41,7 +43,11 @@ from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_contract import (
     SendMeta,
 )
 from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_scheduler import PullScheduler
-from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_window import in_window, window_end
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_window import (
+    in_window,
+    window_end,
+    window_tag,
+)
 from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_worker import PullWorker
 
 BS, NB, HEADS, HD, LAYERS = 16, 8, 2, 8, 2
@@ -117,18 +123,24 @@ def pd(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 def hold(pd: Any, rid: str, src: list[int], *, age_s: float = 0.0,
-         instance: str | None = None) -> tuple[RemotePrefill, float]:
-    """P's scheduler stamps the params (``age_s`` ago) and its worker holds ``src``; the
-    params D gets, and ``time.monotonic()`` at the stamp."""
+         instance: str | None = None, register: bool = True) -> tuple[RemotePrefill, float]:
+    """P's scheduler stamps (and tags) the params ``age_s`` ago and its worker holds
+    ``src`` (unless not ``register``: P's next engine step has not come yet); the params D
+    gets, and ``time.monotonic()`` at the stamp."""
     token = auth.capability_token()
     stamped = time.monotonic()
     held_at = time.time() - age_s
-    pd.p.start_load_kv(MooncakeConnectorMetadata(
-        requests_to_send={rid: SendMeta(rid, src, token)}))
+    if register:
+        pd.p.start_load_kv(MooncakeConnectorMetadata(
+            requests_to_send={rid: SendMeta(rid, src, token)}))
+    instance = pd.p.instance if instance is None else instance
+    hold_s = pd.p.cfg.hold_window_s
     remote = RemotePrefill(engine_id="P", host="127.0.0.1", port=pd.p_port, request_id=rid,
                            block_ids=src, tp_size=1, pcp_size=1, dcp_size=1, token=token,
-                           instance=pd.p.instance if instance is None else instance,
-                           held_at=held_at, hold_s=pd.p.cfg.hold_window_s)
+                           instance=instance, held_at=held_at, hold_s=hold_s,
+                           window_tag=window_tag(instance=instance, request_id=rid,
+                                                 block_ids=src, held_at=held_at,
+                                                 hold_s=hold_s, token=token))
     return remote, stamped
 
 
@@ -233,6 +245,51 @@ def test_a_request_whose_window_is_over_is_claimed_before_it_is_read(pd: Any) ->
     assert pd.claims == ["stale"] and window_reads(pd) == 0
 
 
+@pytest.mark.parametrize("change", [
+    {"request_id": "a-request-p-never-had"},
+    {"block_ids": [6, 7]},  # another request's blocks
+    {"token": "a-stale-token"},
+    {"held_at": 0.5e9},  # an old stamp made young
+    {"window_tag": ""},
+])
+def test_params_changed_on_the_way_are_claimed_and_refused(
+        pd: Any, change: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a claim P cannot check the request id, the blocks or the token: the window
+    tag stands for those checks. Params that differ from what P tagged are claimed, and P
+    refuses them as before, instead of D reading blocks that are not the request's."""
+    monkeypatch.setattr(pull_reader, "CLAIM_RETRY_S", 0.3)  # "unknown request": not retried long
+    warm_up(pd)
+    hold(pd, "other", [6, 7])
+    remote, _t = hold(pd, "r", [2, 3])
+    if "held_at" in change:
+        change = {"held_at": time.time()}  # a fresh stamp on params P stamped earlier
+        time.sleep(0.01)
+    bad = dataclasses.replace(remote, **change)
+    assert window_end(bad) == -math.inf
+    # a changed stamp or a missing tag: still the request's params, served under a claim
+    servable = bool({"held_at", "window_tag"} & set(change))
+    load(pd, "bad", bad, [4, 5], ok=servable)
+    assert set(pd.claims) == {bad.request_id} and window_reads(pd) == 0
+    assert servable or "bad" not in pd.reads  # refused: never read
+
+
+def test_a_done_before_p_registered_the_request_is_kept(pd: Any) -> None:
+    """D read in the window and was done before P's next engine step registered the
+    request: P applies that Done when it does (no lease left to lapse)."""
+    warm_up(pd)
+    remote, stamped = hold(pd, "early", [3], register=False)
+    load(pd, "early", remote, [5])  # vLLM holds P's blocks from the stamp on
+    deadline = time.monotonic() + 5
+    while pd.p.holder._early_done.get("early") is None:  # D's Done went out after the load
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    pd.p.start_load_kv(MooncakeConnectorMetadata(
+        requests_to_send={"early": SendMeta("early", [3], remote.token)}))
+    assert released_at(pd, "early") - stamped >= WINDOW_S
+    assert pd.p.recorder.total("p2p_requests_served") == 2  # the warm-up's and this one
+    assert pd.p.recorder.total("p2p_late_completions") == 0
+
+
 def test_params_of_another_engine_start_are_not_read_unclaimed(pd: Any) -> None:
     """Params naming another start of P than the one D's cached metadata describes: D
     fetches P's metadata again (once for that start) and, as it still differs, claims."""
@@ -278,7 +335,8 @@ def _request(rid: str, remote: RemotePrefill) -> Any:
         block_ids=remote.block_ids, engine_id="P", host=remote.host, port=remote.port,
         request_id=remote.request_id, tp_size=1, last_token_id=None,
         num_prompt_blocks=len(remote.block_ids), claim_token=remote.token,
-        instance=remote.instance, held_at=remote.held_at, hold_s=remote.hold_s)
+        instance=remote.instance, held_at=remote.held_at, hold_s=remote.hold_s,
+        window_tag=remote.window_tag)
     return SimpleNamespace(request_id=rid, kv_transfer_params=params,
                            prompt_token_ids=list(range(len(remote.block_ids) * BS)),
                            status=None)
@@ -306,7 +364,10 @@ def test_the_scheduler_claims_ahead_only_outside_the_window(pd: Any) -> None:
 def _params(**extra: Any) -> dict[str, Any]:
     out = params_for_decode(block_ids=[1, 2], engine_id="P", host="10.0.0.1", port=7000,
                             request_id="r", tp_size=1, last_token_id=None,
-                            num_prompt_blocks=2, instance="P/9", held_at=1.7e9, hold_s=1.0)
+                            num_prompt_blocks=2, instance="P/9", held_at=1.7e9, hold_s=1.0,
+                            window_tag=window_tag(instance="P/9", request_id="r",
+                                                  block_ids=[1, 2], held_at=1.7e9, hold_s=1.0,
+                                                  token=""))
     out.update(extra)
     return out
 
@@ -324,7 +385,7 @@ def test_params_carry_the_window_and_bad_values_are_clear_errors() -> None:
     for key, bad in [("remote_held_at", "yesterday"), ("remote_held_at", -1.0),
                      ("remote_hold_s", float("nan")), ("remote_hold_s", 1e9),
                      ("remote_hold_s", True), ("remote_instance", 7),
-                     ("remote_instance", "x" * 300)]:
+                     ("remote_instance", "x" * 300), ("remote_window_tag", 1)]:
         with pytest.raises(KVParamsError, match=key):
             parse_remote_prefill(_params(**{key: bad}), prompt_len=2 * BS, block_size=BS)
 

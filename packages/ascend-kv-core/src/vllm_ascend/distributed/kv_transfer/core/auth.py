@@ -297,6 +297,11 @@ class Authenticator:
         """The bearer token of ``purpose`` (e.g. ``"metaserver"``) under the signing key."""
         return _token(self.keys[0], purpose)
 
+    def purpose_keys(self, purpose: str) -> tuple[bytes, ...]:
+        """A key of ``purpose`` derived from each active key (the signing key's first): to
+        MAC data that travels outside the sealed frames (e.g. through a proxy)."""
+        return tuple(_token(k, purpose).encode() for k in self.keys)
+
     def check_bearer(self, presented: str | None, purpose: str) -> bool:
         """True if ``presented`` is the token of ``purpose`` under any active key."""
         if not presented:

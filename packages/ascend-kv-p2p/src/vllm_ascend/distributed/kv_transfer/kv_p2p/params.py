@@ -47,6 +47,9 @@ class RemotePrefill:
     #: no such promise): D's read window (:mod:`.pull_window`)
     held_at: float = 0.0
     hold_s: float = 0.0
+    #: P's MAC over the request's identity and window (``remote_window_tag``,
+    #: :func:`~.pull_window.window_tag`): params changed on the way are claimed
+    window_tag: str = ""
 
     def endpoint_key(self) -> tuple[str, int]:
         """``(host, base side-channel port)`` of the P instance."""
@@ -143,10 +146,11 @@ def parse_remote_prefill(params: Any, *, prompt_len: int, block_size: int) -> Re
         raise KVParamsError(f"kv_transfer_params: 'remote_claim_token' must be a string of at "
                             f"most 256 characters, got a {type(token).__name__}")
     tp_size = _int({"remote_tp_size": tp}, "remote_tp_size", minimum=1, maximum=4096)
-    instance = params.get("remote_instance", "")
-    if not isinstance(instance, str) or len(instance) > 256:
-        raise KVParamsError(f"kv_transfer_params: 'remote_instance' must be a string of at "
-                            f"most 256 characters, got a {type(instance).__name__}")
+    instance, tag = params.get("remote_instance", ""), params.get("remote_window_tag", "")
+    for key, value in (("remote_instance", instance), ("remote_window_tag", tag)):
+        if not isinstance(value, str) or len(value) > 256:
+            raise KVParamsError(f"kv_transfer_params: {key!r} must be a string of at most 256 "
+                                f"characters, got a {type(value).__name__}")
     return RemotePrefill(
         engine_id=_str(params, "remote_engine_id"),
         host=_str(params, "remote_host"),
@@ -161,6 +165,7 @@ def parse_remote_prefill(params: Any, *, prompt_len: int, block_size: int) -> Re
         instance=instance,
         held_at=_float(params, "remote_held_at", maximum=1e11),
         hold_s=_float(params, "remote_hold_s", maximum=3600.0),
+        window_tag=tag,
     )
 
 
@@ -168,10 +173,12 @@ def params_for_decode(*, block_ids: list[int], engine_id: str, host: str, port: 
                       request_id: str, tp_size: int, last_token_id: int | None,
                       num_prompt_blocks: int, claim_token: str = "",
                       rank_hosts: Mapping[int, str] | None = None, instance: str = "",
-                      held_at: float = 0.0, hold_s: float = 0.0) -> dict[str, Any]:
+                      held_at: float = 0.0, hold_s: float = 0.0,
+                      window_tag: str = "") -> dict[str, Any]:
     """The ``kv_transfer_params`` P returns for D (upstream keys, plus ``remote_tp_size`` and
     ``remote_claim_token``, the request's capability, when P issued one, and with a read
-    window: ``remote_instance``, ``remote_held_at`` and ``remote_hold_s``).
+    window: ``remote_instance``, ``remote_held_at``, ``remote_hold_s`` and
+    ``remote_window_tag``).
 
     ``remote_multi_nodes_meta_mapping`` names every rank's host (``rank_hosts``, as the
     workers published them); without them, rank 0 at ``host`` (upstream's one entry)."""
@@ -194,7 +201,8 @@ def params_for_decode(*, block_ids: list[int], engine_id: str, host: str, port: 
     if claim_token:
         out["remote_claim_token"] = claim_token
     if instance and hold_s > 0:
-        out.update(remote_instance=instance, remote_held_at=held_at, remote_hold_s=hold_s)
+        out.update(remote_instance=instance, remote_held_at=held_at, remote_hold_s=hold_s,
+                   remote_window_tag=window_tag)
     return out
 
 

@@ -100,6 +100,8 @@ class LeaseHolder:
         self._finished: set[str] = set()
         #: released requests whose blocks stay until their read window ends (monotonic)
         self._deferred: dict[str, float] = {}
+        #: Done messages of requests not registered yet (D read in the window)
+        self._early_done: collections.OrderedDict[str, list[Done]] = collections.OrderedDict()
         self._lock = threading.Lock()
         # signalled when the scheduler's metadata registers new held requests
         self._held_cv = threading.Condition()
@@ -134,6 +136,11 @@ class LeaseHolder:
             except KeyError:
                 logger.warning("request %s is already held; ignoring a duplicate",
                                req.request_id)
+                continue
+            with self._lock:
+                early = self._early_done.pop(req.request_id, [])
+            for msg in early:  # D read in the window and was done before this step
+                self._apply_done(msg)
         if added:
             with self._held_cv:
                 self._held_cv.notify_all()
@@ -219,6 +226,21 @@ class LeaseHolder:
                           region_strides=list(meta.region_strides), instance=meta.instance)
 
     def _on_done(self, msg: Done) -> Message:
+        if self.held.get(msg.request_id) is None:
+            with self._lock:
+                # a D that read in the window can be done before P's next engine step
+                # registers the request: kept for hold() (which takes the lock after adding)
+                early = self.held.get(msg.request_id) is None and (
+                    msg.request_id not in self._released)
+                if early:
+                    self._early_done.setdefault(msg.request_id, []).append(msg)
+                    while len(self._early_done) > RELEASED_MEMORY:
+                        self._early_done.popitem(last=False)
+            if early:
+                return DoneAck(valid=False)
+        return self._apply_done(msg)
+
+    def _apply_done(self, msg: Done) -> Message:
         held = self.held.get(msg.request_id)
         if held is None:
             self.shared.recorder.inc("p2p_late_completions")

@@ -42,7 +42,7 @@ from .pp_layout import expand_over_stages
 from .protocol import side_channel_port
 from .pull_claims import ClaimAhead
 from .pull_contract import MooncakeConnectorMetadata, RecvMeta, SendMeta
-from .pull_window import in_window
+from .pull_window import in_window, window_tag
 from .renewer import LeaseRenewer
 
 if TYPE_CHECKING:
@@ -229,7 +229,9 @@ class PullScheduler:
             request_id=rid, tp_size=self.tp_size,
             last_token_id=int(out[-1]) if len(out) else None, num_prompt_blocks=len(held),
             claim_token=token, rank_hosts=self.rank_hosts, instance=self.instance,
-            held_at=held_at, hold_s=self.cfg.hold_window_s)
+            held_at=held_at, hold_s=self.cfg.hold_window_s, window_tag=window_tag(
+                instance=self.instance, request_id=rid, block_ids=held, held_at=held_at,
+                hold_s=self.cfg.hold_window_s, token=token))
 
     def shutdown(self) -> None:
         if self.renewer is not None:

@@ -7,7 +7,9 @@ that is as long as the read itself. P therefore promises more than the lease:
 
 * P's scheduler stamps the request's ``kv_transfer_params`` with the wall time it began
   holding the blocks (``remote_held_at``), the window (``remote_hold_s``, P's
-  ``read_window_s``, at most half the lease) and its engine start (``remote_instance``).
+  ``read_window_s``, at most half the lease), its engine start (``remote_instance``) and a
+  tag over these, the request id, its block ids and its token (``remote_window_tag``,
+  :func:`window_tag`), which stands for the claim's checks of them.
 * P's worker keeps the blocks at least that long from when it registers the hold (after
   the stamp), even when D's ``Done`` comes sooner (:mod:`.pull_holder` defers the
   release; a ``Claim`` after a ``Done`` is still refused).
@@ -28,12 +30,16 @@ queue is claimed ahead as before.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 
 import msgspec
+
+from vllm_ascend.distributed.kv_transfer.core import auth
 
 from .errors import RemoteKVUnavailable
 from .params import RemotePrefill
@@ -49,10 +55,46 @@ Granted = dict[tuple[str, int], AgentMeta]
 AHEAD_MARGIN_S = 0.1
 
 
+#: what the window tag's key is derived for (from the deployment key, if any)
+TAG_PURPOSE = "p2p-read-window"
+
+
+def _tag(key: bytes, instance: str, request_id: str, block_ids: Sequence[int],
+         held_at: float, hold_s: float, token: str) -> str:
+    text = "|".join([instance, request_id, ",".join(map(str, block_ids)), repr(float(held_at)),
+                     repr(float(hold_s)), token])
+    return hmac.new(key, text.encode(), hashlib.sha256).hexdigest()
+
+
+def window_tag(*, instance: str, request_id: str, block_ids: Sequence[int], held_at: float,
+               hold_s: float, token: str) -> str:
+    """P's tag over what D reads unclaimed: a request id, its block ids, the window and the
+    capability token. Without a claim P cannot check them, so D checks this instead: params
+    changed on the way (another request's id or blocks, a stale token) do not match and are
+    claimed (and refused) as before. Keyed with the deployment key when there is one (a
+    proxy without it cannot forge a tag); without one a plain checksum, as good as the
+    unkeyed claim's checks (which anyone who reaches the side channel gets past)."""
+    a = auth.from_env()
+    key = a.purpose_keys(TAG_PURPOSE)[0] if a is not None else b""
+    return _tag(key, instance, request_id, block_ids, held_at, hold_s, token)
+
+
+def tag_ok(remote: RemotePrefill) -> bool:
+    """Whether ``remote``'s window tag is P's for exactly these params."""
+    if not remote.window_tag:
+        return False
+    a = auth.from_env()
+    keys = a.purpose_keys(TAG_PURPOSE) if a is not None else (b"",)
+    return any(hmac.compare_digest(remote.window_tag, _tag(
+        k, remote.instance, remote.request_id, remote.block_ids, remote.held_at, remote.hold_s,
+        remote.token)) for k in keys)
+
+
 def window_end(remote: RemotePrefill) -> float:
     """D's ``time.time()`` by which a read of ``remote``'s blocks must end to be trusted
-    without a claim; ``-inf`` when P made no such promise."""
-    if remote.hold_s <= 0 or remote.held_at <= 0 or not remote.instance:
+    without a claim; ``-inf`` when P made no such promise, or the params are not the ones
+    P tagged."""
+    if remote.hold_s <= 0 or remote.held_at <= 0 or not remote.instance or not tag_ok(remote):
         return -math.inf
     return remote.held_at + remote.hold_s - CLOCK_SKEW_S
 

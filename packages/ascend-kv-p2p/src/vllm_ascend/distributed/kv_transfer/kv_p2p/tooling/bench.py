@@ -153,18 +153,21 @@ def _connector_load(d: Any, q_in: Any, q_out: Any, rid: str, p_port: int,
 
     from ..params import RemotePrefill
     from ..pull_contract import MooncakeConnectorMetadata, RecvMeta
-    from ..pull_window import in_window
+    from ..pull_window import in_window, window_tag
 
     token = capability_token()  # P's capability for the request, as P's scheduler issues it
     held_at = time.time()  # P's scheduler stamps the params before its worker holds
     q_in.put((rid, p_blocks, token))
     assert q_out.get(timeout=60) == rid
     window = mode == "window"
+    hold_s = MooncakeP2PConfig().hold_window_s
     remote = RemotePrefill(engine_id="bench-kv_producer", host=d.host, port=p_port,
                            request_id=rid, block_ids=p_blocks, tp_size=1, pcp_size=1,
                            dcp_size=1, token=token, instance=instance if window else "",
-                           held_at=held_at if window else 0.0,
-                           hold_s=MooncakeP2PConfig().hold_window_s if window else 0.0)
+                           held_at=held_at if window else 0.0, hold_s=hold_s if window else 0.0,
+                           window_tag=window_tag(instance=instance, request_id=rid,
+                                                 block_ids=p_blocks, held_at=held_at,
+                                                 hold_s=hold_s, token=token))
     ahead = d.claim_ahead if mode in ("ahead", "window") else None
     t0 = time.perf_counter()
     early = None
