@@ -144,6 +144,11 @@ class PullReader:
                 self.inbox.expect(meta.request_id, meta.early_claims)
             self._pool.submit(self._pull, meta)
 
+    def done_sent(self, timeout: float = 10.0) -> None:
+        """Wait until the ``Done`` of every load reported so far went out (benchmarks: the
+        next measurement does not share the machine with them)."""
+        self._notify.submit(lambda: None).result(timeout)
+
     def shutdown(self) -> None:
         """Stop pulling (queued pulls are dropped)."""
         self.inbox.close()
