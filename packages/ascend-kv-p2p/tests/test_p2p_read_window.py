@@ -45,6 +45,7 @@ from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_contract import (
 from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_scheduler import PullScheduler
 from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_window import (
     in_window,
+    stamp,
     window_end,
     window_tag,
 )
@@ -335,8 +336,8 @@ def _request(rid: str, remote: RemotePrefill) -> Any:
         block_ids=remote.block_ids, engine_id="P", host=remote.host, port=remote.port,
         request_id=remote.request_id, tp_size=1, last_token_id=None,
         num_prompt_blocks=len(remote.block_ids), claim_token=remote.token,
-        instance=remote.instance, held_at=remote.held_at, hold_s=remote.hold_s,
-        window_tag=remote.window_tag)
+        window={"remote_instance": remote.instance, "remote_held_at": remote.held_at,
+                "remote_hold_s": remote.hold_s, "remote_window_tag": remote.window_tag})
     return SimpleNamespace(request_id=rid, kv_transfer_params=params,
                            prompt_token_ids=list(range(len(remote.block_ids) * BS)),
                            status=None)
@@ -364,22 +365,24 @@ def test_the_scheduler_claims_ahead_only_outside_the_window(pd: Any) -> None:
 def _params(**extra: Any) -> dict[str, Any]:
     out = params_for_decode(block_ids=[1, 2], engine_id="P", host="10.0.0.1", port=7000,
                             request_id="r", tp_size=1, last_token_id=None,
-                            num_prompt_blocks=2, instance="P/9", held_at=1.7e9, hold_s=1.0,
-                            window_tag=window_tag(instance="P/9", request_id="r",
-                                                  block_ids=[1, 2], held_at=1.7e9, hold_s=1.0,
-                                                  token=""))
+                            num_prompt_blocks=2,
+                            window=stamp(instance="P/9", request_id="r", block_ids=[1, 2],
+                                         token="", hold_s=1.0))
     out.update(extra)
     return out
 
 
 def test_params_carry_the_window_and_bad_values_are_clear_errors() -> None:
+    before = time.time()
     remote = parse_remote_prefill(_params(), prompt_len=2 * BS, block_size=BS)
-    assert (remote.instance, remote.held_at, remote.hold_s) == ("P/9", 1.7e9, 1.0)
-    assert window_end(remote) == 1.7e9 + 1.0 - CLOCK_SKEW_S
-    # a P that promises nothing (no key, or read_window_s 0): no window
+    assert (remote.instance, remote.hold_s) == ("P/9", 1.0)
+    assert before <= remote.held_at <= time.time()  # stamped when P began holding
+    assert window_end(remote) == remote.held_at + 1.0 - CLOCK_SKEW_S
+    # a P that promises nothing (read_window_s 0, or no engine start known): no window
+    assert stamp(instance="P/9", request_id="r", block_ids=[1], token="", hold_s=0.0) == {}
+    assert stamp(instance="", request_id="r", block_ids=[1], token="", hold_s=1.0) == {}
     plain = params_for_decode(block_ids=[1], engine_id="P", host="h", port=1, request_id="r",
-                              tp_size=1, last_token_id=None, num_prompt_blocks=1,
-                              instance="P/9", held_at=1.7e9, hold_s=0.0)
+                              tp_size=1, last_token_id=None, num_prompt_blocks=1)
     assert "remote_hold_s" not in plain
     assert window_end(parse_remote_prefill(plain, prompt_len=BS, block_size=BS)) == -math.inf
     for key, bad in [("remote_held_at", "yesterday"), ("remote_held_at", -1.0),

@@ -172,13 +172,11 @@ def parse_remote_prefill(params: Any, *, prompt_len: int, block_size: int) -> Re
 def params_for_decode(*, block_ids: list[int], engine_id: str, host: str, port: int,
                       request_id: str, tp_size: int, last_token_id: int | None,
                       num_prompt_blocks: int, claim_token: str = "",
-                      rank_hosts: Mapping[int, str] | None = None, instance: str = "",
-                      held_at: float = 0.0, hold_s: float = 0.0,
-                      window_tag: str = "") -> dict[str, Any]:
+                      rank_hosts: Mapping[int, str] | None = None,
+                      window: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The ``kv_transfer_params`` P returns for D (upstream keys, plus ``remote_tp_size`` and
-    ``remote_claim_token``, the request's capability, when P issued one, and with a read
-    window: ``remote_instance``, ``remote_held_at``, ``remote_hold_s`` and
-    ``remote_window_tag``).
+    ``remote_claim_token``, the request's capability, when P issued one, and the keys of
+    its read window, ``window``: :func:`~.pull_window.stamp`).
 
     ``remote_multi_nodes_meta_mapping`` names every rank's host (``rank_hosts``, as the
     workers published them); without them, rank 0 at ``host`` (upstream's one entry)."""
@@ -200,9 +198,7 @@ def params_for_decode(*, block_ids: list[int], engine_id: str, host: str, port: 
     }
     if claim_token:
         out["remote_claim_token"] = claim_token
-    if instance and hold_s > 0:
-        out.update(remote_instance=instance, remote_held_at=held_at, remote_hold_s=hold_s,
-                   remote_window_tag=window_tag)
+    out.update(window or {})
     return out
 
 

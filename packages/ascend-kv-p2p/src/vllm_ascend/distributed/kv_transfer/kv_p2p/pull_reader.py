@@ -317,9 +317,9 @@ class PullReader:
             self.inbox.get(meta.request_id, AHEAD_WAIT_S)
         ahead = ahead and not refused_ahead(self.inbox.get(meta.request_id))
         if ahead and early is None:  # the grant of a keyed P rank is with the answer
+            answers = accepted_ahead(self.inbox.get(meta.request_id, AHEAD_WAIT_S), p_ranks)
             early = known_regions(self._granted, remote, granted_metas(
-                self._granted, remote, metas, accepted_ahead(self.inbox.get(meta.request_id, AHEAD_WAIT_S),
-                                              p_ranks) or {}, partial=True))
+                self._granted, remote, metas, answers or {}, partial=True))
             ahead = early is not None
         overlapped = early is not None and not fresh and (ahead or self.overlap_claims)
         claims = ({} if ahead else
@@ -354,7 +354,9 @@ class PullReader:
             # (P's refusal says more than the failed read of blocks it does not hold).
             first_try, claimed_at = self._await_claims(claims, claimed)
         if overlapped:
-            granted = granted_metas(self._granted, remote, metas, claims) if claims else early or {}
+            # no claims: read within the window, under the regions it used
+            granted = (granted_metas(self._granted, remote, metas, claims) if claims
+                       else early or {})
             moved = regions_moved(early, granted)
             if early_error is not None and not moved:
                 raise early_error
@@ -391,9 +393,9 @@ class PullReader:
         return delay
 
     def _p_gone(self, remote: Any, p_ranks: Iterable[int]) -> bool:
-        """Whether a P rank's side-channel port refuses connections: the process is gone. (A
-        P starved of CPU or stopped still has connections accepted; a cut network times
-        out: both are retried.)"""
+        """Whether a P rank's side-channel port refuses connections: the process is gone (a
+        retry would only wait for timeouts). A P starved of CPU, or stopped, still has its
+        connections accepted by the kernel; a cut network times out: both are retried."""
         for r in p_ranks:
             try:
                 with socket.create_connection((remote.host_of(r), self._port_of(remote, r)),

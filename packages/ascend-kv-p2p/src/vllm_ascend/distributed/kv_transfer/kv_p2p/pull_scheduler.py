@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from typing import TYPE_CHECKING, Any
 
 from vllm_ascend.distributed.kv_transfer.core.auth import capability_token
@@ -42,7 +41,7 @@ from .pp_layout import expand_over_stages
 from .protocol import side_channel_port
 from .pull_claims import ClaimAhead
 from .pull_contract import MooncakeConnectorMetadata, RecvMeta, SendMeta
-from .pull_window import in_window, window_tag
+from .pull_window import in_window, stamp
 from .renewer import LeaseRenewer
 
 if TYPE_CHECKING:
@@ -220,18 +219,16 @@ class PullScheduler:
             return False, None
         token = capability_token()
         # P's workers hold the blocks at least cfg.hold_window_s from their next step (after
-        # this moment): D trusts a read within that window of held_at (pull_window)
-        held_at = time.time()
+        # this moment): D trusts a read within that window of the stamp (pull_window)
+        window = stamp(instance=self.instance, request_id=rid, block_ids=held, token=token,
+                       hold_s=self.cfg.hold_window_s)
         self._to_hold[rid] = SendMeta(rid, held, token)
         out = request.output_token_ids
         return True, params_for_decode(
             block_ids=held, engine_id=self.engine_id, host=self.host, port=self.side_port,
             request_id=rid, tp_size=self.tp_size,
             last_token_id=int(out[-1]) if len(out) else None, num_prompt_blocks=len(held),
-            claim_token=token, rank_hosts=self.rank_hosts, instance=self.instance,
-            held_at=held_at, hold_s=self.cfg.hold_window_s, window_tag=window_tag(
-                instance=self.instance, request_id=rid, block_ids=held, held_at=held_at,
-                hold_s=self.cfg.hold_window_s, token=token))
+            claim_token=token, rank_hosts=self.rank_hosts, window=window)
 
     def shutdown(self) -> None:
         if self.renewer is not None:

@@ -36,6 +36,7 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
+from typing import Any
 
 import msgspec
 
@@ -77,6 +78,19 @@ def window_tag(*, instance: str, request_id: str, block_ids: Sequence[int], held
     a = auth.from_env()
     key = a.purpose_keys(TAG_PURPOSE)[0] if a is not None else b""
     return _tag(key, instance, request_id, block_ids, held_at, hold_s, token)
+
+
+def stamp(*, instance: str, request_id: str, block_ids: Sequence[int], token: str,
+          hold_s: float) -> dict[str, Any]:
+    """The ``kv_transfer_params`` keys of P's read window for a request P holds from now
+    (none when the window is off or the engine start is not known)."""
+    if not instance or hold_s <= 0:
+        return {}
+    held_at = time.time()
+    return {"remote_instance": instance, "remote_held_at": held_at, "remote_hold_s": hold_s,
+            "remote_window_tag": window_tag(instance=instance, request_id=request_id,
+                                            block_ids=block_ids, held_at=held_at,
+                                            hold_s=hold_s, token=token)}
 
 
 def tag_ok(remote: RemotePrefill) -> bool:
