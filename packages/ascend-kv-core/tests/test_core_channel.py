@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import socket
+import threading
 import time
 
 import pytest
@@ -123,3 +124,26 @@ def test_binds_the_given_interface_only(server: RpcServer[Message]) -> None:
     for ip in host_ips - {"127.0.0.1"}:
         with pytest.raises(OSError):
             socket.create_connection((ip, server.port), timeout=0.5).close()
+
+
+def test_steady_for_tells_a_held_up_server(server: RpcServer[Message],
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server whose thread was held up (here a slow handler; in production its process
+    starved of CPU) says so, and counts its steady time again from when it runs again."""
+    from vllm_ascend.distributed.kv_transfer.core import channel
+
+    monkeypatch.setattr(channel, "STALL_S", 0.3)
+    time.sleep(0.5)
+    assert server.steady_for() >= 0.4
+    client = RpcClient(server.endpoint, CODEC, timeout_s=5)
+    t = threading.Thread(target=lambda: client.call(Slow(seconds=1.0)))
+    t.start()
+    time.sleep(0.6)
+    assert server.steady_for() == 0.0  # held up now
+    t.join(5)
+    time.sleep(0.2)
+    assert 0.0 < server.steady_for() < 0.5  # runs again, steady only since then
+    client.close()
+    stopped = RpcServer(tcp_endpoint("127.0.0.1", 0), CODEC, handler)
+    assert stopped.steady_for() == float("inf")  # not serving: nothing to wait for
+    stopped.stop()

@@ -308,6 +308,86 @@ def test_renewals_keep_a_lease_alive(pd: Any) -> None:
     client.close()
 
 
+def _hold_up_side_channel(pd: Any) -> tuple[threading.Event, Any]:
+    """Blocks P's side channel thread (as when P is starved of CPU, or another thread holds
+    the GIL) from the first ``GetMeta`` until the returned event is set; and a client."""
+    from vllm_ascend.distributed.kv_transfer.core.channel import RpcClient
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.protocol import GetMeta
+
+    holder = pd.p.holder
+    stalled, release = threading.Event(), threading.Event()
+    handle = holder.handle
+
+    def held_up(msg: Any) -> Any:
+        if isinstance(msg, GetMeta) and not stalled.is_set():
+            stalled.set()
+            release.wait(10)
+        return handle(msg)
+
+    holder.server.handler = held_up
+    endpoint = tcp_endpoint("127.0.0.1", worker_port(pd.p_port, tp_rank=0, tp_size=1))
+    blocker = RpcClient(endpoint, CODEC, timeout_s=15)
+    threading.Thread(target=lambda: blocker.call(GetMeta()), daemon=True).start()
+    assert stalled.wait(5)
+    return release, RpcClient(endpoint, CODEC, timeout_s=15)
+
+
+def test_a_renewal_sent_while_p_was_held_up_keeps_the_lease(
+        pd: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fleet under load: P's side channel did not run for seconds, and P let leases
+    lapse that D and the proxy had renewed meanwhile (their Renew still in the socket).
+    Now a lease lapses only once the side channel has run steadily and answered them."""
+    from vllm_ascend.distributed.kv_transfer.core import channel
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.protocol import Renew, RenewReply
+
+    monkeypatch.setattr(channel, "STALL_S", 0.3)
+    pd.p.start_load_kv(MooncakeConnectorMetadata(requests_to_send={"r": SendMeta("r", [1])}))
+    release, client = _hold_up_side_channel(pd)
+    replies: list[Any] = []
+    renewal = threading.Thread(target=lambda: replies.append(client.call(Renew(request_ids=["r"]))))
+    renewal.start()
+    end = time.monotonic() + 1.4  # past the 1 s lease, within a lease of its deadline
+    while time.monotonic() < end:
+        assert not pd.p.get_finished()[0], "lapsed while the side channel was held up"
+        time.sleep(0.05)
+    release.set()
+    renewal.join(10)
+    assert replies and isinstance(replies[0], RenewReply) and replies[0].held == ["r"]
+    end = time.monotonic() + 0.7  # the renewal runs a whole lease from when it was answered
+    while time.monotonic() < end:
+        assert not pd.p.get_finished()[0]
+        time.sleep(0.05)
+    seen: list[str] = []
+    end = time.monotonic() + 3.0  # no renewal since: the lease lapses, once
+    while time.monotonic() < end and not seen:
+        seen += list(pd.p.get_finished()[0] or ())
+        time.sleep(0.05)
+    assert seen == ["r"]
+    assert pd.p.recorder.total("p2p_expired_leases") == 1
+    client.close()
+
+
+def test_a_side_channel_held_up_for_good_still_frees_the_blocks(
+        pd: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lease overdue by a whole lease lapses even while the side channel is held up:
+    late, never leaked."""
+    from vllm_ascend.distributed.kv_transfer.core import channel
+
+    monkeypatch.setattr(channel, "STALL_S", 0.3)
+    pd.p.start_load_kv(MooncakeConnectorMetadata(requests_to_send={"r": SendMeta("r", [1])}))
+    start = time.monotonic()
+    release, client = _hold_up_side_channel(pd)
+    seen: list[str] = []
+    while time.monotonic() < start + 5 and not seen:
+        seen += list(pd.p.get_finished()[0] or ())
+        time.sleep(0.05)
+    held_for = time.monotonic() - start
+    release.set()
+    client.close()
+    assert seen == ["r"]
+    assert 1.9 <= held_for < 3.0  # the deadline (1 s) plus a whole lease, not sooner
+
+
 def test_dead_p_fails_fast(pd: Any) -> None:
     start = time.monotonic()
     recv(pd, "x", "r", [1], [2], port=free_port())  # nothing listens there

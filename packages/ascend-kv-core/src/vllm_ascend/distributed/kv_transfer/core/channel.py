@@ -19,7 +19,9 @@ answers. Without a key the bytes on the wire are exactly the plain
 from __future__ import annotations
 
 import logging
+import math
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Generic
 
@@ -56,6 +58,12 @@ def tcp_endpoint(host: str, port: int) -> str:
     return f"tcp://{host}:{port}"
 
 
+#: A gap this long between two turns of a server's loop (which turns at least every poll
+#: interval) means its thread was held up: its process starved of CPU or another thread
+#: holding the GIL. Messages sent meanwhile wait in the socket.
+STALL_S = 1.0
+
+
 class RpcServer(Generic[M]):
     """A ROUTER socket answering requests on a daemon thread.
 
@@ -87,6 +95,9 @@ class RpcServer(Generic[M]):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.stats = {"requests": 0, "bad_messages": 0, "handler_errors": 0, "auth_refused": 0}
+        #: the last turn of the serving loop, and the start of its current run of turns
+        #: without a stall (monotonic)
+        self._beat = self._steady_since = time.monotonic()
 
     def _bind(self, endpoint: str) -> str:
         if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
@@ -115,10 +126,32 @@ class RpcServer(Generic[M]):
         if self._thread is None or not self._thread.is_alive():
             self._sock.close(0)
 
+    def steady_for(self, now: float | None = None) -> float:
+        """Seconds this server has been turning its loop without a stall (0.0 while it is
+        held up now); ``inf`` when its thread does not run (nothing to wait for).
+
+        A caller that acts on the *absence* of messages (P expiring a lease nobody renewed)
+        waits until this is long enough for messages sent during a stall to be answered.
+        """
+        if self._thread is None or not self._thread.is_alive():
+            return math.inf
+        now = time.monotonic() if now is None else now
+        if now - self._beat > STALL_S:
+            return 0.0
+        return max(0.0, now - self._steady_since)
+
+    def _turn(self) -> None:
+        now = time.monotonic()
+        if now - self._beat > STALL_S:
+            self._steady_since = now
+        self._beat = now
+
     def _serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        self._beat = self._steady_since = time.monotonic()
         while not self._stop.is_set():
+            self._turn()
             try:
                 if not poller.poll(self._poll_ms):
                     continue

@@ -69,6 +69,9 @@ logger = logging.getLogger(__name__)
 RELEASED_MEMORY = 16384
 #: How long P's side channel waits for a request's registration before answering "unknown".
 CLAIM_WAIT_S = 0.2
+#: How long the side channel must have run without a stall before P lets leases lapse
+#: (the renewals sent during a stall are answered by then).
+SETTLE_S = 0.5
 
 
 @dataclass
@@ -271,11 +274,30 @@ class LeaseHolder:
             while len(self._released) > RELEASED_MEMORY:
                 self._released.popitem(last=False)
 
+    def _expired(self) -> list[tuple[str, Held]]:
+        """Leases that lapsed, counting only time the side channel could hear renewals.
+
+        When this process was held up (starved of CPU, as P and D sharing cores unpinned
+        are; or the GIL held elsewhere), the ``Renew`` and ``Claim`` messages D and the
+        proxy sent meanwhile still wait in the side channel's socket: a lease that lapsed
+        during the stall lapses only once the side channel has run steadily for
+        :data:`SETTLE_S` and answered them. A lease overdue by a whole ``lease_ttl_s``
+        lapses regardless (a side channel that never settles frees blocks late, never
+        not at all).
+        """
+        server = self.server
+        if server is None or server.steady_for() >= SETTLE_S:
+            return self.held.expire()
+        overdue = self.held.expire(now=time.monotonic() - self.shared.cfg.lease_ttl_s)
+        if not overdue and len(self.held):
+            logger.debug("side channel %s held up: lease expiry waits for it", server.name)
+        return overdue
+
     # ------------------------------------------------------------ vLLM hooks
     def collect_finished(self) -> set[str]:
         """Requests whose blocks P may free now (D done, or the lease lapsed); each once."""
         recorder = self.shared.recorder
-        for rid, _held in self.held.expire():
+        for rid, _held in self._expired():
             logger.warning("request %s: no Done from D within the %.1fs lease; freeing its "
                            "blocks", rid, self.shared.cfg.lease_ttl_s)
             recorder.inc("p2p_expired_leases")
