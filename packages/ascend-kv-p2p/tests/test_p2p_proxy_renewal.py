@@ -117,3 +117,55 @@ def test_renewals_end_with_the_proxy_timeout_and_can_be_turned_off() -> None:
     assert off.leases.renewer is None
     off.leases.renew_while_decoding("pd-z", _params(1234, "r"))
     assert off.leases.renewing == []
+
+
+def test_a_slow_p_delays_no_other_p_renewal() -> None:
+    """The fleet under load: renewing one P after the other, each P slow to answer (starved,
+    or its side channel waiting on a claim) held back the next P's renewal by up to the
+    call's timeout, and a 3 s lease lapsed. The Ps of a round are renewed side by side: a
+    round takes the slowest P's time, not the sum."""
+    import threading
+
+    from vllm_ascend.distributed.kv_transfer.core.channel import RpcServer, tcp_endpoint
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.params import RemotePrefill
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.protocol import (
+        CODEC,
+        Renew,
+        RenewReply,
+        worker_port,
+    )
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.renewer import LeaseRenewer
+
+    names = ("slow-a", "slow-b", "fast")
+    arrivals: dict[str, list[float]] = {name: [] for name in names}
+    release = threading.Event()
+
+    def side_channel(name: str) -> tuple[RpcServer[Any], int]:
+        def handle(msg: Any) -> Any:
+            assert isinstance(msg, Renew)
+            arrivals[name].append(time.monotonic())
+            if name.startswith("slow"):
+                release.wait(3.0)
+            return RenewReply(held=list(msg.request_ids))
+        port = free_port()
+        endpoint = tcp_endpoint("127.0.0.1", worker_port(port, tp_rank=0, tp_size=1))
+        return RpcServer(endpoint, CODEC, handle, name=name).start(), port
+
+    servers = {name: side_channel(name) for name in names}
+    renewer = LeaseRenewer(interval_s=3600, timeout_s=1.0)  # rounds by hand
+    try:
+        for name, (_srv, port) in servers.items():  # the slow Ps first
+            renewer.track(name, RemotePrefill(engine_id="P", host="127.0.0.1", port=port,
+                                              request_id=name, block_ids=[1], tp_size=1,
+                                              pcp_size=1, dcp_size=1))
+        start = time.monotonic()
+        renewer.renew_once()
+        took = time.monotonic() - start
+        assert all(arrivals[name] for name in names)
+        assert arrivals["fast"][0] - start < 0.5  # not after the slow ones' timeouts
+        assert 0.9 < took < 1.8  # the slowest P's timeout (1 s), not the sum (2 s)
+    finally:
+        release.set()
+        renewer.stop()
+        for srv, _port in servers.values():
+            srv.stop()
