@@ -143,9 +143,8 @@ class _Slabs:
 
         A chunk holds what the call still needs, at least what the size has grown to
         so far and 4 MiB, at most 64 MiB: a batch put of many blocks faults in a few
-        large chunks (huge pages) rather than a doubling series of small ones, which
-        cost it a quarter of its speed into an empty pool. A size first seen alone
-        costs one slot.
+        large chunks (huge pages) rather than a doubling series of small ones (about 5%
+        slower into an empty pool). A size first seen alone costs one slot.
         """
         out: list[np.ndarray] = []
         free = self._free.get(size)
