@@ -80,6 +80,28 @@ def test_a_paused_engine_is_killed_and_a_dead_one_paused_quietly() -> None:
     eng.pause()  # gone: nothing to signal, no error
 
 
+def test_kill_ends_the_engines_workers_too() -> None:
+    eng = fake_engine()
+    eng.kill()
+    deadline = time.monotonic() + 5.0
+    while set(group_states(eng.proc.pid)) - {"Z"} and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert set(group_states(eng.proc.pid)) <= {"Z"}  # no worker left orphaned
+
+
+def test_kill_after_the_engine_exited_ends_its_workers() -> None:
+    eng = fake_engine()
+    assert len(group_states(eng.proc.pid)) == 2
+    eng.proc.kill()  # the engine alone dies (a crash): its worker runs on
+    eng.proc.wait(5)
+    assert set(group_states(eng.proc.pid)) - {"Z"}
+    eng.kill()
+    deadline = time.monotonic() + 5.0
+    while set(group_states(eng.proc.pid)) - {"Z"} and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert set(group_states(eng.proc.pid)) <= {"Z"}
+
+
 class _Eng:
     def __init__(self) -> None:
         self.paused = False

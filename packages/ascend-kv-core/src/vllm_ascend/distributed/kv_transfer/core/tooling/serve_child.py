@@ -285,10 +285,16 @@ class EngineChild:
         self.kill()
 
     def kill(self) -> None:
-        """SIGKILL the engine process if it still runs."""
+        """SIGKILL the engine and every process of its session (vLLM's workers, anything
+        they started): killing the engine alone left its children running, orphaned."""
         if self.proc.poll() is None:
-            self.proc.kill()
+            self._signal(signal.SIGKILL)
             self.proc.wait(10)
+        else:  # the engine exited: its children may not have
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         self._sel.close()
         for stream in (self.proc.stdin, self.proc.stdout):
             if stream is not None:
