@@ -33,6 +33,8 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
+from .logs import follow_vllm_logging
+
 logger = logging.getLogger(__name__)
 
 _lock = threading.RLock()
@@ -98,6 +100,7 @@ def register_connectors(entries: Iterable[ConnectorEntry | tuple[str, str, str]]
     except ImportError:
         logger.debug("vLLM is not importable; connectors not registered")
         return []
+    follow_vllm_logging()
     added: list[str] = []
     with _lock:
         registry = KVConnectorFactory._registry
