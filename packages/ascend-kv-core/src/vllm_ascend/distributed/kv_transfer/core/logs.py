@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Mapping
 
 __all__ = ["NAMESPACE", "ToVllmHandler", "follow_vllm_logging"]
 
@@ -50,14 +51,15 @@ class ToVllmHandler(logging.Handler):
             logging.lastResort.handle(record)
 
 
-def follow_vllm_logging(env: dict[str, str] | None = None) -> bool:
+def follow_vllm_logging(env: Mapping[str, str] | None = None) -> bool:
     """Attach a :class:`ToVllmHandler` to :data:`NAMESPACE`'s logger; True if it did now.
 
     Args:
         env: the environment to read ``VLLM_CONFIGURE_LOGGING`` and ``VLLM_LOGGING_LEVEL``
             from (``os.environ`` when None).
     """
-    env = os.environ if env is None else env
+    if env is None:
+        env = os.environ
     if env.get("VLLM_CONFIGURE_LOGGING", "1").strip() == "0":
         return False
     level = logging.getLevelName(env.get("VLLM_LOGGING_LEVEL", "INFO").strip().upper())
