@@ -133,17 +133,20 @@ def test_steady_for_tells_a_held_up_server(server: RpcServer[Message],
     from vllm_ascend.distributed.kv_transfer.core import channel
 
     monkeypatch.setattr(channel, "STALL_S", 0.3)
-    time.sleep(0.5)
-    assert server.steady_for() >= 0.4
+    time.sleep(0.6)
+    assert server.steady_for() >= 0.5 and server.caught_up()
     client = RpcClient(server.endpoint, CODEC, timeout_s=5)
     t = threading.Thread(target=lambda: client.call(Slow(seconds=1.0)))
     t.start()
     time.sleep(0.6)
-    assert server.steady_for() == 0.0  # held up now
+    assert server.steady_for() == 0.0 and not server.caught_up()  # held up now
     t.join(5)
     time.sleep(0.2)
     assert 0.0 < server.steady_for() < 0.5  # runs again, steady only since then
+    assert not server.caught_up()
+    time.sleep(0.5)
+    assert server.caught_up()  # what waited during the stall was answered by now
     client.close()
     stopped = RpcServer(tcp_endpoint("127.0.0.1", 0), CODEC, handler)
-    assert stopped.steady_for() == float("inf")  # not serving: nothing to wait for
+    assert stopped.steady_for() == float("inf") and stopped.caught_up()  # nothing to wait for
     stopped.stop()

@@ -8,6 +8,7 @@ Mooncake transfer engine over TCP on loopback. A "step" is what the model runner
 
 from __future__ import annotations
 
+import threading
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -547,3 +548,47 @@ def test_layers_queued_behind_a_write_go_out_in_one_batch(pd: Any) -> None:
             torch.testing.assert_close(pd.d.layout.layers[i].regions[0].tensor[db],
                                        pd.cp[layer_name(i)][pb], rtol=0, atol=0)
     assert len(pd.p.recorder.take()["histograms"]["p2p_layer_transfer_seconds"]) == LAYERS
+
+
+def test_a_renewal_sent_while_d_was_held_up_keeps_the_sender(
+        pd: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """D's side channel did not run for longer than the write lease (D starved of CPU)
+    while P's renewal waited in its socket: D does not count P as gone (``peer_lost``);
+    the renewal is answered once D runs, and the request ends at its deadline instead."""
+    from vllm_ascend.distributed.kv_transfer.core import channel
+
+    monkeypatch.setattr(channel, "STALL_S", 0.3)
+    d_expect(pd.d, "r", [1, 2])
+    endpoint = tcp_endpoint("127.0.0.1", worker_port(pd.d_port, tp_rank=0, tp_size=1))
+    client = RpcClient(endpoint, LAYERWISE_CODEC, timeout_s=15)
+    grant = client.call(PushBegin(request_id="r", sender="slow/tp0", p_rank=0, p_tp_size=1,
+                                  block_ids=[1, 2],
+                                  block_lens=[r.block_len for r in pd.d.layout.regions]))
+    assert isinstance(grant, PushGrant) and grant.lease_s == 2.5
+    start = time.monotonic()
+    server = pd.d.receiver.server
+    handle, stalled, release = server.handler, threading.Event(), threading.Event()
+
+    def held_up(msg: Any) -> Any:
+        if isinstance(msg, PushRenew) and not stalled.is_set():
+            stalled.set()
+            release.wait(10)
+        return handle(msg)
+
+    server.handler = held_up
+    replies: list[Any] = []
+    renewal = threading.Thread(target=lambda: replies.append(
+        client.call(PushRenew(request_ids=["r"], sender="slow/tp0"))))
+    renewal.start()
+    assert stalled.wait(5)
+    while time.monotonic() < start + 3.2:  # past the 2.5 s lease, before the 5 s deadline
+        assert not pd.d.get_finished(set())[1], "P counted as gone while D was held up"
+        time.sleep(0.05)
+    release.set()
+    renewal.join(10)
+    assert replies == [PushRenewReply(granted=["r"])]
+    assert wait_recv(pd.d, "r") == {1, 2}
+    assert time.monotonic() - start > 4.5  # ended by the deadline, not by a lapsed lease
+    assert pd.d.recorder.total("p2p_failures", cause="peer_lost") == 0
+    assert pd.d.recorder.total("p2p_load_deadlines") == 1
+    client.close()

@@ -62,6 +62,10 @@ def tcp_endpoint(host: str, port: int) -> str:
 #: interval) means its thread was held up: its process starved of CPU or another thread
 #: holding the GIL. Messages sent meanwhile wait in the socket.
 STALL_S = 1.0
+#: How long a server must have run without a stall before the absence of a message means
+#: it was not sent (those sent during a stall are answered by then): see
+#: :meth:`RpcServer.caught_up`.
+SETTLE_S = 0.5
 
 
 class RpcServer(Generic[M]):
@@ -139,6 +143,11 @@ class RpcServer(Generic[M]):
         if now - self._beat > STALL_S:
             return 0.0
         return max(0.0, now - self._steady_since)
+
+    def caught_up(self) -> bool:
+        """Whether this server has run steadily for :data:`SETTLE_S`: what waited in its
+        socket during a stall has been answered, so a lease nobody renewed may lapse."""
+        return self.steady_for() >= SETTLE_S
 
     def _turn(self) -> None:
         now = time.monotonic()

@@ -8,7 +8,8 @@ blocks, see :mod:`.layerwise_staging`), ``PushRenew`` and ``PushDone``.
 
 Each request waits under a deadline; it completes when every P rank that pushes
 to this rank said ``PushDone``, and fails at once when a sender failed, when a
-sender that began stops renewing its lease (P died), or at the deadline; a
+sender that began stops renewing its lease (P died; counted only once this side channel
+has caught up after a stall of D's own, see ``RpcServer.caught_up``), or at the deadline; a
 failing request is only reported once no sender can still write into its blocks
 (each lease ended or lapsed). Failed requests' blocks go to
 ``get_block_ids_with_load_errors``. A virtual request (``do_virtual``) is
@@ -308,6 +309,11 @@ class PushReceiver:
     def collect_finished(self, finished_req_ids: set[str]) -> set[str]:
         """Requests that ended (received, failed or virtual) since the last call."""
         now = time.monotonic()
+        # A P rank counts as gone when its write lease lapsed unrenewed. While this side
+        # channel is held up (D starved of CPU), P's renewals wait in its socket: only a
+        # lease overdue by a whole lease_ttl_s counts until the side channel caught up.
+        server = self.server
+        lapsed_by = now if server is None or server.caught_up() else now - self.cfg.lease_ttl_s
         ended: list[tuple[_Incoming, bool]] = []
         with self._cv:
             for rid, inc in self.incoming.items():
@@ -318,7 +324,8 @@ class PushReceiver:
                         inc.failure, inc.cause = (f"no KV within the {self.cfg.load_timeout_s:.1f}s"
                                                   " deadline", "deadline")
                         self.recorder.inc("p2p_load_deadlines")
-                    elif any(not s.done and s.lease_until <= now for s in inc.senders.values()):
+                    elif any(not s.done and s.lease_until <= lapsed_by
+                             for s in inc.senders.values()):
                         inc.failure, inc.cause = ("a P rank stopped renewing its write lease "
                                                   "(P presumed dead)", "peer_lost")
                 if inc.failure is None and inc.complete():

@@ -69,9 +69,6 @@ logger = logging.getLogger(__name__)
 RELEASED_MEMORY = 16384
 #: How long P's side channel waits for a request's registration before answering "unknown".
 CLAIM_WAIT_S = 0.2
-#: How long the side channel must have run without a stall before P lets leases lapse
-#: (the renewals sent during a stall are answered by then).
-SETTLE_S = 0.5
 
 
 @dataclass
@@ -280,13 +277,13 @@ class LeaseHolder:
         When this process was held up (starved of CPU, as P and D sharing cores unpinned
         are; or the GIL held elsewhere), the ``Renew`` and ``Claim`` messages D and the
         proxy sent meanwhile still wait in the side channel's socket: a lease that lapsed
-        during the stall lapses only once the side channel has run steadily for
-        :data:`SETTLE_S` and answered them. A lease overdue by a whole ``lease_ttl_s``
-        lapses regardless (a side channel that never settles frees blocks late, never
-        not at all).
+        during the stall lapses only once the side channel has caught up
+        (``RpcServer.caught_up``: run steadily long enough to answer them). A lease overdue
+        by a whole ``lease_ttl_s`` lapses regardless (a side channel that never settles
+        frees blocks late, never not at all).
         """
         server = self.server
-        if server is None or server.steady_for() >= SETTLE_S:
+        if server is None or server.caught_up():
             return self.held.expire()
         overdue = self.held.expire(now=time.monotonic() - self.shared.cfg.lease_ttl_s)
         if not overdue and len(self.held):
