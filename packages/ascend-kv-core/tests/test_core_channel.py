@@ -140,12 +140,15 @@ def test_steady_for_tells_a_held_up_server(server: RpcServer[Message],
     t.start()
     time.sleep(0.6)
     assert server.steady_for() == 0.0 and not server.caught_up()  # held up now
+    # leases heard through it lapse only once overdue by a whole grace time
+    assert server.lapse_clock(30.0, now=100.0) == 70.0
     t.join(5)
     time.sleep(0.2)
     assert 0.0 < server.steady_for() < 0.5  # runs again, steady only since then
     assert not server.caught_up()
     time.sleep(0.5)
     assert server.caught_up()  # what waited during the stall was answered by now
+    assert server.lapse_clock(30.0, now=100.0) == 100.0
     client.close()
     stopped = RpcServer(tcp_endpoint("127.0.0.1", 0), CODEC, handler)
     assert stopped.steady_for() == float("inf") and stopped.caught_up()  # nothing to wait for

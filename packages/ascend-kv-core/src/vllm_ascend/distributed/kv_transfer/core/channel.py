@@ -149,6 +149,14 @@ class RpcServer(Generic[M]):
         socket during a stall has been answered, so a lease nobody renewed may lapse."""
         return self.steady_for() >= SETTLE_S
 
+    def lapse_clock(self, grace_s: float, now: float | None = None) -> float:
+        """The ``time.monotonic()`` against which deadlines kept alive by messages to this
+        server (leases) lapse: now, once it :meth:`caught_up`; while it is held up, ``now -
+        grace_s``, so a deadline overdue by a whole ``grace_s`` lapses regardless (a server
+        that never settles lets leases lapse late, never not at all)."""
+        now = time.monotonic() if now is None else now
+        return now if self.caught_up() else now - grace_s
+
     def _turn(self) -> None:
         now = time.monotonic()
         if now - self._beat > STALL_S:

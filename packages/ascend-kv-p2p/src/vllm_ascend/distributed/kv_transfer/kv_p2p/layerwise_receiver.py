@@ -313,7 +313,7 @@ class PushReceiver:
         # channel is held up (D starved of CPU), P's renewals wait in its socket: only a
         # lease overdue by a whole lease_ttl_s counts until the side channel caught up.
         server = self.server
-        lapsed_by = now if server is None or server.caught_up() else now - self.cfg.lease_ttl_s
+        lapsed_by = now if server is None else server.lapse_clock(self.cfg.lease_ttl_s, now)
         ended: list[tuple[_Incoming, bool]] = []
         with self._cv:
             for rid, inc in self.incoming.items():

@@ -283,10 +283,12 @@ class LeaseHolder:
         frees blocks late, never not at all).
         """
         server = self.server
-        if server is None or server.caught_up():
+        if server is None:
             return self.held.expire()
-        overdue = self.held.expire(now=time.monotonic() - self.shared.cfg.lease_ttl_s)
-        if not overdue and len(self.held):
+        now = time.monotonic()
+        lapse = server.lapse_clock(self.shared.cfg.lease_ttl_s, now)
+        overdue = self.held.expire(now=lapse)
+        if lapse < now and not overdue and len(self.held):
             logger.debug("side channel %s held up: lease expiry waits for it", server.name)
         return overdue
 

@@ -287,14 +287,11 @@ class EngineChild:
     def kill(self) -> None:
         """SIGKILL the engine and every process of its session (vLLM's workers, anything
         they started): killing the engine alone left its children running, orphaned."""
-        if self.proc.poll() is None:
-            self._signal(signal.SIGKILL)
-            self.proc.wait(10)
-        else:  # the engine exited: its children may not have
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        try:  # the engine leads its own session; after an exit, its children may be left
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait(10)
         self._sel.close()
         for stream in (self.proc.stdin, self.proc.stdout):
             if stream is not None:
