@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -22,16 +23,26 @@ from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.balancer import Pool
 class FakeVLLM:
     """A stand-in ``vllm serve``: P answers with kv_transfer_params, D with a completion."""
 
-    def __init__(self, role: str, *, give_params: bool = True, status: int = 200) -> None:
+    def __init__(self, role: str, *, give_params: bool = True, status: int = 200,
+                 health_held: threading.Event | None = None) -> None:
         self.role = role
         self.give_params = give_params
         self.status = status
         self.seen: list[dict[str, Any]] = []
         self.port = free_port()
+        self.health_pending = 0  # /health calls not answered yet
         app = FastAPI()
 
         @app.get("/health")
         async def health() -> dict[str, str]:
+            self.health_pending += 1
+            try:  # a busy instance: /health answers once health_held is set (2.5 s at most)
+                deadline = time.monotonic() + 2.5
+                while (health_held is not None and not health_held.is_set()
+                       and time.monotonic() < deadline):
+                    await asyncio.sleep(0.01)
+            finally:
+                self.health_pending -= 1
             return {"ok": "yes"}
 
         @app.get("/v1/models")
@@ -185,6 +196,27 @@ def test_least_loaded_prefers_idle_instances() -> None:
         Pool("decode", [])
     with pytest.raises(ValueError, match="unknown policy"):
         Pool("decode", ["http://a"], "random")  # type: ignore[arg-type]
+
+
+def test_a_slow_health_answer_delays_no_other_instance(client_for: Any) -> None:
+    """The health round probes the instances side by side: one slow to answer ``/health``
+    (a starved engine; each probe may take up to 3 s) does not hold back marking the
+    others, nor the proxy's lease bookkeeping that runs after each round."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    held = threading.Event()
+    with FakeVLLM("prefill", health_held=held) as slow, FakeVLLM("decode") as d:
+        client = client_for([slow.url, dead], [d.url])  # slow is probed first
+        try:
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                if client.get("/health").json()["prefill"][1]["healthy"] is False:
+                    break
+                time.sleep(0.02)
+            h = client.get("/health").json()
+            assert h["prefill"][1]["healthy"] is False, h
+            assert slow.health_pending == 1  # marked while the slow probe still waits
+        finally:
+            held.set()
 
 
 def test_health_loop_marks_instances(client_for: Any) -> None:
