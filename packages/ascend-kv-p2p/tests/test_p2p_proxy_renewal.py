@@ -169,3 +169,54 @@ def test_a_slow_p_delays_no_other_p_renewal() -> None:
         renewer.stop()
         for srv, _port in servers.values():
             srv.stop()
+
+
+def test_a_p_that_does_not_answer_delays_no_other_p_renewals() -> None:
+    """The renewing thread keeps its interval for every P while another P does not answer:
+    waiting for the slowest P before the next round put the call's timeout (D's scheduler:
+    ``handshake_timeout_s``, 10 s by default) between the other Ps' renewals, longer than a
+    short lease. The silent P gets one call at a time, never a pile."""
+    import threading
+
+    from vllm_ascend.distributed.kv_transfer.core.channel import RpcServer, tcp_endpoint
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.params import RemotePrefill
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.protocol import (
+        CODEC,
+        Renew,
+        RenewReply,
+        worker_port,
+    )
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.renewer import LeaseRenewer
+
+    arrivals: dict[str, list[float]] = {"silent": [], "fast": []}
+    release = threading.Event()
+
+    def side_channel(name: str) -> tuple[RpcServer[Any], int]:
+        def handle(msg: Any) -> Any:
+            assert isinstance(msg, Renew)
+            arrivals[name].append(time.monotonic())
+            if name == "silent":
+                release.wait(5.0)  # answers long after the caller's timeout
+            return RenewReply(held=list(msg.request_ids))
+        port = free_port()
+        endpoint = tcp_endpoint("127.0.0.1", worker_port(port, tp_rank=0, tp_size=1))
+        return RpcServer(endpoint, CODEC, handle, name=name).start(), port
+
+    servers = {name: side_channel(name) for name in arrivals}
+    renewer = LeaseRenewer(interval_s=0.2, timeout_s=2.0)
+    try:
+        start = time.monotonic()
+        for name, (_srv, port) in servers.items():  # the silent P first
+            renewer.track(name, RemotePrefill(engine_id="P", host="127.0.0.1", port=port,
+                                              request_id=name, block_ids=[1], tp_size=1,
+                                              pcp_size=1, dcp_size=1))
+        time.sleep(1.9)  # within the silent P's first call (2 s timeout)
+        fast = [t - start for t in arrivals["fast"]]
+        # a round every 0.2 s: about 9 by now; waiting for the silent P: 1 (at 0.2 s)
+        assert len(fast) >= 5, fast
+        assert len(arrivals["silent"]) == 1  # its call is still in flight: not doubled
+    finally:
+        release.set()
+        renewer.stop()
+        for srv, _port in servers.values():
+            srv.stop()

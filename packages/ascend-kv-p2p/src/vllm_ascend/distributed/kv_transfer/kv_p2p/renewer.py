@@ -28,10 +28,13 @@ class LeaseRenewer:
     has handed to D and still waits on, which covers a request queued behind a full batch
     on D that D's scheduler has not looked at yet.
 
-    The P workers of a round are renewed side by side, so one slow to answer (a starved
-    P, a side channel waiting on a claim) delays no other: one after the other, a round
-    over two Ps answering within 1 s each took up to interval + 2 s, a 3 s lease's worth.
-    A call still in flight from an earlier round is not doubled.
+    The P workers of a round are renewed side by side, and the rounds keep their interval
+    whatever the answers, so one P slow to answer (a starved P, a side channel waiting on a
+    claim) delays no other: one after the other, a round over two Ps answering within 1 s
+    each took up to interval + 2 s, a 3 s lease's worth; waiting for the slowest P before
+    the next round, a P that did not answer put the call's timeout between every other P's
+    renewals. A call still in flight from an earlier round is not doubled (that P is
+    renewed again once it answered or timed out).
     """
 
     #: most P workers renewed at the same time
@@ -73,11 +76,16 @@ class LeaseRenewer:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            self.renew_once()
+            self._send_round()
 
     def renew_once(self) -> None:
         """Send one round of ``Renew`` messages (one per P worker, side by side); returns
         when each was answered or timed out."""
+        wait(self._send_round(), timeout=self.timeout_s + 1.0)
+
+    def _send_round(self) -> list[Future[None]]:
+        """Send a ``Renew`` to every P worker with tracked requests and no call in flight;
+        returns the calls sent (without waiting for them)."""
         with self._lock:
             by_endpoint: dict[str, list[str]] = {}
             for remote in self._tracked.values():
@@ -86,7 +94,7 @@ class LeaseRenewer:
                     by_endpoint.setdefault(tcp_endpoint(remote.host_of(rank), port), []).append(
                         remote.request_id)
             if self._stop.is_set():
-                return
+                return []
             if self._pool is None and by_endpoint:
                 self._pool = ThreadPoolExecutor(self.MAX_PARALLEL,
                                                 thread_name_prefix="p2p-lease-renew")
@@ -100,13 +108,13 @@ class LeaseRenewer:
                 try:
                     future = pool.submit(self._renew, endpoint, ids)
                 except RuntimeError:  # stopped meanwhile
-                    return
+                    return sent
                 self._inflight[endpoint] = future
                 sent.append(future)
             for endpoint in [e for e, f in self._inflight.items() if f.done()]:
                 if endpoint not in by_endpoint:
                     del self._inflight[endpoint]
-        wait(sent, timeout=self.timeout_s + 1.0)
+        return sent
 
     def _renew(self, endpoint: str, ids: list[str]) -> None:
         with self._lock:
