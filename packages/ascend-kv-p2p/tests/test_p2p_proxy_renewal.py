@@ -220,3 +220,80 @@ def test_a_p_that_does_not_answer_delays_no_other_p_renewals() -> None:
         renewer.stop()
         for srv, _port in servers.values():
             srv.stop()
+
+
+def test_a_layerwise_d_rank_that_does_not_answer_delays_no_other_d_renewals() -> None:
+    """The layerwise P renews its write leases on D's ranks side by side: one after the
+    other, a D rank that did not answer put its call's timeout between the other D ranks'
+    renewals, past a short lease, and their writes stopped. The silent D rank gets one call
+    at a time, never a pile."""
+    import threading
+
+    from vllm_ascend.distributed.kv_transfer.core.channel import (
+        RpcClient,
+        RpcServer,
+        tcp_endpoint,
+    )
+    from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeLayerwiseConfig
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.layerwise_links import (
+        PushLink,
+        PushLinks,
+        PushSession,
+    )
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.p2p_metrics import P2P_METRICS
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.params import PushTarget
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.protocol import (
+        LAYERWISE_CODEC,
+        PushRenew,
+        PushRenewReply,
+    )
+
+    arrivals: dict[str, list[float]] = {"silent": [], "fast": []}
+    release = threading.Event()
+
+    def side_channel(name: str) -> tuple[RpcServer[Any], int]:
+        def handle(msg: Any) -> Any:
+            assert isinstance(msg, PushRenew) and msg.sender == "p/tp0"
+            arrivals[name].append(time.monotonic())
+            if name == "silent":
+                release.wait(5.0)  # answers long after the caller's timeout
+            return PushRenewReply(granted=list(msg.request_ids))
+        port = free_port()
+        return RpcServer(tcp_endpoint("127.0.0.1", port), LAYERWISE_CODEC, handle,
+                         name=name).start(), port
+
+    servers = {name: side_channel(name) for name in arrivals}
+    clients: dict[int, RpcClient[Any]] = {}
+
+    def client(host: str, port: int) -> RpcClient[Any]:
+        return clients.setdefault(port, RpcClient(tcp_endpoint(host, port), LAYERWISE_CODEC,
+                                                  timeout_s=2.0))
+
+    cfg = MooncakeLayerwiseConfig(lease_ttl_s=0.6)
+    shared = SimpleNamespace(cfg=cfg, recorder=MetricsRecorder(P2P_METRICS), _client=client,
+                             agent_id="p/tp0", te=None)
+    revoked: list[str] = []
+    links = PushLinks(shared, lambda s, link: revoked.append(s.request_id))  # type: ignore[arg-type]
+    for name, (_srv, port) in servers.items():  # the silent D first
+        target = PushTarget(engine_id="D", host="127.0.0.1", port=port, request_id=name,
+                            block_ids=[1], cached_tokens=0, tp_size=1)
+        link = PushLink(0, port, [], state="granted", lease_s=0.6)
+        links.sessions[name] = PushSession(name, target, [link], 0)
+    links.start()  # a round every 0.2 s
+    try:
+        start = time.monotonic()
+        time.sleep(1.9)  # within the silent D's first call (2 s timeout)
+        fast = [t - start for t in arrivals["fast"]]
+        # a round every 0.2 s: about 9 by now; one after the other: 1 (at 0.2 s)
+        assert len(fast) >= 5, fast
+        assert len(arrivals["silent"]) == 1  # its call is still in flight: not doubled
+        assert links.sessions["fast"].links[0].valid_until > 0
+        assert revoked == []
+    finally:
+        release.set()
+        links.stop()
+        for c in clients.values():
+            c.close()
+        for srv, _port in servers.values():
+            srv.stop()

@@ -5,7 +5,7 @@ A request this rank pushes is a :class:`PushSession` with one :class:`PushLink` 
 D rank that holds some of this rank's heads (:func:`~.worker_base.head_slices`).
 Before its first write to a D rank, P checks D's cache description (``GetMeta``)
 and asks for a write lease on exactly the blocks D allocated (``PushBegin``); a
-renewer thread keeps the leases alive (``PushRenew``). Every write starts inside
+renewer thread keeps the leases alive (``PushRenew``, to every D rank side by side). Every write starts inside
 the lease (:func:`write_window_end`). A D that died, refused, or revoked the
 lease stops the link, which P reports to D (``PushDone(success=False)``) when it
 can. The sender thread (:mod:`.layerwise_sender`) drives all of this.
@@ -13,10 +13,12 @@ can. The sender thread (:mod:`.layerwise_sender`) drives all of this.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 
 from vllm_ascend.distributed.kernels.heads import HeadSlice
@@ -36,6 +38,7 @@ from .protocol import (
     compatibility_problem,
     worker_port,
 )
+from .renewer import SideBySide
 from .worker_base import P2PWorkerBase, head_slices, heads_in_block
 
 logger = logging.getLogger(__name__)
@@ -130,7 +133,7 @@ class PushLinks:
 
     Args:
         shared: the worker's identity, KV cache registration, peers and handshake.
-        on_revoked: called (on the renewer thread) when D refused to renew a granted
+        on_revoked: called (on a renewal thread) when D refused to renew a granted
             lease; the link is ``"revoked"`` and the sender closes it after any write.
 
     Attributes:
@@ -148,6 +151,7 @@ class PushLinks:
         self._on_revoked = on_revoked
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
+        self._calls: SideBySide[tuple[str, int]] = SideBySide(16, "layerwise-renew")
 
     def start(self) -> None:
         """Start the renewer thread."""
@@ -160,6 +164,7 @@ class PushLinks:
         self._stop.set()
         if self._renewer is not None:
             self._renewer.join(5)
+        self._calls.stop()
 
     # ================================================================ sessions
     def open_session(self, rid: str, target: PushTarget) -> PushSession:
@@ -364,21 +369,34 @@ class PushLinks:
         interval = max(0.05, self.cfg.lease_ttl_s / 3)
         while not self._stop.wait(interval):
             try:
-                self.renew_once()
+                self._send_round()
             except Exception:  # keep renewing whatever one round hit
                 logger.exception("layerwise lease renewal failed")
 
     def renew_once(self) -> None:
-        """Renew every granted write lease (one ``PushRenew`` per D rank)."""
+        """Renew every granted write lease (one ``PushRenew`` per D rank, side by side);
+        returns when each was answered or timed out."""
+        wait(self._send_round(), timeout=self.cfg.handshake_timeout_s + 1.0)
+
+    def _send_round(self) -> list[Future[None]]:
+        """Send a ``PushRenew`` to every D rank with granted leases and no renewal in flight
+        (:class:`~.renewer.SideBySide`: a D rank slow to answer delays no other's); returns
+        the calls sent."""
         by_port: dict[tuple[str, int], list[tuple[PushSession, PushLink]]] = {}
         with self.lock:
             for session in self.sessions.values():
                 for link in session.links:
                     if link.state == "granted":
                         by_port.setdefault((session.target.host_of(link.d_rank), link.port),
-                                           []).append(
-                            (session, link))
-        for (host, port), pairs in by_port.items():
+                                           []).append((session, link))
+        return self._calls.send({peer: functools.partial(self._renew, peer, pairs)
+                                 for peer, pairs in by_port.items()})
+
+    def _renew(self, peer: tuple[str, int],
+               pairs: list[tuple[PushSession, PushLink]]) -> None:
+        """Renew this D rank's leases (a renewal thread)."""
+        host, port = peer
+        try:
             sent = time.monotonic()
             try:
                 reply = self.shared._client(host, port).call(PushRenew(
@@ -386,7 +404,7 @@ class PushLinks:
                     sender=self.shared.agent_id))
             except KVTransferError as exc:
                 logger.debug("lease renewal to %s:%d failed: %s", host, port, exc)
-                continue  # writes stop by themselves when the lease runs out
+                return  # writes stop by themselves when the lease runs out
             granted = set(reply.granted) if isinstance(reply, PushRenewReply) else set()
             for session, link in pairs:
                 with self.lock:
@@ -398,3 +416,5 @@ class PushLinks:
                     link.state, link.reason = "revoked", "D revoked the write lease"
                 self.recorder.inc("p2p_failures", cause="revoked")
                 self._on_revoked(session, link)
+        except Exception:  # keep renewing whatever one call hit
+            logger.exception("layerwise lease renewal to %s:%d failed", host, port)

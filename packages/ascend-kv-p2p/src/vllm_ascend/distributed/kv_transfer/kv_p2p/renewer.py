@@ -3,14 +3,18 @@
 
 Used by D's scheduler (the requests it has seen) and by the P/D proxy (the requests it
 handed to D and still waits on). Needs neither vLLM nor the transfer engine.
+:class:`SideBySide` is how every renewing thread (these, and the layerwise P's renewals
+of its write leases on D) reaches its peers.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
+from collections.abc import Callable, Hashable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from vllm_ascend.distributed.kv_transfer.core.channel import RpcClient, tcp_endpoint
 from vllm_ascend.distributed.kv_transfer.core.errors import KVTransferError
@@ -20,6 +24,68 @@ from .protocol import CODEC, Renew, worker_port
 
 logger = logging.getLogger(__name__)
 
+K = TypeVar("K", bound=Hashable)
+
+
+class SideBySide(Generic[K]):
+    """One round of calls to many peers at once, at most one call in flight per peer.
+
+    A renewing thread sends a round every interval whatever the answers: one after the
+    other, or waiting for the slowest before the next round, a peer slow to answer (a
+    starved process, a side channel waiting on another call) put up to its call's timeout
+    between every other peer's renewals, longer than a short lease. A peer whose call of an
+    earlier round is still in flight is skipped (called again once it answered or timed
+    out), so it never gets a pile of calls.
+
+    Args:
+        max_parallel: most calls running at the same time (threads, started on demand).
+        name: the threads' name prefix.
+    """
+
+    def __init__(self, max_parallel: int, name: str) -> None:
+        self._max_parallel = max_parallel
+        self._name = name
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._inflight: dict[K, Future[None]] = {}
+        self._stopped = False
+
+    def send(self, calls: Mapping[K, Callable[[], None]]) -> list[Future[None]]:
+        """Start ``calls[peer]()`` for every peer without a call in flight; returns the calls
+        started (without waiting for them; none once :meth:`stop` ran)."""
+        with self._lock:
+            if self._stopped:
+                return []
+            if self._pool is None and calls:
+                self._pool = ThreadPoolExecutor(self._max_parallel,
+                                                thread_name_prefix=self._name)
+            sent: list[Future[None]] = []
+            for peer, call in calls.items():
+                previous = self._inflight.get(peer)
+                if previous is not None and not previous.done():
+                    continue  # still waiting for that peer: a later round calls it
+                assert self._pool is not None
+                future = self._pool.submit(call)
+                self._inflight[peer] = future
+                sent.append(future)
+            for peer in [p for p, f in self._inflight.items() if f.done() and p not in calls]:
+                del self._inflight[peer]
+            return sent
+
+    def busy(self) -> set[K]:
+        """The peers with a call in flight."""
+        with self._lock:
+            return {p for p, f in self._inflight.items() if not f.done()}
+
+    def stop(self) -> None:
+        """Start no more calls; calls not started yet are dropped, running ones end on
+        their own (their timeouts)."""
+        with self._lock:
+            self._stopped = True
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
 
 class LeaseRenewer:
     """Renews P's leases on requests that someone still waits for (a daemon thread).
@@ -28,13 +94,10 @@ class LeaseRenewer:
     has handed to D and still waits on, which covers a request queued behind a full batch
     on D that D's scheduler has not looked at yet.
 
-    The P workers of a round are renewed side by side, and the rounds keep their interval
-    whatever the answers, so one P slow to answer (a starved P, a side channel waiting on a
-    claim) delays no other: one after the other, a round over two Ps answering within 1 s
-    each took up to interval + 2 s, a 3 s lease's worth; waiting for the slowest P before
-    the next round, a P that did not answer put the call's timeout between every other P's
-    renewals. A call still in flight from an earlier round is not doubled (that P is
-    renewed again once it answered or timed out).
+    The P workers of a round are renewed side by side (:class:`SideBySide`), and the rounds
+    keep their interval whatever the answers, so one P slow to answer (a starved P, a side
+    channel waiting on a claim) delays no other: one after the other, a round over two Ps
+    answering within 1 s each took up to interval + 2 s, a 3 s lease's worth.
     """
 
     #: most P workers renewed at the same time
@@ -48,8 +111,7 @@ class LeaseRenewer:
         self._clients: dict[str, RpcClient[Any]] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._pool: ThreadPoolExecutor | None = None
-        self._inflight: dict[str, Future[None]] = {}
+        self._calls: SideBySide[str] = SideBySide(self.MAX_PARALLEL, "p2p-lease-renew")
 
     def track(self, request_id: str, remote: RemotePrefill) -> None:
         with self._lock:
@@ -65,14 +127,12 @@ class LeaseRenewer:
 
     def stop(self) -> None:
         self._stop.set()
+        self._calls.stop()
         with self._lock:
-            pool, self._pool = self._pool, None
-            busy = {e for e, f in self._inflight.items() if not f.done()}
+            busy = self._calls.busy()
             # a client in a call is closed by its own thread when the call returns
             for endpoint in [e for e in self._clients if e not in busy]:
                 self._clients.pop(endpoint).close()
-        if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -95,26 +155,8 @@ class LeaseRenewer:
                         remote.request_id)
             if self._stop.is_set():
                 return []
-            if self._pool is None and by_endpoint:
-                self._pool = ThreadPoolExecutor(self.MAX_PARALLEL,
-                                                thread_name_prefix="p2p-lease-renew")
-            pool = self._pool
-            sent: list[Future[None]] = []
-            for endpoint, ids in by_endpoint.items():
-                previous = self._inflight.get(endpoint)
-                if previous is not None and not previous.done():
-                    continue  # still waiting for that P: the next round renews it
-                assert pool is not None
-                try:
-                    future = pool.submit(self._renew, endpoint, ids)
-                except RuntimeError:  # stopped meanwhile
-                    return sent
-                self._inflight[endpoint] = future
-                sent.append(future)
-            for endpoint in [e for e, f in self._inflight.items() if f.done()]:
-                if endpoint not in by_endpoint:
-                    del self._inflight[endpoint]
-        return sent
+        return self._calls.send({endpoint: functools.partial(self._renew, endpoint, ids)
+                                 for endpoint, ids in by_endpoint.items()})
 
     def _renew(self, endpoint: str, ids: list[str]) -> None:
         with self._lock:
