@@ -8,7 +8,8 @@ and asks for a write lease on exactly the blocks D allocated (``PushBegin``); a
 renewer thread keeps the leases alive (``PushRenew``, to every D rank side by side).
 Every write starts inside the lease (:func:`write_window_end`). A D that died,
 refused, or revoked the lease stops the link, which P reports to D
-(``PushDone(success=False)``) when it can. The sender thread (:mod:`.layerwise_sender`) drives all of this.
+(``PushDone(success=False)``) when it can. The sender thread
+(:mod:`.layerwise_sender`) drives all of this.
 """
 
 from __future__ import annotations
