@@ -385,9 +385,11 @@ def _run_benchmarks(session: nox.Session, out: Path, *, quick: bool,
         if quick:
             args.append("--quick")
         try:
-            session.run(*args)
+            ran = session.run(*args)
         except nox.command.CommandFailed:
             bad.append(f"{name} (crashed)")
+            continue
+        if ran is None:  # nox --install-only: nothing ran, so there is no JSON to check
             continue
         try:
             doc = json.loads((out / f"{name}.json").read_text())
