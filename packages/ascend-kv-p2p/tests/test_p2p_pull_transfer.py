@@ -71,3 +71,43 @@ def test_every_d_rank_ends_with_exactly_its_heads(total: int, p_tp: int, d_tp: i
         for i, h in enumerate(mine):
             assert bool((k[[1, 4], :, i] == h + 1).all()) and bool((v[[1, 4], :, i] == -(h + 1)).all())
         assert k[[0, 2, 3, 5]].abs().sum() == 0  # blocks not pulled stay untouched
+
+
+def _p_rank(caches: dict[str, Any]) -> SimpleNamespace:
+    layout = KVCacheLayout.from_kv_caches(caches, block_size=BS)
+    return SimpleNamespace(session="self", layout=layout.descriptor(),
+                           region_addrs=[g.base_addr for g in layout.regions],
+                           region_strides=[g.block_stride for g in layout.regions])
+
+
+def test_a_kept_read_plan_serves_later_requests_and_a_new_p_meta_gets_its_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Address plans kept between requests: the same P metadata and head plan are planned
+    once, each request still reads its own blocks, and P's new metadata (a restart: other
+    regions) is planned again, so D never reads the old addresses."""
+    from vllm_ascend.distributed.kv_transfer.kv_p2p import pull_transfer
+
+    made: list[int] = []
+    real = pull_transfer._rank_plan
+    monkeypatch.setattr(pull_transfer, "_rank_plan",
+                        lambda *a, **k: made.append(1) or real(*a, **k))
+    plans = pull_transfer.AddressPlans()
+    first = npu_caches([0, 1], True)
+    remote = _p_rank(first)
+    d_caches = npu_caches([0, 1], False)
+    layout = KVCacheLayout.from_kv_caches(d_caches, block_size=BS)
+    plan = head_slices(2, 1, 1, 0)
+    k, _v = d_caches["model.layers.0.self_attn.attn"]
+    for local, far in (([1], [3]), ([2, 4], [0, 5])):
+        read_request(MemcpyEngine(), layout, RecvMeta("r", local, None, remote_block_ids=far),
+                     {0: remote}, plan, plans=plans)
+        assert bool((k[local, :, 1] == 2).all())
+    assert len(made) == 1
+    assert k[[0, 3, 5]].abs().sum() == 0
+    restarted = npu_caches([0, 1], False)  # P came back with new (here: other) memory
+    restarted["model.layers.0.self_attn.attn"][0][:, :, 1] = 7
+    read_request(MemcpyEngine(), layout, RecvMeta("r2", [0], None, remote_block_ids=[3]),
+                 {0: _p_rank(restarted)}, plan, plans=plans)
+    assert len(made) == 2
+    assert bool((k[0, :, 1] == 7).all())
+    del first

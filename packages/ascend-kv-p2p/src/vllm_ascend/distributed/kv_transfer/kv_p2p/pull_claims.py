@@ -277,7 +277,8 @@ class ClaimInbox:
     def get(self, request_id: str, timeout: float = 0.0) -> Answers | None:
         """The request's answers, waiting up to ``timeout``; ``None`` if not in."""
         with self._cv:
-            self._cv.wait_for(lambda: self._answers.get(request_id) is not None, timeout)
+            if timeout > 0:
+                self._cv.wait_for(lambda: self._answers.get(request_id) is not None, timeout)
             return self._answers.get(request_id)
 
     def drop(self, request_id: str) -> None:

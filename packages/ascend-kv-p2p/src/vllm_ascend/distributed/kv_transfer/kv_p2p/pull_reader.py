@@ -60,7 +60,7 @@ from .protocol import (
 from .pull_claims import Claimed, ClaimInbox, accepted_ahead, refused_ahead
 from .pull_contract import RecvMeta
 from .pull_loads import LoadTracker
-from .pull_transfer import read_request
+from .pull_transfer import AddressPlans, read_request
 from .pull_window import (
     Granted,
     granted_metas,
@@ -127,6 +127,8 @@ class PullReader:
         self._refetched: set[tuple[tuple[str, int], str]] = set()
         #: answers of the claims D's scheduler sent ahead (:mod:`.pull_claims`)
         self.inbox = ClaimInbox(shared.engine_id)
+        # where each P rank's slices go (kept per P rank's metadata and head plan)
+        self._addresses = AddressPlans()
 
     def start(self, requests: Iterable[RecvMeta]) -> None:
         """Start the pulls (and the releases) of the scheduler's new requests."""
@@ -575,5 +577,5 @@ class PullReader:
         s = self.shared
         assert s.layout is not None and s.te is not None
         return read_request(s.te, s.layout, meta, remotes, plan,
-                            stages=getattr(s, "p_stages", None))
+                            stages=getattr(s, "p_stages", None), plans=self._addresses)
 

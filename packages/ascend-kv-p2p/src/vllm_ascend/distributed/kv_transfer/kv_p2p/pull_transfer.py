@@ -15,6 +15,7 @@ scattered into the local cache.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -32,9 +33,54 @@ from .worker_base import heads_in_block
 logger = logging.getLogger(__name__)
 
 
+#: One contiguous piece of every block of a region pair that D reads straight from P:
+#: ``(local base, local block stride, local offset, P base, P block stride, P offset,
+#: length)``.
+Segment = tuple[int, int, int, int, int, int, int]
+#: What D reads of one P rank, computed once per P rank's metadata and head plan
+#: (:class:`AddressPlans`): its direct segments, and the staged regions
+#: (local region -> (P's region index, slices)).
+RankPlan = tuple[tuple[Segment, ...], dict[int, tuple[int, list[HeadSlice]]]]
+
+
+class AddressPlans:
+    """Where each P rank's slices go, per P rank's metadata and head plan: what a read
+    needs besides the block ids, so a request only multiplies it by its blocks. An entry
+    keeps the objects it was made from and is used only while the read passes the same
+    ones (a P rank's new metadata or grant, or another plan, makes a new entry).
+
+    Args:
+        max_entries: entries kept (the oldest goes first).
+    """
+
+    def __init__(self, max_entries: int = 256) -> None:
+        self.max_entries = max_entries
+        self._lock = threading.Lock()
+        self._plans: dict[tuple[int, int, int, int], tuple[object, object, object, RankPlan]] = {}
+
+    def get(self, layout: KVCacheLayout, remote: AgentMeta, p_rank: int,
+            plan: Sequence[HeadSlice], stages: Sequence[range] | None) -> RankPlan:
+        """The P rank's read plan (computed on the first read with these objects).
+
+        Raises:
+            HandshakeMismatchError: see :func:`_rank_plan`.
+        """
+        key = (id(remote), p_rank, id(plan), id(stages))
+        hit = self._plans.get(key)
+        if hit is not None and hit[0] is remote and hit[1] is plan and hit[2] is stages:
+            return hit[3]
+        rank_plan = _rank_plan(layout, remote, p_rank, plan, stages)
+        with self._lock:  # pull threads fill it side by side (a hit needs no lock)
+            while len(self._plans) >= self.max_entries:
+                self._plans.pop(next(iter(self._plans)))
+            self._plans[key] = (remote, plan, stages, rank_plan)
+        return rank_plan
+
+
 def read_request(te: MooncakeTransferEngine, layout: KVCacheLayout, meta: RecvMeta,
                  remotes: Mapping[int, AgentMeta], plan: Sequence[HeadSlice], *,
-                 stages: Sequence[range] | None = None) -> int:
+                 stages: Sequence[range] | None = None,
+                 plans: AddressPlans | None = None) -> int:
     """Read every P rank's slices of the request into the local blocks; returns bytes.
 
     Args:
@@ -46,13 +92,19 @@ def read_request(te: MooncakeTransferEngine, layout: KVCacheLayout, meta: RecvMe
         plan: this rank's head slices (``remote_rank`` is the P rank).
         stages: the layers of each of P's pipeline stages (:func:`~.pp_layout.stage_layers`);
             ``None``: P is one stage. Each P rank is read for its stage's layers only.
+        plans: where the P ranks' read plans are kept between requests (``None``: computed
+            for this read only).
     """
+    layout.check_block_ids(meta.local_block_ids, what="local block ids")
     staged: dict[int, tuple[int, list[HeadSlice]]] = {}
     moved = 0
     for p_rank, remote in remotes.items():
-        slices = [s for s in plan if s.remote_rank == p_rank]
-        pairs = _region_pairs(layout, remote, p_rank, stages)
-        moved += _read_direct(te, layout, meta, remote, slices, pairs, staged)
+        segments, rank_staged = (plans.get(layout, remote, p_rank, plan, stages)
+                                 if plans is not None
+                                 else _rank_plan(layout, remote, p_rank, plan, stages))
+        moved += _read_direct(te, meta, remote, segments)
+        for i, (j, slices) in rank_staged.items():
+            staged.setdefault(i, (j, []))[1].extend(slices)
     for i, (j, slices) in staged.items():
         moved += _read_staged(te, layout.regions[i], j, meta, remotes, slices)
     return moved
@@ -96,22 +148,20 @@ def _region_pairs(layout: KVCacheLayout, remote: AgentMeta, p_rank: int,
     return [(first + j, j) for j in range(len(stage) * per_layer)]
 
 
-def _read_direct(te: MooncakeTransferEngine, layout: KVCacheLayout, meta: RecvMeta,
-                 remote: AgentMeta, slices: list[HeadSlice], pairs: list[tuple[int, int]],
-                 staged: dict[int, tuple[int, list[HeadSlice]]]) -> int:
-    """Read P rank ``remote``'s contiguous slices of the regions ``pairs`` (local, P index);
-    the others go to ``staged`` by local region, with P's index."""
+def _rank_plan(layout: KVCacheLayout, remote: AgentMeta, p_rank: int,
+               plan: Sequence[HeadSlice], stages: Sequence[range] | None) -> RankPlan:
+    """What D reads of P rank ``p_rank`` (``remote``): the contiguous slices of its regions
+    as segments, and the regions whose heads must be staged.
+
+    Raises:
+        HandshakeMismatchError: P's regions or stages do not match this cache
+            (:func:`_region_pairs`), or the head plan names more heads than a block holds.
+    """
+    slices = [s for s in plan if s.remote_rank == p_rank]
     local_regions = layout.regions
-    layout.check_block_ids(meta.local_block_ids, what="local block ids")
-    p_blocks = remote.layout.num_blocks
-    for b in meta.remote_block_ids:
-        if not 0 <= b < p_blocks:
-            raise RemoteKVUnavailable(f"remote block id {b} is outside P's cache "
-                                      f"[0, {p_blocks})", code="bad_blocks")
-    local_addrs: list[int] = []
-    remote_addrs: list[int] = []
-    lengths: list[int] = []
-    for i, j in pairs:
+    segments: list[Segment] = []
+    staged: dict[int, tuple[int, list[HeadSlice]]] = {}
+    for i, j in _region_pairs(layout, remote, p_rank, stages):
         region = local_regions[i]
         r_len = remote.layout.block_lens[j]
         r_base, r_stride = remote.region_addrs[j], remote.region_strides[j]
@@ -133,12 +183,31 @@ def _read_direct(te: MooncakeTransferEngine, layout: KVCacheLayout, meta: RecvMe
             else:
                 staged.setdefault(i, (j, []))[1].append(sl)
                 continue
-            for lb, rb in zip(meta.local_block_ids, meta.remote_block_ids, strict=True):
-                local_addrs.append(region.base_addr + lb * region.block_stride + off_l)
-                remote_addrs.append(r_base + rb * r_stride + off_r)
-                lengths.append(length)
-    if not lengths:
+            segments.append((region.base_addr, region.block_stride, off_l, r_base, r_stride,
+                             off_r, length))
+    return tuple(segments), staged
+
+
+def _read_direct(te: MooncakeTransferEngine, meta: RecvMeta, remote: AgentMeta,
+                 segments: Sequence[Segment]) -> int:
+    """Read the request's blocks of P rank ``remote``'s direct ``segments`` (one batched
+    read); returns bytes."""
+    p_blocks = remote.layout.num_blocks
+    for b in meta.remote_block_ids:
+        if not 0 <= b < p_blocks:
+            raise RemoteKVUnavailable(f"remote block id {b} is outside P's cache "
+                                      f"[0, {p_blocks})", code="bad_blocks")
+    if not segments:
         return 0
+    local_addrs: list[int] = []
+    remote_addrs: list[int] = []
+    lengths: list[int] = []
+    blocks = list(zip(meta.local_block_ids, meta.remote_block_ids, strict=True))
+    for l_base, l_stride, off_l, r_base, r_stride, off_r, length in segments:
+        for lb, rb in blocks:
+            local_addrs.append(l_base + lb * l_stride + off_l)
+            remote_addrs.append(r_base + rb * r_stride + off_r)
+            lengths.append(length)
     return te.read(remote.session, local_addrs, remote_addrs, lengths)
 
 
