@@ -33,6 +33,24 @@ def _bound(row: dict[str, Any], key: str) -> Any:
     return None
 
 
+#: Where a one-block load's time goes (a measurement, not this run's: its date is in it).
+ONE_BLOCK = (
+    "\nWhere a one-block load's time goes (measured once, 2026-12-03, 2 CPUs, loads in P's read "
+    "window, medians of 280 loads with the steps timed): the raw read on the measuring thread "
+    "took 0.43–0.46 ms, the connector's load 0.76–0.80 ms. About half of the 0.34 ms between "
+    "them is threads: handing the request to a pull thread (about 25 µs); the transfer "
+    "engine's call made from that thread (the same raw read submitted to a one-thread pool "
+    "took 0.54 ms against 0.46 ms on the thread that had just run, 80 µs more on this "
+    "machine); and waking the thread that waits for the load (about 65 µs; in vLLM the next "
+    "engine step's `get_finished` picks the load up instead). The rest is Python: "
+    "`start_load_kv` (about 20 µs), before the engine's call the read window's check, P's "
+    "cached metadata and the read plan (about 75 µs), after it the load's end and its metrics "
+    "(about 60 µs). Pulling on the calling thread instead measured 0.68 of the raw read "
+    "(2026-12-02), and would hold vLLM's engine step for as long as a stalled read lasts (up "
+    "to `MC_TCP_PROGRESS_TIMEOUT_SEC`): the pull stays on its threads. From 16 blocks the "
+    "transfer dominates.\n")
+
+
 def section_p2p(d: dict[str, Any], images: Images) -> str:
     """Body of the section."""
     del images
@@ -58,6 +76,8 @@ def section_p2p(d: dict[str, Any], images: Images) -> str:
            + md_table(rows, columns + modes + unclaimed,
                       names + [m.replace("ratio_", "").replace("_", " ") for m in modes]
                       + ["unclaimed"] * len(unclaimed)))
+    if any(r.get("blocks") == 1 for r in rows):
+        out += ONE_BLOCK
     keyed = [{**r, "keyed_vs_plain": _with_spread(r, "keyed_vs_plain")} for r in d.get("results", []) if "keyed_ms" in r]
     if keyed:
         out += ("\nWith a deployment key (every side-channel frame sealed and checked, the "
