@@ -52,7 +52,8 @@ def comparison_table(comps: list[dict[str, Any]]) -> str:
              "met": verdict(c.get("met")) if c.get("goal") else ""} for c in comps]
     return ("\nOurs against vLLM's connectors (`peer`: TTFT or throughput normalized by the "
             "same round's engine without a connector; `overhead`: what the connector controls, "
-            "see below), and ours against recompute:\n\n"
+            "see below; `kv_wait`: D's wait for the KV in vLLM's scheduler, see below), and "
+            "ours against recompute:\n\n"
             + md_table(rows, ["what", "kind", "ratio", "interval", "spread", "rounds", "goal",
                               "met", "note"],
                        ["what", "kind", "ratio", "interval", "min–max", "rounds", "goal",
@@ -84,6 +85,7 @@ def overhead_table(d: dict[str, Any]) -> str:
                     "overhead": _m(s.get("overhead")),
                     "spread": _iv((s.get("overhead") or {}).get("min"),
                                   (s.get("overhead") or {}).get("max")),
+                    "kv_wait": _m(s.get("kv_wait")),
                     "recompute": _m(s.get("recompute")),
                     "external": _int((s.get("external") or {}).get("min")),
                     "loaded": r.get("loaded"), "check": r.get("load_check")})
@@ -99,7 +101,11 @@ def overhead_table(d: dict[str, Any]) -> str:
     out = ["\n### Overhead over the floor\n\n"
            "What the connector controls, beside the raw TTFT. The **floor** is the same "
            "engine's TTFT on a device-cache hit of that prompt (vLLM computes only the last "
-           "token); a hit's or D's **overhead** is its TTFT minus that floor. On the cold path "
+           "token; a prompt that fills whole blocks is measured with one more token, since "
+           "vLLM's prefix cache hits whole blocks and at most all tokens but one: the prompt "
+           "itself would recompute its whole last block, while D with the whole prompt loaded, "
+           "or a pool hit of all tokens but the last, computes one); a hit's or D's "
+           "**overhead** is its TTFT minus that floor. On the cold path "
            "the **save overhead** is the cold TTFT (miss and save) minus the recompute of the "
            "same prompt by the engine without a connector in the same round. Seconds, medians "
            "over the rounds.\n\n"]
@@ -107,12 +113,18 @@ def overhead_table(d: dict[str, Any]) -> str:
         out.append("P/D, D side (`external`: the fewest tokens vLLM counted as loaded by the "
                    "connector, `num_external_computed_tokens`, in any round; a D that loaded "
                    "none fell back to recompute and its ratios do not count):\n\n")
+        wait = any(r["kv_wait"] is not None for r in pd_rows)
+        if wait:
+            out.append("`KV wait`: how long vLLM's scheduler held D's request before its first "
+                       "forward pass (added to first scheduled: the connector's load and the "
+                       "engine step that reports it), the same measure for every connector and "
+                       "without the forward pass that the TTFT adds.\n\n")
         out.append(md_table(pd_rows, ["scenario", "connector", "tokens", "ttft", "floor",
-                                      "overhead", "spread", "recompute", "external", "loaded",
-                                      "check"],
+                                      "overhead", "spread", *(["kv_wait"] if wait else []),
+                                      "recompute", "external", "loaded", "check"],
                             ["scenario", "connector", "tokens", "D TTFT", "floor", "overhead",
-                             "overhead min–max", "recompute", "external", "loaded",
-                             "checked by"]))
+                             "overhead min–max", *(["KV wait"] if wait else []), "recompute",
+                             "external", "loaded", "checked by"]))
     if cache_rows:
         out.append("\nPool and offload (hit after `reset_prefix_cache()`):\n\n")
         out.append(md_table(cache_rows, ["scenario", "connector", "tokens", "hit", "floor",

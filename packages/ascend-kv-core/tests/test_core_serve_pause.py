@@ -128,3 +128,42 @@ def test_kept_pauses_the_other_pairs_and_the_baseline_for_p_d(tmp_path: Path) ->
     # other families keep their neighbours running
     pool = run.kept("pool", lambda: [_Eng()])
     assert not pool[0].paused and all(e.paused for e in peer)
+
+
+def test_the_engine_child_times_each_request_from_added_to_first_scheduled() -> None:
+    """D's wait for the KV, as vLLM's scheduler sees it: added, then scheduled only once
+    the KV is in (steps in between schedule nothing new for it)."""
+    from types import SimpleNamespace
+
+    from vllm_ascend.distributed.kv_transfer.core.tooling import serve_child
+
+    class Scheduler:
+        def __init__(self) -> None:
+            self.waiting: list[str] = []
+            self.ready: set[str] = set()
+
+        def add_request(self, request: Any) -> None:
+            self.waiting.append(request.request_id)
+
+        def schedule(self, throttle_prefills: bool = False) -> Any:
+            new = [r for r in self.waiting if r in self.ready]
+            self.waiting = [r for r in self.waiting if r not in self.ready]
+            return SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id=r) for r in new])
+
+    sched = Scheduler()
+    engine = SimpleNamespace(engine_core=SimpleNamespace(engine_core=SimpleNamespace(
+        scheduler=sched)))
+    times = serve_child._track_scheduling(engine)
+    assert times is not None
+    sched.add_request(SimpleNamespace(request_id="d"))
+    sched.add_request(SimpleNamespace(request_id="never"))
+    sched.schedule()  # the KV is not in yet: nothing scheduled
+    time.sleep(0.05)
+    sched.ready.add("d")
+    sched.schedule(throttle_prefills=True)
+    sched.schedule()
+    waits = serve_child._waited(times)
+    assert waits is not None and waits[1] is None
+    assert waits[0] is not None and 0.05 <= waits[0] < 1.0
+    assert serve_child._track_scheduling(SimpleNamespace()) is None
+    assert serve_child._waited(None) is None

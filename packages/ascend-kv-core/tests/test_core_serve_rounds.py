@@ -198,3 +198,55 @@ def test_pool_rows_overheads_and_goals_against_recompute() -> None:
     assert comps["pool/ours save overhead / recompute"]["ratio"] == pytest.approx(0.02)
     assert comps["pool/ours save overhead / recompute"]["met"] is True
     assert comps["pool/ours serving throughput / no connector"]["met"] is True
+
+
+def _with_wait(entry: dict[str, Any], wait: float) -> dict[str, Any]:
+    for rd in entry["rounds"]:
+        for row in rd["prompts"]:
+            row["d_kv_wait_s"] = wait * (1 + row["tokens"] // 4096)
+    return entry
+
+
+def test_d_side_kv_wait_is_compared_beside_the_overhead_without_a_goal() -> None:
+    results = _pd_results()
+    comps = _comps(results)
+    assert not any(c["kind"] == "kv_wait" for c in comps.values())  # not measured: no row
+    _with_wait(results["pd/ours[pinned]"], 0.01)
+    _with_wait(results["pd/ours[nobind]"], 0.03)
+    _with_wait(results["pd/vllm-nixl[pinned]"], 0.04)
+    _with_wait(results["pd/vllm-nixl[nobind]"], 0.05)
+    comps = _comps(results)
+    c = comps["D-side wait for the KV at 8192 tokens (pinned): ours / NixlConnector"]
+    assert c["kind"] == "kv_wait" and c["peer"] == "pd/vllm-nixl[pinned]"
+    assert c["ratio"] == pytest.approx(0.25) and c["rounds"] == 5
+    assert c["goal"] == "" and c["met"] is None
+    r = round_series(results["pd/ours[pinned]"])
+    assert r is not None and r["by_tokens"][2048]["kv_wait"]["median"] == pytest.approx(0.01)
+
+
+def test_d_floor_computes_only_the_last_token_at_every_prompt_length() -> None:
+    """vLLM's prefix cache hits whole blocks and at most all tokens but one: a device hit of
+    a prompt filling whole blocks would recompute its last block, so D's floor is measured
+    with one more token there (its blocks hit, one token computed)."""
+    from vllm_ascend.distributed.kv_transfer.core.tooling.serve_scenarios import (
+        FLOOR_SAMPLES,
+        last_token_floor,
+    )
+
+    class Engine:
+        def __init__(self) -> None:
+            self.prompts: list[list[int]] = []
+
+        def generate(self, prompts: list[list[int]]) -> dict[str, Any]:
+            self.prompts.extend(prompts)
+            return {"seconds": 0.01 * len(prompts[0])}
+
+    eng = Engine()
+    aligned = list(range(256))
+    assert last_token_floor(eng, aligned, 128) == pytest.approx(2.57)  # type: ignore[arg-type]
+    assert len(eng.prompts) == FLOOR_SAMPLES
+    assert all(p[:256] == aligned and len(p) == 257 for p in eng.prompts)
+    eng.prompts.clear()
+    odd = list(range(200))
+    last_token_floor(eng, odd, 128)  # type: ignore[arg-type]
+    assert eng.prompts == [odd] * FLOOR_SAMPLES

@@ -54,6 +54,7 @@ def _child_main() -> int:
     answer("ready")
     engine = llm.llm_engine
     external = _count_external_tokens(engine)
+    waits = _track_scheduling(engine)
     sel = selectors.DefaultSelector()
     sel.register(sys.stdin, selectors.EVENT_READ)
 
@@ -105,6 +106,8 @@ def _child_main() -> int:
                 prompts = [TokensPrompt(prompt_token_ids=p) for p in cmd["prompts"]]
                 if external is not None:
                     external.clear()
+                if waits is not None:
+                    waits.clear()
                 start = time.perf_counter()
                 outs = llm.generate(prompts, params, use_tqdm=False)
                 seconds = time.perf_counter() - start
@@ -112,6 +115,8 @@ def _child_main() -> int:
                               # vLLM's num_external_computed_tokens of the call's requests
                               # (None: no prefill stats seen, so unknown)
                               "external_tokens": sum(external) if external else None,
+                              # per request added, in order: first scheduled - added
+                              "kv_wait_s": _waited(waits),
                               "outputs": [
                     {"tokens": list(o.outputs[0].token_ids),
                      "cached": o.num_cached_tokens,
@@ -166,6 +171,53 @@ def _count_external_tokens(engine: Any) -> list[int] | None:
 
     proc.process_outputs = process_outputs
     return counts
+
+
+def _track_scheduling(engine: Any) -> dict[str, list[float]] | None:
+    """Record, per request, when vLLM's scheduler took it in (``add_request``) and when it
+    first scheduled it for a forward pass (``scheduled_new_reqs``), on this process's clock.
+
+    A request whose KV a connector loads asynchronously (a P/D decode) waits in between in
+    ``WAITING_FOR_REMOTE_KVS``: the difference is the D-side wait for the KV, the same
+    measure for every connector, without the forward pass that a TTFT adds. Returns the
+    dict the times go to (request id -> ``[added, scheduled]``), or ``None`` where the
+    scheduler is not in this process.
+    """
+    try:
+        sched = engine.engine_core.engine_core.scheduler
+    except AttributeError:
+        return None
+    if not callable(getattr(sched, "add_request", None)) or not callable(
+            getattr(sched, "schedule", None)):
+        return None
+    times: dict[str, list[float]] = {}
+    add, schedule = sched.add_request, sched.schedule
+
+    def add_request(request: Any, *args: Any, **kwargs: Any) -> Any:
+        times.setdefault(str(getattr(request, "request_id", id(request))),
+                         [time.perf_counter()])
+        return add(request, *args, **kwargs)
+
+    def schedule_(*args: Any, **kwargs: Any) -> Any:
+        at = time.perf_counter()
+        out = schedule(*args, **kwargs)
+        for new in getattr(out, "scheduled_new_reqs", None) or ():
+            seen = times.get(str(getattr(new, "req_id", "")))
+            if seen is not None and len(seen) == 1:
+                seen.append(at)
+        return out
+
+    sched.add_request = add_request
+    sched.schedule = schedule_
+    return times
+
+
+def _waited(times: dict[str, list[float]] | None) -> list[float | None] | None:
+    """Each request's wait between being added and first scheduled, in the order added
+    (``None`` for one never scheduled); ``None`` when not tracked."""
+    if times is None:
+        return None
+    return [t[1] - t[0] if len(t) == 2 else None for t in times.values()]
 
 
 class EngineError(RuntimeError):

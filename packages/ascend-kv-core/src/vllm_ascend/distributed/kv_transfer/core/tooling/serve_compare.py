@@ -33,6 +33,8 @@ METRIC_SERIES = {"d_ttft_over_recompute": "norm", "hit_over_recompute": "hit_nor
 OVERHEADS = {"d_ttft_over_recompute": ("overhead", "D-side overhead over the floor"),
              "hit_over_recompute": ("hit_overhead", "hit overhead over the floor"),
              "cold_over_baseline": ("save_overhead", "save overhead (cold - recompute)")}
+#: Words of the P/D comparison of D's wait for the KV (first scheduled - added).
+KV_WAIT_WORDS = "D-side wait for the KV"
 #: Issue 17's bound of every P/D overhead ratio, ours / peer.
 PD_OVERHEAD_GOAL = Goal("<= 0.8", at_most=0.8)
 #: Issue 17's bounds of our pool: save overhead / recompute, throughput / no connector.
@@ -75,6 +77,7 @@ def round_series(entry: dict[str, Any]) -> dict[str, Any] | None:
             if pd:
                 vals = {"ttft": row["d_ttft_s"], "floor": row.get("d_floor_s"),
                         "overhead": _sub(row["d_ttft_s"], row.get("d_floor_s")),
+                        "kv_wait": row.get("d_kv_wait_s"),
                         "recompute": rec, "external": row.get("d_external"),
                         "norm": _div(row["d_ttft_s"], rec)}
             else:
@@ -189,6 +192,12 @@ def interval_comparisons(results: dict[str, dict[str, Any]], rounds: dict[str, d
                     out.append(_peer_row(f"{words}{at}{where}: {label}", "overhead", rounds,
                                          ov, pbn, peer_vs, okey, n, goal, binding=binding,
                                          tokens=n))
+                    if pd and any(v is not None for v in _series(rounds, ov, "kv_wait", n)):
+                        # the same question without the forward pass: how long vLLM's
+                        # scheduler held D's request for its KV (no goal of its own)
+                        out.append(_peer_row(f"{KV_WAIT_WORDS}{at}{where}: {label}",
+                                             "kv_wait", rounds, ov, pbn, peer_vs, "kv_wait",
+                                             n, None, binding=binding, tokens=n))
     for name, r in rounds.items():
         own = next((s for s in scenarios if s.name == base_name(name)), None)
         if own is None or name == "baseline" or own.who != "ours":

@@ -392,14 +392,14 @@ def cache_flow(run: Run, eng: EngineChild, name: str) -> dict[str, Any]:
     (the median of ``repeats`` of those); then the throughput batches (the best).
     Used for the baseline and every pool/offload connector.
 
-    The device-cache hit (vLLM computing only the last token) is the floor of a hit on
-    this engine: a hit's overhead is its TTFT minus that floor."""
+    The device-cache hit (vLLM computing only the last token, :func:`last_token_floor`) is
+    the floor of a hit on this engine: a hit's overhead is its TTFT minus that floor."""
     eng.generate([run.warmup])
     rows = []
     for prompt in run.prompts:
         cold = eng.generate([prompt])
         eng.call("settle", timeout=30, sleep=0.3)  # background saves finish
-        device_s = floor(eng, prompt)
+        device_s = last_token_floor(eng, prompt, run.cfg.block_size)
         agains = []
         resets = []
         for _ in range(run.cfg.repeats):
@@ -451,6 +451,22 @@ def floor(eng: EngineChild, prompt: list[int]) -> float:
                                    for _ in range(FLOOR_SAMPLES)))
 
 
+def last_token_floor(eng: EngineChild, prompt: list[int], block_size: int) -> float:
+    """The floor of a hit of ``prompt``: the engine's TTFT on a device-cache hit in which
+    vLLM computes only the last token, as it does once a connector loaded the whole prompt
+    (P/D's D; a pool hit of every token but the last).
+
+    vLLM's prefix cache hits whole blocks and at most the prompt's length less one token,
+    so a device hit of a prompt that fills whole blocks recomputes its whole last block
+    (128 tokens at block size 128), not one token: such a floor was higher than D's own
+    forward, and D's overhead over it came out negative in rounds. A prompt that fills whole
+    blocks is therefore measured with one more token (its own blocks hit, the one token is
+    computed); another length as it is (vLLM computes the tokens of its partial block).
+    Median of :data:`FLOOR_SAMPLES`."""
+    probe = [*prompt, prompt[-1]] if prompt and len(prompt) % block_size == 0 else prompt
+    return floor(eng, probe)
+
+
 def reference(run: Run, prompts: list[list[int]] | None = None, *,
               throughput: bool = True) -> dict[str, Any] | None:
     """Recompute TTFT, device-cache hit and throughput of the engine without a connector,
@@ -497,21 +513,23 @@ def pd_flow(run: Run, p: EngineChild, d: EngineChild, name: str,
     Each prompt is sent ``repeats`` times (P's own prefix cache makes the repeats
     cheap on P; D's cache is reset after every request, so D always transfers);
     the median D TTFT is kept. Right after each, the same prompt again on D (now in
-    D's own device cache: vLLM computes only the last token) is D's floor, and
+    D's own device cache: vLLM computes only the last token, :func:`last_token_floor`)
+    is D's floor, and
     vLLM's count of external tokens says whether D loaded P's KV at all.
     ``params(key)`` gives P's ``kv_transfer_params`` and a function turning P's
     output params into D's.
     """
     rows = []
     for i, prompt in enumerate([run.warmup, *run.pd_prompts]):
-        samples, floors, external = [], [], []
+        samples, floors, external, waits = [], [], [], []
         for r in range(1 if i == 0 else run.cfg.repeats):
             p_in, to_d = params(f"{run.binding or '-'}-{run.round}-{i}-{r}")
             pout = p.generate([prompt], kv_params=[p_in])
             d_in = to_d(_first(pout)["kv_transfer_params"])
             dout = d.generate([prompt], kv_params=[d_in])
             external.append(dout.get("external_tokens"))
-            floors.append(floor(d, prompt))
+            waits.append((dout.get("kv_wait_s") or [None])[0])
+            floors.append(last_token_floor(d, prompt, run.cfg.block_size))
             d.call("reset_prefix_cache")
             samples.append((pout, dout))
         if i == 0:
@@ -523,6 +541,9 @@ def pd_flow(run: Run, p: EngineChild, d: EngineChild, name: str,
         rows.append({"tokens": len(prompt), "prefill_s": samples[0][0]["seconds"],
                      "d_ttft_s": d_ttft, "d_samples": [x[1]["seconds"] for x in samples],
                      "d_floor_s": median(floors), "d_floor_samples": floors,
+                     # D's wait for the KV: first scheduled - added (None: not tracked)
+                     "d_kv_wait_s": median(waits),
+                     "d_kv_wait_samples": waits,
                      "d_external": min(known) if known else None,
                      "d_cached": outs[-1]["cached"],
                      "d_token": (outs[-1]["tokens"] or [None])[0],
