@@ -69,6 +69,20 @@ def _m(spread: dict[str, Any] | None) -> float | None:
     return num((spread or {}).get("median"))
 
 
+#: Said under P/D results measured before D's wait for the KV was (2026-12-03), whose floor
+#: of a prompt filling whole blocks recomputed its last block.
+OLD_FLOOR = (
+    "**These P/D figures predate 2026-12-03** and their floor is too high: a prompt that "
+    "fills whole blocks was measured on itself, and vLLM recomputed its whole last block "
+    "(128 tokens) where D, with the prompt loaded, computes one token. That floor was 4 to 6 "
+    "times D's own forward (0.078 s against 0.019 s at 2,048 tokens, 0.17 s against 0.028 s "
+    "at 8,192), so the overheads below are too low and negative in rounds. With the floor "
+    "corrected, a P/D-only run on 2026-12-03 (9 rounds of 3 samples each) measured D's "
+    "overhead, ours / vLLM MooncakeConnector: pinned 0.54 (95%: 0.42–0.71) at 8,192 tokens "
+    "and 0.50 (0.36–0.93) at 2,048; `nobind` 0.96 (0.73–1.28) and 0.92 (0.31–1.25); P/D KV "
+    "throughput, pinned, 1.8 (1.24–2.24).\n\n")
+
+
 def overhead_table(d: dict[str, Any]) -> str:
     """The overhead over the floor, and the save overhead, of every scenario measured in
     rounds: medians over the rounds (min–max of the overhead)."""
@@ -114,6 +128,8 @@ def overhead_table(d: dict[str, Any]) -> str:
                    "connector, `num_external_computed_tokens`, in any round; a D that loaded "
                    "none fell back to recompute and its ratios do not count):\n\n")
         wait = any(r["kv_wait"] is not None for r in pd_rows)
+        if not wait:
+            out.append(OLD_FLOOR)
         if wait:
             out.append("`KV wait`: how long vLLM's scheduler held D's request before its first "
                        "forward pass (added to first scheduled: the connector's load and the "
