@@ -130,7 +130,7 @@ def overhead_table(d: dict[str, Any]) -> str:
         wait = any(r["kv_wait"] is not None for r in pd_rows)
         if not wait:
             out.append(OLD_FLOOR)
-        if wait:
+        else:
             out.append("`KV wait`: how long vLLM's scheduler held D's request before its first "
                        "forward pass (added to first scheduled: the connector's load and the "
                        "engine step that reports it), the same measure for every connector and "

@@ -58,10 +58,10 @@ def _child_main() -> int:
     sel = selectors.DefaultSelector()
     sel.register(sys.stdin, selectors.EVENT_READ)
 
+    sched = _scheduler(engine)
+
     def pending() -> bool:
-        try:
-            sched = engine.engine_core.engine_core.scheduler
-        except AttributeError:
+        if sched is None:
             return bool(engine.has_unfinished_requests())
         # has_requests() also counts a connector's pending background work (e.g. vLLM's
         # MooncakeStoreConnector holds a save's blocks until a later step reports it)
@@ -173,6 +173,14 @@ def _count_external_tokens(engine: Any) -> list[int] | None:
     return counts
 
 
+def _scheduler(engine: Any) -> Any | None:
+    """vLLM's scheduler, where the engine core runs in this process (else ``None``)."""
+    try:
+        return engine.engine_core.engine_core.scheduler
+    except AttributeError:
+        return None
+
+
 def _track_scheduling(engine: Any) -> dict[str, list[float]] | None:
     """Record, per request, when vLLM's scheduler took it in (``add_request``) and when it
     first scheduled it for a forward pass (``scheduled_new_reqs``), on this process's clock.
@@ -183,11 +191,8 @@ def _track_scheduling(engine: Any) -> dict[str, list[float]] | None:
     dict the times go to (request id -> ``[added, scheduled]``), or ``None`` where the
     scheduler is not in this process.
     """
-    try:
-        sched = engine.engine_core.engine_core.scheduler
-    except AttributeError:
-        return None
-    if not callable(getattr(sched, "add_request", None)) or not callable(
+    sched = _scheduler(engine)
+    if sched is None or not callable(getattr(sched, "add_request", None)) or not callable(
             getattr(sched, "schedule", None)):
         return None
     times: dict[str, list[float]] = {}
