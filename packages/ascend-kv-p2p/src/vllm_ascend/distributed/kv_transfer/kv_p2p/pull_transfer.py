@@ -56,8 +56,8 @@ class AddressPlans:
     def __init__(self, max_entries: int = 256) -> None:
         self.max_entries = max_entries
         self._lock = threading.Lock()
-        # ids of (layout, P meta, P rank, plan, stages) -> those objects (kept, so that no id
-        # is reused while its entry lives) and the plan
+        # ids of (layout, P meta, plan, stages) and the P rank -> those objects (kept, so that
+        # no id is reused while its entry lives) and the plan
         self._plans: dict[tuple[int, ...], tuple[tuple[object, ...], RankPlan]] = {}
 
     def get(self, layout: KVCacheLayout, remote: AgentMeta, p_rank: int,
@@ -67,16 +67,16 @@ class AddressPlans:
         Raises:
             HandshakeMismatchError: see :func:`_rank_plan`.
         """
-        key = (id(layout), id(remote), p_rank, id(plan), id(stages))
+        made_of = (layout, remote, plan, stages)
+        key = (*map(id, made_of), p_rank)
         hit = self._plans.get(key)
-        if hit is not None and all(a is b for a, b in zip(hit[0], (layout, remote, plan,
-                                                                  stages), strict=True)):
+        if hit is not None and all(a is b for a, b in zip(hit[0], made_of, strict=True)):
             return hit[1]
         rank_plan = _rank_plan(layout, remote, p_rank, plan, stages)
         with self._lock:  # pull threads fill it side by side (a hit needs no lock)
             while len(self._plans) >= self.max_entries:
                 self._plans.pop(next(iter(self._plans)))
-            self._plans[key] = ((layout, remote, plan, stages), rank_plan)
+            self._plans[key] = (made_of, rank_plan)
         return rank_plan
 
 
