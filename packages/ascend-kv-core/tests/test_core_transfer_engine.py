@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from ascend_kv_testing.peers import get_or_die, transfer_engine_target
+from vllm_ascend.distributed.kv_transfer.core import transfer_engine as te_mod
 from vllm_ascend.distributed.kv_transfer.core.errors import TransferError
 from vllm_ascend.distributed.kv_transfer.core.transfer_engine import coalesce, get_transfer_engine
 
@@ -164,3 +165,92 @@ def test_singleton_and_dead_peer_is_a_fast_clear_error() -> None:
     assert info.value.rc < 0 and info.value.op == "read"
     assert time.monotonic() - start < 10
     te.unregister_memory(buf.data_ptr())
+
+
+class _WaitRecorder:
+    """Forwards to the real Mooncake engine and records which calls a transfer made."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self.real, name)
+        if not name.startswith(("batch_transfer", "get_batch_transfer_status")):
+            return fn
+
+        def call(*args: Any) -> Any:
+            self.calls.append(name)
+            return fn(*args)
+        return call
+
+
+def test_with_sleep_large_batches_are_slept_on_and_small_ones_are_one_call(
+        peer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    _proc, _q_out, _q_in, (session, src_addr, dst, _digest) = peer
+    te = get_transfer_engine("127.0.0.1", "tcp")
+    rec = _WaitRecorder(te.raw)
+    monkeypatch.setattr(te, "_engine", rec)
+    big = te_mod.SLEEP_MIN_BYTES
+    local = torch.zeros(2 * big, dtype=torch.uint8)
+    src = torch.arange(SIZE // 8, dtype=torch.int64).view(torch.uint8)
+    te.register_memory(local.data_ptr(), local.numel())
+    assert te.wait == "spin"  # the default: Mooncake's synchronous call
+    monkeypatch.setattr(te, "wait", "sleep")
+    try:
+        for _ in range(te_mod.RATE_WINDOW + 1):
+            rec.calls.clear()
+            local.zero_()
+            assert te.read(session, [local.data_ptr()], [src_addr + 4096], [2 * big]) == 2 * big
+            assert rec.calls == ["batch_transfer_async_read", "get_batch_transfer_status"]
+            assert torch.equal(local, src[4096:4096 + 2 * big])
+        # the rates timed replace the assumed one once the window is full
+        rates = te._rates[("read", session)]
+        assert len(rates) == te_mod.RATE_WINDOW and te_mod.INITIAL_RATE not in rates
+        assert all(0 < r < te_mod.INITIAL_RATE for r in rates)
+        # below the threshold: one synchronous call
+        rec.calls.clear()
+        assert te.read(session, [local.data_ptr()], [src_addr], [big - 4096]) == big - 4096
+        assert rec.calls == ["batch_transfer_sync_read"]
+        # a large write is slept on too, and lands intact
+        rec.calls.clear()
+        pattern = torch.randint(1, 255, (2 * big,), dtype=torch.uint8)
+        local.copy_(pattern)
+        assert te.write(session, [local.data_ptr()], [dst], [2 * big]) == 2 * big
+        assert rec.calls == ["batch_transfer_async_write", "get_batch_transfer_status"]
+        local.zero_()
+        assert te.read(session, [local.data_ptr()], [dst], [2 * big]) == 2 * big
+        assert torch.equal(local, pattern)
+        # spin: every batch is one synchronous call, as Mooncake waits for it
+        monkeypatch.setattr(te, "wait", "spin")
+        rec.calls.clear()
+        local.zero_()
+        assert te.read(session, [local.data_ptr()], [src_addr], [2 * big]) == 2 * big
+        assert rec.calls == ["batch_transfer_sync_read"]
+        assert torch.equal(local, src[:2 * big])
+    finally:
+        te.unregister_memory(local.data_ptr())
+
+
+def test_a_large_batch_to_a_dead_peer_is_a_fast_clear_error(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    te = get_transfer_engine("127.0.0.1", "tcp")
+    monkeypatch.setattr(te, "wait", "sleep")
+    n = te_mod.SLEEP_MIN_BYTES
+    buf = torch.zeros(n, dtype=torch.uint8)
+    te.register_memory(buf.data_ptr(), n)
+    start = time.monotonic()
+    try:
+        for op in (te.read, te.write):
+            with pytest.raises(TransferError, match="127.0.0.1:1") as info:
+                op("127.0.0.1:1", [buf.data_ptr()], [0x1000], [n])
+            assert info.value.rc < 0
+        assert time.monotonic() - start < 20
+    finally:
+        te.unregister_memory(buf.data_ptr())
+
+
+def test_an_unknown_wait_mode_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(te_mod.WAIT_ENV, "yield")
+    with pytest.raises(ValueError, match="VLLM_ASCEND_KV_TE_WAIT='yield'"):
+        te_mod.MooncakeTransferEngine("127.0.0.1", "tcp")
