@@ -82,6 +82,31 @@ OLD_FLOOR = (
     "and 0.50 (0.36–0.93) at 2,048; `nobind` 0.96 (0.73–1.28) and 0.92 (0.31–1.25); P/D KV "
     "throughput, pinned, 1.8 (1.24–2.24).\n\n")
 
+#: Where D's wait for the KV goes, and what the thread binding changes (traced 2026-12-03).
+PD_WAIT = (
+    "**Where D's wait goes** (ours traced once, 2026-12-03: 3 rounds of 3 samples at 2,048 "
+    "and 8,192 tokens under each binding). Most of it is the read: 100–230 ms for the 128 MiB "
+    "of 8,192 tokens over loopback TCP (about 1 GB/s, the raw engine's ceiling here, see "
+    "`bench engine`), 30–60 ms for 2,048 tokens. The rest, 5–50 ms, is hand-offs between "
+    "threads, each up to 5 ms (Python's switch interval): this harness runs vLLM's engine in "
+    "its own process (`LLM.generate`), whose loop runs Python without a pause while D waits, "
+    "so the pull thread waits for the GIL when the pull starts, when the read returns, and "
+    "the engine's thread when the load is reported (in `vllm serve` the engine core's loop "
+    "sleeps 1 ms when there is nothing to run). A switch interval of 0.5 ms cut those "
+    "hand-offs to 2–5 ms in all; it is left alone, as the process's setting and not the "
+    "connector's. Unbound (`nobind`), the two engines and both transfer engines' threads "
+    "share the two cores, and Mooncake's wait for a transfer spins a CPU on the pull thread "
+    "for the whole read. Sleeping through part of large transfers instead "
+    "(`VLLM_ASCEND_KV_TE_WAIT=sleep`, core; the default stays Mooncake's wait), with the two "
+    "waits alternating read by read in one P/D run, moved the median read under `nobind` "
+    "from 60 to 52 ms at 2,048 tokens and from 193 to 170 ms at 8,192 (9 reads each), and "
+    "pinned from 53 to 57 ms and from 173 to 189 ms: within the noise either way. The gap "
+    "between the bindings in the table above is no larger than between two runs of one "
+    "binding minutes apart (ours alone, `nobind`, 3 rounds: a "
+    "median wait of 261 ms in one run and 115 ms in a run minutes later) on this virtual "
+    "machine, whose "
+    "steal time reached 20% during these runs.\n\n")
+
 
 def overhead_table(d: dict[str, Any]) -> str:
     """The overhead over the floor, and the save overhead, of every scenario measured in
@@ -141,6 +166,7 @@ def overhead_table(d: dict[str, Any]) -> str:
                             ["scenario", "connector", "tokens", "D TTFT", "floor", "overhead",
                              "overhead min–max", *(["KV wait"] if wait else []), "recompute",
                              "external", "loaded", "checked by"]))
+        out.append("\n" + PD_WAIT)
     if cache_rows:
         out.append("\nPool and offload (hit after `reset_prefix_cache()`):\n\n")
         out.append(md_table(cache_rows, ["scenario", "connector", "tokens", "hit", "floor",

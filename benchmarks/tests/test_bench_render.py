@@ -318,6 +318,7 @@ def test_serve_section_states_rounds_spread_and_the_overhead_table(tmp_path: Pat
     assert "### Overhead over the floor" in page
     assert "| pd/ours[pinned] | MooncakeConnectorV1 | 2048 | 0.07 | 0.058 | 0.012 | 0.01–0.02 " \
            "| 0.3 | 2048 | yes | num_external_computed_tokens |" in page
+    assert "**Where D's wait goes**" in page and "`VLLM_ASCEND_KV_TE_WAIT=sleep`" in page
 
 
 def test_a_section_draws_its_own_plot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
