@@ -80,7 +80,18 @@ OLD_FLOOR = (
     "corrected, a P/D-only run on 2026-12-03 (9 rounds of 3 samples each) measured D's "
     "overhead, ours / vLLM MooncakeConnector: pinned 0.54 (95%: 0.42–0.71) at 8,192 tokens "
     "and 0.50 (0.36–0.93) at 2,048; `nobind` 0.96 (0.73–1.28) and 0.92 (0.31–1.25); P/D KV "
-    "throughput, pinned, 1.8 (1.24–2.24).\n\n")
+    "throughput, pinned, 1.8 (1.24–2.24). A second P/D-only run the same day (5 rounds of 3, "
+    "both peers, both bindings) did not confirm the pinned overheads: ours / vLLM "
+    "MooncakeConnector pinned 0.86 (0.56–1.08) at 8,192 tokens and 1.04 (0.40–2.26) at 2,048; "
+    "`nobind` 0.78 (0.49–0.91) and 0.72 (0.31–0.84); KV throughput pinned 1.0 (0.56–1.76), "
+    "`nobind` 1.47 (1.25–1.79). Against NixlConnector in that run ours was ahead on decode "
+    "TTFT (0.20, 95%: 0.13–0.37 pinned; 0.13, 0.11–0.22 `nobind`) and KV throughput (5.1 "
+    "and 7.6), but far behind on D's overhead over the floor (25x at 8,192 tokens): Nixl's "
+    "engine has a floor of 0.38–0.56 s of its own (its TTFT is almost all floor), and its "
+    "KV wait was shorter than ours, 54–84 ms against 162–174 ms at 8,192 tokens and 19–20 "
+    "ms against 45–60 ms at 2,048. NIXL's UCX can move bytes between processes of one host "
+    "without TCP (which transport it chose here was not checked); ours goes through "
+    "Mooncake's TCP transport over loopback, about 1 GB/s on this machine.\n\n")
 
 #: Where D's wait for the KV goes, and what the thread binding changes (traced 2026-12-03).
 PD_WAIT = (
