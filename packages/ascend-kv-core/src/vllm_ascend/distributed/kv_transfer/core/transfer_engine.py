@@ -321,24 +321,24 @@ class MooncakeTransferEngine:
     def _call(self, op: str, peer: str, loc: list[int], rem: list[int],
               lens: list[int]) -> int:
         """One engine batch, waited for as :attr:`wait` says; Mooncake's return code."""
-        nbytes = sum(lens)
-        submit = getattr(self._engine, f"batch_transfer_async_{op}", None)
-        if self.wait == "spin" or nbytes < SLEEP_MIN_BYTES or submit is None:
-            call = (self._engine.batch_transfer_sync_read if op == "read"
-                    else self._engine.batch_transfer_sync_write)
-            return int(call(peer, loc, rem, lens))
+        nbytes = sum(lens) if self.wait == "sleep" else 0
+        submit = (getattr(self._engine, f"batch_transfer_async_{op}", None)
+                  if nbytes >= SLEEP_MIN_BYTES else None)
+        if submit is None:  # spin, a small batch, or an engine without async calls
+            return int(getattr(self._engine, f"batch_transfer_sync_{op}")(peer, loc, rem, lens))
         start = time.perf_counter()
         batch = int(submit(peer, loc, rem, lens))
         if batch <= 0 or batch >= 1 << 63:
             return -1  # not submitted (unknown peer, engine refused): nothing in flight
         key = (op, peer)
-        time.sleep(nbytes / max(self._rates.get(key, (INITIAL_RATE,))) * SLEEP_FRACTION)
+        rates = self._rates.get(key, (INITIAL_RATE,))
+        time.sleep(nbytes / max(rates) * SLEEP_FRACTION)
         # Mooncake spins for the rest, frees the batch, and fails it after its timeout
         # (as its synchronous call does)
         rc = int(self._engine.get_batch_transfer_status([batch]))
         if rc >= 0:
             rate = nbytes / max(time.perf_counter() - start, 1e-6)
-            self._rates[key] = (*self._rates.get(key, (INITIAL_RATE,))[1 - RATE_WINDOW:], rate)
+            self._rates[key] = (*rates[1 - RATE_WINDOW:], rate)
         return rc
 
 
