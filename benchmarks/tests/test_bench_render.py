@@ -386,3 +386,43 @@ def test_the_fleet_goal_of_the_client_section() -> None:
     page = section.render(doc(), {})
     assert "| pd-pull-2p2d | prefix_repetition | 8 |" in page and "7 / 9 / 8 / 8" not in page
     assert "8 / 8 / 9 / 7" in page  # per instance, in URL order: d0, d1, p0, p1
+
+
+def test_the_client_rounds_against_vllms_mooncake_connector() -> None:
+    section = render.load_sections()["client"]
+    key_start = "under vLLM's client, our P/D pull pair ahead of vLLM's `MooncakeConnector`"
+
+    def comp(metric: str, low: float, high: float, higher: bool = False) -> dict[str, Any]:
+        return {"concurrency": 4, "metric": metric, "higher_is_better": higher, "rounds": 5,
+                "ratio": (low + high) / 2, "min": low, "max": high, "low": low, "high": high,
+                "ours": {"median": 1.0}, "peer": {"median": 2.0}}
+
+    def doc(*comps: dict[str, Any]) -> dict[str, Any]:
+        return {"benchmark": "client", "config": {}, "targets": {
+            "pd-vllm-mooncake": {"status": "ok", "runs": [{
+                "concurrency": 4, "completed": 8, "failed": 0, "total_input_tokens": 8000,
+                "transfers": {"kv_tokens": 8000.0, "proxy_fallbacks": 0.0},
+                "p_held_after": None}]}},
+            "rounds": {"status": "ok", "rounds": 5, "failed": {"pd-pull": 0},
+                       "comparisons": list(comps)}}
+
+    def goal(d: dict[str, Any]) -> Any:
+        return next(g for g in section.goals({"client": d}) if g.goal.startswith(key_start))
+
+    ahead = doc(comp("ttft_p50_ms", 0.5, 0.9), comp("output_tok_per_s", 1.1, 1.3, True))
+    assert goal(ahead).met is True and goal(ahead).measured == "2 of 2 ahead"
+    mixed = doc(comp("ttft_p50_ms", 0.5, 1.1), comp("output_tok_per_s", 0.7, 0.9, True))
+    g = goal(mixed)
+    assert g.met is False and g.measured.startswith("0 of 2 ahead")
+    assert "TTFT p50 at concurrency 4: level" in g.measured
+    assert "output tok/s at concurrency 4: behind" in g.measured
+    page = section.render(mixed, {})
+    assert "**Ours against vLLM's own `MooncakeConnector` under vLLM's client**" in page
+    assert "| 4 | output tok/s | 0.8 | 0.7–0.9 | 0.7–0.9 | 5 | 1 | 2 | behind |" in page
+    # vLLM's connector: no requests_loaded of ours; the share of prompt tokens from P shows
+    assert "| pd-vllm-mooncake | random | 4 | 8 | 0 |" in page and "| 100% |" in page
+    # ours only in the goal that every P/D request moved its KV
+    moved = next(g for g in section.goals({"client": mixed}) if g.goal.startswith(
+        "under that client, every P/D request's KV"))
+    assert moved.met is None
+    assert goal({"benchmark": "client", "config": {}, "targets": {}}).met is None

