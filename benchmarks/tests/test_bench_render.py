@@ -403,8 +403,11 @@ def test_the_client_rounds_against_vllms_mooncake_connector() -> None:
                 "concurrency": 4, "completed": 8, "failed": 0, "total_input_tokens": 8000,
                 "transfers": {"kv_tokens": 8000.0, "proxy_fallbacks": 0.0},
                 "p_held_after": None}]}},
-            "rounds": {"status": "ok", "rounds": 5, "failed": {"pd-pull": 0},
-                       "comparisons": list(comps)}}
+            "rounds": {"status": "ok", "rounds": 5, "failed": {"pd-pull": 1},
+                       "comparisons": list(comps), "runs": {
+                           "pd-pull": {"4": [{"completed": 7, "failed": 1, "transfers": {
+                               "kv_loaded": 7.0, "kv_tokens": 7000.0}}]},
+                           "pd-vllm-mooncake": {"4": [{"completed": 8, "failed": 0}]}}}}
 
     def goal(d: dict[str, Any]) -> Any:
         return next(g for g in section.goals({"client": d}) if g.goal.startswith(key_start))
@@ -424,5 +427,9 @@ def test_the_client_rounds_against_vllms_mooncake_connector() -> None:
     # ours only in the goal that every P/D request moved its KV
     moved = next(g for g in section.goals({"client": mixed}) if g.goal.startswith(
         "under that client, every P/D request's KV"))
-    assert moved.met is None
+    assert moved.met is True and moved.measured == "1 of 1 P/D runs"  # ours, in the rounds
+    zero = next(g for g in section.goals({"client": mixed}) if g.goal.startswith(
+        "vLLM's own client (`vllm bench serve`): 0 failed"))
+    assert zero.met is False and zero.measured == (
+        "1 failed of 24 (pd-vllm-mooncake; 2 runs of the rounds)")
     assert goal({"benchmark": "client", "config": {}, "targets": {}}).met is None
