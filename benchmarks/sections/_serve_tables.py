@@ -91,7 +91,15 @@ OLD_FLOOR = (
     "KV wait was shorter than ours, 54–84 ms against 162–174 ms at 8,192 tokens and 19–20 "
     "ms against 45–60 ms at 2,048. NIXL's UCX can move bytes between processes of one host "
     "without TCP (which transport it chose here was not checked); ours goes through "
-    "Mooncake's TCP transport over loopback, about 1 GB/s on this machine.\n\n")
+    "Mooncake's TCP transport over loopback, about 1 GB/s on this machine. A third P/D-only "
+    "run the same afternoon (7 rounds of 3, vLLM MooncakeConnector only, both bindings) "
+    "went against ours pinned: D's overhead, ours / vLLM MooncakeConnector, pinned 1.77 "
+    "(95%: 0.67–2.88) at 2,048 tokens and 1.0 (0.58–1.89) at 8,192; `nobind` 0.98 "
+    "(0.70–1.17) and 0.82 (0.60–1.55); KV throughput pinned 0.69 (0.52–1.31), `nobind` 1.1 "
+    "(1.03–1.34). The medians behind the pinned 2,048-token ratio: ours 90 ms over the "
+    "floor, theirs 51 ms, ours `nobind` 50 ms. Over the three runs the goal (0.8x, pinned and "
+    "`nobind`, both lengths) is not met; why ours was slower pinned than unbound in the third "
+    "run was not traced.\n\n")
 
 #: Where D's wait for the KV goes, and what the thread binding changes (traced 2026-12-03).
 PD_WAIT = (
