@@ -79,7 +79,7 @@ def test_targets() -> None:
     assert ts["pd-layerwise"].kv["kv_connector"] == "MooncakeLayerwiseConnector"  # type: ignore[index]
     assert ts["pd-layerwise"].proxy_mode == "layerwise"
     peer = ts["pd-vllm-mooncake"]
-    assert peer.peer and peer.not_run is None and peer.proxy_mode is None
+    assert peer.peer and peer.proxy_mode is None
     assert peer.kv == {"kv_connector": "MooncakeConnector",
                        "kv_connector_extra_config": {"mooncake_protocol": "tcp"}}
     # P sends with 2 threads (as bench serve runs it on 2 cores); D's config is the target's

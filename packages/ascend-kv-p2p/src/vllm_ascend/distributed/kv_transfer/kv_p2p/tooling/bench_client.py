@@ -107,7 +107,6 @@ class Target:
     #: ``kv_connector`` of P and D (None: one plain instance)
     kv: dict[str, Any] | None = None
     proxy_mode: str | None = None
-    not_run: str | None = None
     #: P instances and D instances (each) behind the proxy
     instances: int = 1
     #: the concurrencies of this target (None: the run's)
@@ -356,7 +355,7 @@ def start_target(target: Target, cfg: ClientConfig, logs: Path) -> Deployment:
     # vLLM's MooncakeConnector: the CPU patch in both engines, P's bootstrap server's port
     peers = peers_dir() if target.peer else None
     d_env = peer_env(peers, logs / "peer-site") if peers else {}
-    bootstrap = free_port()
+    bootstrap = free_port() if peers else 0
     p_env = {**d_env, "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(bootstrap)} if peers else {}
 
     def serve(name: str, kv: dict[str, Any] | None, cores: str | None,
@@ -415,11 +414,9 @@ def run_target(target: Target, cfg: ClientConfig, steps: Steps, work: Path) -> d
     concurrency = target.concurrency or cfg.concurrency
     if cfg.quick_fleet and target.instances > 1:
         concurrency = concurrency[:1]
-    not_run = target.not_run or (VLLM_PEERS_MISSING if target.peer and not peers_dir()
-                                 else None)
-    if not_run:
-        steps.note(f"{target.name}: {not_run}")
-        return {**entry, "status": "not run", "reason": not_run}
+    if target.peer and not peers_dir():
+        steps.note(f"{target.name}: {VLLM_PEERS_MISSING}")
+        return {**entry, "status": "not run", "reason": VLLM_PEERS_MISSING}
     logs = cfg.out / "client-logs"
     logs.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()

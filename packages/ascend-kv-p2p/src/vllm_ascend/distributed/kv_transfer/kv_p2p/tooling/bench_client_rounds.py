@@ -47,11 +47,8 @@ def summarize_rounds(runs: dict[str, dict[int, list[dict[str, Any]]]],
     for conc in concurrency:
         a_rows, b_rows = runs[ours][conc], runs[peer][conc]
         for metric, higher in METRICS:
-            def value(row: dict[str, Any], metric: str = metric) -> float | None:
-                return None if row.get("failed") else row.get(metric)
-
-            a = [value(r) for r in a_rows]
-            b = [value(r) for r in b_rows]
+            a = [None if r.get("failed") else r.get(metric) for r in a_rows]
+            b = [None if r.get("failed") else r.get(metric) for r in b_rows]
             stats = compare(a, b)
             out.append({"concurrency": conc, "metric": metric, "higher_is_better": higher,
                         **stats.as_dict(), "ours": spread(a), "peer": spread(b)})
