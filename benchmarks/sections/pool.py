@@ -28,20 +28,43 @@ def section_pool(d: dict[str, Any], images: Images) -> str:
             "before. The copy is one `numpy.copyto` (one thread); the backend splits a call "
             f"over {d.get('config', {}).get('local_copy_threads', 1)} copy thread(s) "
             "(`local_copy_threads`).\n\n"
-            "Why the puts trail the copy: the copy is one `memcpy` per 16 MiB region, which "
-            "glibc does with non-temporal stores (its threshold is a few MiB); the backend "
-            "copies one block's 128 KiB piece of each region at a time, which glibc copies "
-            "through the cache (a read for ownership of every destination line). A library "
-            "cannot change that threshold in a running process. Measured once (2026-12-02, "
-            "same bench): with `GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=0x10000` "
-            "(our pieces non-temporal too) `put (empty pool)` was 1.34 of the copy; with the "
-            "threshold out of reach for both, 0.83 (`put (full pool)` 0.92, `get` 1.09).\n"
+            + _copy_note(d) + "\n"
             if d.get("local_rounds") else ""),
            "\nLookup rate (goal >= 100k keys/s):\n\n",
            md_table(look, ["path", "keys/s"])]
     if isinstance(d.get("mooncake"), dict) and d["mooncake"].get("skipped"):
         out.append(f"\nMooncake part skipped: {d['mooncake']['skipped']}\n")
     return "".join(out)
+
+
+def _copy_note(d: dict[str, Any]) -> str:
+    """How this machine's glibc copies large ranges, which decides the copy's speed."""
+    facts = (d.get("machine") or {}).get("memcpy") or {}
+    cfg = d.get("config") or {}
+    nt = facts.get("non_temporal_threshold")
+    out = ("How the copies compare: glibc's `memcpy` writes a range longer than its "
+           "non-temporal threshold with stores that bypass the cache, about twice as fast "
+           "into memory that is not cached. The plain copy is one range of the whole batch; "
+           "the backend lays a batch's slots out region by region, so a region's consecutive "
+           "blocks are one range too (cut at a batch of the pool's puts and between its copy "
+           "threads), not one per block "
+           f"({_mib(cfg.get('range_bytes'))} here). ")
+    if isinstance(nt, int):
+        out += (f"On this machine (glibc {facts.get('glibc', '?')}) the threshold is "
+                f"{_mib(nt)}, derived from the {_mib(facts.get('shared_cache_size'))} of "
+                "shared cache the CPU reports, so virtual machines of one kind can differ. ")
+    else:
+        out += "This machine's threshold was not recorded. "
+    out += ("Measured on 2026-12-03 (same bench, 9 rounds, 2 CPUs) with "
+            "`GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=0x400000` (4 MiB, a "
+            "common value on hosts), the two one after the other: a put into a full pool was "
+            "0.64 of the copy while the backend copied block by block and 1.13 with the runs "
+            "of regions; get 0.92 and 1.52; a put into an empty pool 1.79 and 1.62.")
+    return out
+
+
+def _mib(n: Any) -> str:
+    return f"{n / (1 << 20):.4g} MiB" if isinstance(n, int | float) else "?"
 
 
 def goals(res: dict[str, dict[str, Any]]) -> list[Goal]:

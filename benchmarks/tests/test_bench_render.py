@@ -193,6 +193,29 @@ def test_the_auth_section_renders(tmp_path: Path) -> None:
     assert "`bench auth`" in page and "0.652" in page and "| key |" in page
 
 
+def test_the_pool_section_says_how_this_machines_glibc_copies(tmp_path: Path) -> None:
+    local = [{"path": "local put (full pool)", "GiB/s": 7.0, "raw GiB/s": 6.5, "ratio": 1.08,
+              "ratio_min": 1.0, "ratio_max": 1.1},
+             {"path": "local get", "GiB/s": 9.0, "raw GiB/s": 6.5, "ratio": 1.4,
+              "ratio_min": 1.3, "ratio_max": 1.6}]
+    doc = {"benchmark": "pool", "rows": local, "local_rounds": [{}] * 9,
+           "config": {"local_rounds": 9, "local_copy_threads": 2, "range_bytes": 128 << 10},
+           "machine": {**MACHINE, "memcpy": {"glibc": "2.36", "non_temporal_threshold": 4 << 20,
+                                             "shared_cache_size": 32 << 20}}}
+    res_dir = tmp_path / "results"
+    res_dir.mkdir()
+    (res_dir / "pool.json").write_text(json.dumps(doc))
+    assert render.main(["--results", str(res_dir), "--docs", str(tmp_path)]) == 0
+    page = (tmp_path / "benchmarks.md").read_text()
+    assert "On this machine (glibc 2.36) the threshold is 4 MiB" in page
+    assert "32 MiB of shared cache" in page and "(0.125 MiB here)" in page
+    assert "| embedded `local` backend put and get >= 0.9" in page
+    doc["machine"] = MACHINE  # an older result, without the facts
+    (res_dir / "pool.json").write_text(json.dumps(doc))
+    assert render.main(["--results", str(res_dir), "--docs", str(tmp_path)]) == 0
+    assert "threshold was not recorded" in (tmp_path / "benchmarks.md").read_text()
+
+
 def test_every_benchmark_has_its_section_module() -> None:
     sections = render.load_sections()
     for name in render.CORE_BENCHMARKS:

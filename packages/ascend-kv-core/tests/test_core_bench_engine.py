@@ -42,6 +42,37 @@ def test_goal_check() -> None:
         benchutil.goal_check(1.0, at_least=0.1, at_most=2.0)
 
 
+def test_glibc_copy_facts_read_the_loaders_tunables(monkeypatch: pytest.MonkeyPatch) -> None:
+    listing = ("glibc.malloc.arena_max: 0x0 (min: 0x1, max: 0xffffffffffffffff)\n"
+               "glibc.cpu.x86_non_temporal_threshold: 0xb580000 (min: 0x4040, max: 0xfff)\n"
+               "glibc.cpu.x86_rep_movsb_threshold: 0x840 (min: 0x200, max: 0xfff)\n"
+               "glibc.cpu.x86_shared_cache_size: garbage\n")
+    calls: list[list[str]] = []
+
+    def fake_run(cmd: list[str], **_kw: Any) -> Any:
+        calls.append(cmd)
+        return argparse.Namespace(stdout=listing)
+
+    monkeypatch.setattr(benchutil, "_dynamic_loader", lambda: "/lib64/ld-linux-x86-64.so.2")
+    monkeypatch.setattr(benchutil.subprocess, "run", fake_run)
+    facts = benchutil.glibc_copy_facts()
+    assert calls == [["/lib64/ld-linux-x86-64.so.2", "--list-tunables"]]
+    assert facts["non_temporal_threshold"] == 0xb580000
+    assert facts["rep_movsb_threshold"] == 0x840
+    assert "shared_cache_size" not in facts  # unreadable: left out, not guessed
+
+    monkeypatch.setattr(benchutil, "_dynamic_loader", lambda: None)
+    assert set(benchutil.glibc_copy_facts()) <= {"glibc"}
+
+
+def test_machine_info_of_this_linux_records_how_glibc_copies() -> None:
+    loader = benchutil._dynamic_loader()
+    assert loader is not None and "ld-linux" in loader  # the test machines run glibc
+    memcpy = benchutil.machine_info()["memcpy"]
+    assert memcpy["glibc"].count(".") == 1
+    assert memcpy["non_temporal_threshold"] > 0
+
+
 def test_steps_report_progress_on_stderr() -> None:
     err = io.StringIO()
     with redirect_stderr(err):

@@ -1,42 +1,48 @@
 # SPDX-License-Identifier: Apache-2.0
 """Slab allocation of the embedded ``local`` backend: a batch put faults in chunks sized to
-the batch, a lone object of a new size costs one slot, and freed slots are reused."""
+the batch, a lone object of a new size costs one slot, freed slots are reused, and a
+batch's slots are laid out region by region, so consecutive blocks move in one run."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
+from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.backend import local_backend
 from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.backend.local_backend import (
     CHUNK_BYTES,
     LocalBackend,
+    _coalesce,
+    _shares,
     _Slabs,
 )
 
 MIB = 1 << 20
 
 
-def _chunks(views: list[np.ndarray]) -> set[int]:
-    return {id(v.base) for v in views}
+def _chunks(slots: list[tuple[int, np.ndarray]]) -> set[int]:
+    return {id(v.base) for _a, v in slots}
 
 
 def test_a_batch_is_allocated_in_chunks_sized_to_it() -> None:
     slabs = _Slabs(capacity=1 << 30)
     views = slabs.alloc(MIB, 100)
-    assert len(views) == 100 and all(v.nbytes == MIB for v in views)
+    assert len(views) == 100 and all(v.nbytes == MIB for _a, v in views)
+    assert all(a == v.ctypes.data for a, v in views)
     # 100 MiB in chunks of at most 64 MiB: two chunks, not a doubling series of six
     assert len(_chunks(views)) == 2
-    assert all(v.base.nbytes <= CHUNK_BYTES for v in views)
-    addrs = sorted(v.ctypes.data for v in views)
+    assert all(v.base.nbytes <= CHUNK_BYTES for _a, v in views)
+    addrs = sorted(a for a, _v in views)
     assert all(b - a >= MIB for a, b in zip(addrs, addrs[1:], strict=False))  # no overlap
 
 
 def test_a_lone_object_of_a_new_size_costs_one_slot_then_chunks_grow() -> None:
     slabs = _Slabs(capacity=1 << 30)
-    (first,) = slabs.alloc(3 * 1000)
+    ((_a, first),) = slabs.alloc(3 * 1000)
     assert first.base.nbytes == 3000
     (second,) = slabs.alloc(3000)
     # the second of a size gets a chunk of at least 4 MiB; its spare slots are free
-    assert second.base.nbytes >= 4 * MIB - 3000
+    assert second[1].base.nbytes >= 4 * MIB - 3000
     spare = slabs.alloc(3000, 5)
     assert _chunks(spare) == _chunks([second])
 
@@ -47,7 +53,7 @@ def test_freed_slots_are_reused_before_new_memory() -> None:
     for v in views[:3]:
         slabs.release(v)
     again = slabs.alloc(MIB, 3)
-    assert {v.ctypes.data for v in again} == {v.ctypes.data for v in views[:3]}
+    assert {a for a, _v in again} == {a for a, _v in views[:3]}
 
 
 def test_a_batch_put_of_mixed_sizes_round_trips_in_key_order() -> None:
@@ -64,5 +70,77 @@ def test_a_batch_put_of_mixed_sizes_round_trips_in_key_order() -> None:
         assert pool.get(keys, [[a.ctypes.data] for a in dst], [[a.nbytes] for a in dst]) \
             == [0] * len(keys)
         assert all(np.array_equal(a, b) for a, b in zip(src, dst, strict=True))
+    finally:
+        pool.close()
+
+
+def test_moves_contiguous_on_both_sides_merge_and_shares_split_them_evenly() -> None:
+    moves = [(1000, 5000, 10), (1010, 5010, 10), (1020, 6000, 10), (2000, 6010, 5)]
+    assert _coalesce(moves) == [(1000, 5000, 20), (1020, 6000, 10), (2000, 6010, 5)]
+    one = [(0, 1 << 30, 10 * MIB)]
+    shares = _shares(one, 10 * MIB, 3)
+    assert len(shares) == 3
+    sizes = [sum(n for _d, _s, n in share) for share in shares]
+    assert sum(sizes) == 10 * MIB and max(sizes) - min(sizes) <= 2
+    # the pieces continue each other on both sides, in order
+    flat = [m for share in shares for m in share]
+    assert all(a[0] + a[2] == b[0] and a[1] + a[2] == b[1]
+               for a, b in zip(flat, flat[1:], strict=False))
+
+
+def _regions(parts: int, blocks: int, part: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 255, (parts, blocks * part), dtype=np.uint8)
+
+
+def _ranges(arr: np.ndarray, blocks: list[int], part: int) -> list[list[int]]:
+    return [[int(arr[p].ctypes.data) + b * part for p in range(arr.shape[0])] for b in blocks]
+
+
+def test_a_batch_of_consecutive_blocks_moves_one_run_per_region_even_after_evictions(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    parts, part, n = 4, 64 << 10, 16
+    src = _regions(parts, 6 * n, part, 2)
+    # a put of a quarter of a small pool is one batch
+    pool = LocalBackend(capacity=4 * n * parts * part, copy_threads=1)
+    calls: list[int] = []
+    real = local_backend._memmove
+
+    def recording(d: int, s: int, k: int) -> None:
+        calls.append(k)
+        real(d, s, k)
+
+    monkeypatch.setattr(local_backend, "_memmove", recording)
+    try:
+        for r in range(6):  # the fifth and sixth puts evict and reuse the slots
+            blocks = list(range(r * n, (r + 1) * n))
+            calls.clear()
+            assert pool.put([f"m@h@{b}" for b in blocks], _ranges(src, blocks, part),
+                            [[part] * parts] * n) == [0] * n
+            assert calls == [n * part] * parts, (r, calls)
+        assert pool.evictions == 2 * n
+        dst = np.zeros_like(src)
+        calls.clear()
+        blocks = list(range(5 * n, 6 * n))
+        assert pool.get([f"m@h@{b}" for b in blocks], _ranges(dst, blocks, part),
+                        [[part] * parts] * n) == [0] * n
+        assert calls == [n * part] * parts
+        assert np.array_equal(dst[:, 5 * n * part:], src[:, 5 * n * part:])
+    finally:
+        pool.close()
+
+
+def test_a_get_may_cut_an_object_into_other_ranges_than_its_put() -> None:
+    rng = np.random.default_rng(3)
+    pieces = [rng.integers(0, 255, n, dtype=np.uint8) for n in (4096, 0, 8192, 100)]
+    whole = np.concatenate(pieces)
+    pool = LocalBackend(capacity=1 << 20)
+    try:
+        assert pool.put(["k"], [[int(a.ctypes.data) for a in pieces]],
+                        [[a.nbytes for a in pieces]]) == [0]
+        out = np.zeros_like(whole)
+        cuts = [0, 1000, 1000, 9000, whole.nbytes]
+        assert pool.get(["k"], [[int(out.ctypes.data) + c for c in cuts[:-1]]],
+                        [[b - a for a, b in zip(cuts, cuts[1:], strict=False)]]) == [0]
+        assert np.array_equal(out, whole)
     finally:
         pool.close()

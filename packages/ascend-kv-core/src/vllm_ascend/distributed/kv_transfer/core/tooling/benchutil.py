@@ -16,6 +16,7 @@ import math
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -52,7 +53,63 @@ def machine_info() -> dict[str, Any]:
         info["torch"] = torch.__version__
     except ImportError:
         pass
+    memcpy = glibc_copy_facts()
+    if memcpy:
+        info["memcpy"] = memcpy
     return info
+
+
+#: glibc tunables that decide how ``memcpy`` / ``memmove`` copy large ranges on x86
+_COPY_TUNABLES = {"glibc.cpu.x86_non_temporal_threshold": "non_temporal_threshold",
+                  "glibc.cpu.x86_rep_movsb_threshold": "rep_movsb_threshold",
+                  "glibc.cpu.x86_shared_cache_size": "shared_cache_size"}
+
+
+def glibc_copy_facts() -> dict[str, Any]:
+    """How this machine's glibc copies memory: its version and, where the dynamic loader
+    lists them (glibc 2.33 and later, x86), the thresholds in bytes above which
+    ``memcpy`` uses ``rep movsb`` and non-temporal stores (a copy above the latter
+    writes around the cache, which makes large copies into untouched memory faster).
+    glibc derives them from the cache sizes the CPU reports, so two virtual machines of
+    one kind can differ. Empty where none of this can be read."""
+    facts: dict[str, Any] = {}
+    try:
+        version = os.confstr("CS_GNU_LIBC_VERSION")
+    except (ValueError, OSError, AttributeError):
+        version = None
+    if version:
+        facts["glibc"] = version.split()[-1]
+    loader = _dynamic_loader()
+    if loader is None:
+        return facts
+    try:
+        out = subprocess.run([loader, "--list-tunables"], capture_output=True, text=True,
+                             timeout=5, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return facts
+    for line in out.splitlines():
+        name, _, rest = line.partition(":")
+        key = _COPY_TUNABLES.get(name.strip())
+        if key is None or not rest.split():
+            continue
+        try:
+            facts[key] = int(rest.split()[0], 0)
+        except ValueError:
+            continue
+    return facts
+
+
+def _dynamic_loader() -> str | None:
+    """Path of the dynamic loader mapped into this process (``ld-linux*``), if any."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as maps:
+            for line in maps:
+                path = line.rstrip("\n").split(maxsplit=5)[-1]
+                if "/ld-linux" in path and os.path.exists(path):
+                    return path
+    except OSError:
+        pass
+    return None
 
 
 def write_results(name: str, payload: dict[str, Any], out_dir: str | os.PathLike[str]) -> Path:
