@@ -198,7 +198,9 @@ def test_the_pool_section_says_how_this_machines_glibc_copies(tmp_path: Path) ->
               "ratio_min": 1.0, "ratio_max": 1.1},
              {"path": "local get", "GiB/s": 9.0, "raw GiB/s": 6.5, "ratio": 1.4,
               "ratio_min": 1.3, "ratio_max": 1.6}]
-    doc = {"benchmark": "pool", "rows": local, "local_rounds": [{}] * 9,
+    low = [{**r, "path": r["path"] + ", non-temporal from 4 MiB"} for r in local]
+    doc = {"benchmark": "pool", "rows": local + low, "local_rounds": [{}] * 9,
+           "local_low_nt": {"threshold": 4 << 20, "rows": low},
            "config": {"local_rounds": 9, "local_copy_threads": 2, "range_bytes": 128 << 10},
            "machine": {**MACHINE, "memcpy": {"glibc": "2.36", "non_temporal_threshold": 4 << 20,
                                              "shared_cache_size": 32 << 20}}}
@@ -210,10 +212,16 @@ def test_the_pool_section_says_how_this_machines_glibc_copies(tmp_path: Path) ->
     assert "On this machine (glibc 2.36) the threshold is 4 MiB" in page
     assert "32 MiB of shared cache" in page and "(0.125 MiB here)" in page
     assert "| embedded `local` backend put and get >= 0.9" in page
+    assert "| local get, non-temporal from 4 MiB |" in page
+    assert "The rows `non-temporal from 4 MiB` are the same rounds" in page
+    assert "local get, non-temporal from 4 MiB: 1.4 (1.3–1.6)" in page  # in the goal
     doc["machine"] = MACHINE  # an older result, without the facts
+    doc["local_low_nt"] = {"skipped": "glibc did not take the threshold"}
     (res_dir / "pool.json").write_text(json.dumps(doc))
     assert render.main(["--results", str(res_dir), "--docs", str(tmp_path)]) == 0
-    assert "threshold was not recorded" in (tmp_path / "benchmarks.md").read_text()
+    page = (tmp_path / "benchmarks.md").read_text()
+    assert "threshold was not recorded" in page
+    assert "not measured: glibc did not take the threshold" in page
 
 
 def test_every_benchmark_has_its_section_module() -> None:

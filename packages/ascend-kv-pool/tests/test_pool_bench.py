@@ -66,3 +66,19 @@ def test_trace_command_without_a_trace_says_what_to_pass(
     assert main(["bench", "trace", str(tmp_path / "missing.jsonl"), "--quick",
                  "--out", str(tmp_path)]) == 2
     assert "missing.jsonl' not found" in capsys.readouterr().err
+
+
+def test_the_local_rows_are_measured_again_with_glibcs_threshold_at_4_mib() -> None:
+    out = bench._local_rows_in_child(bench.LOW_NT_THRESHOLD, quick=True)
+    assert "skipped" not in out, out
+    assert out["memcpy"]["non_temporal_threshold"] == 4 << 20
+    assert [r["path"] for r in out["rows"]] == [
+        f"local {what}, non-temporal from 4 MiB"
+        for what in ("put (empty pool)", "put (full pool)", "get")]
+    assert all(r["ratio_min"] <= r["ratio"] <= r["ratio_max"] for r in out["rows"])
+
+
+def test_a_threshold_glibc_refuses_is_reported_not_measured() -> None:
+    out = bench._local_rows_in_child(0x1000, quick=True)  # below glibc's minimum (0x4040)
+    assert "rows" not in out
+    assert "glibc did not take the threshold" in out["skipped"]

@@ -4,7 +4,11 @@
 ``pool``
     Put/get throughput through the backends, against the raw
     ``MooncakeDistributedStore`` batch calls on the same data in the same run
-    (the ratio is the overhead of the backend layer; the goal is >= 0.9), and
+    (the ratio is the overhead of the backend layer; the goal is >= 0.9); the
+    ``local`` backend against a plain copy, once with this machine's glibc and once
+    in a child process whose glibc copies non-temporally from 4 MiB
+    (:data:`LOW_NT_THRESHOLD`, as on many hosts: glibc derives it from the cache size
+    the CPU reports, and a virtual machine may report a huge one), and
     the lookup rate in keys/s, both for ``Backend.exists`` and for the whole
     scheduler -> worker lookup over ZeroMQ (goal: >= 100k keys/s batched).
     Without ``--master`` a ``mooncake_master`` is started on loopback.
@@ -21,10 +25,13 @@ Both print a table and write ``<out>/<name>.json``; neither fails on a number.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -37,6 +44,7 @@ import numpy as np
 from vllm_ascend.distributed.kv_transfer.core.tooling.benchutil import (
     add_common_args,
     format_table,
+    glibc_copy_facts,
     write_results,
 )
 from vllm_ascend.distributed.kv_transfer.core.tooling.mooncake_store import MooncakeMaster
@@ -98,6 +106,8 @@ def run_pool(args: argparse.Namespace) -> dict[str, Any]:
     local = LocalBackend(capacity=4 * blocks.nbytes)
     local_rows, local_rounds = _local_rows(local, blocks, rounds=5 if args.quick else 9)
     rows += local_rows
+    low_nt = _local_rows_in_child(LOW_NT_THRESHOLD, args.quick)
+    rows += low_nt.pop("rows", [])
     lookup = _lookup_rates(local, args.quick)
     mooncake: dict[str, Any] = {}
     try:
@@ -111,7 +121,55 @@ def run_pool(args: argparse.Namespace) -> dict[str, Any]:
     return {"config": {"blocks": n, "ranges_per_block": parts, "range_bytes": part,
                        "repeat": repeat, "local_rounds": len(local_rounds),
                        "local_copy_threads": local.copy_threads},
-            "rows": rows, "local_rounds": local_rounds, "mooncake": mooncake}
+            "rows": rows, "local_rounds": local_rounds, "mooncake": mooncake,
+            "local_low_nt": low_nt}
+
+
+#: glibc's non-temporal threshold of the second measurement of the ``local`` rows (bytes)
+LOW_NT_THRESHOLD = 4 << 20
+_CHILD_FLAG = "--local-rows-child"
+
+
+def _local_rows_in_child(threshold: int, quick: bool) -> dict[str, Any]:
+    """The ``local`` rows measured again in a child process whose glibc copies ranges from
+    ``threshold`` bytes on with non-temporal stores (a tunable read only at start-up).
+    Returns ``rows`` (paths suffixed with the threshold), the child's ``memcpy`` facts and
+    ``threshold``; or ``skipped`` with the reason."""
+    env = dict(os.environ, GLIBC_TUNABLES=f"glibc.cpu.x86_non_temporal_threshold={threshold:#x}")
+    cmd = [sys.executable, "-m", __name__, _CHILD_FLAG, *(["--quick"] if quick else [])]
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600,
+                              check=False)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return {"skipped": f"child not run: {exc}"}
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"skipped": f"child exited {proc.returncode}: {tail}"}
+    try:
+        out = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        return {"skipped": "child printed no result"}
+    facts = out.get("memcpy") or {}
+    if facts.get("non_temporal_threshold") != threshold:
+        return {"skipped": f"glibc did not take the threshold (child: {facts})"}
+    label = f", non-temporal from {threshold >> 20} MiB"
+    rows = [{**row, "path": row["path"] + label} for row in out["rows"]]
+    return {"threshold": threshold, "memcpy": facts, "rows": rows}
+
+
+def _child_main(argv: list[str]) -> int:
+    quick = "--quick" in argv
+    from ..backend.local_backend import LocalBackend
+
+    n, parts, part = (32, 4, 64 << 10) if quick else (128, 8, 128 << 10)
+    blocks = _Blocks(n, parts, part)
+    local = LocalBackend(capacity=4 * blocks.nbytes)
+    try:
+        rows, _rounds = _local_rows(local, blocks, rounds=5 if quick else 9)
+    finally:
+        local.close()
+    print(json.dumps({"rows": rows, "memcpy": glibc_copy_facts()}))
+    return 0
 
 
 def _spread(ratios: list[float]) -> dict[str, float]:
@@ -309,3 +367,7 @@ def add_trace_command(sub: Any) -> None:
     p.add_argument("--block-bytes", type=int, default=4096,
                    help="bytes stored per 512-token block (scaled down; default %(default)s)")
     p.set_defaults(func=lambda a: _run("trace", run_trace, a))
+
+
+if __name__ == "__main__" and _CHILD_FLAG in sys.argv[1:]:
+    raise SystemExit(_child_main(sys.argv[1:]))
