@@ -56,7 +56,7 @@ def _copy_note(d: dict[str, Any]) -> str:
     else:
         out += "This machine's threshold was not recorded. "
     low = d.get("local_low_nt") or {}
-    if low.get("rows"):
+    if low.get("threshold"):
         out += (f"The rows `non-temporal from {low['threshold'] >> 20} MiB` are the same "
                 "rounds in a child process with glibc's threshold set there "
                 "(`GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold`), a common value on "

@@ -200,7 +200,7 @@ def test_the_pool_section_says_how_this_machines_glibc_copies(tmp_path: Path) ->
               "ratio_min": 1.3, "ratio_max": 1.6}]
     low = [{**r, "path": r["path"] + ", non-temporal from 4 MiB"} for r in local]
     doc = {"benchmark": "pool", "rows": local + low, "local_rounds": [{}] * 9,
-           "local_low_nt": {"threshold": 4 << 20, "rows": low},
+           "local_low_nt": {"threshold": 4 << 20, "memcpy": {"non_temporal_threshold": 4 << 20}},
            "config": {"local_rounds": 9, "local_copy_threads": 2, "range_bytes": 128 << 10},
            "machine": {**MACHINE, "memcpy": {"glibc": "2.36", "non_temporal_threshold": 4 << 20,
                                              "shared_cache_size": 32 << 20}}}
