@@ -350,6 +350,14 @@ def test_serve_section_states_rounds_spread_and_the_overhead_table(tmp_path: Pat
     assert "| pd/ours[pinned] | MooncakeConnectorV1 | 2048 | 0.07 | 0.058 | 0.012 | 0.01–0.02 " \
            "| 0.3 | 2048 | yes | num_external_computed_tokens |" in page
     assert "**Where D's wait goes**" in page and "`VLLM_ASCEND_KV_TE_WAIT=sleep`" in page
+    assert "**The pool scenarios again" not in page  # no pool scenario in this run
+    serve = _interval_serve()
+    serve["rounds"]["pool/ours-local"] = {"rounds": 5, "by_tokens": {"2048": {
+        "hit": {"median": 0.03}, "floor": {"median": 0.02}, "hit_overhead": {
+            "median": 0.01, "min": 0.005, "max": 0.02}, "cold": {"median": 0.6},
+        "recompute": {"median": 0.59}, "save_overhead": {"median": 0.01}}}}
+    page = render.render({"serve": serve}, tmp_path)
+    assert "| pool/ours-local |" in page and "**The pool scenarios again" in page
 
 
 def test_a_section_draws_its_own_plot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -149,6 +149,10 @@ def test_mismatched_lists_are_rejected(backend: Backend) -> None:
         backend.put(_keys(2), [[0]], [[1]])
     with pytest.raises(ValueError, match="addresses"):
         backend.get(_keys(1), [[0, 1]], [[1]])
+    with pytest.raises(ValueError, match="negative size"):
+        backend.put(_keys(1), [[0, 0]], [[8, -1]])
+    with pytest.raises(ValueError, match="negative size"):
+        backend.get(_keys(1), [[0]], [[-8]])
 
 
 def test_backend_class_by_name() -> None:

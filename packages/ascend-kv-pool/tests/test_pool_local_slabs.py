@@ -20,29 +20,30 @@ from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.backend.local_back
 MIB = 1 << 20
 
 
-def _chunks(slots: list[tuple[int, np.ndarray]]) -> set[int]:
-    return {id(v.base) for _a, v in slots}
+def _chunks(slots: list[tuple[int, int, np.ndarray]]) -> set[int]:
+    return {id(chunk) for _a, _n, chunk in slots}
 
 
 def test_a_batch_is_allocated_in_chunks_sized_to_it() -> None:
     slabs = _Slabs(capacity=1 << 30)
     views = slabs.alloc(MIB, 100)
-    assert len(views) == 100 and all(v.nbytes == MIB for _a, v in views)
-    assert all(a == v.ctypes.data for a, v in views)
+    assert len(views) == 100 and all(n == MIB for _a, n, _c in views)
+    # every slot lies inside its chunk
+    assert all(c.ctypes.data <= a <= c.ctypes.data + c.nbytes - n for a, n, c in views)
     # 100 MiB in chunks of at most 64 MiB: two chunks, not a doubling series of six
     assert len(_chunks(views)) == 2
-    assert all(v.base.nbytes <= CHUNK_BYTES for _a, v in views)
-    addrs = sorted(a for a, _v in views)
+    assert all(c.nbytes <= CHUNK_BYTES for _a, _n, c in views)
+    addrs = sorted(a for a, _n, _c in views)
     assert all(b - a >= MIB for a, b in zip(addrs, addrs[1:], strict=False))  # no overlap
 
 
 def test_a_lone_object_of_a_new_size_costs_one_slot_then_chunks_grow() -> None:
     slabs = _Slabs(capacity=1 << 30)
-    ((_a, first),) = slabs.alloc(3 * 1000)
-    assert first.base.nbytes == 3000
+    ((_a, _n, first),) = slabs.alloc(3 * 1000)
+    assert first.nbytes == 3000
     (second,) = slabs.alloc(3000)
     # the second of a size gets a chunk of at least 4 MiB; its spare slots are free
-    assert second[1].base.nbytes >= 4 * MIB - 3000
+    assert second[2].nbytes >= 4 * MIB - 3000
     spare = slabs.alloc(3000, 5)
     assert _chunks(spare) == _chunks([second])
 
@@ -53,7 +54,7 @@ def test_freed_slots_are_reused_before_new_memory() -> None:
     for v in views[:3]:
         slabs.release(v)
     again = slabs.alloc(MIB, 3)
-    assert {a for a, _v in again} == {a for a, _v in views[:3]}
+    assert {a for a, _n, _c in again} == {a for a, _n, _c in views[:3]}
 
 
 def test_a_batch_put_of_mixed_sizes_round_trips_in_key_order() -> None:

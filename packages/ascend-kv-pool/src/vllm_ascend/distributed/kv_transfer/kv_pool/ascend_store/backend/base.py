@@ -116,6 +116,8 @@ class Backend(ABC):
         for key, a, s in zip(keys, addrs, sizes, strict=True):
             if len(a) != len(s):
                 raise ValueError(f"key {key!r}: {len(a)} addresses but {len(s)} sizes")
+            if any(n < 0 for n in s):
+                raise ValueError(f"key {key!r}: a negative size in {list(s)}")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

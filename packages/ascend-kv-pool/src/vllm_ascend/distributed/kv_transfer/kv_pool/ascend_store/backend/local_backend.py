@@ -84,8 +84,9 @@ _memmove = ctypes.memmove
 
 
 Move = tuple[int, int, int]  # (dst, src, nbytes)
-#: A slot of a slab: its address and the view of the chunk that keeps it alive.
-Slot = tuple[int, np.ndarray]
+#: A slot of a slab: its address, its size and the chunk it is in (which lives as long as
+#: one of its slots is referenced).
+Slot = tuple[int, int, np.ndarray]
 
 
 def _move_all(moves: list[Move]) -> None:
@@ -113,7 +114,7 @@ class _Object:
 
     def __init__(self, parts: list[Slot]) -> None:
         self.parts = parts
-        self.nbytes = sum(view.nbytes for _addr, view in parts)
+        self.nbytes = sum(size for _addr, size, _chunk in parts)
 
 
 class _Copier:
@@ -219,7 +220,7 @@ class _Slabs:
             self._grown[size] = grown + slots
             chunk = np.empty(slots * size, dtype=np.uint8)
             base = int(chunk.ctypes.data)
-            views = [(base + i * size, chunk[i * size:(i + 1) * size]) for i in range(slots)]
+            views = [(base + i * size, size, chunk) for i in range(slots)]
             take = min(need, slots)
             out.extend(views[:take])
             if slots > take:
@@ -228,7 +229,7 @@ class _Slabs:
         return out
 
     def release(self, slot: Slot) -> None:
-        size = slot[1].nbytes
+        size = slot[1]
         if self._free_bytes + size > self._max_free:
             return  # dropped: the chunk goes once none of its slots is referenced
         self._free.setdefault(size, []).append(slot)
@@ -252,8 +253,7 @@ def _read_moves(reads: list[tuple[_Object, list[int], list[int]]]) -> list[Move]
         for addr, n in zip(addrs, sizes, strict=True):
             while n > 0:
                 if left == 0:
-                    src, view = next(parts)
-                    left = view.nbytes
+                    src, left, _chunk = next(parts)
                 step = min(n, left)
                 moves.append((addr, src, step))
                 addr, src, n, left = addr + step, src + step, n - step, left - step
@@ -425,7 +425,7 @@ class LocalBackend(Backend):
         the slots of one size are handed out in address order to the ranges taken
         range index first, key second, so a region's ranges of consecutive keys go to
         adjacent slots where the memory allows. Returns the objects and the moves that
-        fill them (in the same order, which :func:`_coalesce` merges)."""
+        fill them, in slot address order (which :func:`_coalesce` merges)."""
         by_size: dict[int, list[tuple[int, int]]] = {}  # size -> (range index, i)
         for i in idx:
             for j, n in enumerate(sizes[i]):
@@ -435,7 +435,7 @@ class LocalBackend(Backend):
         for n, ranges in by_size.items():
             ranges.sort()
             slots = self._slabs.alloc(n, len(ranges))
-            slots.sort(key=lambda sl: sl[0])
+            slots.sort()
             slot.update(zip(ranges, slots, strict=True))
         moves = [(slot[j, i][0], addrs[i][j], n)
                  for n, ranges in by_size.items() for j, i in ranges]
