@@ -92,11 +92,16 @@ class _Blocks:
 
 
 # ---------------------------------------------------------------------- pool
+def _shape(quick: bool) -> tuple[int, int, int]:
+    """Blocks, ranges per block and bytes per range of the put/get measurements."""
+    return (32, 4, 64 << 10) if quick else (128, 8, 128 << 10)
+
+
 def run_pool(args: argparse.Namespace) -> dict[str, Any]:
     """Put/get through the backends against raw store calls; lookup rates."""
     from ..backend.local_backend import LocalBackend
 
-    n, parts, part = (32, 4, 64 << 10) if args.quick else (128, 8, 128 << 10)
+    n, parts, part = _shape(args.quick)
     repeat = 2 if args.quick else 5
     blocks = _Blocks(n, parts, part)
     src_a, src_s = blocks.ranges(blocks.src)
@@ -161,8 +166,7 @@ def _child_main(argv: list[str]) -> int:
     quick = "--quick" in argv
     from ..backend.local_backend import LocalBackend
 
-    n, parts, part = (32, 4, 64 << 10) if quick else (128, 8, 128 << 10)
-    blocks = _Blocks(n, parts, part)
+    blocks = _Blocks(*_shape(quick))
     local = LocalBackend(capacity=4 * blocks.nbytes)
     try:
         rows, _rounds = _local_rows(local, blocks, rounds=5 if quick else 9)
