@@ -49,6 +49,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from vllm_ascend.distributed.kv_transfer.core.device import usable_cpus
+from vllm_ascend.distributed.kv_transfer.core.transfer_engine import coalesce
 
 from ..config import DEFAULT_COPY_THREADS
 from .base import RC_ERROR, Backend
@@ -95,16 +96,11 @@ def _move_all(moves: list[Move]) -> None:
 
 
 def _coalesce(moves: list[Move]) -> list[Move]:
-    """``moves`` with each run of moves contiguous on both sides merged into one."""
-    out: list[Move] = []
-    for dst, src, n in moves:
-        if out:
-            pd, ps, pn = out[-1]
-            if pd + pn == dst and ps + pn == src:
-                out[-1] = (pd, ps, pn + n)
-                continue
-        out.append((dst, src, n))
-    return out
+    """``moves`` in destination order, each run contiguous on both sides merged into one
+    (:func:`~vllm_ascend.distributed.kv_transfer.core.transfer_engine.coalesce`)."""
+    if not moves:
+        return []
+    return list(zip(*coalesce(*zip(*moves, strict=True)), strict=True))
 
 
 class _Object:
@@ -243,11 +239,9 @@ class _Slabs:
 
 def _read_moves(reads: list[tuple[_Object, list[int], list[int]]]) -> list[Move]:
     """The moves of a get: each object's bytes, in order, into its destination ranges
-    (which may cut them differently from the put), taken range index first and object
-    second, as the put laid the slots out, so that runs merge."""
-    per_object: list[list[Move]] = []
+    (which may cut them differently from the put)."""
+    moves: list[Move] = []
     for value, addrs, sizes in reads:
-        moves: list[Move] = []
         parts = iter(value.parts)
         src = left = 0
         for addr, n in zip(addrs, sizes, strict=True):
@@ -257,9 +251,7 @@ def _read_moves(reads: list[tuple[_Object, list[int], list[int]]]) -> list[Move]
                 step = min(n, left)
                 moves.append((addr, src, step))
                 addr, src, n, left = addr + step, src + step, n - step, left - step
-        per_object.append(moves)
-    longest = max((len(m) for m in per_object), default=0)
-    return [m[j] for j in range(longest) for m in per_object if j < len(m)]
+    return moves
 
 
 def _group(key: str) -> str:
@@ -425,7 +417,7 @@ class LocalBackend(Backend):
         the slots of one size are handed out in address order to the ranges taken
         range index first, key second, so a region's ranges of consecutive keys go to
         adjacent slots where the memory allows. Returns the objects and the moves that
-        fill them, in slot address order (which :func:`_coalesce` merges)."""
+        fill them (which :func:`_coalesce` merges)."""
         by_size: dict[int, list[tuple[int, int]]] = {}  # size -> (range index, i)
         for i in idx:
             for j, n in enumerate(sizes[i]):
@@ -439,7 +431,6 @@ class LocalBackend(Backend):
             slot.update(zip(ranges, slots, strict=True))
         moves = [(slot[j, i][0], addrs[i][j], n)
                  for n, ranges in by_size.items() for j, i in ranges]
-        moves.sort(key=lambda m: m[0])
         todo = [(i, _Object([slot[j, i] for j, n in enumerate(sizes[i]) if n > 0]))
                 for i in idx]
         return todo, moves
