@@ -130,7 +130,7 @@ PD_WAIT = (
 #: A second run of the pool scenarios, and where the pool's throughput cost goes
 #: (measured 2026-12-03).
 POOL_FILL = (
-    "**The pool scenarios again, and where the throughput with saves went** (2026-12-03). "
+    "**The pool scenarios again, and where the throughput with saves goes** (2026-12-03). "
     "A second run of the pool scenarios alone (7 rounds of 3 samples: no connector, ours "
     "with the `local` and the Mooncake backend, vLLM's MooncakeStoreConnector and "
     "ExampleConnector) confirmed the hit overhead over the floor, ours-mooncake / "
@@ -140,36 +140,19 @@ POOL_FILL = (
     "from −1.77 to no bound). The serving throughput with saves stayed below the engine "
     "without a connector for every pool connector: ours-mooncake 0.89 (0.82–0.93), ours-local "
     "0.89 (0.87–0.92), MooncakeStoreConnector 0.88, ExampleConnector 0.94 (medians); "
-    "ours-mooncake / MooncakeStoreConnector 1.01 (0.91–1.05).\n\n"
-    "Traced in one engine with the `local` backend, its saves switched on and off batch by "
-    "batch: a batch's put (4 prompts of 512 tokens, 32 MiB) took 40–100 ms while the pool was "
-    "filling and 6–10 ms once it was full and wrote into memory it had touched before. The "
-    "filling pool paid the first touch of its memory, which came from `numpy.empty`: numpy "
-    "advises the kernel to back large arrays with huge pages, and under this machine's "
-    "transparent-huge-page setting (`defrag=madvise`, a common default) a fault in advised "
-    "memory first compacts memory when no huge page is free (87 ms per 32 MiB in the engine's "
-    "process, 16 ms for ordinary pages). Later the same day the same puts took 215–320 ms "
-    "(medians of three runs of 10–14 rounds) and saving cost 17–26% of the batch's time. "
-    "**Since 2026-12-03 the `local` backend maps its slabs as ordinary anonymous memory**: "
-    "the puts of a filling pool took 18–19 ms (three runs) and saving cost 0.3–1.8% of the "
-    "batch's time (three runs of 8–14 rounds); in separate engines measured in turns (10 "
-    "batches each), an engine with the `local` pool took 1.36–1.42 times as long per batch as "
-    "one without a connector before (2 pairs) and 0.97–1.05 after (5 pairs); its cold TTFT "
-    "(12 fresh prompts of 2,048 tokens, 2 pairs) was within the spread of the engine without "
-    "a connector. The runs of `bench serve`'s pool scenarios after the change did not show the "
-    "gain (7 rounds of 3 each): ours-local's throughput with saves over no connector "
-    "0.89 (95%: 0.76–0.95) and 0.93 (0.84–0.99), MooncakeStoreConnector's 0.99 and 0.93, "
-    "ExampleConnector's 0.93 and 0.78 (medians), with rounds from 0.34 to 1.12 for one "
-    "connector; in the second of them ours-local's cold TTFT (the round's median) was "
-    "0.76–1.24 s in 6 of 7 rounds (recompute 0.45–0.55 s; the first round is slow for every "
-    "engine), which the engines measured alone did not reproduce; a third run (ours-local and MooncakeStoreConnector only, 7 rounds of 3) had "
-    "no such rounds (0.53–0.59 s after the first) and put ours-local's throughput with "
-    "saves at 0.91 (95%: 0.89–1.0) of no connector and 1.32 (1.16–1.46) of "
-    "MooncakeStoreConnector's (0.69 of no connector in that run). Why the serve runs leave "
-    "ours about 0.9 of the engine without a connector, where the engines measured alone are "
-    "level, was not traced. "
-    "The Store's segment of the Mooncake backends is allocated by Mooncake, not by us.\n\n")
-
+    "ours-mooncake / MooncakeStoreConnector 1.01 (0.91–1.05). Traced in one engine with the "
+    "`local` backend, its saves switched on and off batch by batch (14 alternating rounds): "
+    "a batch's put (4 prompts of 512 tokens, 32 MiB) took 40–100 ms while the pool was "
+    "filling and 6–10 ms once it was full and wrote into memory it had touched before; "
+    "saving cost 8–9% of the batch's time while filling (medians of two runs of 14 rounds), "
+    "3.7% when full (median of 12 rounds, from −4% to 7%). The filling pool pays the first touch of its "
+    "memory, which in the engine's process on this virtual machine cost 87 ms per 32 MiB "
+    "with huge pages (numpy's default for large arrays, which the slabs use) and 16 ms "
+    "without, against 4.5 ms for a copy into touched memory (9 ms for fresh memory in a "
+    "process of its own). The run's 1 GB pool never filled, so these throughput rows "
+    "measure a filling pool: a cost that each byte of `local_pool_size` pays once per "
+    "engine, and vLLM pays for its own KV cache at start-up. The Store's segment of the "
+    "Mooncake backends is memory touched for the first time too.\n\n")
 
 def overhead_table(d: dict[str, Any]) -> str:
     """The overhead over the floor, and the save overhead, of every scenario measured in

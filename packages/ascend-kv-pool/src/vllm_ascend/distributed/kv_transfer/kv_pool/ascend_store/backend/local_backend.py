@@ -188,11 +188,11 @@ def _chunk(nbytes: int) -> np.ndarray:
     Not ``np.empty``: numpy advises the kernel to back an array of 4 MiB or more with huge
     pages (``MADV_HUGEPAGE``), and under the common ``defrag=madvise`` setting of
     transparent huge pages a fault in advised memory compacts memory synchronously when no
-    huge page is free. In a serving engine's process that made a filling pool's puts 10 to
-    17 times slower (a 32 MiB put: 215-320 ms against 18-19 ms, 2 CPUs, three runs of 10-14
-    rounds) and cost 17-26% of the engine's throughput against 0.3-1.8%. Without the
-    advice the kernel still uses huge pages where its settings give them to ordinary memory
-    (``enabled=always``), without compacting for them.
+    huge page is free. In a serving engine's process that made a filling pool's puts 15
+    times slower (a 32 MiB put: 290 ms against 19 ms, 2 CPUs, 14 rounds) and cost 22% of
+    the engine's throughput against 0.3%. Without the advice the kernel still uses huge pages
+    where its settings give them to ordinary memory (``enabled=always``), without
+    compacting for them.
     """
     if nbytes <= 0:
         return np.empty(0, dtype=np.uint8)
