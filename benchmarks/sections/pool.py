@@ -17,25 +17,13 @@ def section_pool(d: dict[str, Any], images: Images) -> str:
     rows = d.get("rows", [])
     tput = [r for r in rows if "ratio" in r]
     look = [r for r in rows if "keys/s" in r]
-    huge = any("ratio_huge" in r for r in tput)
-    cols = ["path", "GiB/s", "raw GiB/s", "ratio", "ratio_min", "ratio_max"]
-    heads = ["path", "GiB/s", "raw GiB/s", "backend / raw", "min", "max"]
-    if huge:
-        cols += ["huge GiB/s", "ratio_huge"]
-        heads += ["copy into huge pages GiB/s", "backend / that copy"]
     out = ["Put/get through the backend against the raw calls on the same data (local: a "
            "numpy copy; mooncake: `MooncakeDistributedStore` batch calls), same run.\n\n",
-           md_table(tput, cols, heads),
+           md_table(tput, ["path", "GiB/s", "raw GiB/s", "ratio", "ratio_min", "ratio_max"],
+                    ["path", "GiB/s", "raw GiB/s", "backend / raw", "min", "max"]),
            (f"\nLocal rows: median of {d.get('config', {}).get('local_rounds')} alternating "
             "rounds (ours, then the copy), with the rounds' min and max. `put (empty pool)` "
-            "is compared with a copy into freshly mapped memory of ordinary pages (as a large "
-            "`torch.empty` or `malloc` gets, and as the backend maps its slabs)"
-            + (", and beside it (not a goal) with a copy into `numpy.empty`'s memory, which "
-               "numpy advises for huge pages: cheap to fault in while the kernel has free huge "
-               "pages, as in this fresh process, far dearer where it must compact memory "
-               "first, as in a serving engine's process (see the note below the pool's serve "
-               "rows)" if huge else "")
-            + "; `put (full pool)` (every "
+            "is compared with a copy into freshly allocated memory, `put (full pool)` (every "
             "put evicts as much as it writes) and `get` with a copy into memory touched "
             "before. The copy is one `numpy.copyto` (one thread); the backend splits a call "
             f"over {d.get('config', {}).get('local_copy_threads', 1)} copy thread(s) "
@@ -95,13 +83,10 @@ def goals(res: dict[str, dict[str, Any]]) -> list[Goal]:
              and "ratio" in r]
     return [
         Goal("embedded `local` backend put and get >= 0.9 of a plain copy of the same bytes "
-             "(median of alternating rounds; into fresh memory: ordinary pages)", "issue 17 (bench pool)",
+             "(median of alternating rounds)", "issue 17 (bench pool)",
              ", ".join(f"{r['path']}: {fmt(num(r.get('ratio')))}"
                        + (f" ({fmt(num(r.get('ratio_min')))}–{fmt(num(r.get('ratio_max')))})"
-                          if "ratio_min" in r else "") for r in local)
-             + "".join(f"; {r['path']} against a copy into numpy's huge pages (not the goal's "
-                       f"baseline, see the pool section): {fmt(num(r.get('ratio_huge')))}"
-                       for r in local if "ratio_huge" in r) or "–",
+                          if "ratio_min" in r else "") for r in local) or "–",
              check(min_of(r.get("ratio") for r in local), at_least=0.9), rank=31),
         Goal("pool put/get through the backend >= 0.9 of raw Mooncake Store calls",
              "issue 6 (bench pool)",

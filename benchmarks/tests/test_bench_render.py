@@ -224,33 +224,6 @@ def test_the_pool_section_says_how_this_machines_glibc_copies(tmp_path: Path) ->
     assert "not measured: glibc did not take the threshold" in page
 
 
-def test_the_pool_goal_is_judged_on_ordinary_pages_and_shows_the_huge_page_copy(
-        tmp_path: Path) -> None:
-    rows = [{"path": "local put (empty pool)", "GiB/s": 3.2, "raw GiB/s": 1.8, "ratio": 1.8,
-             "ratio_min": 1.7, "ratio_max": 1.9, "huge GiB/s": 3.8, "ratio_huge": 0.85},
-            {"path": "local get", "GiB/s": 9.0, "raw GiB/s": 6.5, "ratio": 1.4,
-             "ratio_min": 1.3, "ratio_max": 1.6}]
-    doc = {"benchmark": "pool", "rows": rows, "local_rounds": [{}] * 9,
-           "config": {"local_rounds": 9, "local_copy_threads": 2}, "machine": MACHINE}
-    res_dir = tmp_path / "results"
-    res_dir.mkdir()
-    (res_dir / "pool.json").write_text(json.dumps(doc))
-    goal = "embedded `local` backend put and get >= 0.9 of a plain copy of the same bytes"
-    g = {x.goal.split(" (")[0]: x for x in render.evaluate_goals({"pool": doc})}
-    assert g[goal].met is True  # 1.8 and 1.4 against ordinary pages
-    assert "against a copy into numpy's huge pages (not the goal's baseline" in g[goal].measured
-    assert "0.85" in g[goal].measured
-    assert render.main(["--results", str(res_dir), "--docs", str(tmp_path)]) == 0
-    page = (tmp_path / "benchmarks.md").read_text()
-    assert "| copy into huge pages GiB/s | backend / that copy |" in page
-    assert "freshly mapped memory of ordinary pages" in page
-    # a result without the huge-page copy keeps the old table
-    rows[0] = {k: v for k, v in rows[0].items() if "huge" not in k}
-    (res_dir / "pool.json").write_text(json.dumps(doc))
-    assert render.main(["--results", str(res_dir), "--docs", str(tmp_path)]) == 0
-    assert "copy into huge pages" not in (tmp_path / "benchmarks.md").read_text()
-
-
 def test_every_benchmark_has_its_section_module() -> None:
     sections = render.load_sections()
     for name in render.CORE_BENCHMARKS:

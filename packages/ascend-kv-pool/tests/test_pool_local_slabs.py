@@ -5,8 +5,6 @@ batch's slots are laid out region by region, so consecutive blocks move in one r
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 
@@ -37,46 +35,6 @@ def test_a_batch_is_allocated_in_chunks_sized_to_it() -> None:
     assert all(c.nbytes <= CHUNK_BYTES for _a, _n, c in views)
     addrs = sorted(a for a, _n, _c in views)
     assert all(b - a >= MIB for a, b in zip(addrs, addrs[1:], strict=False))  # no overlap
-
-
-def _mapping_flags(addr: int) -> list[str] | None:
-    """The ``VmFlags`` of the mapping of this process that holds ``addr`` (None: unmapped)."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split(maxsplit=1)[0]
-            if "-" in head and not head.endswith(":"):
-                start, end = (int(x, 16) for x in head.split("-"))
-                inside = start <= addr < end
-            elif inside and head == "VmFlags:":
-                return line.split()[1:]
-    return None
-
-
-@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="no /proc/self/smaps "
-                    "(not Linux): the mappings' flags cannot be read")
-def test_chunks_are_not_advised_for_huge_pages_and_go_with_their_last_slot() -> None:
-    # numpy advises huge pages for arrays from 4 MiB (where the kernel allows it): under
-    # THP defrag=madvise a fault there may compact memory; a slab chunk must not be advised
-    slabs = _Slabs(capacity=1 << 30)
-    views = slabs.alloc(MIB, 16)
-    chunk = views[0][2]
-    assert chunk.nbytes == 16 * MIB
-    addr = int(chunk.ctypes.data)
-    # numpy advises the part aligned to huge pages: look at the middle and the end too
-    for at in (addr, addr + 8 * MIB, addr + 16 * MIB - 1):
-        flags = _mapping_flags(at)
-        assert flags is not None and "hg" not in flags, (hex(at), flags)
-    # the memory is usable and private to the chunk
-    sevens = np.full(MIB, 7, dtype=np.uint8)
-    local_backend._memmove(views[3][0], sevens.ctypes.data, MIB)
-    assert int(chunk[3 * MIB:4 * MIB].sum()) == 7 * MIB
-    # unmapped once no slot refers to its chunk any more
-    del chunk, views
-    slabs.clear()
-    import gc
-    gc.collect()
-    assert _mapping_flags(addr) is None
 
 
 def test_a_lone_object_of_a_new_size_costs_one_slot_then_chunks_grow() -> None:

@@ -11,10 +11,9 @@ threads (2 by default), as one core's copy stream leaves memory bandwidth unused
 
 Memory comes from slabs: an object keeps each of its ranges (one per KV region: a
 block's piece of one layer) in a slot of that range's size, slots of one size share
-chunks (up to 64 MiB), and an evicted object's slots are reused by the next put of that
-size, so a full pool writes into memory it already touched instead of faulting in fresh
-pages per put. Chunks are anonymous memory mapped without huge-page advice (see
-:func:`_chunk`): a filling pool's puts fault in ordinary pages, as vLLM's own tensors do. A key being read
+chunks (up to 64 MiB, so the kernel backs them with huge pages), and an evicted
+object's slots are reused by the next put of that size, so a full pool writes into
+memory it already touched instead of faulting in fresh pages per put. A key being read
 is *pinned*: no policy evicts it, and a slot removed while read is recycled only after
 the read.
 
@@ -42,7 +41,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import mmap
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -72,8 +70,8 @@ _RC_TEXT = {RC_NOT_FOUND: "object not found", RC_SIZE_MISMATCH: "size mismatch",
 DEFAULT_CAPACITY = 8 << 30
 #: Largest slab chunk.
 CHUNK_BYTES = 64 << 20
-#: Smallest chunk of a size seen twice.
-MIN_CHUNK_BYTES = 4 << 20
+#: Smallest chunk of a size seen twice (numpy asks for huge pages from 4 MiB on).
+HUGE_BYTES = 4 << 20
 #: Parent links learned for keys not stored yet, kept at most.
 MAX_LEARNED_LINKS = 1 << 17
 
@@ -182,25 +180,6 @@ def _shares(moves: list[Move], total: int, threads: int) -> list[list[Move]]:
     return [share for share in shares if share]
 
 
-def _chunk(nbytes: int) -> np.ndarray:
-    """``nbytes`` of fresh anonymous private memory (pages faulted in on first write).
-
-    Not ``np.empty``: numpy advises the kernel to back an array of 4 MiB or more with huge
-    pages (``MADV_HUGEPAGE``), and under the common ``defrag=madvise`` setting of
-    transparent huge pages a fault in advised memory compacts memory synchronously when no
-    huge page is free. In a serving engine's process that made a filling pool's puts 15
-    times slower (a 32 MiB put: 290 ms against 19 ms, 2 CPUs, 14 rounds) and cost 22% of
-    the engine's throughput against 0.3%. Without the advice the kernel still uses huge pages
-    where its settings give them to ordinary memory (``enabled=always``), without
-    compacting for them.
-    """
-    if nbytes <= 0:
-        return np.empty(0, dtype=np.uint8)
-    # the array keeps the mapping alive; it is unmapped when the last view goes
-    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return np.frombuffer(region, dtype=np.uint8)
-
-
 class _Slabs:
     """Slots of one size carved from shared chunks, with a free list per size.
 
@@ -220,8 +199,8 @@ class _Slabs:
 
         A chunk holds what the call still needs, at least what the size has grown to
         so far and 4 MiB, at most 64 MiB: a batch put of many blocks faults in a few
-        large chunks rather than a doubling series of small ones (about 5% slower into an
-        empty pool). A size first seen alone costs one slot.
+        large chunks (huge pages) rather than a doubling series of small ones (about 5%
+        slower into an empty pool). A size first seen alone costs one slot.
         """
         out: list[Slot] = []
         free = self._free.get(size)
@@ -232,10 +211,10 @@ class _Slabs:
         while len(out) < count:
             need = count - len(out)
             grown = self._grown.get(size, 0)
-            slots = 1 if grown == 0 and need == 1 else max(need, grown, MIN_CHUNK_BYTES // unit)
+            slots = 1 if grown == 0 and need == 1 else max(need, grown, HUGE_BYTES // unit)
             slots = max(1, min(slots, CHUNK_BYTES // unit, self._max_slots // unit))
             self._grown[size] = grown + slots
-            chunk = _chunk(slots * size)
+            chunk = np.empty(slots * size, dtype=np.uint8)
             base = int(chunk.ctypes.data)
             views = [(base + i * size, size, chunk) for i in range(slots)]
             take = min(need, slots)

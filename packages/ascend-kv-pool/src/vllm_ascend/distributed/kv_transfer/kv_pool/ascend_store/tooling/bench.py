@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import mmap
 import os
 import shutil
 import statistics
@@ -187,12 +186,7 @@ def _local_rows(local: Any, blocks: _Blocks,
     """The local backend against a plain copy of the same bytes, alternating, ``rounds`` times.
 
     * ``put (empty pool)``: into a pool emptied first, against a numpy copy into freshly
-      mapped memory (both pay the page faults of new memory): ordinary pages, as a large
-      ``torch.empty`` or ``malloc`` gets them and the backend's slabs are mapped; beside it
-      (``ratio_huge``, not a goal) a copy into ``numpy.empty``'s memory, which numpy advises
-      for huge pages (cheap to fault in where the kernel has free huge pages, as in a
-      fresh benchmark process; far dearer where it must compact memory first, see
-      ``local_backend._chunk``);
+      allocated memory (both pay the page faults of new memory);
     * ``put (full pool)``: a pool at capacity, every put evicting as much as it writes,
       against a copy into memory touched before;
     * ``get``: against a copy into memory touched before.
@@ -206,8 +200,7 @@ def _local_rows(local: Any, blocks: _Blocks,
     full.put([f"warm{i}" for i in range(n)], src_a, src_s)  # fills it: later puts evict
     per_round: list[dict[str, float]] = []
     gib = blocks.nbytes / (1 << 30)
-    times: dict[str, list[float]] = {k: [] for k in ("put", "fresh", "huge", "full", "get",
-                                                      "copy")}
+    times: dict[str, list[float]] = {k: [] for k in ("put", "fresh", "full", "get", "copy")}
 
     def clock(key: str, fn: Callable[[], Any]) -> float:
         start = time.perf_counter()
@@ -217,13 +210,6 @@ def _local_rows(local: Any, blocks: _Blocks,
         return t
 
     def fresh_copy() -> None:
-        region = mmap.mmap(-1, blocks.src.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        fresh = np.frombuffer(region, dtype=blocks.src.dtype).reshape(blocks.src.shape)
-        np.copyto(fresh, blocks.src)
-        del fresh
-        region.close()
-
-    def huge_copy() -> None:
         fresh = np.empty_like(blocks.src)
         np.copyto(fresh, blocks.src)
 
@@ -232,7 +218,6 @@ def _local_rows(local: Any, blocks: _Blocks,
         local.close()
         t_put = clock("put", lambda: local.put(keys, src_a, src_s))
         t_fresh = clock("fresh", fresh_copy)
-        t_huge = clock("huge", huge_copy)
         round_keys = [f"r{r}-{i}" for i in range(n)]
         t_full = clock("full", lambda: full.put(round_keys, src_a, src_s))  # noqa: B023
         blocks.dst[:] = 0
@@ -240,16 +225,13 @@ def _local_rows(local: Any, blocks: _Blocks,
         t_copy = clock("copy", lambda: np.copyto(blocks.dst, blocks.src))
         if not np.array_equal(blocks.dst, blocks.src):
             raise RuntimeError("local round trip corrupted data")
-        per_round.append({"put": t_fresh / t_put, "put_huge": t_huge / t_put,
-                          "put_full": t_copy / t_full,
+        per_round.append({"put": t_fresh / t_put, "put_full": t_copy / t_full,
                           "get": t_copy / t_get})
     # the full pool is compared with the touched copy of its own round
     med = {k: statistics.median(v) for k, v in times.items()}
     rows = [
         {"path": "local put (empty pool)", "GiB/s": gib / med["put"],
-         "raw GiB/s": gib / med["fresh"], **_spread([r["put"] for r in per_round]),
-         "huge GiB/s": gib / med["huge"],
-         "ratio_huge": statistics.median(r["put_huge"] for r in per_round)},
+         "raw GiB/s": gib / med["fresh"], **_spread([r["put"] for r in per_round])},
         {"path": "local put (full pool)", "GiB/s": gib / med["full"],
          "raw GiB/s": gib / med["copy"], **_spread([r["put_full"] for r in per_round])},
         {"path": "local get", "GiB/s": gib / med["get"], "raw GiB/s": gib / med["copy"],
