@@ -152,7 +152,20 @@ POOL_FILL = (
     "process of its own). The run's 1 GB pool never filled, so these throughput rows "
     "measure a filling pool: a cost that each byte of `local_pool_size` pays once per "
     "engine, and vLLM pays for its own KV cache at start-up. The Store's segment of the "
-    "Mooncake backends is memory touched for the first time too.\n\n")
+    "Mooncake backends is memory touched for the first time too."
+    " Tried the same day and reverted: the slabs mapped as ordinary anonymous memory, "
+    "without numpy's huge-page advice. A filling pool's 32 MiB put then took 18–19 ms, "
+    "against 215–320 ms with numpy's memory that evening (three runs each, saves switched"
+    " on and off batch by batch in one engine), and over 10 batches an engine with the "
+    "pool took 0.97–1.05 times the batch time of one without a connector (5 pairs; "
+    "1.36–1.42 with numpy's memory, 2 pairs). Over 25 batches, as the pool filled, it did"
+    " not hold: batch times with ordinary pages varied from 0.8 to 2.5 s (medians "
+    "1.02–1.16 s in three runs, 1.14 s with the chunks populated at mapping) against a "
+    "steady 1.02–1.05 s with numpy's memory and 0.82–0.84 s without a connector, and "
+    "three runs of the pool scenarios here showed no gain (ours-local 0.89, 0.93 and 0.91"
+    " of no connector). Where those spikes come from was not traced; a pool that touches "
+    "its memory at start-up is the option not tried."
+    "\n\n")
 
 def overhead_table(d: dict[str, Any]) -> str:
     """The overhead over the floor, and the save overhead, of every scenario measured in
