@@ -52,7 +52,8 @@ def test_serve_scenarios_declare_their_comparisons() -> None:
     from vllm_ascend.distributed.kv_transfer.core.tooling.serve_report import comparisons
 
     scs = pool_serve.scenarios()
-    assert [s.name for s in scs] == ["pool/ours-local", "pool/ours-mooncake"]
+    assert [s.name for s in scs] == ["pool/ours-local", "pool/ours-local-prefault",
+                                     "pool/ours-mooncake"]
     summary = {"pool/ours-mooncake": {"hit_over_recompute": 0.05, "cold_over_baseline": 1.1},
                "pool/vllm-mooncake-store": {"hit_over_recompute": 0.1,
                                             "cold_over_baseline": 1.2}}

@@ -145,3 +145,72 @@ def test_a_get_may_cut_an_object_into_other_ranges_than_its_put() -> None:
         assert np.array_equal(out, whole)
     finally:
         pool.close()
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_touched_memory_is_resident_before_any_copy() -> None:
+    before = _resident_bytes()
+    untouched = np.empty(64 * MIB, dtype=np.uint8)
+    assert _resident_bytes() - before < 16 * MIB  # np.empty alone faults nothing in
+    del untouched
+    before = _resident_bytes()
+    arena = local_backend.touched_memory(64 * MIB, threads=2)
+    assert arena.nbytes == 64 * MIB
+    assert arena.ctypes.data % local_backend.HUGE_PAGE_BYTES == 0
+    assert _resident_bytes() - before >= 48 * MIB  # every page written, by two threads
+
+
+def test_a_prefaulted_pool_carves_its_chunks_from_the_touched_arena_then_fresh_memory() -> None:
+    slabs = _Slabs(capacity=16 * MIB, prefault=True)
+    assert slabs.arena_bytes == 16 * MIB + CHUNK_BYTES
+    arena = slabs._arena
+    assert arena is not None
+    lo, hi = arena.ctypes.data, arena.ctypes.data + arena.nbytes
+    views = slabs.alloc(MIB, 80)  # 80 MiB: the arena holds 80, then fresh memory
+    inside = [v for v in views if lo <= v[0] and v[0] + v[1] <= hi]
+    assert len(inside) == 80
+    assert all(v[0] % local_backend.ALIGN_BYTES == 0 for v in views)
+    more = slabs.alloc(MIB, 4)
+    assert all(not lo <= a < hi for a, _n, _c in more)  # the arena is used up
+    # released arena slots are all kept for reuse (letting them go would free nothing),
+    # past the free list's usual bound of an eighth of the capacity (here 64 MiB)
+    for v in views:
+        slabs.release(v)
+    again = slabs.alloc(MIB, 80)
+    assert {a for a, _n, _c in again} == {a for a, _n, _c in views}
+    slabs.clear()
+    assert slabs.arena_bytes == 0
+
+
+def test_local_pool_prefault_from_the_config_round_trips_in_the_touched_memory() -> None:
+    from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.config import (
+        AscendStoreConfig,
+    )
+
+    cfg = AscendStoreConfig.from_dict({"local_pool_size": "8MB", "local_pool_prefault": "true"})
+    assert cfg.local_pool_prefault is True
+    assert AscendStoreConfig.from_dict({}).local_pool_prefault is False
+    pool = LocalBackend(config=cfg)
+    try:
+        arena = pool._slabs._arena
+        assert arena is not None and arena.nbytes == 8 * MIB + CHUNK_BYTES
+        rng = np.random.default_rng(2)
+        src = [rng.integers(0, 255, MIB, dtype=np.uint8) for _ in range(12)]
+        keys = [f"k{i}" for i in range(12)]
+        assert pool.put(keys, [[a.ctypes.data] for a in src], [[MIB]] * 12) == [0] * 12
+        kept = pool.stored_keys()
+        assert len(kept) == 8 and pool.evictions == 4  # bounded by the capacity still
+        lo = arena.ctypes.data
+        assert all(lo <= p[0] < lo + arena.nbytes
+                   for key in kept for p in pool._objects[key].parts)
+        dst = [np.zeros(MIB, dtype=np.uint8) for _ in kept]
+        assert pool.get(kept, [[a.ctypes.data] for a in dst], [[MIB]] * len(kept)) \
+            == [0] * len(kept)
+        assert all(np.array_equal(src[keys.index(k)], d) for k, d in zip(kept, dst, strict=True))
+    finally:
+        pool.close()
+    assert pool._slabs.arena_bytes == 0  # closing lets the memory go

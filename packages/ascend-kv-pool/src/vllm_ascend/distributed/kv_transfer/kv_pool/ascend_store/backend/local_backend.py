@@ -13,7 +13,10 @@ Memory comes from slabs: an object keeps each of its ranges (one per KV region: 
 block's piece of one layer) in a slot of that range's size, slots of one size share
 chunks (up to 64 MiB, so the kernel backs them with huge pages), and an evicted
 object's slots are reused by the next put of that size, so a full pool writes into
-memory it already touched instead of faulting in fresh pages per put. A key being read
+memory it already touched instead of faulting in fresh pages per put. Until the pool is
+full once, its puts fault in fresh pages, which costs the engine throughput (most on a
+virtual machine whose host backs guest memory lazily); ``local_pool_prefault`` touches the
+whole capacity at start-up instead and carves the chunks from it. A key being read
 is *pinned*: no policy evicts it, and a slot removed while read is recycled only after
 the read.
 
@@ -42,6 +45,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
@@ -72,6 +76,12 @@ DEFAULT_CAPACITY = 8 << 30
 CHUNK_BYTES = 64 << 20
 #: Smallest chunk of a size seen twice (numpy asks for huge pages from 4 MiB on).
 HUGE_BYTES = 4 << 20
+#: Stride of the writes that touch a prefaulted pool (the smallest page size).
+PAGE_BYTES = 4096
+#: Size of a huge page (x86-64, and arm64 with 4 KiB pages).
+HUGE_PAGE_BYTES = 2 << 20
+#: Alignment of chunks carved from a prefaulted pool.
+ALIGN_BYTES = 64
 #: Parent links learned for keys not stored yet, kept at most.
 MAX_LEARNED_LINKS = 1 << 17
 
@@ -180,19 +190,70 @@ def _shares(moves: list[Move], total: int, threads: int) -> list[list[Move]]:
     return [share for share in shares if share]
 
 
+def touched_memory(nbytes: int, threads: int = 1) -> np.ndarray:
+    """``nbytes`` of host memory with every page touched (written), so no later copy into
+    it faults; numpy advises huge pages for it, and it starts on one. ``threads`` threads touch a share each
+    (a page fault's cost is mostly the kernel's, which runs on the faulting thread's core;
+    on a VM whose host backs guest memory lazily, two threads took 7 s for 2 GB, one 14-20 s).
+    """
+    nbytes = max(0, nbytes)
+    raw = np.empty(nbytes + HUGE_PAGE_BYTES, dtype=np.uint8)
+    skip = -raw.ctypes.data % HUGE_PAGE_BYTES  # starts on a huge page
+    arena = raw[skip:skip + nbytes]
+    threads = max(1, min(threads, arena.nbytes // CHUNK_BYTES))
+    share = -(-arena.nbytes // threads)
+    share = -(-share // PAGE_BYTES) * PAGE_BYTES
+
+    def touch(start: int) -> None:
+        arena[start:start + share:PAGE_BYTES] = 0  # numpy releases the GIL here
+
+    workers = [threading.Thread(target=touch, args=(i * share,), name="local-pool-prefault")
+               for i in range(1, threads)]
+    for worker in workers:
+        worker.start()
+    touch(0)
+    for worker in workers:
+        worker.join()
+    return arena
+
+
 class _Slabs:
     """Slots of one size carved from shared chunks, with a free list per size.
 
     Args:
         capacity: the pool's capacity; free slots beyond an eighth of it are let go.
+        prefault: touch the pool's memory now (an arena of ``capacity`` bytes and one
+            chunk, with ``threads`` threads) and carve chunks from it while it lasts; its
+            slots are always kept for reuse, as letting them go would free nothing.
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, prefault: bool = False, threads: int = 1) -> None:
         self._free: dict[int, list[Slot]] = {}
         self._grown: dict[int, int] = {}  # slots allocated per size so far
         self._free_bytes = 0
         self._max_free = max(capacity // 8, CHUNK_BYTES)
         self._max_slots = max(1, capacity)
+        self._arena: np.ndarray | None = None
+        self._arena_used = self._arena_lo = self._arena_hi = 0
+        if prefault:
+            self._arena = touched_memory(capacity + CHUNK_BYTES, threads)
+            self._arena_lo = int(self._arena.ctypes.data)
+            self._arena_hi = self._arena_lo + self._arena.nbytes
+
+    @property
+    def arena_bytes(self) -> int:
+        """Bytes touched at start-up (0 without ``prefault``)."""
+        return 0 if self._arena is None else int(self._arena.nbytes)
+
+    def _chunk(self, nbytes: int) -> np.ndarray:
+        """A new chunk: from the arena while it has room, else fresh memory."""
+        arena = self._arena  # starts on a huge page, so offsets align as addresses do
+        if arena is not None:
+            start = -(-self._arena_used // ALIGN_BYTES) * ALIGN_BYTES
+            if start + nbytes <= arena.nbytes:
+                self._arena_used = start + nbytes
+                return arena[start:start + nbytes]
+        return np.empty(nbytes, dtype=np.uint8)
 
     def alloc(self, size: int, count: int = 1) -> list[Slot]:
         """``count`` slots of ``size`` bytes: free slots first, then new chunks.
@@ -214,7 +275,7 @@ class _Slabs:
             slots = 1 if grown == 0 and need == 1 else max(need, grown, HUGE_BYTES // unit)
             slots = max(1, min(slots, CHUNK_BYTES // unit, self._max_slots // unit))
             self._grown[size] = grown + slots
-            chunk = np.empty(slots * size, dtype=np.uint8)
+            chunk = self._chunk(slots * size)
             base = int(chunk.ctypes.data)
             views = [(base + i * size, size, chunk) for i in range(slots)]
             take = min(need, slots)
@@ -226,15 +287,19 @@ class _Slabs:
 
     def release(self, slot: Slot) -> None:
         size = slot[1]
-        if self._free_bytes + size > self._max_free:
+        if self._free_bytes + size > self._max_free and not (
+                self._arena_lo <= slot[0] < self._arena_hi):
             return  # dropped: the chunk goes once none of its slots is referenced
         self._free.setdefault(size, []).append(slot)
         self._free_bytes += size
 
     def clear(self) -> None:
+        """Forget every slot; the arena goes too (a slot still being read keeps it)."""
         self._free.clear()
         self._grown.clear()
         self._free_bytes = 0
+        self._arena = None
+        self._arena_used = self._arena_lo = self._arena_hi = 0
 
 
 def _read_moves(reads: list[tuple[_Object, list[int], list[int]]]) -> list[Move]:
@@ -276,6 +341,9 @@ class LocalBackend(Backend):
             else :data:`.eviction.DEFAULT_POLICY`.
         copy_threads: threads a large put or get is copied with; default
             ``config.local_copy_threads``, else :data:`DEFAULT_COPY_THREADS`.
+        prefault: touch the whole capacity now (start-up time and resident memory)
+            instead of page by page as the pool fills, which is what a filling pool's
+            saves cost the engine; default ``config.local_pool_prefault``, else off.
         **kwargs: ``config``, the pool's ``AscendStoreConfig`` (optional), and the
             options of :class:`~.base.Backend`.
 
@@ -289,7 +357,8 @@ class LocalBackend(Backend):
 
     def __init__(self, parallel_config: Any = None, *, capacity: int | None = None,
                  eviction_policy: str | EvictionPolicy | None = None,
-                 copy_threads: int | None = None, **kwargs: Any) -> None:
+                 copy_threads: int | None = None, prefault: bool | None = None,
+                 **kwargs: Any) -> None:
         config = kwargs.get("config")
         if config is not None:
             kwargs.setdefault("max_batch_keys", config.max_batch_keys)
@@ -311,7 +380,13 @@ class LocalBackend(Backend):
         self._objects: dict[str, _Object] = {}  # in the order stored
         self._pins: dict[str, int] = {}  # readers per key
         self._links: dict[str, str] = {}  # learned parents of keys not stored yet
-        self._slabs = _Slabs(self.capacity)
+        if prefault is None:
+            prefault = bool(getattr(config, "local_pool_prefault", False))
+        started = time.perf_counter()
+        self._slabs = _Slabs(self.capacity, prefault=prefault, threads=self._copier.threads)
+        if prefault:
+            logger.info("local pool: touched %d MiB of host memory in %.2f s (prefault)",
+                        self._slabs.arena_bytes >> 20, time.perf_counter() - started)
         self._used = 0
         self.evictions = 0
         self._listeners: list[Callable[[list[str]], None]] = []

@@ -2,7 +2,8 @@
 """``bench serve`` scenarios of ascend-kv-pool: ``AscendStoreConnector`` on both backends.
 
 The ``vllm_ascend_kv.serve`` entry point ``pool`` names :func:`scenarios`: the
-embedded ``local`` backend, and the ``mooncake`` backend on the run's Store
+embedded ``local`` backend (as configured by default, and with ``local_pool_prefault``),
+and the ``mooncake`` backend on the run's Store
 (``mooncake_master`` plus a pool holder). Each is compared with vLLM's
 ``MooncakeStoreConnector`` (same Store) and ``ExampleConnector``.
 """
@@ -31,6 +32,14 @@ def sc_pool_local(run: Run) -> dict[str, Any]:
     return run_single(run, "pool/ours-local", {
         "kv_connector": "AscendStoreConnector", "kv_role": "kv_both",
         "kv_connector_extra_config": {"backend": "local", "local_pool_size": "1GB"}})
+
+
+def sc_pool_local_prefault(run: Run) -> dict[str, Any]:
+    """AscendStoreConnector, ``local`` backend with its memory touched at start-up."""
+    return run_single(run, "pool/ours-local-prefault", {
+        "kv_connector": "AscendStoreConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"backend": "local", "local_pool_size": "1GB",
+                                      "local_pool_prefault": True}})
 
 
 def sc_pool_mooncake(run: Run) -> dict[str, Any]:
@@ -79,6 +88,10 @@ def scenarios() -> list[Scenario]:
         Scenario("pool/ours-local", "pool", "ours", "AscendStoreConnector",
                  "backend local (host memory in the engine)", [], sc_pool_local, quick=True,
                  comparisons=_versus("ours-local"), hit_goal=HIT_GOAL),
+        Scenario("pool/ours-local-prefault", "pool", "ours", "AscendStoreConnector",
+                 "backend local, local_pool_prefault (memory touched at start-up)", [],
+                 sc_pool_local_prefault, comparisons=_versus("ours-local-prefault"),
+                 hit_goal=HIT_GOAL),
         Scenario("pool/ours-mooncake", "pool", "ours", "AscendStoreConnector",
                  "backend mooncake (Store held by mooncake_client)", ["mooncake", "store"],
                  sc_pool_mooncake, comparisons=_versus("ours-mooncake"), hit_goal=HIT_GOAL),
