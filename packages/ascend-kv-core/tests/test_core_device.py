@@ -120,3 +120,20 @@ def test_usable_cpus_follows_this_threads_affinity(monkeypatch: pytest.MonkeyPat
     monkeypatch.delattr(os, "sched_getaffinity")  # not Linux: the machine's count
     monkeypatch.setattr(os, "cpu_count", lambda: 6)
     assert dev.usable_cpus() == 6
+
+
+def test_available_host_memory_is_the_lower_of_meminfo_and_the_cgroup_limit(tmp_path: Any) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemAvailable:    2000000 kB\n")
+    cg = tmp_path / "cg"
+    cg.mkdir()
+    assert dev.available_host_memory(str(meminfo), str(cg)) == 2000000 * 1024  # no cgroup
+    (cg / "memory.max").write_text("max\n")
+    assert dev.available_host_memory(str(meminfo), str(cg)) == 2000000 * 1024  # no limit
+    (cg / "memory.max").write_text(f"{1 << 30}\n")
+    (cg / "memory.current").write_text(f"{768 << 20}\n")
+    assert dev.available_host_memory(str(meminfo), str(cg)) == 256 << 20  # the limit's room
+    assert dev.available_host_memory(str(tmp_path / "none"), str(cg)) == 256 << 20
+    assert dev.available_host_memory(str(tmp_path / "none"), str(tmp_path / "none")) is None
+    real = dev.available_host_memory()  # this Linux machine has /proc/meminfo
+    assert real is not None and real > 0

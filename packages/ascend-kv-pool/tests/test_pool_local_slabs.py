@@ -214,3 +214,18 @@ def test_local_pool_prefault_from_the_config_round_trips_in_the_touched_memory()
     finally:
         pool.close()
     assert pool._slabs.arena_bytes == 0  # closing lets the memory go
+
+
+def test_a_prefault_larger_than_the_available_memory_is_refused_before_touching_any(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    touched: list[int] = []
+    monkeypatch.setattr(local_backend, "available_host_memory", lambda: 256 * MIB)
+    monkeypatch.setattr(local_backend, "touched_memory",
+                        lambda n, threads=1: touched.append(n) or np.empty(n, dtype=np.uint8))
+    with pytest.raises(ValueError, match="local_pool_prefault: local_pool_size of 1024 MiB"):
+        LocalBackend(capacity=1 << 30, prefault=True)
+    assert touched == []
+    LocalBackend(capacity=1 << 30, prefault=False).close()  # without it nothing is checked
+    pool = LocalBackend(capacity=128 * MIB, prefault=True)  # 128 + 64 MiB fit in 256
+    pool.close()
+    assert touched == [128 * MIB + CHUNK_BYTES]

@@ -220,6 +220,31 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
+def available_host_memory(meminfo: str = "/proc/meminfo",
+                          cgroup: str = "/sys/fs/cgroup") -> int | None:
+    """Bytes of host memory this process could still make resident: the kernel's
+    ``MemAvailable``, lowered to what the cgroup's ``memory.max`` leaves (a container's
+    limit, cgroup v2); ``None`` where neither can be read (not Linux)."""
+    found: list[int] = []
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    found.append(int(line.split()[1]) * 1024)
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open(os.path.join(cgroup, "memory.max")) as f:
+            limit = f.read().strip()
+        if limit != "max":
+            with open(os.path.join(cgroup, "memory.current")) as f:
+                found.append(max(0, int(limit) - int(f.read().strip())))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
 def detect_device_kind() -> str:
     """``npu``, ``cuda`` or ``cpu``: the env override, else vLLM's platform, else torch."""
     forced = os.environ.get(DEVICE_ENV, "").strip().lower()

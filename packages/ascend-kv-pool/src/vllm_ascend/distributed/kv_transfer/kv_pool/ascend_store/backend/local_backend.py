@@ -52,7 +52,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from vllm_ascend.distributed.kv_transfer.core.device import usable_cpus
+from vllm_ascend.distributed.kv_transfer.core.device import available_host_memory, usable_cpus
 from vllm_ascend.distributed.kv_transfer.core.transfer_engine import coalesce
 
 from ..config import DEFAULT_COPY_THREADS
@@ -348,7 +348,8 @@ class LocalBackend(Backend):
             options of :class:`~.base.Backend`.
 
     Raises:
-        ValueError: a capacity that is not positive or an unknown policy name.
+        ValueError: a capacity that is not positive, an unknown policy name, or a
+            ``prefault`` of more memory than the host has available.
     """
 
     name: ClassVar[str] = "local"
@@ -382,6 +383,14 @@ class LocalBackend(Backend):
         self._links: dict[str, str] = {}  # learned parents of keys not stored yet
         if prefault is None:
             prefault = bool(getattr(config, "local_pool_prefault", False))
+        if prefault:
+            free = available_host_memory()
+            if free is not None and self.capacity + CHUNK_BYTES > free:
+                raise ValueError(
+                    f"local_pool_prefault: local_pool_size of {self.capacity >> 20} MiB (and a "
+                    f"chunk of {CHUNK_BYTES >> 20} MiB) is more than the {free >> 20} MiB of "
+                    "host memory available; touching it would get the engine killed. Lower "
+                    "local_pool_size or turn local_pool_prefault off.")
         started = time.perf_counter()
         self._slabs = _Slabs(self.capacity, prefault=prefault, threads=self._copier.threads)
         if prefault:
