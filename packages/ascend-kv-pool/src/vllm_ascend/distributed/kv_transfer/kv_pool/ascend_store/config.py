@@ -143,9 +143,10 @@ class AscendStoreConfig(ConfigSection):
         doc="Capacity of the 'local' backend; blocks are evicted beyond it (eviction_policy).")
     local_pool_prefault: bool = option(
         False, doc="Touch all of the 'local' backend's memory at start-up (local_pool_size "
-                   "resident from then on; seconds per GB on hosts that back guest memory "
-                   "lazily) instead of page by page as it fills, which the engine pays for "
-                   "while it serves.")
+                   "resident from then on, in each worker process; seconds per GB on hosts "
+                   "that back guest memory lazily) instead of page by page as it fills, "
+                   "which the engine pays for while it serves. More than the host has "
+                   "available is refused at start-up.")
     eviction_policy: str = option(
         DEFAULT_POLICY, choices=POLICY_NAMES,
         doc="What the 'local' backend evicts first: 'prefix' (LRU over chain leaves: a "
