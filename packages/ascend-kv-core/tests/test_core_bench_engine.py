@@ -104,6 +104,32 @@ def test_loopback_store_starts_answers_and_stops(tmp_path: Path) -> None:
     assert master.poll() is not None and holder.poll() is not None
 
 
+@pytest.mark.mooncake
+def test_touch_segment_writes_the_holders_memory_and_leaves_the_store_empty(
+        tmp_path: Path) -> None:
+    require("mooncake.store")
+    require_binary("mooncake_master", dist="mooncake-transfer-engine-non-cuda")
+
+    def resident(proc: Any) -> int:
+        with open(f"/proc/{proc.pid}/status") as f:
+            return int(f.read().split("VmRSS:")[1].split()[0]) * 1024
+
+    store = mooncake_store.LoopbackMooncakeStore("64MB", tmp_path).start()
+    try:
+        assert store.holder is not None
+        before = resident(store.holder.proc)
+        done = store.touch_segment()
+        assert done["bytes"] == 64 << 20 and done["left"] == 0  # written, then removed
+        assert resident(store.holder.proc) - before >= 48 << 20  # its pages written
+        again = store.touch_segment()  # the emptied segment takes the same objects again
+        assert again["bytes"] == 64 << 20 and again["left"] == 0
+    finally:
+        store.stop()
+    bare = mooncake_store.LoopbackMooncakeStore("", tmp_path / "bare")
+    with pytest.raises(RuntimeError, match="no segment holder"):
+        bare.touch_segment()
+
+
 # ---------------------------------------------------------------------- sweep plan
 @given(block_kib=st.sampled_from([16, 64, 1024, 4096]), batch=st.integers(1, 128),
        conc=st.integers(1, 8), buffer_mib=st.integers(1, 256))

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..config import parse_size
 from ..net import free_port
 from .procs import spawn, stop, wait_port
 
@@ -27,6 +28,35 @@ logger = logging.getLogger(__name__)
 
 HOST = "127.0.0.1"
 INSTALL_HINT = "pip install 'ascend-kv-core[cpu]' (mooncake-transfer-engine-non-cuda)"
+
+
+#: :meth:`LoopbackMooncakeStore.touch_segment`'s child: argv host, metadata server, master,
+#: segment bytes; puts 16 MiB objects until the segment is written (or a put is refused),
+#: removes them, prints ``{"bytes", "seconds", "left"}`` (objects still there) as JSON.
+_TOUCH_SCRIPT = """
+import json, sys, time
+import numpy as np
+from mooncake.store import MooncakeDistributedStore
+host, metadata, master, total = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+store = MooncakeDistributedStore()
+rc = store.setup(host, metadata, 0, 64 << 20, "tcp", "", master)
+if rc != 0:
+    sys.exit(f"setup failed: {rc}")
+piece = 16 << 20
+buf = np.ones(piece, dtype=np.uint8)
+if store.register_buffer(buf.ctypes.data, piece) != 0:
+    sys.exit("register_buffer failed")
+t, written = time.perf_counter(), 0
+for i in range(total // piece):
+    if store.put_from(f"vakv-touch-{i}", buf.ctypes.data, piece) != 0:
+        break
+    written += piece
+store.remove_all(True)
+keys = [f"vakv-touch-{i}" for i in range(written // piece)]
+left = sum(1 for r in (store.batch_is_exist(keys) if keys else []) if r == 1)
+print(json.dumps({"bytes": written, "seconds": time.perf_counter() - t, "left": left}))
+store.close()
+"""
 
 
 def find_binary(name: str) -> str | None:
@@ -201,6 +231,36 @@ class LoopbackMooncakeStore:
                 self.stop()
                 raise
         return self
+
+    def touch_segment(self, timeout: float = 300.0) -> dict[str, Any]:
+        """Fill the holder's segment once with throwaway objects and remove them, so the
+        pool's memory has been written before a measurement, as a long-running Store's
+        has (a fresh segment's first writes fault its pages in, in the holder's process,
+        beside the engines). Runs in a child process (a Store client of its own).
+
+        Returns:
+            ``{"bytes": written, "seconds": took, "left": objects not removed}``.
+
+        Raises:
+            RuntimeError: no holder, or the child failed (its output is named).
+        """
+        if self.holder is None:
+            raise RuntimeError("touch_segment: this Store has no segment holder")
+        nbytes = parse_size(self.segment_size, key="segment_size", source="touch_segment")
+        cfg = self.config()
+        proc = subprocess.run(
+            [sys.executable, "-c", _TOUCH_SCRIPT, HOST, cfg["metadata_server"],
+             cfg["master_server_address"], str(nbytes)],
+            capture_output=True, text=True, timeout=timeout,
+            env=dict(os.environ, MC_TCP_BIND_ADDRESS=HOST), check=False)
+        lines = proc.stdout.strip().splitlines()
+        if proc.returncode != 0 or not lines or not lines[-1].startswith("{"):
+            raise RuntimeError(f"touch_segment failed (rc {proc.returncode}): "
+                               f"{(proc.stdout + proc.stderr)[-2000:]}")
+        result: dict[str, Any] = json.loads(lines[-1])
+        logger.info("Mooncake Store: wrote %d MiB into the holder's segment and removed it "
+                    "in %.1f s", result["bytes"] >> 20, result["seconds"])
+        return result
 
     def config(self, **overrides: Any) -> dict[str, Any]:
         """A Store client config for clients that mount no segment of their own (the

@@ -366,9 +366,21 @@ class Run:
             self.drop(key)
 
     def mooncake_store(self) -> LoopbackMooncakeStore:
-        """The run's Mooncake Store (master + pool holder), started on first use."""
+        """The run's Mooncake Store (master + pool holder), started on first use, its
+        segment written once and emptied (:meth:`~.mooncake_store.LoopbackMooncakeStore.
+        touch_segment`): the connectors that share it are measured on a Store whose memory
+        is in use, as a long-running one's is, not on the first touch of its pages, which
+        fell on whichever connector wrote first."""
         if self.store is None:
-            self.store = LoopbackMooncakeStore("1GB", self.tmp / "mooncake").start()
+            store = LoopbackMooncakeStore("1GB", self.tmp / "mooncake").start()
+            try:
+                done = store.touch_segment()
+            except BaseException:
+                store.stop()
+                raise
+            self.store = store
+            self.steps.note(f"Mooncake Store: segment written once ({done['bytes'] >> 20} MiB "
+                            f"in {done['seconds']:.1f} s) and emptied before the rounds")
         return self.store
 
     def close(self) -> None:
