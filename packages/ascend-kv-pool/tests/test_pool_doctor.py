@@ -77,3 +77,25 @@ def test_serve_scenarios_declare_their_comparisons() -> None:
                  "ExampleConnector"]["ratio"] is None  # ours-local was not run
     hit = comps["pool/ours-mooncake hit TTFT / recompute"]
     assert hit["kind"] == "recompute" and hit["goal"] == "well below 1" and hit["met"] is True
+
+
+def test_the_local_pool_is_checked_against_the_hosts_available_memory(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_ascend.distributed.kv_transfer.core import device
+
+    monkeypatch.setattr(device, "available_host_memory", lambda: 4 << 30)
+    gb = 1 << 30
+    cases = [(2 * gb, True, "ok"), (4 * gb, True, "fail"), (8 * gb, False, "warn"),
+             (2 * gb, False, "ok")]
+    for size, prefault, status in cases:
+        d = Doctor({})
+        pool_doctor.check_backend(d, types.SimpleNamespace(
+            backend="local", local_pool_size=size, local_pool_prefault=prefault))
+        (mem,) = [c for c in d.checks if c.what == "local pool memory"]
+        assert mem.status == status, (size, prefault, mem)
+        assert "4096 MiB" in mem.detail
+    monkeypatch.setattr(device, "available_host_memory", lambda: None)  # not Linux
+    d = Doctor({})
+    pool_doctor.check_backend(d, types.SimpleNamespace(backend="local", local_pool_size=gb,
+                                                       local_pool_prefault=True))
+    assert [c.what for c in d.checks] == ["pool backend"]

@@ -6,7 +6,8 @@ Entry points ``vllm_ascend_kv.doctor`` ``AscendStoreConnector`` and
 :func:`check`: the section is validated, then the
 backend: ``memcache`` needs ``memcache_hybrid``; ``mooncake`` needs the
 transfer engine, a Store config (inline, ``--mooncake-config`` or
-``MOONCAKE_CONFIG_PATH``), a reachable master and metadata server.
+``MOONCAKE_CONFIG_PATH``), a reachable master and metadata server; ``local`` needs the
+host memory it will hold.
 """
 
 from __future__ import annotations
@@ -39,6 +40,36 @@ def check(doctor: Any, connector: str, extra: Any, where: str, cfg: dict[str, An
     check_backend(doctor, section)
 
 
+def check_local_memory(doctor: Any, section: Any) -> None:
+    """Whether this host has the memory the ``local`` backend will hold: all of it at
+    start-up with ``local_pool_prefault`` (the worker refuses to start otherwise), else
+    as the pool fills."""
+    from vllm_ascend.distributed.kv_transfer.core.device import available_host_memory
+
+    from ..backend.local_backend import CHUNK_BYTES
+
+    size = getattr(section, "local_pool_size", None)
+    free = available_host_memory()
+    if size is None or free is None:
+        return
+    mib, free_mib = size >> 20, free >> 20
+    if getattr(section, "local_pool_prefault", False):
+        if size + CHUNK_BYTES > free:
+            doctor.fail("local pool memory", f"local_pool_prefault touches {mib} MiB (+"
+                        f"{CHUNK_BYTES >> 20} MiB) at start-up; {free_mib} MiB available: the "
+                        "worker refuses to start", "lower local_pool_size, or turn "
+                        "local_pool_prefault off")
+        else:
+            doctor.ok("local pool memory", f"{mib} MiB touched at start-up, {free_mib} MiB "
+                      "available (per worker process)")
+    elif size > free:
+        doctor.warn("local pool memory", f"local_pool_size {mib} MiB is more than the "
+                    f"{free_mib} MiB available; the pool grows to it as it fills",
+                    "lower local_pool_size")
+    else:
+        doctor.ok("local pool memory", f"up to {mib} MiB as it fills, {free_mib} MiB "
+                  "available (per worker process)")
+
 
 def check_backend(doctor: Any, section: Any) -> None:
     """What the pool's backend needs installed and reachable."""
@@ -56,6 +87,8 @@ def check_backend(doctor: Any, section: Any) -> None:
         return
     if backend != "mooncake":
         doctor.ok("pool backend", f"{backend} (embedded, nothing to reach)")
+        if backend == "local":
+            check_local_memory(doctor, section)
         return
     store = getattr(section, "mooncake", None)
     try:
