@@ -5,6 +5,8 @@ batch's slots are laid out region by region, so consecutive blocks move in one r
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -149,7 +151,7 @@ def test_a_get_may_cut_an_object_into_other_ranges_than_its_put() -> None:
 
 def _resident_bytes() -> int:
     with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def test_touched_memory_is_resident_before_any_copy() -> None:

@@ -190,11 +190,18 @@ def _shares(moves: list[Move], total: int, threads: int) -> list[list[Move]]:
     return [share for share in shares if share]
 
 
+def prefault_bytes(capacity: int) -> int:
+    """Bytes a pool of ``capacity`` touches at start-up with ``local_pool_prefault``: the
+    capacity and one chunk (a batch may overshoot the capacity by that much)."""
+    return capacity + CHUNK_BYTES
+
+
 def touched_memory(nbytes: int, threads: int = 1) -> np.ndarray:
     """``nbytes`` of host memory with every page touched (written), so no later copy into
-    it faults; numpy advises huge pages for it, and it starts on one. ``threads`` threads touch a share each
-    (a page fault's cost is mostly the kernel's, which runs on the faulting thread's core;
-    on a VM whose host backs guest memory lazily, two threads took 7 s for 2 GB, one 14-20 s).
+    it faults; numpy advises huge pages for it, and it starts on one. ``threads`` threads
+    touch a share each (a page fault's cost is mostly the kernel's, which runs on the
+    faulting thread's core; on a VM whose host backs guest memory lazily, two threads took
+    7 s for 2 GB, one 14-20 s).
     """
     nbytes = max(0, nbytes)
     raw = np.empty(nbytes + HUGE_PAGE_BYTES, dtype=np.uint8)
@@ -236,14 +243,14 @@ class _Slabs:
         self._arena: np.ndarray | None = None
         self._arena_used = self._arena_lo = self._arena_hi = 0
         if prefault:
-            self._arena = touched_memory(capacity + CHUNK_BYTES, threads)
+            self._arena = touched_memory(prefault_bytes(capacity), threads)
             self._arena_lo = int(self._arena.ctypes.data)
             self._arena_hi = self._arena_lo + self._arena.nbytes
 
     @property
     def arena_bytes(self) -> int:
         """Bytes touched at start-up (0 without ``prefault``)."""
-        return 0 if self._arena is None else int(self._arena.nbytes)
+        return self._arena_hi - self._arena_lo
 
     def _chunk(self, nbytes: int) -> np.ndarray:
         """A new chunk: from the arena while it has room, else fresh memory."""
@@ -385,7 +392,7 @@ class LocalBackend(Backend):
             prefault = bool(getattr(config, "local_pool_prefault", False))
         if prefault:
             free = available_host_memory()
-            if free is not None and self.capacity + CHUNK_BYTES > free:
+            if free is not None and prefault_bytes(self.capacity) > free:
                 raise ValueError(
                     f"local_pool_prefault: local_pool_size of {self.capacity >> 20} MiB (and a "
                     f"chunk of {CHUNK_BYTES >> 20} MiB) is more than the {free >> 20} MiB of "

@@ -46,7 +46,7 @@ def check_local_memory(doctor: Any, section: Any) -> None:
     as the pool fills."""
     from vllm_ascend.distributed.kv_transfer.core.device import available_host_memory
 
-    from ..backend.local_backend import CHUNK_BYTES
+    from ..backend.local_backend import prefault_bytes
 
     size = getattr(section, "local_pool_size", None)
     free = available_host_memory()
@@ -54,10 +54,11 @@ def check_local_memory(doctor: Any, section: Any) -> None:
         return
     mib, free_mib = size >> 20, free >> 20
     if getattr(section, "local_pool_prefault", False):
-        if size + CHUNK_BYTES > free:
+        touched = prefault_bytes(size)
+        if touched > free:
             doctor.fail("local pool memory", f"local_pool_prefault touches {mib} MiB (+"
-                        f"{CHUNK_BYTES >> 20} MiB) at start-up; {free_mib} MiB available: the "
-                        "worker refuses to start", "lower local_pool_size, or turn "
+                        f"{(touched - size) >> 20} MiB) at start-up; {free_mib} MiB available: "
+                        "the worker refuses to start", "lower local_pool_size, or turn "
                         "local_pool_prefault off")
         else:
             doctor.ok("local pool memory", f"{mib} MiB touched at start-up, {free_mib} MiB "
