@@ -11,7 +11,10 @@ import pytest
 
 from vllm_ascend.distributed.kv_transfer.core.device import usable_cpus
 from vllm_ascend.distributed.kv_transfer.core.errors import ConfigError
-from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.backend import local_backend
+from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.backend import (
+    local_backend,
+    local_memory,
+)
 from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.backend.eviction import (
     DEFAULT_POLICY,
     POLICY_NAMES,
@@ -198,7 +201,7 @@ def test_a_key_being_read_is_not_evicted(name: str, monkeypatch: pytest.MonkeyPa
     dst = np.zeros_like(src)
     b = LocalBackend(capacity=2 * 64, eviction_policy=name)
     _put(b, ["k@a", "k@b"], src)
-    real = local_backend._memmove
+    real = local_memory._memmove
     during: list[list[int]] = []
     started: list[bool] = []
 
@@ -211,11 +214,11 @@ def test_a_key_being_read_is_not_evicted(name: str, monkeypatch: pytest.MonkeyPa
             during.append(b.exists(["k@a"]))
         real(dst_addr, src_addr, n)
 
-    monkeypatch.setattr(local_backend, "_memmove", memmove_then_fill)
+    monkeypatch.setattr(local_memory, "_memmove", memmove_then_fill)
     assert b.get(["k@a"], [[dst.ctypes.data]], [[64]]) == [0]
     assert during == [[1]]  # the key being read stayed while the puts evicted
     assert np.array_equal(dst, src)
-    monkeypatch.setattr(local_backend, "_memmove", real)
+    monkeypatch.setattr(local_memory, "_memmove", real)
     _put(b, ["k@f"], src)  # no reader now: back within capacity
     assert b.used_bytes <= b.capacity
 
@@ -227,7 +230,7 @@ def test_removed_while_read_slot_is_recycled_after_the_read(
     dst = np.zeros_like(src)
     b = LocalBackend(capacity=1 << 20)
     _put(b, ["k@a"], src)
-    real = local_backend._memmove
+    real = local_memory._memmove
     state = {"n": 0}
 
     def remove_and_reuse(dst_addr: int, src_addr: int, n: int) -> None:
@@ -237,7 +240,7 @@ def test_removed_while_read_slot_is_recycled_after_the_read(
             _put(b, ["k@b"], other)  # must not land in the slot being read
         real(dst_addr, src_addr, n)
 
-    monkeypatch.setattr(local_backend, "_memmove", remove_and_reuse)
+    monkeypatch.setattr(local_memory, "_memmove", remove_and_reuse)
     assert b.get(["k@a"], [[dst.ctypes.data]], [[64]]) == [0]
     assert np.array_equal(dst, src)
 
@@ -277,14 +280,14 @@ def _blocks(n: int, parts: int, part: int) -> tuple[np.ndarray, list[list[int]],
 def test_a_large_put_and_get_are_split_over_the_copy_threads(
         threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
     n, parts, part = 64, 4, 64 << 10  # 16 MiB: above PARALLEL_MIN_BYTES
-    assert n * parts * part >= local_backend.PARALLEL_MIN_BYTES
+    assert n * parts * part >= local_memory.PARALLEL_MIN_BYTES
     src, src_a, sizes = _blocks(n, parts, part)
     dst = np.zeros_like(src)
     dst_a = [[int(dst[p].ctypes.data) + i * part for p in range(parts)] for i in range(n)]
     b = LocalBackend(capacity=64 << 20, copy_threads=threads)
     expect = min(threads, usable_cpus())
     assert b.copy_threads == expect
-    real = local_backend._memmove
+    real = local_memory._memmove
     seen: list[tuple[str, int]] = []
     lock = threading.Lock()
 
@@ -293,7 +296,7 @@ def test_a_large_put_and_get_are_split_over_the_copy_threads(
             seen.append((threading.current_thread().name, k))
         real(d, s, k)
 
-    monkeypatch.setattr(local_backend, "_memmove", recording)
+    monkeypatch.setattr(local_memory, "_memmove", recording)
     keys = [f"m@h@{i}" for i in range(n)]
     assert b.put(keys, src_a, sizes) == [0] * n
     put_calls = len(seen)
@@ -321,9 +324,9 @@ def test_a_large_put_and_get_are_split_over_the_copy_threads(
 def test_small_calls_copy_on_the_calling_thread(monkeypatch: pytest.MonkeyPatch) -> None:
     src, src_a, sizes = _blocks(4, 2, 4096)
     b = LocalBackend(capacity=1 << 20, copy_threads=2)
-    real = local_backend._memmove
+    real = local_memory._memmove
     names: list[str] = []
-    monkeypatch.setattr(local_backend, "_memmove",
+    monkeypatch.setattr(local_memory, "_memmove",
                         lambda d, s, k: (names.append(threading.current_thread().name),
                                          real(d, s, k)))
     assert b.put([f"m@h@{i}" for i in range(4)], src_a, sizes) == [0] * 4

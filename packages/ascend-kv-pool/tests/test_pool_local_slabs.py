@@ -10,13 +10,18 @@ import os
 import numpy as np
 import pytest
 
-from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.backend import local_backend
+from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.backend import (
+    local_backend,
+    local_memory,
+)
 from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.backend.local_backend import (
-    CHUNK_BYTES,
     LocalBackend,
-    _coalesce,
-    _shares,
-    _Slabs,
+)
+from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.backend.local_memory import (
+    CHUNK_BYTES,
+    Slabs,
+    coalesce_moves,
+    split_shares,
 )
 
 MIB = 1 << 20
@@ -27,7 +32,7 @@ def _chunks(slots: list[tuple[int, int, np.ndarray]]) -> set[int]:
 
 
 def test_a_batch_is_allocated_in_chunks_sized_to_it() -> None:
-    slabs = _Slabs(capacity=1 << 30)
+    slabs = Slabs(capacity=1 << 30)
     views = slabs.alloc(MIB, 100)
     assert len(views) == 100 and all(n == MIB for _a, n, _c in views)
     # every slot lies inside its chunk
@@ -40,7 +45,7 @@ def test_a_batch_is_allocated_in_chunks_sized_to_it() -> None:
 
 
 def test_a_lone_object_of_a_new_size_costs_one_slot_then_chunks_grow() -> None:
-    slabs = _Slabs(capacity=1 << 30)
+    slabs = Slabs(capacity=1 << 30)
     ((_a, _n, first),) = slabs.alloc(3 * 1000)
     assert first.nbytes == 3000
     (second,) = slabs.alloc(3000)
@@ -51,7 +56,7 @@ def test_a_lone_object_of_a_new_size_costs_one_slot_then_chunks_grow() -> None:
 
 
 def test_freed_slots_are_reused_before_new_memory() -> None:
-    slabs = _Slabs(capacity=1 << 30)
+    slabs = Slabs(capacity=1 << 30)
     views = slabs.alloc(MIB, 8)
     for v in views[:3]:
         slabs.release(v)
@@ -79,9 +84,9 @@ def test_a_batch_put_of_mixed_sizes_round_trips_in_key_order() -> None:
 
 def test_moves_contiguous_on_both_sides_merge_and_shares_split_them_evenly() -> None:
     moves = [(1000, 5000, 10), (1010, 5010, 10), (1020, 6000, 10), (2000, 6010, 5)]
-    assert _coalesce(moves) == [(1000, 5000, 20), (1020, 6000, 10), (2000, 6010, 5)]
+    assert coalesce_moves(moves) == [(1000, 5000, 20), (1020, 6000, 10), (2000, 6010, 5)]
     one = [(0, 1 << 30, 10 * MIB)]
-    shares = _shares(one, 10 * MIB, 3)
+    shares = split_shares(one, 10 * MIB, 3)
     assert len(shares) == 3
     sizes = [sum(n for _d, _s, n in share) for share in shares]
     assert sum(sizes) == 10 * MIB and max(sizes) - min(sizes) <= 2
@@ -106,13 +111,13 @@ def test_a_batch_of_consecutive_blocks_moves_one_run_per_region_even_after_evict
     # a put of a quarter of a small pool is one batch
     pool = LocalBackend(capacity=4 * n * parts * part, copy_threads=1)
     calls: list[int] = []
-    real = local_backend._memmove
+    real = local_memory._memmove
 
     def recording(d: int, s: int, k: int) -> None:
         calls.append(k)
         real(d, s, k)
 
-    monkeypatch.setattr(local_backend, "_memmove", recording)
+    monkeypatch.setattr(local_memory, "_memmove", recording)
     try:
         for r in range(6):  # the fifth and sixth puts evict and reuse the slots
             blocks = list(range(r * n, (r + 1) * n))
@@ -160,14 +165,14 @@ def test_touched_memory_is_resident_before_any_copy() -> None:
     assert _resident_bytes() - before < 16 * MIB  # np.empty alone faults nothing in
     del untouched
     before = _resident_bytes()
-    arena = local_backend.touched_memory(64 * MIB, threads=2)
+    arena = local_memory.touched_memory(64 * MIB, threads=2)
     assert arena.nbytes == 64 * MIB
-    assert arena.ctypes.data % local_backend.HUGE_PAGE_BYTES == 0
+    assert arena.ctypes.data % local_memory.HUGE_PAGE_BYTES == 0
     assert _resident_bytes() - before >= 48 * MIB  # every page written, by two threads
 
 
 def test_a_prefaulted_pool_carves_its_chunks_from_the_touched_arena_then_fresh_memory() -> None:
-    slabs = _Slabs(capacity=16 * MIB, prefault=True)
+    slabs = Slabs(capacity=16 * MIB, prefault=True)
     assert slabs.arena_bytes == 16 * MIB + CHUNK_BYTES
     arena = slabs._arena
     assert arena is not None
@@ -175,7 +180,7 @@ def test_a_prefaulted_pool_carves_its_chunks_from_the_touched_arena_then_fresh_m
     views = slabs.alloc(MIB, 80)  # 80 MiB: the arena holds 80, then fresh memory
     inside = [v for v in views if lo <= v[0] and v[0] + v[1] <= hi]
     assert len(inside) == 80
-    assert all(v[0] % local_backend.ALIGN_BYTES == 0 for v in views)
+    assert all(v[0] % local_memory.ALIGN_BYTES == 0 for v in views)
     more = slabs.alloc(MIB, 4)
     assert all(not lo <= a < hi for a, _n, _c in more)  # the arena is used up
     # released arena slots are all kept for reuse (letting them go would free nothing),
@@ -222,7 +227,7 @@ def test_a_prefault_larger_than_the_available_memory_is_refused_before_touching_
         monkeypatch: pytest.MonkeyPatch) -> None:
     touched: list[int] = []
     monkeypatch.setattr(local_backend, "available_host_memory", lambda: 256 * MIB)
-    monkeypatch.setattr(local_backend, "touched_memory",
+    monkeypatch.setattr(local_memory, "touched_memory",
                         lambda n, threads=1: touched.append(n) or np.empty(n, dtype=np.uint8))
     with pytest.raises(ValueError, match="local_pool_prefault: local_pool_size of 1024 MiB"):
         LocalBackend(capacity=1 << 30, prefault=True)

@@ -42,22 +42,18 @@ block the others kept fails that load and vLLM recomputes the block.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
-import numpy as np
-
-from vllm_ascend.distributed.kv_transfer.core.device import available_host_memory, usable_cpus
-from vllm_ascend.distributed.kv_transfer.core.transfer_engine import coalesce
+from vllm_ascend.distributed.kv_transfer.core.device import available_host_memory
 
 from ..config import DEFAULT_COPY_THREADS
 from .base import RC_ERROR, Backend
 from .eviction import DEFAULT_POLICY, EvictionPolicy, make_policy
+from .local_memory import CHUNK_BYTES, Copier, Move, Slabs, Slot, prefault_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -72,45 +68,12 @@ _RC_TEXT = {RC_NOT_FOUND: "object not found", RC_SIZE_MISMATCH: "size mismatch",
             RC_TOO_LARGE: "object larger than local_pool_size", RC_ERROR: "error"}
 
 DEFAULT_CAPACITY = 8 << 30
-#: Largest slab chunk.
-CHUNK_BYTES = 64 << 20
-#: Smallest chunk of a size seen twice (numpy asks for huge pages from 4 MiB on).
-HUGE_BYTES = 4 << 20
-#: Stride of the writes that touch a prefaulted pool (the smallest page size).
-PAGE_BYTES = 4096
-#: Size of a huge page (x86-64, and arm64 with 4 KiB pages).
-HUGE_PAGE_BYTES = 2 << 20
-#: Alignment of chunks carved from a prefaulted pool.
-ALIGN_BYTES = 64
 #: Parent links learned for keys not stored yet, kept at most.
 MAX_LEARNED_LINKS = 1 << 17
 
 #: A put is stored in batches of 1/16 of the pool, or of a quarter of a small pool up to
 #: this many bytes: a region's run of consecutive blocks is cut at a batch's end.
 BATCH_MIN_BYTES = 64 << 20
-#: A put or get moving at least this many bytes is split over the copy threads.
-PARALLEL_MIN_BYTES = 4 << 20
-
-_memmove = ctypes.memmove
-
-
-Move = tuple[int, int, int]  # (dst, src, nbytes)
-#: A slot of a slab: its address, its size and the chunk it is in (which lives as long as
-#: one of its slots is referenced).
-Slot = tuple[int, int, np.ndarray]
-
-
-def _move_all(moves: list[Move]) -> None:
-    for dst, src, n in moves:
-        _memmove(dst, src, n)
-
-
-def _coalesce(moves: list[Move]) -> list[Move]:
-    """``moves`` in destination order, each run contiguous on both sides merged into one
-    (:func:`~vllm_ascend.distributed.kv_transfer.core.transfer_engine.coalesce`)."""
-    if not moves:
-        return []
-    return list(zip(*coalesce(*zip(*moves, strict=True)), strict=True))
 
 
 class _Object:
@@ -121,192 +84,6 @@ class _Object:
     def __init__(self, parts: list[Slot]) -> None:
         self.parts = parts
         self.nbytes = sum(size for _addr, size, _chunk in parts)
-
-
-class _Copier:
-    """Runs a batch of ``(dst, src, nbytes)`` moves, split over ``threads`` threads when the
-    batch is large: the caller copies one share, pool threads the others (``memmove``
-    releases the GIL), and :meth:`run` returns when every share is done.
-
-    Args:
-        threads: copy threads in all, the caller's included; 1 copies on the caller only.
-    """
-
-    def __init__(self, threads: int) -> None:
-        self.threads = max(1, min(int(threads), usable_cpus()))
-        self._pool: ThreadPoolExecutor | None = None
-        self._lock = threading.Lock()
-
-    def run(self, moves: list[Move]) -> None:
-        moves = _coalesce(moves)
-        total = sum(m[2] for m in moves)
-        if self.threads == 1 or total < PARALLEL_MIN_BYTES:
-            _move_all(moves)
-            return
-        shares = _shares(moves, total, self.threads)
-        if len(shares) < 2:
-            _move_all(moves)
-            return
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.threads - 1,
-                                                thread_name_prefix="local-pool-copy")
-            pool = self._pool
-        futures = []
-        for share in shares[1:]:
-            try:
-                futures.append(pool.submit(_move_all, share))
-            except RuntimeError:  # closed meanwhile: this share on the caller
-                _move_all(share)
-        try:
-            _move_all(shares[0])
-        finally:
-            for future in futures:
-                future.result()
-
-    def close(self) -> None:
-        with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
-
-
-def _shares(moves: list[Move], total: int, threads: int) -> list[list[Move]]:
-    """``moves`` cut into ``threads`` runs of about equal bytes, in order; a move that
-    crosses a share's end is split there (a region's run of blocks is one move)."""
-    quota = -(-total // threads)
-    shares: list[list[Move]] = [[]]
-    room = quota
-    for dst, src, n in moves:
-        while n > room and len(shares) < threads:
-            if room:
-                shares[-1].append((dst, src, room))
-                dst, src, n = dst + room, src + room, n - room
-            shares.append([])
-            room = quota
-        if n:
-            shares[-1].append((dst, src, n))
-            room -= n
-    return [share for share in shares if share]
-
-
-def prefault_bytes(capacity: int) -> int:
-    """Bytes a pool of ``capacity`` touches at start-up with ``local_pool_prefault``: the
-    capacity and one chunk (a batch may overshoot the capacity by that much)."""
-    return capacity + CHUNK_BYTES
-
-
-def touched_memory(nbytes: int, threads: int = 1) -> np.ndarray:
-    """``nbytes`` of host memory with every page touched (written), so no later copy into
-    it faults; numpy advises huge pages for it, and it starts on one. ``threads`` threads
-    touch a share each (a page fault's cost is mostly the kernel's, which runs on the
-    faulting thread's core; on a VM whose host backs guest memory lazily, two threads took
-    7 s for 2 GB, one 14-20 s).
-    """
-    nbytes = max(0, nbytes)
-    raw = np.empty(nbytes + HUGE_PAGE_BYTES, dtype=np.uint8)
-    skip = -raw.ctypes.data % HUGE_PAGE_BYTES  # starts on a huge page
-    arena = raw[skip:skip + nbytes]
-    threads = max(1, min(threads, arena.nbytes // CHUNK_BYTES))
-    share = -(-arena.nbytes // threads)
-    share = -(-share // PAGE_BYTES) * PAGE_BYTES
-
-    def touch(start: int) -> None:
-        arena[start:start + share:PAGE_BYTES] = 0  # numpy releases the GIL here
-
-    workers = [threading.Thread(target=touch, args=(i * share,), name="local-pool-prefault")
-               for i in range(1, threads)]
-    for worker in workers:
-        worker.start()
-    touch(0)
-    for worker in workers:
-        worker.join()
-    return arena
-
-
-class _Slabs:
-    """Slots of one size carved from shared chunks, with a free list per size.
-
-    Args:
-        capacity: the pool's capacity; free slots beyond an eighth of it are let go.
-        prefault: touch the pool's memory now (an arena of ``capacity`` bytes and one
-            chunk, with ``threads`` threads) and carve chunks from it while it lasts; its
-            slots are always kept for reuse, as letting them go would free nothing.
-    """
-
-    def __init__(self, capacity: int, prefault: bool = False, threads: int = 1) -> None:
-        self._free: dict[int, list[Slot]] = {}
-        self._grown: dict[int, int] = {}  # slots allocated per size so far
-        self._free_bytes = 0
-        self._max_free = max(capacity // 8, CHUNK_BYTES)
-        self._max_slots = max(1, capacity)
-        self._arena: np.ndarray | None = None
-        self._arena_used = self._arena_lo = self._arena_hi = 0
-        if prefault:
-            self._arena = touched_memory(prefault_bytes(capacity), threads)
-            self._arena_lo = int(self._arena.ctypes.data)
-            self._arena_hi = self._arena_lo + self._arena.nbytes
-
-    @property
-    def arena_bytes(self) -> int:
-        """Bytes touched at start-up (0 without ``prefault``)."""
-        return self._arena_hi - self._arena_lo
-
-    def _chunk(self, nbytes: int) -> np.ndarray:
-        """A new chunk: from the arena while it has room, else fresh memory."""
-        arena = self._arena  # starts on a huge page, so offsets align as addresses do
-        if arena is not None:
-            start = -(-self._arena_used // ALIGN_BYTES) * ALIGN_BYTES
-            if start + nbytes <= arena.nbytes:
-                self._arena_used = start + nbytes
-                return arena[start:start + nbytes]
-        return np.empty(nbytes, dtype=np.uint8)
-
-    def alloc(self, size: int, count: int = 1) -> list[Slot]:
-        """``count`` slots of ``size`` bytes: free slots first, then new chunks.
-
-        A chunk holds what the call still needs, at least what the size has grown to
-        so far and 4 MiB, at most 64 MiB: a batch put of many blocks faults in a few
-        large chunks (huge pages) rather than a doubling series of small ones (about 5%
-        slower into an empty pool). A size first seen alone costs one slot.
-        """
-        out: list[Slot] = []
-        free = self._free.get(size)
-        while free and len(out) < count:
-            self._free_bytes -= size
-            out.append(free.pop())
-        unit = max(size, 1)
-        while len(out) < count:
-            need = count - len(out)
-            grown = self._grown.get(size, 0)
-            slots = 1 if grown == 0 and need == 1 else max(need, grown, HUGE_BYTES // unit)
-            slots = max(1, min(slots, CHUNK_BYTES // unit, self._max_slots // unit))
-            self._grown[size] = grown + slots
-            chunk = self._chunk(slots * size)
-            base = int(chunk.ctypes.data)
-            views = [(base + i * size, size, chunk) for i in range(slots)]
-            take = min(need, slots)
-            out.extend(views[:take])
-            if slots > take:
-                self._free.setdefault(size, []).extend(views[take:])
-                self._free_bytes += (slots - take) * size
-        return out
-
-    def release(self, slot: Slot) -> None:
-        size = slot[1]
-        if self._free_bytes + size > self._max_free and not (
-                self._arena_lo <= slot[0] < self._arena_hi):
-            return  # dropped: the chunk goes once none of its slots is referenced
-        self._free.setdefault(size, []).append(slot)
-        self._free_bytes += size
-
-    def clear(self) -> None:
-        """Forget every slot; the arena goes too (a slot still being read keeps it)."""
-        self._free.clear()
-        self._grown.clear()
-        self._free_bytes = 0
-        self._arena = None
-        self._arena_used = self._arena_lo = self._arena_hi = 0
 
 
 def _read_moves(reads: list[tuple[_Object, list[int], list[int]]]) -> list[Move]:
@@ -383,7 +160,7 @@ class LocalBackend(Backend):
         self._learn = self.policy.uses_parents
         if copy_threads is None:
             copy_threads = getattr(config, "local_copy_threads", None) or DEFAULT_COPY_THREADS
-        self._copier = _Copier(copy_threads)
+        self._copier = Copier(copy_threads)
         self._lock = threading.Lock()
         self._objects: dict[str, _Object] = {}  # in the order stored
         self._pins: dict[str, int] = {}  # readers per key
@@ -399,7 +176,7 @@ class LocalBackend(Backend):
                     "host memory available; touching it would get the engine killed. Lower "
                     "local_pool_size or turn local_pool_prefault off.")
         started = time.perf_counter()
-        self._slabs = _Slabs(self.capacity, prefault=prefault, threads=self._copier.threads)
+        self._slabs = Slabs(self.capacity, prefault=prefault, threads=self._copier.threads)
         if prefault:
             logger.info("local pool: touched %d MiB of host memory in %.2f s (prefault)",
                         self._slabs.arena_bytes >> 20, time.perf_counter() - started)
@@ -508,7 +285,7 @@ class LocalBackend(Backend):
         the slots of one size are handed out in address order to the ranges taken
         range index first, key second, so a region's ranges of consecutive keys go to
         adjacent slots where the memory allows. Returns the objects and the moves that
-        fill them (which :func:`_coalesce` merges)."""
+        fill them (which :func:`.local_memory.coalesce_moves` merges)."""
         by_size: dict[int, list[tuple[int, int]]] = {}  # size -> (range index, i)
         for i in idx:
             for j, n in enumerate(sizes[i]):

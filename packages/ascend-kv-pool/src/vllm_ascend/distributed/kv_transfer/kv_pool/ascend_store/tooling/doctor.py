@@ -46,7 +46,7 @@ def check_local_memory(doctor: Any, section: Any) -> None:
     as the pool fills."""
     from vllm_ascend.distributed.kv_transfer.core.device import available_host_memory
 
-    from ..backend.local_backend import prefault_bytes
+    from ..backend.local_memory import prefault_bytes
 
     size = getattr(section, "local_pool_size", None)
     free = available_host_memory()
