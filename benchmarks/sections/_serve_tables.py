@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Tables of the serve section: comparisons with their intervals, the overhead over the floor."""
+"""Tables of the serve section: comparisons with their intervals, the overhead over the floor,
+the engines' first requests."""
 
 from __future__ import annotations
 
@@ -295,3 +296,32 @@ def overhead_table(d: dict[str, Any]) -> str:
     if not pd_rows and not cache_rows:
         return ""
     return "".join(out)
+
+
+def warm_up_table(d: dict[str, Any]) -> str:
+    """Each engine's first requests after start-up, served before its first round
+    (``warm_up`` of ``bench serve``'s scenarios), beside the medians of its rounds."""
+    rows = []
+    for name, sc in (d.get("scenarios") or {}).items():
+        warm = sc.get("warm_up")
+        if not isinstance(warm, dict):
+            continue
+        by_len = ((d.get("rounds") or {}).get(name, {}).get("by_tokens") or {}).get(
+            str(warm.get("tokens"))) or {}
+        cold = _m(by_len.get("cold")) if by_len else None
+        if cold is None:  # the baseline: its cold in the rounds is the recompute
+            cold = _m(by_len.get("recompute")) if by_len else None
+        rows.append({"scenario": name, "connector": sc.get("connector"),
+                     "tokens": warm.get("tokens"), "first": warm.get("first_request_s"),
+                     "cold": cold, "batch": warm.get("first_batch_s")})
+    if not rows:
+        return ""
+    return ("\n**First requests after start-up.** Every engine serves one new prompt of the "
+            "longest length and one throughput batch of new prompts after it starts and "
+            "before its first round (connectors save them); they are not in the rounds. "
+            "`first request`: that prompt's TTFT; `cold, rounds`: the median cold TTFT of "
+            "the same length over the rounds (the baseline: its recompute); `first batch`: "
+            "that batch's time.\n\n"
+            + md_table(rows, ["scenario", "connector", "tokens", "first", "cold", "batch"],
+                       ["scenario", "connector", "tokens", "first request s",
+                        "cold, rounds s", "first batch s"]))

@@ -7,7 +7,7 @@ import logging
 from typing import Any
 
 from ._common import Goal, Images, Section, check, fmt, md_table, num, verdict
-from ._serve_tables import comparison_table, overhead_table, rounds_note
+from ._serve_tables import comparison_table, overhead_table, rounds_note, warm_up_table
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +79,7 @@ def section_serve(d: dict[str, Any], images: Images) -> str:
                              for c in comps], ["what", "ratio", "goal", "met"]))
     if d.get("rounds"):
         out.append(overhead_table(d))
+    out.append(warm_up_table(d))
     notrun = [(n, s) for n, s in d.get("scenarios", {}).items() if s.get("status") != "ok"]
     if notrun:
         out.append("\nNot measured here, and why:\n\n")

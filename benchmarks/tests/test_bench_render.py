@@ -358,6 +358,13 @@ def test_serve_section_states_rounds_spread_and_the_overhead_table(tmp_path: Pat
         "recompute": {"median": 0.59}, "save_overhead": {"median": 0.01}}}}
     page = render.render({"serve": serve}, tmp_path)
     assert "| pool/ours-local |" in page and "**The pool scenarios again" in page
+    assert "**First requests after start-up.**" not in page  # no warm-up in these results
+    serve["scenarios"]["pool/ours-local"] = {"status": "ok", "connector": "AscendStoreConnector",
+                                             "warm_up": {"tokens": 2048, "first_request_s": 1.3,
+                                                         "first_batch_s": 2.5}}
+    page = render.render({"serve": serve}, tmp_path)
+    assert "**First requests after start-up.**" in page
+    assert "| pool/ours-local | AscendStoreConnector | 2048 | 1.3 | 0.6 | 2.5 |" in page
 
 
 def test_a_section_draws_its_own_plot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from vllm_ascend.distributed.kv_transfer.core.tooling import bench_serve as bs
-from vllm_ascend.distributed.kv_transfer.core.tooling import serve_scenarios
+from vllm_ascend.distributed.kv_transfer.core.tooling import serve_needs
 from vllm_ascend.distributed.kv_transfer.core.tooling.cli import main
 from vllm_ascend.distributed.kv_transfer.core.tooling.serve_report import comparisons
 from vllm_ascend.distributed.kv_transfer.core.tooling.serve_scenarios import (
@@ -87,7 +87,7 @@ def test_skip_reasons_name_what_is_missing(tmp_path: Path, monkeypatch: pytest.M
     if reason is not None and "mooncake-transfer-engine" not in reason:
         assert "current_device_index" in reason and bs.PEERS_ENV in reason
     # an interpreter without nixl: NixlConnector is skipped, naming that interpreter
-    monkeypatch.setattr(serve_scenarios, "python_has", lambda python, module: False)
+    monkeypatch.setattr(serve_needs, "python_has", lambda python, module: False)
     reason = bs.skip_reason(by_name["pd/vllm-nixl"], _cfg(tmp_path, nixl_python="/x/python"))
     assert reason is not None and "nixl" in reason and "/x/python" in reason
 
@@ -243,3 +243,20 @@ def test_ratios_use_the_reference_measured_next_to_the_scenario(tmp_path: Path) 
                                              "output_tok_per_s": 10.0}}
     comps = {c["what"]: c for c in comparisons(bs.summarize(results, _cfg(tmp_path)), DECLARED)}
     assert comps["P/D decode TTFT: ours / NixlConnector"]["ratio"] == pytest.approx(1 / 3)
+
+
+def test_engines_keep_their_freed_memory_unless_the_environment_says_otherwise(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_ascend.distributed.kv_transfer.core.tooling.engine_env import STEADY_MALLOC_ENV
+    from vllm_ascend.distributed.kv_transfer.core.tooling.serve_scenarios import (
+        engine_malloc_env,
+    )
+
+    for key in STEADY_MALLOC_ENV:
+        monkeypatch.delenv(key, raising=False)
+    assert engine_malloc_env() == STEADY_MALLOC_ENV
+    assert STEADY_MALLOC_ENV["MALLOC_MMAP_MAX_"] == "0"
+    monkeypatch.setenv("MALLOC_MMAP_MAX_", "65536")  # the user's own choice is inherited
+    assert "MALLOC_MMAP_MAX_" not in engine_malloc_env()
+    assert engine_malloc_env()["MALLOC_TRIM_THRESHOLD_"] == STEADY_MALLOC_ENV[
+        "MALLOC_TRIM_THRESHOLD_"]

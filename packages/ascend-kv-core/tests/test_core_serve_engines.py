@@ -76,5 +76,12 @@ def test_serve_example_connector_against_the_baseline() -> None:
     full, plus_one, half = doc["config"]["lengths"]
     assert cached[full] > 0 and cached[half] > 0 and cached[plus_one] == 0
     assert doc["summary"]["baseline"]["throughput_over_baseline"] == 1.0
+    # every engine served a first request and batch before its first round, reported apart
+    for name in ("baseline", "pool/vllm-example"):
+        warm = sc[name]["warm_up"]
+        assert warm["tokens"] == max(doc["config"]["lengths"])
+        assert warm["first_request_s"] > 0 and warm["first_batch_s"] > 0
+    assert "warm-up: a first request of" in proc.stdout + proc.stderr
+    assert doc["config"]["engine_malloc"]["MALLOC_MMAP_MAX_"] == "0"
     assert "pool/vllm-example" in proc.stdout
     assert (out / "serve-logs" / "baseline.log").exists()

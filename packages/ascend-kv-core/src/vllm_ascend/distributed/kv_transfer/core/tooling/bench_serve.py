@@ -25,6 +25,11 @@ measurement, the per-round series with the overheads over the floor, and the
 ratios with their intervals (:mod:`.serve_report`, :mod:`.serve_compare`:
 connector / no connector, ours / peer at its best binding, with the declared
 goals) and prints a table; never fails on a number.
+
+Every engine first serves a request of the longest prompt and a throughput batch, reported
+apart (``warm_up``), and runs with glibc's malloc keeping what it frees
+(:data:`~.engine_env.STEADY_MALLOC_ENV`): the rounds then measure engines in their steady
+state, not the first touch of memory that a shared machine makes slow.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from .benchutil import Steps, add_common_args, format_table, write_results
+from .engine_env import STEADY_MALLOC_ENV
 from .serve_child import EngineChild, EngineError, short_error, tail
 from .serve_compare import interval_comparisons, round_series
 from .serve_peers import NOT_ON_CPU
@@ -200,6 +206,8 @@ def run(args: argparse.Namespace) -> int:
                                   "prompt_tokens": cfg.throughput_prompt,
                                   "max_tokens": cfg.throughput_tokens},
                    "pd_threads_bind": cfg.pd_threads_bind, "quick": bool(args.quick),
+                   "engine_malloc": {k: os.environ.get(k, v)
+                                     for k, v in STEADY_MALLOC_ENV.items()},
                    "nixl_python": cfg.nixl_python or sys.executable},
         "scenarios": results, "summary": summary, "rounds": rounds, "comparisons": comps,
         "rows": rows}, cfg.out)

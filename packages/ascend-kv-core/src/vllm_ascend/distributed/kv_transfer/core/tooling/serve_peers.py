@@ -31,6 +31,7 @@ from .serve_scenarios import (
     require_params,
     run_pd,
     run_single,
+    warm_up,
 )
 
 logger = logging.getLogger(__name__)
@@ -48,14 +49,19 @@ NOT_ON_CPU = {
 def sc_baseline(run: Run) -> dict[str, Any]:
     """No connector. The engine stays up for the whole run: every round measures it again
     next to the scenarios it is compared with."""
+    fresh = run.base_engine is None
     if run.base_engine is None:
         run.base_engine = run.engine("baseline", None)
     try:
-        return cache_flow(run, run.base_engine, "baseline")
+        warm = warm_up(run, run.base_engine, "baseline") if fresh else None
+        data = cache_flow(run, run.base_engine, "baseline")
     except BaseException:
         run.base_engine.close()
         run.base_engine = None
         raise
+    if warm is not None:
+        data["warm_up"] = warm
+    return data
 
 
 def sc_pd_vllm_mooncake(run: Run) -> dict[str, Any]:

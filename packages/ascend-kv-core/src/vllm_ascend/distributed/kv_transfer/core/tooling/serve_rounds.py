@@ -22,7 +22,8 @@ from typing import Any
 
 from .benchutil import median
 from .serve_child import short_error
-from .serve_scenarios import FAMILY_ORDER, Run, Scenario, reference, skip_reason
+from .serve_needs import skip_reason
+from .serve_scenarios import FAMILY_ORDER, Run, Scenario, reference
 
 logger = logging.getLogger(__name__)
 
@@ -184,6 +185,9 @@ def aggregate(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     thr = [rd.get("throughput", {}).get("output_tok_per_s") for rd in rounds]
     refs = [rd["reference"] for rd in rounds if isinstance(rd.get("reference"), dict)]
     out: dict[str, Any] = {"prompts": rows, "rounds": rounds}
+    warm = [rd["warm_up"] for rd in rounds if rd.get("warm_up")]
+    if warm:  # the engine's first requests, before its first round (serve_scenarios.warm_up)
+        out["warm_up"] = warm[0]
     if any(c is not None for c in checked):
         out["tokens_equal"] = all(c is not False for c in checked)
     if any(isinstance(t, int | float) for t in thr):

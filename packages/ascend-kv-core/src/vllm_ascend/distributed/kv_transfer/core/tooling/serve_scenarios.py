@@ -18,19 +18,24 @@ import os
 import random
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from importlib import metadata, util
 from pathlib import Path
 from typing import Any
 
 from . import plugins
 from .benchutil import Steps, median
-from .mooncake_store import LoopbackMooncakeStore, find_binary
+from .engine_env import STEADY_MALLOC_ENV
+from .mooncake_store import LoopbackMooncakeStore
 from .serve_child import EngineChild
+from .serve_needs import CHILD_MODULE as CHILD_MODULE
+from .serve_needs import PATCH_MODULE as PATCH_MODULE
+from .serve_needs import PEERS_ENV as PEERS_ENV
+from .serve_needs import peers_path as peers_path
+from .serve_needs import python_has as python_has
+from .serve_needs import skip_reason as skip_reason
 
 logger = logging.getLogger(__name__)
 
@@ -43,11 +48,7 @@ PD_THREADS_BIND = ""
 #: of D: ``pinned`` gives each engine its own core, ``nobind`` leaves the threads to the OS.
 #: Each P/D scenario is reported under each; ours is compared with each peer's best.
 PD_BINDINGS: dict[str, tuple[str, str]] = {"pinned": ("0", "1"), "nobind": ("nobind", "nobind")}
-PATCH_MODULE = "vllm_mooncake_cpu_patch"
-PEERS_ENV = "VLLM_ASCEND_KV_BENCH_PEERS"
 #: Run order of the families; within one, ours first, then in declaration order.
-#: The engine process module (an interpreter running ``bench serve`` engines must have it).
-CHILD_MODULE = EngineChild.__module__
 FAMILY_ORDER = ("baseline", "pd", "pool", "offload", "peer")
 
 
@@ -86,6 +87,12 @@ class ServeConfig:
         itemsize = 2 if self.dtype in ("bfloat16", "float16") else 4
         return (2 * int(s["num_hidden_layers"]) * int(s["num_key_value_heads"])
                 * int(s["head_dim"]) * itemsize)
+
+
+def engine_malloc_env() -> dict[str, str]:
+    """:data:`~.engine_env.STEADY_MALLOC_ENV` less what this process's environment sets
+    (the engines inherit that)."""
+    return {k: v for k, v in STEADY_MALLOC_ENV.items() if k not in os.environ}
 
 
 def prompt_lengths(target: int, block: int) -> list[int]:
@@ -222,62 +229,6 @@ def all_scenarios() -> list[Scenario]:
     return [sc for _i, sc in sorted(enumerate(found), key=order)]
 
 
-def _installed(dist: str) -> bool:
-    try:
-        metadata.distribution(dist)
-        return True
-    except metadata.PackageNotFoundError:
-        return False
-
-
-def _has_module(name: str) -> bool:
-    try:
-        return util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def peers_path(explicit: str | None) -> str | None:
-    """Directory holding the peer harness modules (``benchmarks/peers``), if found."""
-    for cand in (explicit, os.environ.get(PEERS_ENV), str(Path.cwd() / "benchmarks" / "peers")):
-        if cand and (Path(cand) / f"{PATCH_MODULE}.py").exists():
-            return str(Path(cand).resolve())
-    return None
-
-
-def python_has(python: str, module: str) -> bool:
-    """Whether ``python`` can import ``module`` (a quick child process)."""
-    try:
-        return subprocess.run([python, "-c", f"import {module}"], capture_output=True,
-                              timeout=120).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-
-
-def skip_reason(sc: Scenario, cfg: ServeConfig) -> str | None:
-    """Why ``sc`` cannot run here, or ``None``."""
-    for need in sc.needs:
-        if need.startswith("dist:") and not _installed(need[5:]):
-            return f"{need[5:]} is not installed"
-        if need == "mooncake" and not _has_module("mooncake.engine"):
-            return "mooncake-transfer-engine is not installed (pip install 'ascend-kv-core[cpu]')"
-        if need == "store" and not (find_binary("mooncake_master")
-                                    and find_binary("mooncake_client")):
-            return "mooncake_master / mooncake_client not found"
-        if need == "patch" and not cfg.peers_path:
-            return (f"needs the CPU patch of torch.accelerator.current_device_index "
-                    f"({PATCH_MODULE}.py of benchmarks/peers, not shipped): pass --peers-path "
-                    f"or set {PEERS_ENV}")
-        if need == "nixl":
-            python = cfg.nixl_python or sys.executable
-            if not python_has(python, "nixl"):
-                return (f"the nixl package is not importable by {python} (nox -s bench builds "
-                        "an environment with it; or pass --nixl-python)")
-            if not python_has(python, CHILD_MODULE):
-                return f"ascend-kv-core is not installed in {python}"
-    return None
-
-
 class Run:
     """State shared by the scenarios of one run: config, prompts, baseline results."""
 
@@ -311,6 +262,7 @@ class Run:
         """Start one engine of scenario ``name`` (its log under ``<out>/serve-logs``)."""
         self.steps.note(f"starting engine {name}")
         sys_path = [self.cfg.peers_path] if self.cfg.peers_path else []
+        env = {**engine_malloc_env(), **(env or {})}
         return EngineChild(llm_kwargs(self.cfg, kv), env=env, python=python,
                            pre_import=pre_import, sys_path=sys_path,
                            log=self.cfg.out / "serve-logs" / f"{name.replace('/', '-')}.log",
@@ -502,18 +454,50 @@ def reference(run: Run, prompts: list[list[int]] | None = None, *,
     return ref
 
 
+def warm_up(run: Run, eng: EngineChild, name: str) -> dict[str, Any]:
+    """A fresh engine's first requests at the run's sizes, before its first round: one
+    prompt of the longest length and one throughput batch, new prompts of their own (a
+    connector saves them, and no round's prompt hits them).
+
+    The first large requests of a process cost more than the next ones (on this VM, a
+    connector engine's first round took 0.6-1.9 s where the rounds after took 0.45-0.6 s,
+    as did the engine without a connector once it had served a first request); the engine
+    without a connector had always served a first request before the rounds, the others
+    served theirs in round 1. Every engine now serves them here, and they are reported
+    (``warm_up``), not hidden."""
+    cfg = run.cfg
+    seed = cfg.seed + 7 + zlib.crc32(name.encode())
+    prompt = make_prompts([max(cfg.lengths)], seed, run.vocab)[0]
+    first = eng.generate([prompt])
+    eng.call("settle", timeout=30, sleep=0.3)
+    batch = make_prompts([cfg.throughput_prompt] * cfg.throughput_batch, seed + 1, run.vocab)
+    thr = eng.generate(batch, max_tokens=cfg.throughput_tokens)
+    eng.call("settle", timeout=30, sleep=0.3)
+    out = {"tokens": len(prompt), "first_request_s": first["seconds"],
+           "first_batch_s": thr["seconds"], "batch_tokens": cfg.throughput_prompt}
+    run.steps.note(f"{name}: warm-up: a first request of {len(prompt)} tokens "
+                   f"{first['seconds']:.3f}s, a first batch {thr['seconds']:.3f}s")
+    return out
+
+
 def run_single(run: Run, name: str, kv: dict[str, Any] | None,
                env: dict[str, str] | None = None) -> dict[str, Any]:
-    """One engine (baseline, pool or offload connector) through :func:`cache_flow`.
+    """One engine (pool or offload connector) through :func:`cache_flow`.
 
-    The engine is started on the first round and kept up for the family's next rounds
-    (:meth:`Run.kept`); a failure stops it."""
+    The engine is started on the first round, warmed up (:func:`warm_up`, reported with
+    that round as ``warm_up``) and kept up for the family's next rounds (:meth:`Run.kept`);
+    a failure stops it."""
+    fresh = name not in run.live
     (eng,) = run.kept(name, lambda: [run.engine(name, kv, env=env)])
     try:
-        return cache_flow(run, eng, name)
+        warm = warm_up(run, eng, name) if fresh else None
+        data = cache_flow(run, eng, name)
     except BaseException:
         run.drop(name)
         raise
+    if warm is not None:
+        data["warm_up"] = warm
+    return data
 
 
 def pd_flow(run: Run, p: EngineChild, d: EngineChild, name: str,

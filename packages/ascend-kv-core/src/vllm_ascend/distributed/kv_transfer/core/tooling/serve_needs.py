@@ -1,0 +1,81 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What a ``bench serve`` scenario needs (:attr:`~.serve_scenarios.Scenario.needs`), and
+whether this machine has it: a distribution, Mooncake, the Store's binaries, the peers'
+CPU patch, NIXL in the interpreter that runs its engines."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from importlib import metadata, util
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .mooncake_store import find_binary
+from .serve_child import EngineChild
+
+if TYPE_CHECKING:
+    from .serve_scenarios import Scenario, ServeConfig
+
+#: The peers' harness module that lets vLLM's Mooncake connectors run on a CPU engine.
+PATCH_MODULE = "vllm_mooncake_cpu_patch"
+PEERS_ENV = "VLLM_ASCEND_KV_BENCH_PEERS"
+#: The engine process module (an interpreter running ``bench serve`` engines must have it).
+CHILD_MODULE = EngineChild.__module__
+
+
+def _installed(dist: str) -> bool:
+    try:
+        metadata.distribution(dist)
+        return True
+    except metadata.PackageNotFoundError:
+        return False
+
+
+def _has_module(name: str) -> bool:
+    try:
+        return util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def peers_path(explicit: str | None) -> str | None:
+    """Directory holding the peer harness modules (``benchmarks/peers``), if found."""
+    for cand in (explicit, os.environ.get(PEERS_ENV), str(Path.cwd() / "benchmarks" / "peers")):
+        if cand and (Path(cand) / f"{PATCH_MODULE}.py").exists():
+            return str(Path(cand).resolve())
+    return None
+
+
+def python_has(python: str, module: str) -> bool:
+    """Whether ``python`` can import ``module`` (a quick child process)."""
+    try:
+        return subprocess.run([python, "-c", f"import {module}"], capture_output=True,
+                              timeout=120).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def skip_reason(sc: Scenario, cfg: ServeConfig) -> str | None:
+    """Why ``sc`` cannot run here, or ``None``."""
+    for need in sc.needs:
+        if need.startswith("dist:") and not _installed(need[5:]):
+            return f"{need[5:]} is not installed"
+        if need == "mooncake" and not _has_module("mooncake.engine"):
+            return "mooncake-transfer-engine is not installed (pip install 'ascend-kv-core[cpu]')"
+        if need == "store" and not (find_binary("mooncake_master")
+                                    and find_binary("mooncake_client")):
+            return "mooncake_master / mooncake_client not found"
+        if need == "patch" and not cfg.peers_path:
+            return (f"needs the CPU patch of torch.accelerator.current_device_index "
+                    f"({PATCH_MODULE}.py of benchmarks/peers, not shipped): pass --peers-path "
+                    f"or set {PEERS_ENV}")
+        if need == "nixl":
+            python = cfg.nixl_python or sys.executable
+            if not python_has(python, "nixl"):
+                return (f"the nixl package is not importable by {python} (nox -s bench builds "
+                        "an environment with it; or pass --nixl-python)")
+            if not python_has(python, CHILD_MODULE):
+                return f"ascend-kv-core is not installed in {python}"
+    return None
