@@ -362,8 +362,10 @@ def test_serve_section_states_rounds_spread_and_the_overhead_table(tmp_path: Pat
     serve["scenarios"]["pool/ours-local"] = {"status": "ok", "connector": "AscendStoreConnector",
                                              "warm_up": {"tokens": 2048, "first_request_s": 1.3,
                                                          "first_batch_s": 2.5}}
+    serve["config"]["engine_malloc"] = {"MALLOC_MMAP_MAX_": "0"}
     page = render.render({"serve": serve}, tmp_path)
     assert "**First requests after start-up.**" in page
+    assert "glibc's malloc keeping the memory it frees (`MALLOC_MMAP_MAX_=0`)" in page
     assert "| pool/ours-local | AscendStoreConnector | 2048 | 1.3 | 0.6 | 2.5 |" in page
 
 
