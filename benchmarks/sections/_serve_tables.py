@@ -137,7 +137,17 @@ PD_WAIT = (
     "binding minutes apart (ours alone, `nobind`, 3 rounds: a "
     "median wait of 261 ms in one run and 115 ms in a run minutes later) on this virtual "
     "machine, whose "
-    "steal time reached 20% during these runs.\n\n")
+    "steal time reached 20% during these runs.\n\n"
+    "**P/D again, with the engines in their steady state** (2026-12-04: the warm-up and "
+    "malloc of the pool paragraph below; 5 rounds of 3 samples, ours and vLLM "
+    "MooncakeConnector, both bindings). D's overhead over the floor, ours / theirs: pinned "
+    "1.06 (95%: 0.44–1.55) at 2,048 tokens and 0.96 (0.71–1.16) at 8,192; `nobind` 0.88 "
+    "(0.38–1.59) and 0.74 (0.54–1.16); KV throughput pinned 1.01 (0.74–1.80), `nobind` "
+    "1.20 (0.86–1.97). Level, as in the three runs before: D's wait for the KV is the "
+    "transfer, both connectors use Mooncake's TCP transport on loopback (theirs has P write "
+    "into D, ours has D read from P), and per round the waits overlap: at 8,192 tokens "
+    "pinned ours 115–160 ms, theirs 93–229 ms; at 2,048 ours 38–63 ms, theirs 35–126 ms. "
+    "The goals (0.8x on overhead, 1.2x on throughput) are not met.\n\n")
 
 
 #: A second run of the pool scenarios, and where the pool's throughput cost goes
