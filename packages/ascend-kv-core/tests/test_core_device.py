@@ -137,3 +137,20 @@ def test_available_host_memory_is_the_lower_of_meminfo_and_the_cgroup_limit(tmp_
     assert dev.available_host_memory(str(tmp_path / "none"), str(tmp_path / "none")) is None
     real = dev.available_host_memory()  # this Linux machine has /proc/meminfo
     assert real is not None and real > 0
+
+
+def test_total_host_memory_is_the_lower_of_memtotal_and_the_cgroup_limit(tmp_path: Any) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemAvailable:    2000000 kB\n")
+    cg = tmp_path / "cg"
+    cg.mkdir()
+    assert dev.total_host_memory(str(meminfo), str(cg)) == 24000000 * 1024  # no cgroup
+    (cg / "memory.max").write_text("max\n")
+    assert dev.total_host_memory(str(meminfo), str(cg)) == 24000000 * 1024
+    (cg / "memory.max").write_text(f"{1 << 30}\n")
+    (cg / "memory.current").write_text(f"{768 << 20}\n")  # in use: not subtracted
+    assert dev.total_host_memory(str(meminfo), str(cg)) == 1 << 30
+    assert dev.total_host_memory(str(tmp_path / "none"), str(tmp_path / "none")) is None
+    real = dev.total_host_memory()
+    avail = dev.available_host_memory()
+    assert real is not None and avail is not None and real >= avail

@@ -236,3 +236,23 @@ def test_a_prefault_larger_than_the_available_memory_is_refused_before_touching_
     pool = LocalBackend(capacity=128 * MIB, prefault=True)  # 128 + 64 MiB fit in 256
     pool.close()
     assert touched == [128 * MIB + CHUNK_BYTES]
+
+
+def test_a_prefault_of_every_worker_on_the_host_beyond_its_memory_is_refused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    touched: list[int] = []
+    monkeypatch.setattr(local_backend, "available_host_memory", lambda: 4096 * MIB)
+    monkeypatch.setattr(local_backend, "total_host_memory", lambda: 1024 * MIB)
+    monkeypatch.setattr(local_memory, "touched_memory",
+                        lambda n, threads=1: touched.append(n) or np.empty(n, dtype=np.uint8))
+    # 8 workers (vLLM's local_world_size) x (128 + 64) MiB > 1024 MiB in all
+    with pytest.raises(ValueError, match="8 workers on this host keep a pool each"):
+        LocalBackend(SimpleNamespace(local_world_size=8), capacity=128 * MIB, prefault=True)
+    with pytest.raises(ValueError, match="8 workers"):
+        LocalBackend(capacity=128 * MIB, prefault=True, host_workers=8)
+    assert touched == []
+    LocalBackend(capacity=128 * MIB, prefault=True, host_workers=4).close()  # 768 MiB fit
+    LocalBackend(SimpleNamespace(local_world_size=8), capacity=128 * MIB).close()  # no prefault
+    assert touched == [128 * MIB + CHUNK_BYTES]

@@ -220,28 +220,52 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
+def _meminfo_bytes(field: str, meminfo: str) -> int | None:
+    """``field`` of ``/proc/meminfo`` in bytes (``None``: unreadable)."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _cgroup_limit(cgroup: str) -> int | None:
+    """The cgroup's ``memory.max`` (cgroup v2) in bytes; ``None``: none or unreadable."""
+    try:
+        with open(os.path.join(cgroup, "memory.max")) as f:
+            limit = f.read().strip()
+        return None if limit == "max" else int(limit)
+    except (OSError, ValueError):
+        return None
+
+
 def available_host_memory(meminfo: str = "/proc/meminfo",
                           cgroup: str = "/sys/fs/cgroup") -> int | None:
     """Bytes of host memory this process could still make resident: the kernel's
     ``MemAvailable``, lowered to what the cgroup's ``memory.max`` leaves (a container's
     limit, cgroup v2); ``None`` where neither can be read (not Linux)."""
-    found: list[int] = []
-    try:
-        with open(meminfo) as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    found.append(int(line.split()[1]) * 1024)
-                    break
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        with open(os.path.join(cgroup, "memory.max")) as f:
-            limit = f.read().strip()
-        if limit != "max":
+    found = [v for v in (_meminfo_bytes("MemAvailable", meminfo),) if v is not None]
+    limit = _cgroup_limit(cgroup)
+    if limit is not None:
+        try:
             with open(os.path.join(cgroup, "memory.current")) as f:
-                found.append(max(0, int(limit) - int(f.read().strip())))
-    except (OSError, ValueError):
-        pass
+                found.append(max(0, limit - int(f.read().strip())))
+        except (OSError, ValueError):
+            pass
+    return min(found) if found else None
+
+
+def total_host_memory(meminfo: str = "/proc/meminfo",
+                      cgroup: str = "/sys/fs/cgroup") -> int | None:
+    """Bytes of host memory in all: ``MemTotal``, lowered to the cgroup's ``memory.max``
+    (cgroup v2); ``None`` where neither can be read (not Linux). Unlike
+    :func:`available_host_memory` it does not change as processes take memory, so
+    processes starting side by side can each check a share of it."""
+    found = [v for v in (_meminfo_bytes("MemTotal", meminfo), _cgroup_limit(cgroup))
+             if v is not None]
     return min(found) if found else None
 
 

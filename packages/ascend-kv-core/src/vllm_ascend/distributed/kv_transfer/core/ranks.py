@@ -15,7 +15,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RankInfo", "rank_info_from_vllm"]
+__all__ = ["RankInfo", "rank_info_from_vllm", "workers_on_host"]
 
 
 @dataclass(frozen=True)
@@ -78,3 +78,20 @@ def rank_info_from_vllm(parallel_config: Any = None) -> RankInfo:
     rank = _int(parallel_config, "rank", 0)
     return RankInfo(tp_rank=rank % tp_size, tp_size=tp_size,
                     pp_rank=(rank // tp_size) % pp_size, pp_size=pp_size, dp_rank=dp_rank)
+
+
+def workers_on_host(parallel_config: Any = None) -> int:
+    """Worker processes on this host of this engine and of its data-parallel siblings here:
+    vLLM's ``local_world_size`` (the instance's ranks over the nodes it spans) times
+    ``data_parallel_size_local``; without ``local_world_size`` (older vLLM) the instance's
+    ranks over ``nnodes``. 1 without a config. Each of them keeps what a worker keeps in
+    host memory (a ``local`` pool, say), so a host's share is checked against this count."""
+    if parallel_config is None:
+        return 1
+    try:
+        local = int(parallel_config.local_world_size)
+    except (AttributeError, TypeError, ValueError):
+        world = (_int(parallel_config, "tensor_parallel_size", 1)
+                 * _int(parallel_config, "pipeline_parallel_size", 1))
+        local = max(1, world // max(1, _int(parallel_config, "nnodes", 1)))
+    return max(1, local) * max(1, _int(parallel_config, "data_parallel_size_local", 1))

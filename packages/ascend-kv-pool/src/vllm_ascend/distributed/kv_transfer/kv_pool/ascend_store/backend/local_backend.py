@@ -48,7 +48,11 @@ import time
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from vllm_ascend.distributed.kv_transfer.core.device import available_host_memory
+from vllm_ascend.distributed.kv_transfer.core.device import (
+    available_host_memory,
+    total_host_memory,
+)
+from vllm_ascend.distributed.kv_transfer.core.ranks import workers_on_host
 
 from ..config import DEFAULT_COPY_THREADS
 from .base import RC_ERROR, Backend
@@ -111,6 +115,32 @@ def _group(key: str) -> str:
     return head
 
 
+def _check_prefault(capacity: int, host_workers: int) -> None:
+    """Refuse a prefaulted pool the host cannot hold: this worker's more than the memory
+    available now, or every worker's on this host more than the memory there is in all
+    (race-free while they start side by side, as the total does not change).
+
+    Raises:
+        ValueError: naming the sizes and what to change.
+    """
+    need = prefault_bytes(capacity)
+    free = available_host_memory()
+    if free is not None and need > free:
+        raise ValueError(
+            f"local_pool_prefault: local_pool_size of {capacity >> 20} MiB (and a chunk of "
+            f"{CHUNK_BYTES >> 20} MiB) is more than the {free >> 20} MiB of host memory "
+            "available; touching it would get the engine killed. Lower local_pool_size or "
+            "turn local_pool_prefault off.")
+    total = total_host_memory()
+    if host_workers > 1 and total is not None and need * host_workers > total:
+        raise ValueError(
+            f"local_pool_prefault: {host_workers} workers on this host keep a pool each: "
+            f"{host_workers} x {need >> 20} MiB (local_pool_size and a chunk of "
+            f"{CHUNK_BYTES >> 20} MiB) is more than the {total >> 20} MiB of host memory in "
+            "all; touching it would get the engine killed. Lower local_pool_size (it is per "
+            "worker) or turn local_pool_prefault off.")
+
+
 class LocalBackend(Backend):
     """Bounded pool in this process's memory.
 
@@ -118,7 +148,9 @@ class LocalBackend(Backend):
     :meth:`add_eviction_listener` (the pool's ``BlockRemoved`` KV cache events).
 
     Args:
-        parallel_config: unused (upstream signature).
+        parallel_config: vLLM's parallel config (upstream signature): how many workers on
+            this host keep a pool each (:func:`~vllm_ascend.distributed.kv_transfer.core.
+            ranks.workers_on_host`), for ``prefault``'s check.
         capacity: bytes kept at most; default from ``config.local_pool_size`` or 8 GiB.
         eviction_policy: a policy name (:data:`.eviction.POLICY_NAMES`) or an
             :class:`~.eviction.EvictionPolicy`; default ``config.eviction_policy``,
@@ -128,12 +160,14 @@ class LocalBackend(Backend):
         prefault: touch the whole capacity now (start-up time and resident memory)
             instead of page by page as the pool fills, which is what a filling pool's
             saves cost the engine; default ``config.local_pool_prefault``, else off.
+        host_workers: that count, given (default: from ``parallel_config``, else 1).
         **kwargs: ``config``, the pool's ``AscendStoreConfig`` (optional), and the
             options of :class:`~.base.Backend`.
 
     Raises:
         ValueError: a capacity that is not positive, an unknown policy name, or a
-            ``prefault`` of more memory than the host has available.
+            ``prefault`` of more memory than the host has available, or than it has in all
+            for the pools of every worker on it.
     """
 
     name: ClassVar[str] = "local"
@@ -143,7 +177,7 @@ class LocalBackend(Backend):
     def __init__(self, parallel_config: Any = None, *, capacity: int | None = None,
                  eviction_policy: str | EvictionPolicy | None = None,
                  copy_threads: int | None = None, prefault: bool | None = None,
-                 **kwargs: Any) -> None:
+                 host_workers: int | None = None, **kwargs: Any) -> None:
         config = kwargs.get("config")
         if config is not None:
             kwargs.setdefault("max_batch_keys", config.max_batch_keys)
@@ -168,13 +202,8 @@ class LocalBackend(Backend):
         if prefault is None:
             prefault = bool(getattr(config, "local_pool_prefault", False))
         if prefault:
-            free = available_host_memory()
-            if free is not None and prefault_bytes(self.capacity) > free:
-                raise ValueError(
-                    f"local_pool_prefault: local_pool_size of {self.capacity >> 20} MiB (and a "
-                    f"chunk of {CHUNK_BYTES >> 20} MiB) is more than the {free >> 20} MiB of "
-                    "host memory available; touching it would get the engine killed. Lower "
-                    "local_pool_size or turn local_pool_prefault off.")
+            _check_prefault(self.capacity, workers_on_host(parallel_config)
+                            if host_workers is None else host_workers)
         started = time.perf_counter()
         self._slabs = Slabs(self.capacity, prefault=prefault, threads=self._copier.threads)
         if prefault:
