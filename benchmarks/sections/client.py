@@ -128,10 +128,9 @@ SECOND_ROUNDS = (
     "(0.88–1.03), TPOT p50 1.00 (0.96–1.03), output tok/s 1.05 (1.02–1.13); 0 failed "
     "requests on either pair. Six of the eight ahead in both runs (every figure at "
     "concurrency 4; TTFT mean and output tok/s at 8); TPOT p50 at concurrency 8 level in "
-    "both, TTFT p50 at 8 ahead in the first and level in the second. At concurrency 8 the "
-    "two D's decode the same batches with the same engine, so TPOT is the engine's: "
-    "neither connector works during a decode step beyond polling for finished "
-    "transfers.\n\n")
+    "both, TTFT p50 at 8 ahead in the first and level in the second. At concurrency 8 both "
+    "D's decode batches of the same size with the same engine, and their TPOT is mostly "
+    "that engine's decode step.\n\n")
 
 
 def section_client(d: dict[str, Any], images: Images) -> str:
