@@ -247,7 +247,8 @@ def available_host_memory(meminfo: str = "/proc/meminfo",
     """Bytes of host memory this process could still make resident: the kernel's
     ``MemAvailable``, lowered to what the cgroup's ``memory.max`` leaves (a container's
     limit, cgroup v2); ``None`` where neither can be read (not Linux)."""
-    found = [v for v in (_meminfo_bytes("MemAvailable", meminfo),) if v is not None]
+    avail = _meminfo_bytes("MemAvailable", meminfo)
+    found = [] if avail is None else [avail]
     limit = _cgroup_limit(cgroup)
     if limit is not None:
         try:

@@ -44,7 +44,6 @@ from pathlib import Path
 from typing import Any
 
 from .benchutil import Steps, add_common_args, format_table, write_results
-from .engine_env import STEADY_MALLOC_ENV
 from .serve_child import EngineChild, EngineError, short_error, tail
 from .serve_compare import interval_comparisons, round_series
 from .serve_peers import NOT_ON_CPU
@@ -59,6 +58,7 @@ from .serve_scenarios import (
     Scenario,
     ServeConfig,
     all_scenarios,
+    engine_malloc_env,
     make_model,
     make_prompts,
     peers_path,
@@ -206,8 +206,7 @@ def run(args: argparse.Namespace) -> int:
                                   "prompt_tokens": cfg.throughput_prompt,
                                   "max_tokens": cfg.throughput_tokens},
                    "pd_threads_bind": cfg.pd_threads_bind, "quick": bool(args.quick),
-                   "engine_malloc": {k: os.environ.get(k, v)
-                                     for k, v in STEADY_MALLOC_ENV.items()},
+                   "engine_malloc": engine_malloc_env(),
                    "nixl_python": cfg.nixl_python or sys.executable},
         "scenarios": results, "summary": summary, "rounds": rounds, "comparisons": comps,
         "rows": rows}, cfg.out)

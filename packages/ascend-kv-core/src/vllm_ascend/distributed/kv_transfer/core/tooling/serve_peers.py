@@ -49,14 +49,14 @@ NOT_ON_CPU = {
 def sc_baseline(run: Run) -> dict[str, Any]:
     """No connector. The engine stays up for the whole run: every round measures it again
     next to the scenarios it is compared with."""
-    fresh = run.base_engine is None
-    if run.base_engine is None:
-        run.base_engine = run.engine("baseline", None)
+    eng, fresh = run.base_engine, run.base_engine is None
+    if eng is None:
+        eng = run.base_engine = run.engine("baseline", None)
     try:
-        warm = warm_up(run, run.base_engine, "baseline") if fresh else None
-        data = cache_flow(run, run.base_engine, "baseline")
+        warm = warm_up(run, eng, "baseline") if fresh else None
+        data = cache_flow(run, eng, "baseline")
     except BaseException:
-        run.base_engine.close()
+        eng.close()
         run.base_engine = None
         raise
     if warm is not None:

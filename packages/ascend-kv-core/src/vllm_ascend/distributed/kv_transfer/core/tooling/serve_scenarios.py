@@ -90,9 +90,9 @@ class ServeConfig:
 
 
 def engine_malloc_env() -> dict[str, str]:
-    """:data:`~.engine_env.STEADY_MALLOC_ENV` less what this process's environment sets
-    (the engines inherit that)."""
-    return {k: v for k, v in STEADY_MALLOC_ENV.items() if k not in os.environ}
+    """The malloc settings of the run's engines: :data:`~.engine_env.STEADY_MALLOC_ENV`,
+    with this process's own value of a variable where it sets one."""
+    return {k: os.environ.get(k, v) for k, v in STEADY_MALLOC_ENV.items()}
 
 
 def prompt_lengths(target: int, block: int) -> list[int]:
