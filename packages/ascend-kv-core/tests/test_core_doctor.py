@@ -99,6 +99,25 @@ def test_cli_exit_status_and_json(capsys: pytest.CaptureFixture[str], tmp_path: 
     assert out["ok"] is False and any(c["what"] == "kv_role" for c in out["checks"])
 
 
+def test_parallel_sizes_count_the_workers_on_this_host(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """vllm serve's parallel flags tell doctor how many workers share the host."""
+    from vllm_ascend.distributed.kv_transfer.core.tooling import doctor as doctor_mod
+
+    seen: list[int] = []
+    monkeypatch.setattr(doctor_mod.Doctor, "run", lambda self: seen.append(
+        self.workers_on_host) or [])
+    cfg = '{"kv_connector": "X", "kv_role": "kv_both"}'
+    assert main(["doctor", "--kv-transfer-config", cfg]) == 0
+    assert main(["doctor", "--kv-transfer-config", cfg, "-tp", "4", "-pp", "2",
+                 "--nnodes", "2", "-dpl", "3"]) == 0
+    assert main(["doctor", "--kv-transfer-config", cfg, "--tensor-parallel-size", "8"]) == 0
+    assert seen == [1, 4 * 2 // 2 * 3, 8]
+    assert Doctor({}).workers_on_host == 1
+    with pytest.raises(SystemExit):
+        main(["doctor", "--kv-transfer-config", cfg, "-tp", "0"])
+
+
 def test_kv_port_range_and_free_port_check() -> None:
     from vllm_ascend.distributed.kv_transfer.core.tooling.doctor import kv_port
 

@@ -99,3 +99,24 @@ def test_the_local_pool_is_checked_against_the_hosts_available_memory(
     pool_doctor.check_backend(d, types.SimpleNamespace(backend="local", local_pool_size=gb,
                                                        local_pool_prefault=True))
     assert [c.what for c in d.checks] == ["pool backend"]
+
+
+def test_the_local_pool_check_counts_every_worker_on_the_host(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each worker keeps a pool: 4 workers of 1.5 GiB pools do not fit in 4 GiB."""
+    from vllm_ascend.distributed.kv_transfer.core import device
+
+    monkeypatch.setattr(device, "available_host_memory", lambda: 4 << 30)
+    size = 3 << 29
+    cases = [(1, True, "ok"), (2, True, "ok"), (4, True, "fail"), (4, False, "warn"),
+             (2, False, "ok")]
+    for tp, prefault, status in cases:
+        d = Doctor({}, parallel={"tensor_parallel_size": tp})
+        pool_doctor.check_backend(d, types.SimpleNamespace(
+            backend="local", local_pool_size=size, local_pool_prefault=prefault))
+        (mem,) = [c for c in d.checks if c.what == "local pool memory"]
+        assert mem.status == status, (tp, prefault, mem)
+        assert (f"{tp} workers x 1536 MiB" in mem.detail) == (tp > 1), mem.detail
+        if status == "fail":
+            assert "the last workers refuse to start" in mem.detail
+

@@ -36,9 +36,11 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from ..errors import ConfigError, KVTransferError
+from ..ranks import workers_on_host
 from . import doctor_auth, doctor_listeners, doctor_provenance, plugins
 
 logger = logging.getLogger(__name__)
@@ -79,16 +81,26 @@ class Doctor:
         timeout_s: timeout of each network probe.
         probe_listeners: start a transfer engine on the advertised address and report
             the interfaces its ports are reachable on (:mod:`.doctor_listeners`).
+        parallel: the instance's parallel sizes as given to ``vllm serve``
+            (``tensor_parallel_size``, ``pipeline_parallel_size``, ``nnodes``,
+            ``data_parallel_size_local``; a size not given is 1): how many worker processes
+            this host runs (:attr:`workers_on_host`), each keeping its own host memory.
     """
 
     def __init__(self, kv_config: Any, *, mooncake_config: str | None = None,
                  peers: list[str] | None = None, timeout_s: float = 3.0,
-                 probe_listeners: bool = False) -> None:
+                 probe_listeners: bool = False,
+                 parallel: dict[str, int] | None = None) -> None:
         self.kv_config = kv_config
         self.mooncake_config = mooncake_config
         self.peers = peers or []
         self.timeout_s = timeout_s
         self.probe_listeners = probe_listeners
+        #: worker processes of the instance on this host (and of its data-parallel
+        #: siblings here), from ``parallel``: what a check of per-worker host memory
+        #: multiplies by
+        self.workers_on_host = workers_on_host(
+            SimpleNamespace(**parallel) if parallel else None)
         self.checks: list[Check] = []
 
     # ------------------------------------------------------------ reporting
@@ -376,14 +388,37 @@ def render(checks: list[Check]) -> str:
     return "\n".join(lines)
 
 
+#: ``vllm serve``'s flags of the parallel sizes that set how many workers run on a host:
+#: attribute -> (flags, help)
+PARALLEL_ARGS = {
+    "tensor_parallel_size": (("--tensor-parallel-size", "-tp"), "as given to vllm serve"),
+    "pipeline_parallel_size": (("--pipeline-parallel-size", "-pp"), "as given to vllm serve"),
+    "nnodes": (("--nnodes", "-n"), "nodes the instance spans (vllm serve's --nnodes)"),
+    "data_parallel_size_local": (("--data-parallel-size-local", "-dpl"),
+                                 "data-parallel instances on this host"),
+}
+
+
+def _positive_int(value: str) -> int:
+    try:
+        out = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {value!r}") from None
+    if out < 1:
+        raise argparse.ArgumentTypeError(f"expected 1 or more, got {out}")
+    return out
+
+
 def run_doctor(args: argparse.Namespace) -> int:
     try:
         cfg = load_json_arg(args.kv_transfer_config)
     except (OSError, json.JSONDecodeError) as exc:
         print(f"FAIL  kv-transfer-config: cannot read it: {exc}")
         return 1
+    parallel = {name: getattr(args, name) for name in PARALLEL_ARGS}
     doctor = Doctor(cfg, mooncake_config=args.mooncake_config, peers=args.peer,
-                    timeout_s=args.timeout, probe_listeners=args.listener_probe)
+                    timeout_s=args.timeout, probe_listeners=args.listener_probe,
+                    parallel=parallel)
     checks = doctor.run()
     if args.json:
         print(json.dumps({"ok": doctor.healthy, "checks": [asdict(c) for c in checks]},
@@ -409,6 +444,13 @@ def add_parser(subparsers: Any) -> None:
                    help="do not start a transfer engine to see which interfaces its ports "
                         "are reachable on")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    sizes = p.add_argument_group(
+        "parallel sizes", "how many worker processes of the instance run on this host "
+        "(tensor x pipeline parallel size / nodes x local data-parallel size), for the "
+        "checks of what each worker keeps in host memory; each defaults to 1")
+    for name, (flags, help_text) in PARALLEL_ARGS.items():
+        sizes.add_argument(*flags, dest=name, type=_positive_int, default=1, metavar="N",
+                           help=help_text)
     p.set_defaults(func=run_doctor)
 
 

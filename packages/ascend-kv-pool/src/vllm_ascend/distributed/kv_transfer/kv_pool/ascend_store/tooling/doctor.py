@@ -41,9 +41,12 @@ def check(doctor: Any, connector: str, extra: Any, where: str, cfg: dict[str, An
 
 
 def check_local_memory(doctor: Any, section: Any) -> None:
-    """Whether this host has the memory the ``local`` backend will hold: all of it at
-    start-up with ``local_pool_prefault`` (the worker refuses to start otherwise), else
-    as the pool fills."""
+    """Whether this host has the memory the ``local`` backend will hold, in every worker
+    process of the instance on this host (``doctor.workers_on_host``, from the parallel
+    sizes given to ``doctor``; each worker keeps a pool of ``local_pool_size``): all of it
+    at start-up with ``local_pool_prefault`` (a worker refuses to start when its pool is
+    more than the memory then available, so the workers that start last would be
+    refused), else as the pools fill."""
     from vllm_ascend.distributed.kv_transfer.core.device import available_host_memory
 
     from ..backend.local_memory import prefault_bytes
@@ -52,24 +55,29 @@ def check_local_memory(doctor: Any, section: Any) -> None:
     free = available_host_memory()
     if size is None or free is None:
         return
+    workers = max(1, int(getattr(doctor, "workers_on_host", 1)))
     mib, free_mib = size >> 20, free >> 20
+    each = "" if workers == 1 else f"{workers} workers x "
+    per = ("per worker process; give the instance's parallel sizes (-tp, -pp, -dpl) to "
+           "count its workers" if workers == 1 else f"{workers} worker processes on this host")
     if getattr(section, "local_pool_prefault", False):
         touched = prefault_bytes(size)
-        if touched > free:
-            doctor.fail("local pool memory", f"local_pool_prefault touches {mib} MiB (+"
+        if touched * workers > free:
+            doctor.fail("local pool memory", f"local_pool_prefault touches {each}{mib} MiB (+"
                         f"{(touched - size) >> 20} MiB) at start-up; {free_mib} MiB available: "
-                        "the worker refuses to start", "lower local_pool_size, or turn "
+                        f"{'the worker refuses' if workers == 1 else 'the last workers refuse'}"
+                        " to start", "lower local_pool_size (it is per worker), or turn "
                         "local_pool_prefault off")
         else:
-            doctor.ok("local pool memory", f"{mib} MiB touched at start-up, {free_mib} MiB "
-                      "available (per worker process)")
-    elif size > free:
-        doctor.warn("local pool memory", f"local_pool_size {mib} MiB is more than the "
-                    f"{free_mib} MiB available; the pool grows to it as it fills",
-                    "lower local_pool_size")
+            doctor.ok("local pool memory", f"{each}{mib} MiB touched at start-up, {free_mib} "
+                      f"MiB available ({per})")
+    elif size * workers > free:
+        doctor.warn("local pool memory", f"local_pool_size {each}{mib} MiB is more than the "
+                    f"{free_mib} MiB available; the pools grow to it as they fill",
+                    "lower local_pool_size (it is per worker)")
     else:
-        doctor.ok("local pool memory", f"up to {mib} MiB as it fills, {free_mib} MiB "
-                  "available (per worker process)")
+        doctor.ok("local pool memory", f"up to {each}{mib} MiB as it fills, {free_mib} MiB "
+                  f"available ({per})")
 
 
 def check_backend(doctor: Any, section: Any) -> None:
