@@ -6,6 +6,7 @@ batch's slots are laid out region by region, so consecutive blocks move in one r
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -228,7 +229,7 @@ def test_a_prefault_larger_than_the_available_memory_is_refused_before_touching_
     touched: list[int] = []
     monkeypatch.setattr(local_backend, "available_host_memory", lambda: 256 * MIB)
     monkeypatch.setattr(local_memory, "touched_memory",
-                        lambda n, threads=1: touched.append(n) or np.empty(n, dtype=np.uint8))
+                        lambda n, threads=1, touched_=None: touched.append(n) or np.empty(n, dtype=np.uint8))
     with pytest.raises(ValueError, match="local_pool_prefault: local_pool_size of 1024 MiB"):
         LocalBackend(capacity=1 << 30, prefault=True)
     assert touched == []
@@ -246,7 +247,7 @@ def test_a_prefault_of_every_worker_on_the_host_beyond_its_memory_is_refused(
     monkeypatch.setattr(local_backend, "available_host_memory", lambda: 4096 * MIB)
     monkeypatch.setattr(local_backend, "total_host_memory", lambda: 1024 * MIB)
     monkeypatch.setattr(local_memory, "touched_memory",
-                        lambda n, threads=1: touched.append(n) or np.empty(n, dtype=np.uint8))
+                        lambda n, threads=1, touched_=None: touched.append(n) or np.empty(n, dtype=np.uint8))
     # 8 workers (vLLM's local_world_size) x (128 + 64) MiB > 1024 MiB in all
     with pytest.raises(ValueError, match="8 workers on this host keep a pool each"):
         LocalBackend(SimpleNamespace(local_world_size=8), capacity=128 * MIB, prefault=True)
@@ -256,3 +257,27 @@ def test_a_prefault_of_every_worker_on_the_host_beyond_its_memory_is_refused(
     LocalBackend(capacity=128 * MIB, prefault=True, host_workers=4).close()  # 768 MiB fit
     LocalBackend(SimpleNamespace(local_world_size=8), capacity=128 * MIB).close()  # no prefault
     assert touched == [128 * MIB + CHUNK_BYTES]
+
+
+def test_a_prefault_counts_what_other_workers_are_touching_now(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Workers starting side by side: one's claim not touched yet is not in the memory
+    available, so the next one subtracts it (core.host_memory)."""
+    import json
+
+    from vllm_ascend.distributed.kv_transfer.core import host_memory
+
+    ledger = tmp_path / "claims.json"
+    monkeypatch.setenv(host_memory.LEDGER_ENV, str(ledger))
+    monkeypatch.setattr(local_backend, "available_host_memory", lambda: 256 * MIB)
+    ledger.write_text(json.dumps({"1:": 100 * MIB}))  # pid 1 lives: a worker touching 100 MiB
+    with pytest.raises(ValueError, match="less the 100 MiB other workers of this host"):
+        LocalBackend(capacity=128 * MIB, prefault=True)  # 192 MiB > 256 - 100
+    reported: list[int] = []
+    real = local_memory.touched_memory
+    monkeypatch.setattr(local_memory, "touched_memory", lambda n, threads=1, touched=None: (
+        real(n, threads, lambda k: (reported.append(k), touched and touched(k)))))
+    pool = LocalBackend(capacity=64 * MIB, prefault=True, copy_threads=2)  # 128 MiB fit
+    pool.close()
+    assert sum(reported) == 128 * MIB and len(reported) == 2  # a chunk at a time
+    assert json.loads(ledger.read_text()) == {"1:": 100 * MIB}  # its own claim dropped

@@ -146,8 +146,9 @@ class AscendStoreConfig(ConfigSection):
                    "resident from then on, in each worker process; seconds per GB on hosts "
                    "that back guest memory lazily) instead of page by page as it fills, "
                    "which the engine pays for while it serves. More than the host has "
-                   "available is refused at start-up, and so is more than the host has in "
-                   "all for every worker on it (TP, PP and local DP ranks each keep one).")
+                   "available (less what its other workers are touching at the same time) is "
+                   "refused at start-up, and so is more than the host has in all for every "
+                   "worker on it (TP, PP and local DP ranks each keep one).")
     eviction_policy: str = option(
         DEFAULT_POLICY, choices=POLICY_NAMES,
         doc="What the 'local' backend evicts first: 'prefix' (LRU over chain leaves: a "

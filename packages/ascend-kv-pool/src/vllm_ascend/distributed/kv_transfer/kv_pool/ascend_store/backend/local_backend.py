@@ -52,6 +52,11 @@ from vllm_ascend.distributed.kv_transfer.core.device import (
     available_host_memory,
     total_host_memory,
 )
+from vllm_ascend.distributed.kv_transfer.core.host_memory import (
+    HostMemoryError,
+    MemoryClaim,
+    claim_host_memory,
+)
 from vllm_ascend.distributed.kv_transfer.core.ranks import workers_on_host
 
 from ..config import DEFAULT_COPY_THREADS
@@ -115,22 +120,17 @@ def _group(key: str) -> str:
     return head
 
 
-def _check_prefault(capacity: int, host_workers: int) -> None:
-    """Refuse a prefaulted pool the host cannot hold: this worker's more than the memory
-    available now, or every worker's on this host more than the memory there is in all
-    (race-free while they start side by side, as the total does not change).
+def _check_prefault(capacity: int, host_workers: int) -> MemoryClaim:
+    """Refuse a prefaulted pool the host cannot hold: every worker's on this host more than
+    the memory there is in all (race-free while they start side by side, as the total does
+    not change), or this worker's more than the memory available now less what the other
+    processes of the host are touching at the same time (:mod:`~vllm_ascend.distributed.
+    kv_transfer.core.host_memory`). Returns this worker's claim, lowered as it touches.
 
     Raises:
         ValueError: naming the sizes and what to change.
     """
     need = prefault_bytes(capacity)
-    free = available_host_memory()
-    if free is not None and need > free:
-        raise ValueError(
-            f"local_pool_prefault: local_pool_size of {capacity >> 20} MiB (and a chunk of "
-            f"{CHUNK_BYTES >> 20} MiB) is more than the {free >> 20} MiB of host memory "
-            "available; touching it would get the engine killed. Lower local_pool_size or "
-            "turn local_pool_prefault off.")
     total = total_host_memory()
     if host_workers > 1 and total is not None and need * host_workers > total:
         raise ValueError(
@@ -139,6 +139,17 @@ def _check_prefault(capacity: int, host_workers: int) -> None:
             f"{CHUNK_BYTES >> 20} MiB) is more than the {total >> 20} MiB of host memory in "
             "all; touching it would get the engine killed. Lower local_pool_size (it is per "
             "worker) or turn local_pool_prefault off.")
+    try:
+        return claim_host_memory(need, what="local_pool_prefault",
+                                 available=available_host_memory)
+    except HostMemoryError as exc:
+        raise ValueError(
+            f"local_pool_prefault: local_pool_size of {capacity >> 20} MiB (and a chunk of "
+            f"{CHUNK_BYTES >> 20} MiB) is more than the {exc.available >> 20} MiB of host "
+            "memory available" + (f" less the {exc.claimed >> 20} MiB other workers of this "
+                                  "host are touching now" if exc.claimed else "") +
+            "; touching it would get the engine killed. Lower local_pool_size or turn "
+            "local_pool_prefault off.") from exc
 
 
 class LocalBackend(Backend):
@@ -201,11 +212,16 @@ class LocalBackend(Backend):
         self._links: dict[str, str] = {}  # learned parents of keys not stored yet
         if prefault is None:
             prefault = bool(getattr(config, "local_pool_prefault", False))
-        if prefault:
-            _check_prefault(self.capacity, workers_on_host(parallel_config)
-                            if host_workers is None else host_workers)
+        claim = (_check_prefault(self.capacity, workers_on_host(parallel_config)
+                                 if host_workers is None else host_workers)
+                 if prefault else None)
         started = time.perf_counter()
-        self._slabs = Slabs(self.capacity, prefault=prefault, threads=self._copier.threads)
+        try:
+            self._slabs = Slabs(self.capacity, prefault=prefault, threads=self._copier.threads,
+                                touched=claim.advance if claim is not None else None)
+        finally:
+            if claim is not None:
+                claim.release()
         if prefault:
             logger.info("local pool: touched %d MiB of host memory in %.2f s (prefault)",
                         self._slabs.arena_bytes >> 20, time.perf_counter() - started)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -129,12 +130,14 @@ def prefault_bytes(capacity: int) -> int:
     return capacity + CHUNK_BYTES
 
 
-def touched_memory(nbytes: int, threads: int = 1) -> np.ndarray:
+def touched_memory(nbytes: int, threads: int = 1,
+                   touched: Callable[[int], None] | None = None) -> np.ndarray:
     """``nbytes`` of host memory with every page touched (written), so no later copy into
     it faults; numpy advises huge pages for it, and it starts on one. ``threads`` threads
     touch a share each (a page fault's cost is mostly the kernel's, which runs on the
     faulting thread's core; on a VM whose host backs guest memory lazily, two threads took
-    7 s for 2 GB, one 14-20 s).
+    7 s for 2 GB, one 14-20 s), a chunk at a time, each chunk's bytes then passed to
+    ``touched`` (from the thread that touched it).
     """
     nbytes = max(0, nbytes)
     raw = np.empty(nbytes + HUGE_PAGE_BYTES, dtype=np.uint8)
@@ -145,7 +148,12 @@ def touched_memory(nbytes: int, threads: int = 1) -> np.ndarray:
     share = -(-share // PAGE_BYTES) * PAGE_BYTES
 
     def touch(start: int) -> None:
-        arena[start:start + share:PAGE_BYTES] = 0  # numpy releases the GIL here
+        end = min(start + share, arena.nbytes)
+        for lo in range(start, end, CHUNK_BYTES):
+            hi = min(lo + CHUNK_BYTES, end)
+            arena[lo:hi:PAGE_BYTES] = 0  # numpy releases the GIL here
+            if touched is not None:
+                touched(hi - lo)
 
     workers = [threading.Thread(target=touch, args=(i * share,), name="local-pool-prefault")
                for i in range(1, threads)]
@@ -165,9 +173,11 @@ class Slabs:
         prefault: touch the pool's memory now (an arena of ``capacity`` bytes and one
             chunk, with ``threads`` threads) and carve chunks from it while it lasts; its
             slots are always kept for reuse, as letting them go would free nothing.
+        touched: called with the bytes of each chunk of that memory once touched.
     """
 
-    def __init__(self, capacity: int, prefault: bool = False, threads: int = 1) -> None:
+    def __init__(self, capacity: int, prefault: bool = False, threads: int = 1,
+                 touched: Callable[[int], None] | None = None) -> None:
         self._free: dict[int, list[Slot]] = {}
         self._grown: dict[int, int] = {}  # slots allocated per size so far
         self._free_bytes = 0
@@ -176,7 +186,7 @@ class Slabs:
         self._arena: np.ndarray | None = None
         self._arena_used = self._arena_lo = self._arena_hi = 0
         if prefault:
-            self._arena = touched_memory(prefault_bytes(capacity), threads)
+            self._arena = touched_memory(prefault_bytes(capacity), threads, touched)
             self._arena_lo = int(self._arena.ctypes.data)
             self._arena_hi = self._arena_lo + self._arena.nbytes
 
