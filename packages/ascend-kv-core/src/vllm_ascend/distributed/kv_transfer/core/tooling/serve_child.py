@@ -111,7 +111,8 @@ def _child_main() -> int:
                 start = time.perf_counter()
                 outs = llm.generate(prompts, params, use_tqdm=False)
                 seconds = time.perf_counter() - start
-                answer("ok", {"seconds": seconds,
+                ended_at = time.time()  # wall clock: engines of one host compare them
+                answer("ok", {"seconds": seconds, "ended_at": ended_at,
                               # vLLM's num_external_computed_tokens of the call's requests
                               # (None: no prefill stats seen, so unknown)
                               "external_tokens": sum(external) if external else None,

@@ -23,13 +23,12 @@ from typing import Any
 
 from ..net import free_port
 from .serve_child import EngineError, short_error
+from .serve_pd import require_params, run_pd
 from .serve_scenarios import (
     PATCH_MODULE,
     Run,
     Scenario,
     cache_flow,
-    require_params,
-    run_pd,
     run_single,
     warm_up,
 )

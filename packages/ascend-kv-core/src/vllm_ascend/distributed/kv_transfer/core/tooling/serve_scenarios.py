@@ -251,6 +251,8 @@ class Run:
         self.live: dict[str, list[EngineChild]] = {}
         #: values a scenario must keep across its rounds (e.g. the port its kept P listens on)
         self.memo: dict[str, Any] = {}
+        # what scenarios started besides engines (e.g. a metaserver), stopped by close()
+        self._closers: list[Callable[[], None]] = []
         #: the engine without a connector, kept for the whole run: its recompute and
         #: throughput are measured again next to every scenario (a shared machine drifts)
         self.base_engine: EngineChild | None = None
@@ -335,9 +337,18 @@ class Run:
                             f"in {done['seconds']:.1f} s) and emptied before the rounds")
         return self.store
 
+    def on_close(self, stop: Callable[[], None]) -> None:
+        """Have :meth:`close` call ``stop`` (after the engines; last registered first)."""
+        self._closers.append(stop)
+
     def close(self) -> None:
         """Stop what the run started and remove its scratch files (saved KV, Store logs)."""
         self.close_live()
+        while self._closers:
+            try:
+                self._closers.pop()()
+            except Exception:  # one that fails must not keep the others running
+                logger.exception("bench serve: stopping a scenario's helper failed")
         if self.base_engine is not None:
             self.base_engine.close()
             self.base_engine = None
@@ -347,7 +358,8 @@ class Run:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def _first(out: dict[str, Any]) -> dict[str, Any]:
+def first_output(out: dict[str, Any]) -> dict[str, Any]:
+    """The first output of an engine's ``generate`` answer."""
     return dict(out["outputs"][0])
 
 
@@ -374,9 +386,9 @@ def cache_flow(run: Run, eng: EngineChild, name: str) -> dict[str, Any]:
         if not all(resets):
             run.steps.note(f"{name}: {len(prompt)} tokens: reset_prefix_cache refused "
                            f"{resets.count(False)} time(s): a hit after it may be vLLM's own")
-        c = _first(cold)
+        c = first_output(cold)
         again_s = median(a["seconds"] for a in agains)
-        a = _first(agains[-1])
+        a = first_output(agains[-1])
         rows.append({"tokens": len(prompt), "cold_s": cold["seconds"],
                      "device_hit_s": device_s, "again_s": again_s,
                      "again_samples": [x["seconds"] for x in agains],
@@ -384,7 +396,7 @@ def cache_flow(run: Run, eng: EngineChild, name: str) -> dict[str, Any]:
                      "again_external": agains[-1].get("external_tokens"),
                      "cold_token": (c["tokens"] or [None])[0],
                      "again_token": (a["tokens"] or [None])[0],
-                     "again_tokens_all": [(_first(x)["tokens"] or [None])[0] for x in agains],
+                     "again_tokens_all": [(first_output(x)["tokens"] or [None])[0] for x in agains],
                      # False: vLLM kept its cache, so that sample was not a connector hit
                      "resets_ok": resets,
                      "finish": a["finish_reason"]})
@@ -443,7 +455,7 @@ def reference(run: Run, prompts: list[list[int]] | None = None, *,
         eng.call("reset_prefix_cache")
         out = eng.generate([prompt])
         recompute[len(prompt)] = out["seconds"]
-        tokens[len(prompt)] = (_first(out)["tokens"] or [None])[0]
+        tokens[len(prompt)] = (first_output(out)["tokens"] or [None])[0]
         device[len(prompt)] = eng.generate([prompt])["seconds"]
     eng.call("reset_prefix_cache")
     ref: dict[str, Any] = {"recompute_s": recompute, "device_hit_s": device, "tokens": tokens}
@@ -498,97 +510,3 @@ def run_single(run: Run, name: str, kv: dict[str, Any] | None,
     if warm is not None:
         data["warm_up"] = warm
     return data
-
-
-def pd_flow(run: Run, p: EngineChild, d: EngineChild, name: str,
-            params: Callable[[str], tuple[dict[str, Any], Callable[[dict[str, Any] | None],
-                                                                 dict[str, Any]]]]
-            ) -> dict[str, Any]:
-    """P prefills each prompt (max_tokens=1) and holds it; D's TTFT with P's KV is timed.
-
-    Each prompt is sent ``repeats`` times (P's own prefix cache makes the repeats
-    cheap on P; D's cache is reset after every request, so D always transfers);
-    the median D TTFT is kept. Right after each, the same prompt again on D (now in
-    D's own device cache: vLLM computes only the last token, :func:`last_token_floor`)
-    is D's floor, and
-    vLLM's count of external tokens says whether D loaded P's KV at all.
-    ``params(key)`` gives P's ``kv_transfer_params`` and a function turning P's
-    output params into D's.
-    """
-    rows = []
-    for i, prompt in enumerate([run.warmup, *run.pd_prompts]):
-        samples, floors, external, waits = [], [], [], []
-        for r in range(1 if i == 0 else run.cfg.repeats):
-            p_in, to_d = params(f"{run.binding or '-'}-{run.round}-{i}-{r}")
-            pout = p.generate([prompt], kv_params=[p_in])
-            d_in = to_d(_first(pout)["kv_transfer_params"])
-            dout = d.generate([prompt], kv_params=[d_in])
-            external.append(dout.get("external_tokens"))
-            waits.append((dout.get("kv_wait_s") or [None])[0])
-            floors.append(last_token_floor(d, prompt, run.cfg.block_size))
-            d.call("reset_prefix_cache")
-            samples.append((pout, dout))
-        if i == 0:
-            continue  # warm-up: connections, bootstrap queries
-        outs = [_first(dout) for _p, dout in samples]
-        bad = [o for o in outs if o["finish_reason"] not in ("length", "stop")]
-        d_ttft = median(dout["seconds"] for _p, dout in samples)
-        known = [e for e in external if isinstance(e, int)]
-        rows.append({"tokens": len(prompt), "prefill_s": samples[0][0]["seconds"],
-                     "d_ttft_s": d_ttft, "d_samples": [x[1]["seconds"] for x in samples],
-                     "d_floor_s": median(floors), "d_floor_samples": floors,
-                     # D's wait for the KV: first scheduled - added (None: not tracked)
-                     "d_kv_wait_s": median(waits),
-                     "d_kv_wait_samples": waits,
-                     "d_external": min(known) if known else None,
-                     "d_cached": outs[-1]["cached"],
-                     "d_token": (outs[-1]["tokens"] or [None])[0],
-                     "d_tokens_all": [(o["tokens"] or [None])[0] for o in outs],
-                     "finish": bad[0]["finish_reason"] if bad else outs[-1]["finish_reason"]})
-        run.steps.note(f"{name}: {len(prompt)} tokens: P {samples[0][0]['seconds']:.3f}s, "
-                       f"D TTFT {d_ttft:.3f}s, floor {rows[-1]['d_floor_s']:.3f}s (median of "
-                       f"{len(samples)}; {rows[-1]['d_external']} external tokens; "
-                       f"{rows[-1]['finish']})")
-    return {"prompts": rows}
-
-
-def run_pd(run: Run, name: str, p_kv: dict[str, Any], d_kv: dict[str, Any],
-           params: Callable[..., Any], *, p_env: dict[str, str] | None = None,
-           d_env: dict[str, str] | None = None, python: str | None = None,
-           pre_import: list[str] | None = None) -> dict[str, Any]:
-    """P and D under the run's thread binding (:func:`binding_env`), through
-    :func:`pd_flow`; both kept up for the next rounds of the same binding."""
-    binding = run.binding if run.binding is not None else (
-        f"bind={run.cfg.pd_threads_bind}" if run.cfg.pd_threads_bind else None)
-    p_bind, d_bind = binding_env(binding)
-    key = f"{name}[{binding}]" if binding else name
-    tag = f"{name}-{binding.replace('=', '')}" if binding else name
-
-    def start() -> list[EngineChild]:
-        p = run.engine(f"{tag}-prefill", p_kv, env={**p_bind, **(p_env or {})}, python=python,
-                       pre_import=pre_import)
-        try:
-            d = run.engine(f"{tag}-decode", d_kv, env={**d_bind, **(d_env or {})},
-                           python=python, pre_import=pre_import)
-        except BaseException:
-            p.close()
-            raise
-        return [p, d]
-
-    p, d = run.kept(key, start, pause_others=True)
-    try:
-        return pd_flow(run, p, d, name, params)
-    except BaseException:
-        run.drop(key)
-        raise
-
-
-def require_params(p_out: dict[str, Any] | None) -> dict[str, Any]:
-    """P's ``kv_transfer_params`` for D (a P/D flow's usual hand-over).
-
-    Raises:
-        RuntimeError: P returned none.
-    """
-    if not isinstance(p_out, dict) or not p_out.get("do_remote_prefill"):
-        raise RuntimeError(f"P returned no kv_transfer_params for D: {p_out!r}")
-    return p_out
