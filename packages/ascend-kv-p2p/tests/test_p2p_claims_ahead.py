@@ -276,6 +276,7 @@ def test_the_scheduler_claims_when_it_first_sees_the_request(pd: Any) -> None:
         blocks = SimpleNamespace(get_unhashed_block_ids=lambda: [5, 6])
         sched.update_state_after_alloc(req, blocks, 2 * BS)  # type: ignore[arg-type]
         meta = sched.build_connector_meta(None)  # type: ignore[arg-type]
+        assert meta.idle is False  # a scheduler output that does not say: a busy step
         recv = meta.requests["g"]
         assert recv.claimed_ahead and recv.early_claims and recv.early_claims[0].ok
         load(pd, recv)
@@ -324,3 +325,13 @@ def test_refusals_and_acceptances() -> None:
     claimed = got[0].result()
     assert claimed.first_try and claimed.grant is not None
     assert claimed.grant.region_addrs == [1, 2] and claimed.grant.region_strides == [3, 4]
+
+
+def test_a_step_that_runs_no_token_is_idle_for_the_worker() -> None:
+    sched = _scheduler(free_port())
+    try:
+        idle = sched.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=0))
+        busy = sched.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=7))
+        assert idle.idle is True and busy.idle is False  # type: ignore[arg-type]
+    finally:
+        sched.shutdown()

@@ -179,9 +179,12 @@ def test_decode_posts_its_blocks_then_waits_for_the_push(model_dir: Path,
     # the request's capability goes to P with the post and to D's worker with the metadata
     assert len(m.push_token) >= 32 and post["remote_push_token"] == m.push_token
     assert req.kv_transfer_params["do_remote_prefill"] is False  # never loaded twice
+    # the step ran no token (the request waits): the worker may wait for its KV a little
+    assert out.total_num_scheduled_tokens == 0 and meta.idle is True
     step(s, kv=KVConnectorOutput(finished_recving={"d1"}))
     out, _ = step(s)
     assert out.num_scheduled_tokens.get("d1") == 1  # only the last prompt token is computed
+    assert out.kv_connector_metadata.idle is False
 
 
 def test_virtual_request_is_not_posted_and_runs_after_its_fake_load(
@@ -322,6 +325,7 @@ def test_chunked_prefill_is_pushed_chunk_by_chunk(model_dir: Path, cached: int,
     while not done:
         out, eo = step(s)
         push = out.kv_connector_metadata.pushes.get("p")
+        assert out.kv_connector_metadata.idle is (out.total_num_scheduled_tokens == 0)
         if push is not None:
             assert push.abort is None and push.target.request_id == "d-req"
             seen.append((push.positions, push.last))

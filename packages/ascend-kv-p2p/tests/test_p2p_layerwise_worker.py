@@ -592,3 +592,27 @@ def test_a_renewal_sent_while_d_was_held_up_keeps_the_sender(
     assert pd.d.recorder.total("p2p_failures", cause="peer_lost") == 0
     assert pd.d.recorder.total("p2p_load_deadlines") == 1
     client.close()
+
+
+def test_an_idle_step_waits_for_the_push_to_end_and_only_then(pd: Any) -> None:
+    """On a step that runs no token D waits for a request to end instead of spinning:
+    woken by P's Done; at once when no request waits."""
+    d = pd.d
+    assert d.receiver.wait_any(30) is True  # no request waits: at once
+    d_expect(d, "r", [1, 2])
+    assert d.receiver.wait_any(0.05) is False  # nothing came
+    woken: list[bool] = []
+    waiter = threading.Thread(target=lambda: woken.append(d.receiver.wait_any(30)))
+    waiter.start()
+    client = RpcClient(tcp_endpoint("127.0.0.1", worker_port(pd.d_port, tp_rank=0, tp_size=1)),
+                       LAYERWISE_CODEC)
+    try:
+        ack = client.call(PushDone(request_id="r", sender="P/tp0", success=False,
+                                   reason="gave up"))
+        assert isinstance(ack, PushDoneAck) and ack.accepted
+        waiter.join(30)
+        assert woken == [True]  # by the Done, not by the timeout
+        assert d.get_finished(set(), idle=True) == (None, {"r"})
+        assert d.get_block_ids_with_load_errors() == {1, 2}
+    finally:
+        client.close()

@@ -22,7 +22,7 @@ from vllm_ascend.distributed.kernels.heads import kv_heads_of_rank
 from vllm_ascend.distributed.kv_transfer.core.channel import RpcServer, tcp_endpoint
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
 from vllm_ascend.distributed.kv_transfer.core.net import free_port
-from vllm_ascend.distributed.kv_transfer.kv_p2p import pull_holder, pull_reader
+from vllm_ascend.distributed.kv_transfer.kv_p2p import pull_holder, pull_loads, pull_reader
 from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig
 from vllm_ascend.distributed.kv_transfer.kv_p2p.p2p_metrics import P2P_METRICS
 from vllm_ascend.distributed.kv_transfer.kv_p2p.params import RemotePrefill
@@ -651,3 +651,50 @@ def test_a_refused_claim_fails_the_load_and_gives_back_the_claimed_ranks(
 def cache_of(worker: PullWorker) -> dict[str, Any]:
     assert worker.layout is not None
     return {f"r{i}": r.tensor for i, r in enumerate(worker.layout.regions)}
+
+
+def test_an_idle_step_waits_for_a_load_to_end_and_only_then(pd: Any) -> None:
+    """A step that runs no token (vLLM steps again at once) waits on D's loads instead of
+    spinning: woken as the load ends, and not at all when no load is in flight."""
+    d = pd.d
+    waits: list[float] = []
+    original = d.loads.wait_any
+
+    def counted(timeout: float) -> bool:
+        waits.append(timeout)
+        return bool(original(timeout))
+
+    d.loads.wait_any = counted
+    assert d.get_finished(idle=True) == (None, None) and waits == []  # nothing in flight
+    release = threading.Event()
+    original_read = d.reader._read
+
+    def stalled(meta: RecvMeta, *args: Any) -> int:
+        release.wait(10)
+        return int(original_read(meta, *args))
+
+    d.reader._read = stalled
+    pd.p.start_load_kv(MooncakeConnectorMetadata(requests_to_send={"r": SendMeta("r", [5])}))
+    recv(pd, "idle", "r", [5], [6])
+    assert d.get_finished(idle=False) == (None, None) and waits == []  # a busy step
+    assert d.get_finished(idle=True) == (None, None)  # waited, timed out: still loading
+    assert waits == [d.cfg.idle_wait_s]
+    ended: list[Any] = []
+    waiter = threading.Thread(target=lambda: ended.append(d.loads.wait_any(30)))
+    waiter.start()
+    release.set()
+    waiter.join(30)
+    assert ended == [True]  # woken by the end of the load, not by its timeout
+    assert d.get_finished(idle=True) == (None, {"idle"})
+
+
+def test_the_tracker_wait_ends_at_once_without_loads_and_times_out_with_one() -> None:
+    loads = pull_loads.LoadTracker(MetricsRecorder(P2P_METRICS), load_timeout_s=5.0)
+    assert loads.wait_any(30) is True  # nothing pending
+    remote = RemotePrefill(engine_id="P", host="127.0.0.1", port=1, request_id="x",
+                           block_ids=[1], tp_size=1, pcp_size=1, dcp_size=1)
+    meta = RecvMeta("x", [2], remote, remote_block_ids=[1])
+    loads.add(meta, time.monotonic())
+    assert loads.wait_any(0.05) is False
+    loads.finish(meta, ok=True)
+    assert loads.wait_any(30) is True and loads.collect_finished() == {"x"}

@@ -93,6 +93,14 @@ class MooncakeP2PConfig(ConfigSection):
     handshake_timeout_s: float = option(
         10.0, minimum=0.1, doc="Timeout of one side-channel request to the peer.")
     num_recv_workers: int = option(4, minimum=1, doc="Threads on D that pull KV from P instances.")
+    idle_wait_s: float = option(
+        0.002, minimum=0.0, maximum=0.1,
+        doc="On a step that runs no token (every request waits for its KV), how long D's "
+            "worker waits for a load to end before it returns to vLLM, which steps again "
+            "at once: a load that ends wakes it at once, so the wait costs no latency, and "
+            "it keeps D's engine loop from taking a whole core while P computes or the "
+            "transfer runs (on a host where they share cores). A request that arrives "
+            "meanwhile waits at most this long. 0 turns it off.")
 
     @property
     def hold_window_s(self) -> float:

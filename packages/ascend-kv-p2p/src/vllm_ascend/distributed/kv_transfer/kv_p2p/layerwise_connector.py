@@ -179,7 +179,9 @@ class MooncakeLayerwiseConnector(ConnectorStatsMixin, KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
                                                                  set[str] | None]:
         assert self.connector_worker is not None
-        return self.connector_worker.get_finished(finished_req_ids)
+        meta = self._connector_metadata  # bound while vLLM asks (None in a bare call)
+        idle = isinstance(meta, MooncakeLayerwiseConnectorMetadata) and meta.idle
+        return self.connector_worker.get_finished(finished_req_ids, idle=idle)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self.connector_worker is None:

@@ -89,6 +89,9 @@ class MooncakeLayerwiseConnectorMetadata(KVConnectorMetadata):
     pushes: dict[str, PushReq] = field(default_factory=dict)
     #: D requests whose metaserver post failed for good: request id -> reason
     failed_posts: dict[str, str] = field(default_factory=dict)
+    #: the step runs no token: D's worker may wait a little for a request to end
+    #: (``idle_wait_s``)
+    idle: bool = False
 
     def add_new_req(self, request_id: str, local_block_ids: list[int],
                     kv_transfer_params: dict[str, Any] | None, *,

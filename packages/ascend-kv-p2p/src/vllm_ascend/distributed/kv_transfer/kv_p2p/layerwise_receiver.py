@@ -272,12 +272,14 @@ class PushReceiver:
                 # P gave up before its first write: the count can never be reached
                 if inc.failure is None:
                     inc.failure, inc.cause = f"P gave up: {msg.reason}", "p_failed"
+                self._cv.notify_all()  # wakes an idle step's wait_any
                 return PushDoneAck(accepted=True)
             if sender.done:
                 return PushDoneAck(accepted=False)
             sender.done, sender.success, sender.nbytes = True, msg.success, msg.nbytes
             if not msg.success and inc.failure is None:
                 inc.failure, inc.cause = f"P {msg.sender} failed: {msg.reason}", "p_failed"
+            self._cv.notify_all()  # wakes an idle step's wait_any
             return PushDoneAck(accepted=True)
 
     # ================================================================ the step
@@ -349,6 +351,17 @@ class PushReceiver:
             out |= self.virtual_request
             self.virtual_request = set()
         return out
+
+    def wait_any(self, timeout: float) -> bool:
+        """Block until some request waiting for its KV can end (received, failed, virtual),
+        at most ``timeout`` seconds; at once when none waits. False on timeout (deadlines
+        and lapsed leases are checked by :meth:`collect_finished`, not here)."""
+        def ready() -> bool:
+            return (not self.incoming or bool(self.virtual_request) or bool(self._done_recving)
+                    or any(inc.failure is not None or inc.complete()
+                           for inc in self.incoming.values()))
+        with self._cv:
+            return self._cv.wait_for(ready, timeout)
 
     def take_load_errors(self) -> set[int]:
         """Blocks of the requests that failed since the last call."""

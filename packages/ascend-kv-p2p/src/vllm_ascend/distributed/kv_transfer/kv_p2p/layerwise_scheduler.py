@@ -52,6 +52,7 @@ from .params import (
     wants_virtual,
 )
 from .protocol import side_channel_port
+from .pull_contract import runs_no_token
 from .rank_hosts import parse_rank_hosts
 
 if TYPE_CHECKING:
@@ -247,7 +248,8 @@ class LayerwiseScheduler:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput
                              ) -> MooncakeLayerwiseConnectorMetadata:
-        meta = MooncakeLayerwiseConnectorMetadata(requests=self._recv)
+        meta = MooncakeLayerwiseConnectorMetadata(
+            requests=self._recv, idle=runs_no_token(scheduler_output))
         self._recv = {}
         with self._lock:
             meta.failed_posts, self._failed_posts = self._failed_posts, {}

@@ -105,9 +105,15 @@ class LayerwiseWorker(P2PWorkerBase):
         if self.sender is not None:
             self.sender.wait_for_save(metadata)
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
-                                                                 set[str] | None]:
-        """Requests P may free now, and requests D finished receiving (each reported once)."""
+    def get_finished(self, finished_req_ids: set[str], *, idle: bool = False
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        """Requests P may free now, and requests D finished receiving (each reported once).
+
+        ``idle``: the step ran no token; with requests waiting for their KV, D waits up to
+        ``idle_wait_s`` for one to end first (vLLM steps again at once: without the wait
+        D's engine loop spins on a core while P computes and pushes)."""
+        if idle and self.receiver is not None and self.cfg.idle_wait_s > 0:
+            self.receiver.wait_any(self.cfg.idle_wait_s)
         sending = (self.sender.collect_finished(finished_req_ids) if self.sender is not None
                    else set())
         recving = (self.receiver.collect_finished(finished_req_ids)

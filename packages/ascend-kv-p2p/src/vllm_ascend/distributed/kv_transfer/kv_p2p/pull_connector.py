@@ -165,7 +165,9 @@ class MooncakeConnector(ConnectorStatsMixin, KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
                                                                  set[str] | None]:
         assert self.connector_worker is not None
-        return self.connector_worker.get_finished()
+        meta = self._connector_metadata  # bound while vLLM asks (None in a bare call)
+        return self.connector_worker.get_finished(
+            idle=isinstance(meta, MooncakeConnectorMetadata) and meta.idle)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self.connector_worker is None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
@@ -88,6 +89,12 @@ class SendMeta:
     token: str = ""
 
 
+def runs_no_token(scheduler_output: Any) -> bool:
+    """The step of ``scheduler_output`` runs no token (the metadata's ``idle``); a
+    scheduler output that does not say is taken as a busy step."""
+    return getattr(scheduler_output, "total_num_scheduled_tokens", None) == 0
+
+
 @dataclass
 class MooncakeConnectorMetadata(KVConnectorMetadata):
     """Scheduler -> worker payload of one step (field names as upstream's)."""
@@ -99,3 +106,6 @@ class MooncakeConnectorMetadata(KVConnectorMetadata):
     #: D: answers of claims sent ahead for requests passed in earlier steps, by request id
     #: then P rank
     claim_answers: dict[str, dict[int, EarlyClaim]] = field(default_factory=dict)
+    #: the step runs no token (every request waits for its KV, or none is left): the
+    #: worker may wait a little for a load to end (``idle_wait_s``)
+    idle: bool = False

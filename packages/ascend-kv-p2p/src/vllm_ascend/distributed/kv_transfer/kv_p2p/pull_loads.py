@@ -107,6 +107,12 @@ class LoadTracker:
         with self._cv:
             return self._cv.wait_for(lambda: not any(r in self._pending for r in ids), timeout)
 
+    def wait_any(self, timeout: float) -> bool:
+        """Block until some load ended since the last :meth:`collect_finished` (or none
+        is pending), at most ``timeout`` seconds; False on timeout."""
+        with self._cv:
+            return self._cv.wait_for(lambda: bool(self._ended) or not self._pending, timeout)
+
     # ------------------------------------------------------------ reads in flight
     def begin_read(self, meta: RecvMeta) -> bool:
         """Mark a read into the request's blocks as in flight; False when the load already

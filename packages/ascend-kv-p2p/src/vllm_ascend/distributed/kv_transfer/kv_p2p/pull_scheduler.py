@@ -40,7 +40,7 @@ from .params import (
 from .pp_layout import expand_over_stages
 from .protocol import side_channel_port
 from .pull_claims import ClaimAhead
-from .pull_contract import MooncakeConnectorMetadata, RecvMeta, SendMeta
+from .pull_contract import MooncakeConnectorMetadata, RecvMeta, SendMeta, runs_no_token
 from .pull_window import in_window, stamp
 from .renewer import LeaseRenewer
 
@@ -182,7 +182,8 @@ class PullScheduler:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> MooncakeConnectorMetadata:
         meta = MooncakeConnectorMetadata(
             requests=self._to_pull, requests_to_send=self._to_hold,
-            claim_answers=self.claims.take_answers() if self.claims is not None else {})
+            claim_answers=self.claims.take_answers() if self.claims is not None else {},
+            idle=runs_no_token(scheduler_output))
         self._to_pull, self._to_hold = {}, {}
         return meta
 

@@ -144,8 +144,14 @@ class PullWorker(P2PWorkerBase):
             # answers of claims D's scheduler sent ahead, for pulls started in earlier steps
             self.reader.inbox.deliver(metadata.claim_answers)
 
-    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
-        """Requests P may free now, and requests D finished loading (each reported once)."""
+    def get_finished(self, *, idle: bool = False) -> tuple[set[str] | None, set[str] | None]:
+        """Requests P may free now, and requests D finished loading (each reported once).
+
+        ``idle``: the step ran no token; with loads in flight, wait up to ``idle_wait_s``
+        for one to end first (vLLM steps again at once: without the wait D's engine loop
+        spins on a core while the transfer runs)."""
+        if idle and self.loads is not None and self.cfg.idle_wait_s > 0 and len(self.loads):
+            self.loads.wait_any(self.cfg.idle_wait_s)
         sending = self.holder.collect_finished() if self.holder is not None else set()
         recving = self.loads.collect_finished() if self.loads is not None else set()
         return sending or None, recving or None

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +27,48 @@ from .engine_env import ENGINE_ENV
 logger = logging.getLogger(__name__)
 
 
+def parse_cpu_list(text: str) -> list[int]:
+    """CPU ids of a list like ``"5,2-4"`` (as ``VLLM_CPU_OMP_THREADS_BIND`` gives them).
+
+    Raises:
+        ValueError: not such a list.
+    """
+    cpus: list[int] = []
+    for part in text.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"not a CPU list: {text!r}")
+        cpus.extend(range(int(lo), int(hi) + 1) if sep else [int(lo)])
+    if not cpus:
+        raise ValueError(f"not a CPU list: {text!r}")
+    return sorted(set(cpus))
+
+
+def bind_in_process(env: MutableMapping[str, str] = os.environ) -> list[int] | None:
+    """Apply a CPU list in ``VLLM_CPU_OMP_THREADS_BIND`` to this process (before torch loads).
+
+    vLLM (0.32) applies the binding only to the workers its multiprocess executor starts
+    (their OpenMP places and thread count); an engine in the calling process, as every
+    ``bench serve`` engine is, ignores it and runs as many OpenMP threads as the host has
+    CPUs, wherever the OS puts them. Here the process keeps to the listed CPUs (every
+    thread it starts, the transfer engine's too) with one OpenMP thread per CPU. ``auto``,
+    ``nobind`` or nothing: left as it is (``None``). Of a ``|``-separated list (one per
+    rank) the first is taken.
+    """
+    value = env.get("VLLM_CPU_OMP_THREADS_BIND", "")
+    if value in ("", "auto", "nobind"):
+        return None
+    cpus = parse_cpu_list(value.split("|")[0])
+    os.sched_setaffinity(0, cpus)
+    env["OMP_NUM_THREADS"] = str(len(cpus))
+    env["OMP_PLACES"] = "{" + ",".join(map(str, cpus)) + "}"
+    env["OMP_PROC_BIND"] = "true"
+    return cpus
+
+
 def _child_main() -> int:
     """The engine process: JSON commands on stdin, JSON answers on the original stdout."""
+    cpus = bind_in_process()  # before torch loads (libgomp reads OMP_* once)
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # vLLM's own output goes to the log, not into the protocol
     sys.stdout = sys.stderr
@@ -37,6 +78,9 @@ def _child_main() -> int:
         proto.flush()
 
     spec = json.loads(sys.stdin.readline())
+    if cpus is not None:
+        print(f"bench serve: engine bound to CPUs {cpus} ({len(cpus)} OpenMP threads)",
+              file=sys.stderr)
     try:
         import importlib
 

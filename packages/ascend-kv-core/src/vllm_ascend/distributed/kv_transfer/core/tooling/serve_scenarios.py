@@ -46,6 +46,8 @@ logger = logging.getLogger(__name__)
 PD_THREADS_BIND = ""
 #: Thread bindings the P/D scenarios run under, as ``VLLM_CPU_OMP_THREADS_BIND`` of P and
 #: of D: ``pinned`` gives each engine its own core, ``nobind`` leaves the threads to the OS.
+#: vLLM applies the value only to its multiprocess executor's workers; the engine process
+#: of ``bench serve`` applies a CPU list itself (:func:`.serve_child.bind_in_process`).
 #: Each P/D scenario is reported under each; ours is compared with each peer's best.
 PD_BINDINGS: dict[str, tuple[str, str]] = {"pinned": ("0", "1"), "nobind": ("nobind", "nobind")}
 #: Run order of the families; within one, ours first, then in declaration order.
