@@ -44,6 +44,7 @@ class _D:
         if not self.p.done.wait(5):
             raise TimeoutError("P never prefilled")
         return {"seconds": 0.5, "ended_at": self.p.ended_at + 0.03, "external_tokens": 2,
+                "kv_wait_s": [0.45],
                 "outputs": [{"tokens": [7], "finish_reason": "length"}]}
 
 
@@ -82,6 +83,7 @@ def test_d_first_p_with_what_d_posted_and_d_timed_after_p() -> None:
                                            "do_remote_decode": True})
         assert after == pytest.approx(0.03)
         assert 0.03 <= dout["pd_total_s"] < 5
+        assert dout["kv_wait_s"] is None  # D's scheduler waited through P's prefill
         assert pout["seconds"] == 0.2 and meta.posts == {}  # each post taken once
         # a post that is not a JSON object with a request_id is refused, and nothing kept
         assert _post(meta.url, b"not json") == 400

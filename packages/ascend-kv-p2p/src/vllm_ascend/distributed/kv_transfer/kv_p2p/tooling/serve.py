@@ -142,6 +142,9 @@ def layerwise_sample(meta: Metaserver) -> Callable[..., tuple[dict[str, Any], di
                                "after P's prefill")
         dout: dict[str, Any] = got["d"]
         dout["pd_total_s"] = dout["ended_at"] - started
+        # D's scheduler held the request from its arrival, before P began: that wait is
+        # P's prefill, not a transfer (the pull's figure); D's time after P stands for it
+        dout["kv_wait_s"] = None
         return pout, dout, dout["ended_at"] - pout["ended_at"]
 
     return sample
