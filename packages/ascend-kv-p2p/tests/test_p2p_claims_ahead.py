@@ -335,3 +335,34 @@ def test_a_step_that_runs_no_token_is_idle_for_the_worker() -> None:
         assert idle.idle is True and busy.idle is False  # type: ignore[arg-type]
     finally:
         sched.shutdown()
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_the_connector_hands_the_bound_steps_idle_mark_to_its_worker(layerwise: bool) -> None:
+    """vLLM binds the step's metadata around get_finished: the worker learns from it whether
+    the step ran a token (and waits for a load only when it did not)."""
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.layerwise_connector import (
+        MooncakeLayerwiseConnector,
+        MooncakeLayerwiseConnectorMetadata,
+    )
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_connector import MooncakeConnector
+
+    asked: list[bool] = []
+
+    class Worker:
+        def get_finished(self, *args: Any, idle: bool = False) -> tuple[None, None]:
+            asked.append(idle)
+            return None, None
+
+    cls: Any = MooncakeLayerwiseConnector if layerwise else MooncakeConnector
+    meta_cls: Any = MooncakeLayerwiseConnectorMetadata if layerwise else MooncakeConnectorMetadata
+    conn = object.__new__(cls)  # the worker side alone, with a stand-in worker
+    conn.connector_worker = Worker()
+    conn._connector_metadata = None
+    conn.get_finished(set())  # outside a step (nothing bound): a busy step
+    conn.bind_connector_metadata(meta_cls(idle=True))
+    conn.get_finished(set())
+    conn.bind_connector_metadata(meta_cls())
+    conn.get_finished(set())
+    conn.clear_connector_metadata()
+    assert asked == [False, True, False]
