@@ -179,9 +179,9 @@ class MooncakeLayerwiseConnector(ConnectorStatsMixin, KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
                                                                  set[str] | None]:
         assert self.connector_worker is not None
-        meta = self._connector_metadata  # bound while vLLM asks (None in a bare call)
-        idle = isinstance(meta, MooncakeLayerwiseConnectorMetadata) and meta.idle
-        return self.connector_worker.get_finished(finished_req_ids, idle=idle)
+        meta = self._meta()  # bound while vLLM asks (None in a bare call)
+        return self.connector_worker.get_finished(finished_req_ids,
+                                                  idle=meta is not None and meta.idle)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self.connector_worker is None:

@@ -44,19 +44,20 @@ logger = logging.getLogger(__name__)
 TTFT = "d_ttft_over_recompute"
 
 
+def _kv(connector: str, role: str, engine_id: str) -> dict[str, Any]:
+    """The ``kv_transfer_config`` of one engine of our P/D scenarios."""
+    return {"kv_connector": connector, "kv_role": role, "kv_port": free_port(),
+            "engine_id": engine_id, "kv_load_failure_policy": "fail",
+            "kv_connector_extra_config": {"load_timeout_s": 60}}
+
+
 def sc_pd_ours(run: Run) -> dict[str, Any]:
     """MooncakeConnectorV1: D pulls from P over the Mooncake transfer engine."""
-    def kv(role: str, engine_id: str) -> dict[str, Any]:
-        return {"kv_connector": "MooncakeConnectorV1", "kv_role": role,
-                "kv_port": free_port(), "engine_id": engine_id,
-                "kv_load_failure_policy": "fail",
-                "kv_connector_extra_config": {"load_timeout_s": 60}}
-
     def params(_key: str) -> tuple[dict[str, Any], Callable[..., dict[str, Any]]]:
         return {"do_remote_decode": True, "do_remote_prefill": False}, require_params
 
-    return run_pd(run, "pd/ours", kv("kv_producer", "bench-ours-p"),
-                  kv("kv_consumer", "bench-ours-d"), params)
+    return run_pd(run, "pd/ours", _kv("MooncakeConnectorV1", "kv_producer", "bench-ours-p"),
+                  _kv("MooncakeConnectorV1", "kv_consumer", "bench-ours-d"), params)
 
 
 #: How long the layerwise flow waits for D's post and for D's answer after P's.
@@ -152,18 +153,14 @@ def layerwise_sample(meta: Metaserver) -> Callable[..., tuple[dict[str, Any], di
 
 def sc_pd_layerwise(run: Run) -> dict[str, Any]:
     """MooncakeLayerwiseConnector: D first, P pushes each layer into D's blocks."""
-    def kv(role: str, engine_id: str) -> dict[str, Any]:
-        return {"kv_connector": "MooncakeLayerwiseConnector", "kv_role": role,
-                "kv_port": free_port(), "engine_id": engine_id,
-                "kv_load_failure_policy": "fail",
-                "kv_connector_extra_config": {"load_timeout_s": 60}}
-
     meta = run.memo.get("pd/ours-layerwise:metaserver")
     if meta is None:
         meta = run.memo["pd/ours-layerwise:metaserver"] = Metaserver()
         run.on_close(meta.close)
-    return run_pd(run, "pd/ours-layerwise", kv("kv_producer", "bench-lw-p"),
-                  kv("kv_consumer", "bench-lw-d"), None, sample=layerwise_sample(meta))
+    return run_pd(run, "pd/ours-layerwise",
+                  _kv("MooncakeLayerwiseConnector", "kv_producer", "bench-lw-p"),
+                  _kv("MooncakeLayerwiseConnector", "kv_consumer", "bench-lw-d"), None,
+                  sample=layerwise_sample(meta))
 
 
 def _versus(peer: str, label: str, ttft_goal: Goal | None) -> tuple[Comparison, ...]:
