@@ -117,9 +117,11 @@ def test_layerwise_pd_with_pool_equals_single_instance_and_hits_the_pool(mc: Any
 
     assert [g.token_ids for g in run_pd(mc, [first])] == [want[0]]
     # P forgets the prefix; only the pool still has it. D forgets it too: P pushes it all.
-    mc.p.reset_prefix_cache()
-    mc.d.reset_prefix_cache()
+    # First both let go of the request's blocks (P holds them until its pushes are
+    # reported done): vLLM refuses to reset a prefix cache while blocks are held.
     assert mc.p.wait_idle(20) and mc.d.wait_idle(20)
+    assert mc.p.reset_prefix_cache()
+    assert mc.d.reset_prefix_cache()
 
     got = run_pd(mc, [second])
     assert [g.token_ids for g in got] == [want[1]]
