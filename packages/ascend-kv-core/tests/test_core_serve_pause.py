@@ -167,3 +167,30 @@ def test_the_engine_child_times_each_request_from_added_to_first_scheduled() -> 
     assert waits[0] is not None and 0.05 <= waits[0] < 1.0
     assert serve_child._track_scheduling(SimpleNamespace()) is None
     assert serve_child._waited(None) is None
+
+
+def test_an_engine_that_outlives_its_kill_does_not_end_the_run(
+        monkeypatch: Any, caplog: Any) -> None:
+    """A killed engine that has not exited after ``KILL_WAIT_S`` is reported and left: the
+    rest of the run (its results, the other engines to stop) goes on. Here the process is not
+    the leader of a group, so the group kill misses it and it stays."""
+    from vllm_ascend.distributed.kv_transfer.core.tooling import serve_child
+
+    monkeypatch.setattr(serve_child, "KILL_WAIT_S", 0.2)
+    eng = object.__new__(EngineChild)
+    eng.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    eng.paused = False
+    eng.log = Path("stand-in.log")
+    import selectors
+
+    eng._sel = selectors.DefaultSelector()
+    try:
+        with caplog.at_level("WARNING", logger=serve_child.__name__):
+            eng.kill()  # returns, no TimeoutExpired
+        assert eng.proc.poll() is None
+        assert "had not exited after" in caplog.text and "stand-in.log" in caplog.text
+        assert eng.proc.stdin is not None and eng.proc.stdin.closed
+    finally:
+        eng.proc.kill()
+        eng.proc.wait(10)

@@ -26,6 +26,10 @@ from .engine_env import ENGINE_ENV
 
 logger = logging.getLogger(__name__)
 
+#: How long :meth:`EngineChild.kill` waits for a killed engine to exit before it goes on
+#: (a run of ``bench serve`` lost 10 minutes of rounds to one that took longer than 10 s).
+KILL_WAIT_S = 30.0
+
 
 def parse_cpu_list(text: str) -> list[int]:
     """CPU ids of a list like ``"5,2-4"`` (as ``VLLM_CPU_OMP_THREADS_BIND`` gives them).
@@ -393,7 +397,14 @@ class EngineChild:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-        self.proc.wait(10)
+        try:
+            self.proc.wait(KILL_WAIT_S)
+        except subprocess.TimeoutExpired:
+            # killed, but not gone yet (a thread in the kernel): the rest of the run, and
+            # the other engines to stop, must not be lost for it
+            logger.warning("engine of %s (pid %d) was killed but had not exited after %.0f s; "
+                           "going on without waiting for it", self.log, self.proc.pid,
+                           KILL_WAIT_S)
         self._sel.close()
         for stream in (self.proc.stdin, self.proc.stdout):
             if stream is not None:
