@@ -9,6 +9,8 @@ from typing import Any
 import pytest
 
 from vllm_ascend.distributed.kv_transfer.core.tooling.serve_compare import (
+    PD_REQUEST,
+    computed_by_p,
     interval_comparisons,
     load_check,
     round_series,
@@ -250,3 +252,63 @@ def test_d_floor_computes_only_the_last_token_at_every_prompt_length() -> None:
     odd = list(range(200))
     last_token_floor(eng, odd, 128)  # type: ignore[arg-type]
     assert eng.prompts == [odd] * FLOOR_SAMPLES
+
+
+def _with_request(entry: dict[str, Any], prefill: float, total: float) -> dict[str, Any]:
+    for rd in entry["rounds"]:
+        for row in rd["prompts"]:
+            k = row["tokens"] // 2048
+            row["prefill_samples"] = [prefill * k, prefill * k * 3]  # the median: 2x
+            row["pd_total_s"] = total * k
+    return entry
+
+
+def test_p_prefill_and_whole_request_compared_per_length_under_the_same_binding() -> None:
+    """A connector that moves work into P's prefill (the layerwise push) is compared on P's
+    prefill and the whole request too, against the peer under the same binding (not its
+    best: a pinned P computes on one core), per prompt length and without a goal."""
+    declared = [Scenario("pd/lw", "pd", "ours", "L", "", comparisons=(
+        Comparison("P/D request: lw / ours (pull)", PD_REQUEST, "pd/ours"),))]
+    results = {
+        "pd/lw[pinned]": _with_request(
+            _ok([_pd_round(r, 0.05, 0.05, 2048) for r in range(5)], binding="pinned"),
+            0.5, 1.1),
+        "pd/lw[nobind]": _with_request(
+            _ok([_pd_round(r, 0.05, 0.05, 2048) for r in range(5)], binding="nobind"),
+            0.3, 0.7),
+        "pd/ours[pinned]": _with_request(
+            _ok([_pd_round(r, 0.10, 0.05, 2048) for r in range(5)], binding="pinned"),
+            0.4, 1.0),
+        "pd/ours[nobind]": _with_request(
+            _ok([_pd_round(r, 0.10, 0.05, 2048) for r in range(5)], binding="nobind"),
+            0.2, 0.5),
+    }
+    rounds = {n: r for n, e in results.items() if (r := round_series(e)) is not None}
+    comps = {c["what"]: c for c in interval_comparisons(results, rounds, declared)}
+    c = comps["P's prefill at 8192 tokens (pinned): lw / ours (pull)"]
+    assert c["kind"] == "prefill" and c["peer"] == "pd/ours[pinned]"
+    assert c["ratio"] == pytest.approx(0.5 / 0.4) and c["goal"] == "" and c["met"] is None
+    assert rounds["pd/lw[pinned]"]["by_tokens"][8192]["prefill"]["median"] == pytest.approx(
+        8 * 0.5)
+    # unbound against the pull unbound, although the pull's best whole request is unbound
+    c = comps["whole P/D request at 2048 tokens (nobind): lw / ours (pull)"]
+    assert c["kind"] == "request" and c["peer"] == "pd/ours[nobind]"
+    assert c["ratio"] == pytest.approx(0.7 / 0.5) and c["rounds"] == 5
+    c = comps["whole P/D request at 2048 tokens (pinned): lw / ours (pull)"]
+    assert c["peer"] == "pd/ours[pinned]" and c["ratio"] == pytest.approx(1.1)
+    # 2 bindings x 2 lengths x (prefill, request), beside each variant's D TTFT / recompute
+    assert sorted(c["kind"] for c in comps.values()) == [
+        *["prefill"] * 4, *["recompute"] * 2, *["request"] * 4]
+
+
+def test_a_p_request_that_hit_ps_own_cache_is_no_prefill_to_compare() -> None:
+    """A repeat whose P request hit P's prefix cache costs P nothing: only the samples where
+    P computed the prompt give its prefill and the whole request."""
+    row = {"prefill_s": 1.0, "prefill_samples": [1.0, 0.05, 1.2],
+           "pd_total_s": 0.5, "pd_total_samples": [1.1, 0.1, 1.3],
+           "p_cached_samples": [0, 2048, 0]}
+    assert computed_by_p(row) == (pytest.approx(1.1), pytest.approx(1.2))
+    row["p_cached_samples"] = [2048, 2048, 2048]
+    assert computed_by_p(row) == (None, None)
+    # rows of runs before the count: every sample counts
+    assert computed_by_p({"prefill_s": 0.7, "pd_total_s": 0.9}) == (0.7, 0.9)

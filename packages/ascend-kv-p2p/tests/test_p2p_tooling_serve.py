@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from vllm_ascend.distributed.kv_transfer.core.tooling.serve_compare import PD_REQUEST
 from vllm_ascend.distributed.kv_transfer.kv_p2p.tooling import serve as p2p_serve
 
 
@@ -112,10 +113,12 @@ def test_the_layerwise_scenario_is_declared_with_its_comparisons() -> None:
     (pull, lw) = p2p_serve.scenarios()
     assert (pull.name, lw.name) == ("pd/ours", "pd/ours-layerwise")
     assert lw.family == "pd" and lw.who == "ours" and not lw.quick
-    peers = {c.peer: c for c in lw.comparisons}
-    assert set(peers) == {"pd/vllm-nixl", "pd/vllm-mooncake", "pd/ours"}
+    peers = {(c.peer, c.metric): c for c in lw.comparisons}
+    assert set(peers) == {("pd/vllm-nixl", p2p_serve.TTFT), ("pd/vllm-mooncake", p2p_serve.TTFT),
+                          ("pd/ours", p2p_serve.TTFT), ("pd/ours", PD_REQUEST)}
     # against vLLM's connectors the overheads get the report's P/D goal (<= 0.8); against
-    # our own pull, a plain comparison
-    assert peers["pd/vllm-mooncake"].overhead_goal is None
-    own = peers["pd/ours"].overhead_goal
+    # our own pull, a plain comparison, and P's prefill and the whole request beside it
+    assert peers["pd/vllm-mooncake", p2p_serve.TTFT].overhead_goal is None
+    own = peers["pd/ours", p2p_serve.TTFT].overhead_goal
     assert own is not None and own.at_most is None and own.at_least is None
+    assert peers["pd/ours", PD_REQUEST].goal is None

@@ -20,7 +20,7 @@ from typing import Any
 
 from .benchutil import median
 from .serve_rounds import base_name
-from .serve_scenarios import Goal, Scenario
+from .serve_scenarios import Comparison, Goal, Scenario
 from .serve_stats import compare, spread, verdict
 
 logger = logging.getLogger(__name__)
@@ -35,6 +35,14 @@ OVERHEADS = {"d_ttft_over_recompute": ("overhead", "D-side overhead over the flo
              "cold_over_baseline": ("save_overhead", "save overhead (cold - recompute)")}
 #: Words of the P/D comparison of D's wait for the KV (first scheduled - added).
 KV_WAIT_WORDS = "D-side wait for the KV"
+#: The metric of a P/D comparison of the request's own times in seconds, per prompt length
+#: and under the same thread binding: P's prefill (series ``prefill``) and the whole request,
+#: from the first request sent to D's first token (``total``). What D's figures leave out
+#: where the connector moves work into P's prefill (the layerwise push); no goal.
+PD_REQUEST = "pd_request_s"
+#: Its rows: series, kind and words.
+PD_REQUEST_ROWS = (("prefill", "prefill", "P's prefill"),
+                   ("total", "request", "whole P/D request"))
 #: Issue 17's bound of every P/D overhead ratio, ours / peer.
 PD_OVERHEAD_GOAL = Goal("<= 0.8", at_most=0.8)
 #: Issue 17's bounds of our pool: save overhead / recompute, throughput / no connector.
@@ -75,7 +83,9 @@ def round_series(entry: dict[str, Any]) -> dict[str, Any] | None:
             n = row["tokens"]
             rec = recompute.get(n)
             if pd:
+                prefill, total = computed_by_p(row)
                 vals = {"ttft": row["d_ttft_s"], "floor": row.get("d_floor_s"),
+                        "prefill": prefill, "total": total,
                         "overhead": _sub(row["d_ttft_s"], row.get("d_floor_s")),
                         "kv_wait": row.get("d_kv_wait_s"),
                         "recompute": rec, "external": row.get("d_external"),
@@ -103,6 +113,19 @@ def round_series(entry: dict[str, Any]) -> dict[str, Any] | None:
     if pd:
         out.update(load_check(by_tokens))
     return out
+
+
+def computed_by_p(row: dict[str, Any]) -> tuple[float | None, float | None]:
+    """A P/D row's P prefill and whole request (medians), over the samples where P computed
+    the prompt: a sample whose P request hit P's own prefix cache (a repeat without a reset)
+    says nothing of what the request costs. ``None`` where no sample qualifies; rows that
+    do not say how much P found cached count as computed."""
+    prefills = row.get("prefill_samples") or [row.get("prefill_s")]
+    totals = row.get("pd_total_samples") or [row.get("pd_total_s")] * len(prefills)
+    cached = row.get("p_cached_samples") or [0] * len(prefills)
+    fresh = [i for i, c in enumerate(cached) if not c and i < len(prefills)]
+    return (median([_f(prefills[i]) for i in fresh]),
+            median([_f(totals[i]) for i in fresh if i < len(totals)]))
 
 
 def load_check(by_tokens: dict[int, dict[str, list[float | None]]]) -> dict[str, Any]:
@@ -163,6 +186,9 @@ def interval_comparisons(results: dict[str, dict[str, Any]], rounds: dict[str, d
         for c in sc.comparisons:
             key = METRIC_SERIES.get(c.metric)
             peer_vs = _variants(rounds, c.peer)
+            if c.metric == PD_REQUEST and ours_vs:
+                out.extend(_request_rows(c, results, rounds, ours_vs, peer_vs))
+                continue
             if key is None or not ours_vs:
                 continue
             label = c.what.split(": ", 1)[-1]
@@ -215,6 +241,30 @@ def interval_comparisons(results: dict[str, dict[str, Any]], rounds: dict[str, d
                             r["series"].get("save_norm", []), ones, SAVE_GOAL))
             out.append(_row(f"{name} serving throughput / no connector", "recompute",
                             r["series"].get("thr_norm", []), ones, THROUGHPUT_GOAL))
+    return out
+
+
+def _request_rows(c: Comparison, results: dict[str, dict[str, Any]],
+                  rounds: dict[str, dict[str, Any]], ours_vs: list[str],
+                  peer_vs: list[str]) -> list[dict[str, Any]]:
+    """A :data:`PD_REQUEST` comparison: per prompt length, P's prefill and the whole request,
+    ours against the peer under the same binding (a pinned P computes on one core, an
+    unbound one on two: across bindings the prefills differ by that, not by the
+    connector); against the peer's best binding where it ran under no other."""
+    label = c.what.split(": ", 1)[-1]
+    out: list[dict[str, Any]] = []
+    for ov in ours_vs:
+        binding = results.get(ov, {}).get("binding")
+        where = f" ({binding})" if binding else ""
+        same = [v for v in peer_vs if results.get(v, {}).get("binding") == binding]
+        for n in sorted(rounds[ov]["by_tokens"]):
+            for key, kind, words in PD_REQUEST_ROWS:
+                if not any(v is not None for v in _series(rounds, ov, key, n)):
+                    continue
+                peer = same[0] if same else _best(rounds, peer_vs, key, n, False)
+                out.append(_peer_row(f"{words} at {n} tokens{where}: {label}", kind, rounds,
+                                     ov, peer, same or peer_vs, key, n, None,
+                                     binding=binding, tokens=n))
     return out
 
 

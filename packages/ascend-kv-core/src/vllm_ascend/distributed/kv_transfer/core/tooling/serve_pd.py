@@ -26,7 +26,7 @@ PDSample = Callable[[EngineChild, EngineChild, list[int], str],
 def pd_flow(run: Run, p: EngineChild, d: EngineChild, name: str,
             params: Callable[[str], tuple[dict[str, Any], Callable[[dict[str, Any] | None],
                                                                  dict[str, Any]]]] | None,
-            *, sample: PDSample | None = None) -> dict[str, Any]:
+            *, sample: PDSample | None = None, fresh_p: bool = False) -> dict[str, Any]:
     """P prefills each prompt (max_tokens=1) and holds it; D's TTFT with P's KV is timed.
 
     Each prompt is sent ``repeats`` times (P's own prefix cache makes the repeats
@@ -40,11 +40,17 @@ def pd_flow(run: Run, p: EngineChild, d: EngineChild, name: str,
     D gets the request first passes ``sample`` instead (one request of its own flow, and
     D's time to its first token after P finished). ``pd_total_s``: from the first
     request sent to D's first token (what a client behind a proxy waits, less the proxy).
+    ``fresh_p``: P's prefix cache is reset before each of its requests, so P computes the
+    prompt every time (else the repeats hit P's own cache). Each row keeps how many tokens
+    P's requests found cached (``p_cached_samples``): a P prefill or a whole request is
+    compared only where P computed the prompt (``serve_compare.PD_REQUEST``).
     """
     def pull_sample(p: EngineChild, d: EngineChild, prompt: list[int], key: str
                     ) -> tuple[dict[str, Any], dict[str, Any], float]:
         assert params is not None
         p_in, to_d = params(key)
+        if fresh_p:  # after the last request's blocks were freed (the call settles first)
+            p.call("reset_prefix_cache")
         pout = p.generate([prompt], kv_params=[p_in])
         d_in = to_d(first_output(pout)["kv_transfer_params"])
         dout = d.generate([prompt], kv_params=[d_in])
@@ -72,6 +78,9 @@ def pd_flow(run: Run, p: EngineChild, d: EngineChild, name: str,
         rows.append({"tokens": len(prompt), "prefill_s": samples[0][0]["seconds"],
                      "prefill_samples": [x[0]["seconds"] for x in samples],
                      "pd_total_s": median(x[1].get("pd_total_s") for x in samples),
+                     "pd_total_samples": [x[1].get("pd_total_s") for x in samples],
+                     # tokens P's request found in its own cache (0: P computed the prompt)
+                     "p_cached_samples": [first_output(x[0]).get("cached") for x in samples],
                      "d_ttft_s": d_ttft, "d_samples": d_after_p,
                      "d_floor_s": median(floors), "d_floor_samples": floors,
                      # D's wait for the KV: first scheduled - added (None: not tracked)
@@ -93,10 +102,10 @@ def run_pd(run: Run, name: str, p_kv: dict[str, Any], d_kv: dict[str, Any],
            params: Callable[..., Any] | None, *, p_env: dict[str, str] | None = None,
            d_env: dict[str, str] | None = None, python: str | None = None,
            pre_import: list[str] | None = None,
-           sample: PDSample | None = None) -> dict[str, Any]:
+           sample: PDSample | None = None, fresh_p: bool = False) -> dict[str, Any]:
     """P and D under the run's thread binding (:func:`binding_env`), through
-    :func:`pd_flow` (``params`` or ``sample``); both kept up for the next rounds of the
-    same binding."""
+    :func:`pd_flow` (``params`` or ``sample``, ``fresh_p``); both kept up for the next
+    rounds of the same binding."""
     binding = run.binding if run.binding is not None else (
         f"bind={run.cfg.pd_threads_bind}" if run.cfg.pd_threads_bind else None)
     p_bind, d_bind = binding_env(binding)
@@ -116,7 +125,7 @@ def run_pd(run: Run, name: str, p_kv: dict[str, Any], d_kv: dict[str, Any],
 
     p, d = run.kept(key, start, pause_others=True)
     try:
-        return pd_flow(run, p, d, name, params, sample=sample)
+        return pd_flow(run, p, d, name, params, sample=sample, fresh_p=fresh_p)
     except BaseException:
         run.drop(key)
         raise

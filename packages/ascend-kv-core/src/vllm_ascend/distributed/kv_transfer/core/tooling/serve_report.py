@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .benchutil import goal_check, median, ratio
+from .serve_compare import PD_REQUEST
 from .serve_scenarios import Goal, Scenario, ServeConfig
 
 logger = logging.getLogger(__name__)
@@ -113,6 +114,8 @@ def comparisons(summary: dict[str, dict[str, Any]],
     by_name = {sc.name: sc for sc in scenarios}
     for sc in scenarios:
         for c in sc.comparisons:
+            if c.metric == PD_REQUEST:  # per round only (serve_compare)
+                continue
             ours, peer = get(sc.name, c.metric), get(c.peer, c.metric)
             add(c.what, ratio(peer, ours) if c.inverse else ratio(ours, peer), c.goal)
     for name, s in summary.items():

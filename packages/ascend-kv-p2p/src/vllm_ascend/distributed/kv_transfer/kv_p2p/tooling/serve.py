@@ -30,6 +30,7 @@ from typing import Any
 
 from vllm_ascend.distributed.kv_transfer.core.net import free_port
 from vllm_ascend.distributed.kv_transfer.core.tooling.serve_child import EngineChild
+from vllm_ascend.distributed.kv_transfer.core.tooling.serve_compare import PD_REQUEST
 from vllm_ascend.distributed.kv_transfer.core.tooling.serve_pd import require_params, run_pd
 from vllm_ascend.distributed.kv_transfer.core.tooling.serve_scenarios import (
     Comparison,
@@ -56,8 +57,11 @@ def sc_pd_ours(run: Run) -> dict[str, Any]:
     def params(_key: str) -> tuple[dict[str, Any], Callable[..., dict[str, Any]]]:
         return {"do_remote_decode": True, "do_remote_prefill": False}, require_params
 
+    # P computes every prompt, as the layerwise P does: their prefills and whole requests
+    # are compared (a repeat that hit P's own cache would make the pull look free on P)
     return run_pd(run, "pd/ours", _kv("MooncakeConnectorV1", "kv_producer", "bench-ours-p"),
-                  _kv("MooncakeConnectorV1", "kv_consumer", "bench-ours-d"), params)
+                  _kv("MooncakeConnectorV1", "kv_consumer", "bench-ours-d"), params,
+                  fresh_p=True)
 
 
 #: How long the layerwise flow waits for D's post and for D's answer after P's.
@@ -188,4 +192,8 @@ def scenarios() -> list[Scenario]:
                        TTFT, "pd/vllm-mooncake"),
             # how much of the pull's wait the push takes off (no goal of its own)
             Comparison("P/D decode TTFT after P: ours-layerwise / ours (pull)", TTFT,
-                       "pd/ours", overhead_goal=Goal(""))))]
+                       "pd/ours", overhead_goal=Goal("")),
+            # and what it costs P, and the client: P's prefill with the pushes, the whole
+            # request, against the pull under the same binding
+            Comparison("P/D request: ours-layerwise / ours (pull)", PD_REQUEST,
+                       "pd/ours")))]
