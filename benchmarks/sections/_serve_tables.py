@@ -184,7 +184,41 @@ PD_WAIT = (
     "leave P's prefill alone; that is not measured here. Pull, in the run after: D's "
     "overhead over the floor, ours / vLLM MooncakeConnector, pinned 0.85 (min–max "
     "0.84–1.09) at 2,048 tokens and 0.99 (0.98–1.16) at 8,192, unbound 1.00 (0.91–1.31) "
-    "and 0.77 (0.55–0.96): level, as before.\n\n")
+    "and 0.77 (0.55–0.96): level, as before.\n\n"
+    "**The layerwise push against both peers, and the whole request against the pull** "
+    "(2026-12-04, later; two P/D runs, 5 rounds of 2 samples each, both bindings, prompts "
+    "of 2,048 and 8,192 tokens; this virtual machine was slower that afternoon: the engine "
+    "without a connector recomputed 2,048 tokens in 0.73–0.90 s, against 0.41–0.47 s the "
+    "day before). (1) Ours (pull and layerwise), vLLM MooncakeConnector and NixlConnector: "
+    "D's overhead over the floor, ours-layerwise / vLLM MooncakeConnector, was −0.045 (95%:"
+    " −0.076 to −0.035) pinned and −0.091 (−0.38–0.29) unbound at 2,048 tokens, −0.010 "
+    "(−0.040 to −0.006) and 0.032 (−0.046–0.25) at 8,192; ours-layerwise / NixlConnector "
+    "−0.089 (−0.14 to −0.03) and −0.18 (−0.69–0.46) at 2,048, −0.014 (−0.037 to −0.010) and"
+    " 0.046 (−0.07–0.42) at 8,192: every interval below 0.8, against each peer at its best "
+    "binding (pinned for both): the layerwise goal on D's side is met. The pull, same run: "
+    "ours / vLLM MooncakeConnector 1.05 (0.53–1.72) pinned and 0.50 (0.32–0.68) unbound at "
+    "2,048 tokens, 1.20 (0.78–1.64) and 0.51 (0.31–0.89) at 8,192; KV throughput 0.97 "
+    "(0.64–1.32) pinned and 1.81 (1.27–2.40) unbound; against NixlConnector 2.06 "
+    "(0.84–2.51) and 0.99 (0.39–0.99) at 2,048, 1.73 (0.91–1.73) and 0.73 (0.58–1.15) at "
+    "8,192: unbound ahead of both peers' best, pinned level or behind, so the pull's goal "
+    "is not met. (2) D's figure leaves out what the push costs P, so the report now "
+    "compares the layerwise P's prefill and the whole request (the first request sent to "
+    "D's first token) with the pull's under the same binding (`P's prefill`, `whole P/D "
+    "request`). The pull's P used to answer the repeats of a prompt from its own prefix "
+    "cache (0.1–0.3 s where computing took 1–10 s); it now resets that cache before each "
+    "request, as the layerwise P does, and a sample whose P request found tokens cached is "
+    "left out of these rows. Ours-layerwise / ours (pull), a run of the two alone: P's "
+    "prefill 1.06 (1.02–1.09) pinned and 1.16 (1.08–1.47) unbound at 2,048 tokens, 1.02 "
+    "(0.92–1.03) and 1.15 (1.05–1.22) at 8,192; the whole request 1.02 (0.99–1.06) and 1.13"
+    " (1.03–1.42) at 2,048, 1.00 (0.90–1.00) and 1.10 (1.02–1.18) at 8,192 (medians pinned "
+    "1.50 s against 1.47 s and 10.69 s against 10.65 s; unbound 0.87 s against 0.78 s and "
+    "6.03 s against 5.47 s). Pinned, where P computes on its own core, the push costs P "
+    "2–6% and the client about nothing; unbound, where Mooncake's TCP transport copies on "
+    "the cores P computes on, 10–16%, so on one host and TCP the pull still gives the "
+    "client its first token sooner. In the first of the two runs, every pinned P engine "
+    "(ours, layerwise and vLLM MooncakeConnector's) took more than 30 s to exit after its "
+    "last round, SIGKILL included, which the run had not survived before "
+    "(`EngineChild.kill` now goes on after 30 s); not traced.\n\n")
 
 
 #: A second run of the pool scenarios, and where the pool's throughput cost goes
@@ -335,6 +369,7 @@ def overhead_table(d: dict[str, Any]) -> str:
                     "spread": _iv((s.get("overhead") or {}).get("min"),
                                   (s.get("overhead") or {}).get("max")),
                     "kv_wait": _m(s.get("kv_wait")),
+                    "prefill": _m(s.get("prefill")), "total": _m(s.get("total")),
                     "recompute": _m(s.get("recompute")),
                     "external": _int((s.get("external") or {}).get("min")),
                     "loaded": r.get("loaded"), "check": r.get("load_check")})
@@ -370,11 +405,19 @@ def overhead_table(d: dict[str, Any]) -> str:
                        "forward pass (added to first scheduled: the connector's load and the "
                        "engine step that reports it), the same measure for every connector and "
                        "without the forward pass that the TTFT adds.\n\n")
+        whole = any(r["total"] is not None for r in pd_rows)
+        if whole:
+            out.append("`P prefill`: P's answer to its request (with a layerwise push, the "
+                       "pushes too); `whole request`: from the first request sent (to P for a "
+                       "pull, to D for the layerwise push) to D's first token, what a client "
+                       "behind the proxy waits less the proxy's hops.\n\n")
+        extra = ["prefill", "total"] if whole else []
         out.append(md_table(pd_rows, ["scenario", "connector", "tokens", "ttft", "floor",
                                       "overhead", "spread", *(["kv_wait"] if wait else []),
-                                      "recompute", "external", "loaded", "check"],
+                                      *extra, "recompute", "external", "loaded", "check"],
                             ["scenario", "connector", "tokens", "D TTFT", "floor", "overhead",
-                             "overhead min–max", *(["KV wait"] if wait else []), "recompute",
+                             "overhead min–max", *(["KV wait"] if wait else []),
+                             *(["P prefill", "whole request"] if whole else []), "recompute",
                              "external", "loaded", "checked by"]))
         out.append("\n" + PD_WAIT)
     if cache_rows:

@@ -201,6 +201,15 @@ def goals(res: dict[str, dict[str, Any]]) -> list[Goal]:
                 "D-side overhead over the floor",
                 f"P/D D-side overhead over the floor <= 0.8x {label}'s (2,048 and 8,192 "
                 "tokens, pinned and nobind, against its best binding)", src17, at_most=0.8))
+        for label in ("vLLM MooncakeConnector", "NixlConnector"):
+            lw = [c for c in comps
+                  if str(c.get("what", "")).endswith(f"ours-layerwise / {label}")]
+            if lw:  # D's time after P's prefill; P pays the push (rows `P's prefill`)
+                goals.append(_goal_rows(
+                    lw, "D-side overhead over the floor",
+                    f"P/D layerwise: D-side overhead over the floor <= 0.8x {label}'s (D's "
+                    "time after P's prefill, which pays the pushes: see the rows `P's "
+                    "prefill` and `whole P/D request`)", src17, at_most=0.8))
         goals.append(_goal_rows(
             comps, "hit overhead over the floor: ours-mooncake / MooncakeStoreConnector",
             "pool (Mooncake backend) hit overhead over the floor <= 0.8x "
@@ -219,8 +228,10 @@ def goals(res: dict[str, dict[str, Any]]) -> list[Goal]:
             comps, "pool serving throughput (new prompts, saved): ours-mooncake / "
             "MooncakeStoreConnector", "pool (Mooncake backend) serving throughput >= "
             "MooncakeStoreConnector's", src17, at_least=1.0))
+    # against vLLM's connectors only (not ours against ours: the push against the pull)
     ahead = [c for c in comps if c.get("kind") in ("peer", "overhead")
-             and num(c.get("ratio")) is not None]
+             and num(c.get("ratio")) is not None
+             and not str(c.get("what", "")).split(" / ")[-1].startswith("ours")]
     verdicts = [(c, _better(c)) for c in ahead]
     behind = [c for c, b in verdicts if b is False]
     level = [c for c, b in verdicts if b is None]

@@ -481,3 +481,42 @@ def test_the_client_rounds_against_vllms_mooncake_connector() -> None:
     assert zero.met is False and zero.measured == (
         "1 failed of 24 (pd-vllm-mooncake; 2 runs of the rounds)")
     assert goal({"benchmark": "client", "config": {}, "targets": {}}).met is None
+
+
+def test_the_layerwise_push_has_its_goal_rows_and_ours_against_ours_is_no_win(
+        tmp_path: Path) -> None:
+    serve = _interval_serve()
+
+    def row(what: str, kind: str, ratio: float, low: float, high: float) -> dict[str, Any]:
+        return {"what": what, "kind": kind, "ratio": ratio, "low": low, "high": high,
+                "min": low, "max": high, "rounds": 5, "goal": "", "met": None}
+
+    serve["comparisons"] += [
+        row("D-side overhead over the floor at 2048 tokens (pinned): ours-layerwise / vLLM "
+            "MooncakeConnector", "overhead", 0.1, 0.05, 0.3),
+        row("D-side overhead over the floor at 8192 tokens (pinned): ours-layerwise / vLLM "
+            "MooncakeConnector", "overhead", 0.2, 0.1, 0.9),
+        # the push against our own pull: reported, never counted as ahead of vLLM
+        row("P/D decode TTFT after P: ours-layerwise / ours (pull) (pinned)", "peer", 2.0,
+            1.5, 2.5),
+        row("whole P/D request at 2048 tokens (pinned): ours-layerwise / ours (pull)",
+            "request", 1.1, 1.05, 1.2)]
+    serve["rounds"]["pd/ours-layerwise[pinned]"] = {
+        "rounds": 5, "loaded": True, "load_check": "num_external_computed_tokens",
+        "by_tokens": {"2048": {"ttft": {"median": 0.02}, "floor": {"median": 0.019},
+                               "overhead": {"median": 0.001, "min": 0.0, "max": 0.002},
+                               "prefill": {"median": 0.94}, "total": {"median": 0.96},
+                               "recompute": {"median": 0.3}, "external": {"min": 2048.0}}}}
+    g = _goals({"serve": serve})
+    lw = g["P/D layerwise: D-side overhead over the floor <= 0.8x vLLM MooncakeConnector's "
+           "(D's time after P's prefill, which pays the pushes: see the rows `P's prefill` "
+           "and `whole P/D request`)"]
+    assert lw.met is False and "at 8192 tokens (pinned): ours-layerwise" in lw.measured
+    assert not any(k.startswith("P/D layerwise") and "Nixl" in k for k in g)  # not run
+    ahead = g["ahead of vLLM's own connectors on the same engine wherever both run"]
+    assert ahead.measured.startswith("6 of 6 comparisons ahead")  # 4 pull + 2 layerwise
+    page = render.render({"serve": serve}, tmp_path)
+    assert "| whole P/D request at 2048 tokens (pinned): ours-layerwise / ours (pull) | " \
+           "request | 1.1 |" in page
+    assert "| pd/ours-layerwise[pinned] | – | 2048 | 0.02 | 0.019 | 0.001 | 0–0.002 | 0.94 " \
+           "| 0.96 | 0.3 |" in page
