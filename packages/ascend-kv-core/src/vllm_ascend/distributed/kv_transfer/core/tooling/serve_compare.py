@@ -123,9 +123,8 @@ def computed_by_p(row: dict[str, Any]) -> tuple[float | None, float | None]:
     prefills = row.get("prefill_samples") or [row.get("prefill_s")]
     totals = row.get("pd_total_samples") or [row.get("pd_total_s")] * len(prefills)
     cached = row.get("p_cached_samples") or [0] * len(prefills)
-    fresh = [i for i, c in enumerate(cached) if not c and i < len(prefills)]
-    return (median([_f(prefills[i]) for i in fresh]),
-            median([_f(totals[i]) for i in fresh if i < len(totals)]))
+    fresh = [(p, t) for p, t, c in zip(prefills, totals, cached, strict=False) if not c]
+    return median(_f(p) for p, _t in fresh), median(_f(t) for _p, t in fresh)
 
 
 def load_check(by_tokens: dict[int, dict[str, list[float | None]]]) -> dict[str, Any]:
