@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from . import local_reads
 from .errors import TransferError
 from .vllm_compat import optional_dependency
 
@@ -74,6 +75,10 @@ class TransferStats:
     bytes_written: int = 0
     failures: int = 0
     seconds: float = 0.0
+    #: reads (and their bytes) copied from a same-host peer's memory (:mod:`.local_reads`),
+    #: counted in ``reads`` and ``bytes_read`` too
+    local_reads: int = 0
+    bytes_read_local: int = 0
 
 
 def coalesce(local: Sequence[int], remote: Sequence[int],
@@ -154,6 +159,8 @@ class MooncakeTransferEngine:
         self._segments: list[tuple[int, int]] = []
         # (start, end) asked for -> [references, engine segments it owns]
         self._regs: dict[tuple[int, int], list[Any]] = {}
+        # peer session -> pid, for peers read from their memory (:mod:`.local_reads`)
+        self._local_peers: dict[str, int] = {}
         self.stats = TransferStats()
         logger.info("Mooncake transfer engine up: %s protocol=%s", self.session_id, protocol)
 
@@ -174,6 +181,38 @@ class MooncakeTransferEngine:
     def raw(self) -> Any:
         """The underlying ``mooncake.engine.TransferEngine``."""
         return self._engine
+
+    # ------------------------------------------------------------ same-host peers
+    def add_local_peer(self, peer: str, host: str, pid: int) -> bool:
+        """Read ``peer`` (``host:rpc_port``) from its memory from now on, if it runs on this
+        host: ``host`` and ``pid`` are what the peer advertised (its
+        :func:`~.local_reads.host_identity` and process id).
+
+        Only for memory both sides hold in host memory (a caller's promise: the peer
+        advertises a host only for a host-memory KV cache, and the caller asks only for its
+        own). A read the kernel refuses goes over the transfer engine, and the peer is then
+        read that way for good.
+
+        Returns:
+            Whether the peer will be read from its memory.
+        """
+        if (not host or pid <= 0 or pid == os.getpid() or host != local_reads.host_identity()
+                or not local_reads.available()):
+            return False
+        if self._local_peers.get(peer) != pid:
+            self._local_peers = {**self._local_peers, peer: pid}  # replaced: read unlocked
+            logger.info("peer %s (pid %d) runs on this host: reads copy from its memory",
+                        peer, pid)
+        return True
+
+    def forget_local_peer(self, peer: str) -> None:
+        """Read ``peer`` over the transfer engine from now on."""
+        if peer in self._local_peers:
+            self._local_peers = {k: v for k, v in self._local_peers.items() if k != peer}
+
+    def is_local_peer(self, peer: str) -> bool:
+        """Whether reads of ``peer`` copy from its memory (:meth:`add_local_peer`)."""
+        return peer in self._local_peers
 
     # ------------------------------------------------------------ memory
     def register_memory(self, addr: int, length: int) -> bool:
@@ -295,6 +334,21 @@ class MooncakeTransferEngine:
         if not loc:
             return 0
         start = time.perf_counter()
+        pid = self._local_peers.get(peer) if op == "read" else None
+        if pid is not None:
+            try:
+                total = local_reads.read_from(pid, loc, rem, lens)
+            except local_reads.LocalReadError as exc:
+                self.forget_local_peer(peer)
+                logger.warning("reading %s (pid %d) from its memory failed (%s): it is read "
+                               "over the transfer engine from now on", peer, pid, exc)
+            else:
+                self.stats.reads += 1
+                self.stats.bytes_read += total
+                self.stats.local_reads += 1
+                self.stats.bytes_read_local += total
+                self.stats.seconds += time.perf_counter() - start
+                return total
         total = 0
         for i in range(0, len(loc), self.max_batch):
             chunk = slice(i, i + self.max_batch)

@@ -59,6 +59,11 @@ class AgentMeta(Message):
     #: this start of the engine (:func:`~.params.engine_instance`; ``""``: not told): a
     #: P that restarted at the same address has another
     instance: str = ""
+    #: a KV cache in host memory: the host (:func:`~vllm_ascend.distributed.kv_transfer.
+    #: core.local_reads.host_identity`) and process that hold it, so that a peer on the same
+    #: host copies from it directly (``""``/0: device memory, or not offered)
+    local_host: str = ""
+    pid: int = 0
 
 
 class Claim(Message):

@@ -17,6 +17,7 @@ connectors' :class:`~.errors.HandshakeMismatchError`.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -27,6 +28,7 @@ from vllm_ascend.distributed.kernels.heads import (
     partners_per_remote_rank,
     plan_head_slices,
 )
+from vllm_ascend.distributed.kv_transfer.core import local_reads
 from vllm_ascend.distributed.kv_transfer.core.channel import RpcClient, tcp_endpoint
 from vllm_ascend.distributed.kv_transfer.core.errors import ConfigError
 from vllm_ascend.distributed.kv_transfer.core.layout import (
@@ -125,6 +127,8 @@ class P2PWorkerBase:
         self.layout: KVCacheLayout | None = None
         self.te: MooncakeTransferEngine | None = None
         self.meta: AgentMeta | None = None
+        #: whether this rank's KV cache is in host memory (same-host peers may copy it)
+        self._kv_on_host = False
         self._clients: dict[str, RpcClient[Message]] = {}
         self._remote_meta: dict[str, AgentMeta] = {}
         self._mismatch: dict[str, str] = {}
@@ -148,6 +152,11 @@ class P2PWorkerBase:
             region_addrs=[r.base_addr for r in self.layout.regions],
             region_strides=[r.block_stride for r in self.layout.regions],
             vllm_version=_vllm_version(), instance=self.instance)
+        self._kv_on_host = all(getattr(getattr(t, "device", None), "type", "") == "cpu"
+                               for t in kv_caches.values())
+        if self._kv_on_host:
+            self.meta.local_host = local_reads.host_identity()
+            self.meta.pid = os.getpid() if self.meta.local_host else 0
         return self.layout
 
     def _release_resources(self) -> None:
@@ -190,6 +199,8 @@ class P2PWorkerBase:
                 self._mismatch[endpoint] = problem
                 raise HandshakeMismatchError(problem)
             self._remote_meta[endpoint] = meta
+        if self._kv_on_host and self.te is not None and meta.local_host:
+            self.te.add_local_peer(meta.session, meta.local_host, meta.pid)
         logger.info("handshake with %s %s (engine %s, tp %d/%d) ok", peer, endpoint,
                     meta.engine_id, meta.tp_rank, meta.tp_size)
         return meta

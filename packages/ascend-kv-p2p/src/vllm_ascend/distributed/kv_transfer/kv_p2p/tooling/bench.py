@@ -52,6 +52,8 @@ from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
+from vllm_ascend.distributed.kv_transfer.core.local_reads import LOCAL_READS_ENV
+
 #: KV cache shape of the benchmark: 8 layers, CPU layout, 128 KiB per layer and block.
 LAYERS = 8
 HEADS = 2
@@ -422,7 +424,17 @@ def run(args: argparse.Namespace) -> int:
     rounds = 3 if args.quick else args.rounds
     pairs = 2 if args.quick else args.pairs
     cpus = usable_cpus()
-    rows = _measure(sizes, rounds, pairs, keyed=args.auth)
+    # the connector is measured over the transport of the raw read it is compared with: P
+    # (spawned, with this environment) advertises no same-host reads, D makes none
+    saved = os.environ.get(LOCAL_READS_ENV)
+    os.environ[LOCAL_READS_ENV] = "0"
+    try:
+        rows = _measure(sizes, rounds, pairs, keyed=args.auth)
+    finally:
+        if saved is None:
+            os.environ.pop(LOCAL_READS_ENV, None)
+        else:
+            os.environ[LOCAL_READS_ENV] = saved
     cols = ["blocks", "bytes", "raw_GBps", "connector_GBps", "ratio", "ratio_min", "ratio_max",
             "raw_ms", "connector_ms", *(f"ratio_{m}" for m in MODES), "window_reads"]
     if args.auth:
@@ -436,7 +448,8 @@ def run(args: argparse.Namespace) -> int:
                        f"metadata, one engine step every {ENGINE_STEP_S * 1e3:g} ms) until "
                        "the worker marks the request finished receiving, vs one raw Mooncake "
                        "batch read of the same "
-                       "ranges, TCP on loopback, P in another process; "
+                       "ranges, TCP on loopback (the connector's same-host reads off: "
+                       "both over the same transport), P in another process; "
                        f"{rounds} rounds of {pairs} alternating loads of each, ratio = the "
                        "median over the rounds of raw / connector (each round's medians), "
                        "with min-max; ratio_overlapped / ratio_claims_first: the worker "
