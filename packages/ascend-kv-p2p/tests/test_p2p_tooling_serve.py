@@ -110,8 +110,8 @@ def test_a_d_that_never_posts_fails_the_sample_and_p_is_not_asked(
 
 
 def test_the_layerwise_scenario_is_declared_with_its_comparisons() -> None:
-    (pull, lw) = p2p_serve.scenarios()
-    assert (pull.name, lw.name) == ("pd/ours", "pd/ours-layerwise")
+    (pull, tcp, lw) = p2p_serve.scenarios()
+    assert (pull.name, tcp.name, lw.name) == ("pd/ours", "pd/ours-tcp", "pd/ours-layerwise")
     assert lw.family == "pd" and lw.who == "ours" and not lw.quick
     peers = {(c.peer, c.metric): c for c in lw.comparisons}
     assert set(peers) == {("pd/vllm-nixl", p2p_serve.TTFT), ("pd/vllm-mooncake", p2p_serve.TTFT),
@@ -122,3 +122,23 @@ def test_the_layerwise_scenario_is_declared_with_its_comparisons() -> None:
     own = peers["pd/ours", p2p_serve.TTFT].overhead_goal
     assert own is not None and own.at_most is None and own.at_least is None
     assert peers["pd/ours", PD_REQUEST].goal is None
+
+
+def test_the_pull_over_tcp_is_declared_as_a_reference_of_the_same_host_path(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    (pull, tcp, _lw) = p2p_serve.scenarios()
+    assert tcp.family == "pd" and tcp.who == "ours" and not tcp.quick and not tcp.comparisons
+    ref = next(c for c in pull.comparisons if c.peer == "pd/ours-tcp")
+    assert ref.metric == p2p_serve.TTFT and ref.goal is None
+    assert ref.overhead_goal is not None and ref.overhead_goal.at_most is None
+    # both engines start with same-host reads off
+    seen: dict[str, Any] = {}
+
+    def run_pd(run: Any, name: str, p_kv: Any, d_kv: Any, params: Any, **kw: Any) -> Any:
+        seen.update(name=name, **kw)
+        return {}
+
+    monkeypatch.setattr(p2p_serve, "run_pd", run_pd)
+    p2p_serve.sc_pd_ours_tcp(object())  # type: ignore[arg-type]
+    off = {"VLLM_ASCEND_KV_LOCAL_READS": "0"}
+    assert seen == {"name": "pd/ours-tcp", "p_env": off, "d_env": off, "fresh_p": True}

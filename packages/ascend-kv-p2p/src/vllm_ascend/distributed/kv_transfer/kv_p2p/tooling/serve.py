@@ -3,9 +3,13 @@
 
 The ``vllm_ascend_kv.serve`` entry point ``p2p`` names :func:`scenarios`.
 
-* ``pd/ours``: ``MooncakeConnectorV1``, D pulls P's blocks over the Mooncake transfer
-  engine (tcp) once P finished; D's TTFT is compared with vLLM's ``NixlConnector`` and
-  ``MooncakeConnector`` (core's peer scenarios).
+* ``pd/ours``: ``MooncakeConnectorV1``, D pulls P's blocks once P finished: from P's
+  memory (same-host reads, ``core.local_reads``: P and D run on one host here, their KV
+  caches in host memory), else over the Mooncake transfer engine (tcp); D's TTFT is
+  compared with vLLM's ``NixlConnector`` and ``MooncakeConnector`` (core's peer scenarios).
+* ``pd/ours-tcp``: the same with same-host reads off (``VLLM_ASCEND_KV_LOCAL_READS=0`` on
+  both engines): every byte over the transfer engine's TCP transport, as between two hosts
+  without RDMA. What the same-host path gives is ``pd/ours`` against it.
 * ``pd/ours-layerwise``: ``MooncakeLayerwiseConnector``, as behind the proxy in layerwise
   mode: D gets the request first and posts its blocks to a metaserver (here, in the
   benchmark's process), then P prefills and pushes every layer into D's blocks while it
@@ -28,6 +32,7 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from vllm_ascend.distributed.kv_transfer.core.local_reads import LOCAL_READS_ENV
 from vllm_ascend.distributed.kv_transfer.core.net import free_port
 from vllm_ascend.distributed.kv_transfer.core.tooling.serve_child import EngineChild
 from vllm_ascend.distributed.kv_transfer.core.tooling.serve_compare import PD_REQUEST
@@ -62,6 +67,17 @@ def sc_pd_ours(run: Run) -> dict[str, Any]:
     return run_pd(run, "pd/ours", _kv("MooncakeConnectorV1", "kv_producer", "bench-ours-p"),
                   _kv("MooncakeConnectorV1", "kv_consumer", "bench-ours-d"), params,
                   fresh_p=True)
+
+
+def sc_pd_ours_tcp(run: Run) -> dict[str, Any]:
+    """MooncakeConnectorV1 with same-host reads off: D pulls over the transfer engine."""
+    def params(_key: str) -> tuple[dict[str, Any], Callable[..., dict[str, Any]]]:
+        return {"do_remote_decode": True, "do_remote_prefill": False}, require_params
+
+    off = {LOCAL_READS_ENV: "0"}
+    return run_pd(run, "pd/ours-tcp", _kv("MooncakeConnectorV1", "kv_producer", "bench-tcp-p"),
+                  _kv("MooncakeConnectorV1", "kv_consumer", "bench-tcp-d"), params,
+                  p_env=off, d_env=off, fresh_p=True)
 
 
 #: How long the layerwise flow waits for D's post and for D's answer after P's.
@@ -177,10 +193,18 @@ def _versus(peer: str, label: str, ttft_goal: Goal | None) -> tuple[Comparison, 
 def scenarios() -> list[Scenario]:
     """The scenarios of this package (a ``vllm_ascend_kv.serve`` entry point)."""
     return [Scenario(
-        "pd/ours", "pd", "ours", "MooncakeConnectorV1", "D pulls P's blocks (Mooncake TE, tcp)",
+        "pd/ours", "pd", "ours", "MooncakeConnectorV1",
+        "D pulls P's blocks (same host: from P's memory; else Mooncake TE, tcp)",
         ["mooncake"], sc_pd_ours, quick=True,
         comparisons=(*_versus("pd/vllm-nixl", "NixlConnector", Goal("<= 0.8", at_most=0.8)),
-                     *_versus("pd/vllm-mooncake", "vLLM MooncakeConnector", Goal("")))),
+                     *_versus("pd/vllm-mooncake", "vLLM MooncakeConnector", Goal("")),
+                     # what the same-host path gives (no goal of its own)
+                     Comparison("P/D decode TTFT: ours / ours over TCP", TTFT, "pd/ours-tcp",
+                                overhead_goal=Goal("")))),
+        Scenario(
+        "pd/ours-tcp", "pd", "ours", "MooncakeConnectorV1",
+        "D pulls P's blocks over the Mooncake TE (tcp), same-host reads off",
+        ["mooncake"], sc_pd_ours_tcp),
         Scenario(
         "pd/ours-layerwise", "pd", "ours", "MooncakeLayerwiseConnector",
         "D first; P pushes each layer into D's blocks as it computes (Mooncake TE, tcp)",
