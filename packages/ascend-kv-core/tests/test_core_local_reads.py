@@ -194,3 +194,31 @@ def test_a_refused_read_goes_over_the_engine_and_the_peer_stays_there(
     assert not engine.is_local_peer("127.0.0.1:1")
     engine.read("127.0.0.1:1", [base], [addr], [64])  # a good address: still the engine
     assert len(engine.raw.reads) == 2 and engine.stats.local_reads == 0
+
+
+def test_a_peer_read_counts_only_while_the_process_lives(child: tuple[int, int]) -> None:
+    addr, pid = child
+    out = ctypes.create_string_buffer(64)
+    _read_or_skip(pid, [ctypes.addressof(out)], [addr], [64])
+    peer = local_reads.Peer(pid)
+    assert peer.alive()
+    assert peer.read([ctypes.addressof(out)], [addr + 64], [64]) == 64
+    assert out.raw == _expected(64, 64)
+    peer.close()
+    assert not peer.alive()  # its descriptor is gone: never taken for alive
+    with pytest.raises(LocalReadError) as info:
+        peer.read([ctypes.addressof(out)], [addr], [64])
+    assert info.value.errno == errno.ESRCH
+    # a process that exited: its pid names nobody, and a descriptor opened while it lived
+    # says so after its pid was read
+    proc = subprocess.Popen([sys.executable, "-c", _CHILD], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdin is not None
+    _addr2, pid2 = map(int, proc.stdout.readline().split())
+    gone = local_reads.Peer(pid2)
+    proc.stdin.close()
+    proc.wait(10)
+    proc.stdout.close()
+    assert not gone.alive()
+    with pytest.raises(LocalReadError):
+        local_reads.Peer(pid2)

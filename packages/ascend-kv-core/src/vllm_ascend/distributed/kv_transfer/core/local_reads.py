@@ -27,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import signal
 from collections.abc import Sequence
 from functools import lru_cache
 
@@ -87,8 +88,66 @@ def _readv() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
 
 
 def available() -> bool:
-    """Whether this system has ``process_vm_readv`` (Linux 3.2 and later)."""
-    return _readv() is not None
+    """Whether this system has ``process_vm_readv`` (Linux 3.2 and later) and pid file
+    descriptors (Linux 5.3 and later), which :class:`Peer` needs."""
+    return _readv() is not None and hasattr(os, "pidfd_open")
+
+
+class Peer:
+    """A peer process read from its memory, held by a pid file descriptor.
+
+    A pid names another process once its process exited and the number was reused; a read
+    by pid alone could then copy another process's memory as the peer's blocks. The
+    descriptor, opened while the peer is known to be alive (it just answered the
+    handshake), names the peer alone: a read counts only if the peer is still alive after
+    it, so the pid named the peer all along.
+
+    Raises:
+        LocalReadError: no such process, or no pid file descriptors here.
+    """
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._fd = -1
+        try:
+            self._fd = os.pidfd_open(pid)
+        except (OSError, AttributeError) as exc:
+            err = getattr(exc, "errno", None) or errno.ENOSYS
+            raise LocalReadError(err, f"pidfd_open({pid}): {exc}") from exc
+
+    def alive(self) -> bool:
+        """Whether the peer has not exited."""
+        try:
+            signal.pidfd_send_signal(self._fd, 0)
+        except PermissionError:  # alive, only not ours to signal
+            return True
+        except OSError:  # exited (ESRCH), or the descriptor was closed
+            return False
+        return True
+
+    def read(self, local: Sequence[int], remote: Sequence[int],
+             lengths: Sequence[int]) -> int:
+        """:func:`read_from` the peer, checked to be the peer afterwards.
+
+        Raises:
+            LocalReadError: as :func:`read_from`; ``ESRCH`` if the peer exited.
+        """
+        total = read_from(self.pid, local, remote, lengths)
+        if not self.alive():
+            raise LocalReadError(errno.ESRCH, f"pid {self.pid} exited during the read")
+        return total
+
+    def close(self) -> None:
+        """Close the descriptor (idempotent)."""
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except OSError:
+            pass
 
 
 def read_from(pid: int, local: Sequence[int], remote: Sequence[int],

@@ -159,8 +159,9 @@ class MooncakeTransferEngine:
         self._segments: list[tuple[int, int]] = []
         # (start, end) asked for -> [references, engine segments it owns]
         self._regs: dict[tuple[int, int], list[Any]] = {}
-        # peer session -> pid, for peers read from their memory (:mod:`.local_reads`)
-        self._local_peers: dict[str, int] = {}
+        # peer session -> the peer process, for peers read from their memory
+        # (:mod:`.local_reads`)
+        self._local_peers: dict[str, local_reads.Peer] = {}
         self.stats = TransferStats()
         logger.info("Mooncake transfer engine up: %s protocol=%s", self.session_id, protocol)
 
@@ -199,16 +200,30 @@ class MooncakeTransferEngine:
         if (not host or pid <= 0 or pid == os.getpid() or host != local_reads.host_identity()
                 or not local_reads.available()):
             return False
-        if self._local_peers.get(peer) != pid:
-            self._local_peers = {**self._local_peers, peer: pid}  # replaced: read unlocked
-            logger.info("peer %s (pid %d) runs on this host: reads copy from its memory",
-                        peer, pid)
+        with self._lock:
+            known = self._local_peers.get(peer)
+            if known is not None and known.pid == pid and known.alive():
+                return True
+            try:
+                process = local_reads.Peer(pid)
+            except local_reads.LocalReadError as exc:
+                logger.info("peer %s (pid %d) is not read from its memory: %s", peer, pid, exc)
+                return False
+            # replaced, not changed: reads look it up unlocked
+            self._local_peers = {**self._local_peers, peer: process}
+        # the one replaced (if any) may still serve a read: it closes with its last reference
+        logger.info("peer %s (pid %d) runs on this host: reads copy from its memory",
+                    peer, pid)
         return True
 
     def forget_local_peer(self, peer: str) -> None:
         """Read ``peer`` over the transfer engine from now on."""
-        if peer in self._local_peers:
+        with self._lock:
+            process = self._local_peers.get(peer)
+            if process is None:
+                return
             self._local_peers = {k: v for k, v in self._local_peers.items() if k != peer}
+        # a read may still use it: its descriptor closes with the last reference
 
     def is_local_peer(self, peer: str) -> bool:
         """Whether reads of ``peer`` copy from its memory (:meth:`add_local_peer`)."""
@@ -334,14 +349,14 @@ class MooncakeTransferEngine:
         if not loc:
             return 0
         start = time.perf_counter()
-        pid = self._local_peers.get(peer) if op == "read" else None
-        if pid is not None:
+        process = self._local_peers.get(peer) if op == "read" else None
+        if process is not None:
             try:
-                total = local_reads.read_from(pid, loc, rem, lens)
+                total = process.read(loc, rem, lens)
             except local_reads.LocalReadError as exc:
                 self.forget_local_peer(peer)
                 logger.warning("reading %s (pid %d) from its memory failed (%s): it is read "
-                               "over the transfer engine from now on", peer, pid, exc)
+                               "over the transfer engine from now on", peer, process.pid, exc)
             else:
                 self.stats.reads += 1
                 self.stats.bytes_read += total
