@@ -13,6 +13,11 @@ the test stops and continues; D is a D worker in the test process.
   with P's bytes, the retries are counted, and D's ``Done`` frees P's blocks;
 * P paused past D's deadline: the request fails at its deadline, exactly once, and P's
   blocks are freed (D's ``Done`` once P runs again, or P's lease).
+
+These go over the transfer engine: D's same-host reads are off for them (P offers them).
+With them on, D copies P's blocks from P's memory, which needs no CPU of P's:
+
+* P paused while D reads from its memory: the read ends at once with P's bytes, no retry.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import pytest
 import torch
 
 from ascend_kv_testing.faults import wait_for
+from vllm_ascend.distributed.kv_transfer.core.local_reads import LOCAL_READS_ENV
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
 from vllm_ascend.distributed.kv_transfer.core.net import free_port
 from vllm_ascend.distributed.kv_transfer.core.transfer_engine import peek_transfer_engine
@@ -112,7 +118,7 @@ class PProcess:
 
     def __init__(self, port: int) -> None:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path),
-                   MC_TCP_PROGRESS_TIMEOUT_SEC=str(PROGRESS_S))
+                   MC_TCP_PROGRESS_TIMEOUT_SEC=str(PROGRESS_S), **{LOCAL_READS_ENV: "1"})
         self.proc = subprocess.Popen(
             [sys.executable, "-c", P_SCRIPT, str(port), str(LEASE_S), str(BS), str(NB),
              str(HEADS), str(HD), str(LAYERS)],
@@ -169,15 +175,18 @@ class PProcess:
 @pytest.fixture(scope="module")
 def progress_env() -> Iterator[None]:
     """D's transfer engine drops a transfer without progress after PROGRESS_S (if this
-    process has no engine yet; otherwise the tests size their stalls to its bound)."""
-    old = os.environ.get("MC_TCP_PROGRESS_TIMEOUT_SEC")
+    process has no engine yet; otherwise the tests size their stalls to its bound), and D
+    reads over it (same-host reads off, unless a test turns them on)."""
+    saved = {k: os.environ.get(k) for k in ("MC_TCP_PROGRESS_TIMEOUT_SEC", LOCAL_READS_ENV)}
     if peek_transfer_engine() is None:
         os.environ["MC_TCP_PROGRESS_TIMEOUT_SEC"] = str(PROGRESS_S)
+    os.environ[LOCAL_READS_ENV] = "0"
     yield
-    if old is None:
-        os.environ.pop("MC_TCP_PROGRESS_TIMEOUT_SEC", None)
-    else:
-        os.environ["MC_TCP_PROGRESS_TIMEOUT_SEC"] = old
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 @pytest.fixture(scope="module")
@@ -368,5 +377,44 @@ def test_p_paused_past_the_deadline_fails_once(p: Any, fault_report: Any) -> Non
                               "blocks once P ran again",
                      deadline=f"yes ({took:.1f}s)",
                      client="its blocks reported failed once (vLLM fails or recomputes)")
+    finally:
+        d.shutdown()
+
+
+def test_p_paused_while_d_reads_its_memory_costs_nothing(p: Any, fault_report: Any,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(LOCAL_READS_ENV, "1")
+    bound = stall_bound()
+    d = d_worker(load_timeout_s=bound + 20.0)
+    try:
+        p.proc.hold("lw", [0])
+        pull(d, p, "lw", [0], [0])
+        assert ends(d, "lw", 20)[:2] == (1, set())
+        assert d.te is not None
+        assert [d.te.is_local_peer(m.session) for m in d._remote_meta.values()] == [True]
+        before = d.te.stats.local_reads
+        p.proc.hold("lx", [7, 2, 9, 30])
+        assert wait_for(lambda: p.proc.held()[0] == 1, 5)
+        stop_s = bound + 2.0
+        paused = pause_on_read(d, p, stop_s)
+        pull(d, p, "lx", [7, 2, 9, 30], [5, 6, 8, 31])
+        seen, failed, took = ends(d, "lx", bound + 30)
+        assert paused.is_set()
+        assert fault_report.check("deadline", (seen, failed) == (1, set()),
+                                  f"reported {seen}x, failed blocks {failed}")
+        assert same_bytes(d, [5, 6, 8, 31], [7, 2, 9, 30])
+        assert d.te.stats.local_reads > before
+        assert not d.recorder.total("p2p_read_retries", reason="transfer")
+        assert not failures(d), failures(d)
+        assert took < bound  # not held up by P's stop
+        # D's Done reaches P once it runs again, and frees its blocks
+        held_zero = wait_for(lambda: p.proc.held()[0] == 0, stop_s + 10)
+        assert fault_report.check("zero", held_zero, "P still held the request after Done")
+        assert fault_report.check("survivor", True)
+        fault_report(fault=f"P paused (SIGSTOP, {stop_s:.0f}s) while D reads, after granting "
+                           "the claim, D reading P's memory (same host)",
+                     happened=f"D copied P's blocks from P's memory while P was stopped "
+                              f"({took:.2f}s, no retry); D's Done freed P's blocks once P ran",
+                     deadline=f"yes ({took:.2f}s)", client="the request completes")
     finally:
         d.shutdown()

@@ -173,8 +173,15 @@ def test_peers_of_another_host_or_this_process_are_not_local(
     assert not engine.add_local_peer("p:1", "", pid)
     assert not engine.add_local_peer("p:1", host_identity(), 0)
     assert not engine.add_local_peer("p:1", host_identity(), os.getpid())
+    assert engine.add_local_peer("p:1", host_identity(), pid)
+    assert engine.add_local_peer("p:1", host_identity(), pid)  # again: still the same
+    assert engine.is_local_peer("p:1")
     monkeypatch.setenv(LOCAL_READS_ENV, "0")  # off here: no peer is ever local
     assert not engine.add_local_peer("p:1", host_identity(), pid)
+    assert not engine.is_local_peer("p:1")  # what holds now wins over the earlier answer
+    monkeypatch.delenv(LOCAL_READS_ENV)
+    assert engine.add_local_peer("p:1", host_identity(), pid)
+    assert not engine.add_local_peer("p:1", "", 0)  # the peer (restarted) offers nothing now
     assert not engine.is_local_peer("p:1")
 
 

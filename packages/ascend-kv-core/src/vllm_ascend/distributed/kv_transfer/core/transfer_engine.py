@@ -195,10 +195,18 @@ class MooncakeTransferEngine:
         read that way for good.
 
         Returns:
-            Whether the peer will be read from its memory.
+            Whether the peer will be read from its memory (if not, an earlier
+            :meth:`add_local_peer` of ``peer`` no longer holds).
         """
-        if (not host or pid <= 0 or pid == os.getpid() or host != local_reads.host_identity()
-                or not local_reads.available()):
+        why = ("it offers none" if not host or pid <= 0
+               else "same-host reads are off here" if not local_reads.enabled()
+               else "it runs in this process" if pid == os.getpid()
+               else "it runs on another host" if host != local_reads.host_identity()
+               else "this system has no process_vm_readv or pidfd_open"
+               if not local_reads.available() else "")
+        if why:
+            self.forget_local_peer(peer)  # what the peer (or this process) says now wins
+            logger.info("peer %s is read over the transfer engine: %s", peer, why)
             return False
         with self._lock:
             known = self._local_peers.get(peer)
@@ -208,6 +216,7 @@ class MooncakeTransferEngine:
                 process = local_reads.Peer(pid)
             except local_reads.LocalReadError as exc:
                 logger.info("peer %s (pid %d) is not read from its memory: %s", peer, pid, exc)
+                self._local_peers = {k: v for k, v in self._local_peers.items() if k != peer}
                 return False
             # replaced, not changed: reads look it up unlocked
             self._local_peers = {**self._local_peers, peer: process}

@@ -199,8 +199,9 @@ class P2PWorkerBase:
                 self._mismatch[endpoint] = problem
                 raise HandshakeMismatchError(problem)
             self._remote_meta[endpoint] = meta
-        if self._kv_on_host and self.te is not None and meta.local_host:
-            self.te.add_local_peer(meta.session, meta.local_host, meta.pid)
+        if self.te is not None:  # read from P's memory if P is on this host (else not)
+            self.te.add_local_peer(meta.session, meta.local_host if self._kv_on_host else "",
+                                   meta.pid)
         logger.info("handshake with %s %s (engine %s, tp %d/%d) ok", peer, endpoint,
                     meta.engine_id, meta.tp_rank, meta.tp_size)
         return meta
