@@ -9,6 +9,9 @@ stalls (TCP retransmits; no reset ever comes). Mooncake drops a connection witho
 progress after ``MC_TCP_PROGRESS_TIMEOUT_SEC``; D's request must end within its deadline
 and be recomputed, P's lease must lapse and free the blocks, both must serve on, and a
 P/D request must work again once the link is back.
+
+Both engines run with same-host reads off (``VLLM_ASCEND_KV_LOCAL_READS=0``): P and D share
+this host's memory, and D would otherwise copy P's blocks without the network.
 """
 
 from __future__ import annotations
@@ -46,7 +49,9 @@ def net() -> Iterator[VethPair]:
 @pytest.fixture(scope="module")
 def pd(net: VethPair, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     model = make_tiny_llama(tmp_path_factory.mktemp("netcut-model"))
-    env = {"MC_TCP_PROGRESS_TIMEOUT_SEC": str(PROGRESS_S)}
+    # two namespaces of one host are one host to same-host reads, which need no network:
+    # off, so that D reads over the network as between two hosts
+    env = {"MC_TCP_PROGRESS_TIMEOUT_SEC": str(PROGRESS_S), "VLLM_ASCEND_KV_LOCAL_READS": "0"}
     made = start_in_parallel({
         "p": lambda: NetnsEngineProcess(
             model, kv_config("kv_producer", "cut-p", lease_ttl_s=LEASE_S), netns=net.ns_a,

@@ -49,7 +49,7 @@ LEASE_S = 4.0
 DEADLINE_S = 15.0
 #: Mooncake's "no progress" bound on a stalled TCP transfer (30 s by default)
 PROGRESS_S = 1
-ENV = {"MC_TCP_PROGRESS_TIMEOUT_SEC": str(PROGRESS_S)}
+ENV = {"MC_TCP_PROGRESS_TIMEOUT_SEC": str(PROGRESS_S), "VLLM_ASCEND_KV_LOCAL_READS": "0"}
 
 _problem = netns_problem()
 pytestmark = pytest.mark.skipif(_problem is not None,
