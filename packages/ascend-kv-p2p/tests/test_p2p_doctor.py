@@ -67,8 +67,9 @@ def test_a_bad_key_is_reported_with_the_section_to_read() -> None:
 def test_serve_scenario_declares_its_comparisons() -> None:
     from vllm_ascend.distributed.kv_transfer.core.tooling.serve_report import comparisons
 
-    sc, layerwise = p2p_serve.scenarios()
+    sc, tcp, layerwise = p2p_serve.scenarios()
     assert sc.name == "pd/ours" and sc.quick
+    assert tcp.name == "pd/ours-tcp" and not tcp.quick
     assert layerwise.name == "pd/ours-layerwise" and not layerwise.quick
     summary = {"pd/ours": {"d_ttft_over_recompute": 0.06},
                "pd/vllm-nixl": {"d_ttft_over_recompute": 0.11}}
