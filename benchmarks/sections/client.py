@@ -130,7 +130,21 @@ SECOND_ROUNDS = (
     "concurrency 4; TTFT mean and output tok/s at 8); TPOT p50 at concurrency 8 level in "
     "both, TTFT p50 at 8 ahead in the first and level in the second. At concurrency 8 both "
     "D's decode batches of the same size with the same engine, and their TPOT is mostly "
-    "that engine's decode step.\n\n")
+    "that engine's decode step.\n\n"
+    "**A third run, after same-host reads** (2026-12-04 evening, the same command, alone "
+    "on the machine; our D now copies P's blocks from P's memory, vLLM's "
+    "MooncakeConnector pair still moves them over Mooncake's TCP transport). Ours / "
+    "theirs, median of 5 rounds (95% interval): concurrency 4, TTFT mean 0.93 "
+    "(0.88–1.02), TTFT p50 0.90 (0.81–0.97), TPOT p50 0.98 (0.94–1.02), output tok/s 1.04"
+    " (0.99–1.12); concurrency 8, TTFT mean 0.88 (0.87–0.94), TTFT p50 0.95 (0.90–1.00), "
+    "TPOT p50 0.88 (0.86–1.05), output tok/s 1.09 (1.00–1.10); 0 failed requests on "
+    "either pair. Three of the eight ahead (TTFT p50 at 4, TTFT mean and output tok/s at "
+    "8), the others level, none behind: fewer than in the two runs before, so the goal "
+    "(all eight ahead, confirmed) is not met. Under this load a request's TTFT is mostly "
+    "its wait for P's prefill (1,000-token prompts computed one after another on P's "
+    "core, about 2 s at concurrency 4 and 5 s at 8), and the transfer a few milliseconds "
+    "of it, so the faster copy does not show here."
+    "\n\n")
 
 
 def section_client(d: dict[str, Any], images: Images) -> str:

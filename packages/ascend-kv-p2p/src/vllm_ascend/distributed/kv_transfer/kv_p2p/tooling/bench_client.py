@@ -128,7 +128,8 @@ def targets() -> list[Target]:
     return [
         Target("plain", "-", f"one instance, no connector, cores {PLAIN_CORES}"),
         Target("pd-pull", "MooncakeConnectorV1",
-               f"D pulls from P (Mooncake TE, tcp) behind vllm-ascend-pd-proxy; P core "
+               f"D pulls from P (same host: from P's memory; else Mooncake TE, tcp) behind "
+               f"vllm-ascend-pd-proxy; P core "
                f"{P_CORES}, D core {D_CORES}", kv=pull, proxy_mode="pull"),
         Target("pd-layerwise", "MooncakeLayerwiseConnector",
                f"P pushes layer by layer into D behind vllm-ascend-pd-proxy --mode layerwise; "
