@@ -195,12 +195,12 @@ def read_from(pid: int, local: Sequence[int], remote: Sequence[int],
                                  f"{want} bytes")
         # a partial copy: skip the ranges copied whole, go on with the rest of the one cut
         done = got
-        rest = list(chunk)
-        while rest and done >= rest[0][2]:
-            done -= rest[0][2]
-            rest.pop(0)
+        for _loc, _rem, size in chunk:
+            if done < size:
+                break
+            done -= size
             i += 1
         if done:
-            loc, rem, size = rest[0]
+            loc, rem, size = todo[i]
             todo[i] = (loc + done, rem + done, size - done)
     return total

@@ -208,17 +208,16 @@ class MooncakeTransferEngine:
             self.forget_local_peer(peer)  # what the peer (or this process) says now wins
             logger.info("peer %s is read over the transfer engine: %s", peer, why)
             return False
-        with self._lock:
-            known = self._local_peers.get(peer)
-            if known is not None and known.pid == pid and known.alive():
-                return True
-            try:
-                process = local_reads.Peer(pid)
-            except local_reads.LocalReadError as exc:
-                logger.info("peer %s (pid %d) is not read from its memory: %s", peer, pid, exc)
-                self._local_peers = {k: v for k, v in self._local_peers.items() if k != peer}
-                return False
-            # replaced, not changed: reads look it up unlocked
+        known = self._local_peers.get(peer)
+        if known is not None and known.pid == pid and known.alive():
+            return True
+        try:
+            process = local_reads.Peer(pid)
+        except local_reads.LocalReadError as exc:
+            self.forget_local_peer(peer)
+            logger.info("peer %s (pid %d) is not read from its memory: %s", peer, pid, exc)
+            return False
+        with self._lock:  # replaced, not changed: reads look it up unlocked
             self._local_peers = {**self._local_peers, peer: process}
         # the one replaced (if any) may still serve a read: it closes with its last reference
         logger.info("peer %s (pid %d) runs on this host: reads copy from its memory",
@@ -227,12 +226,10 @@ class MooncakeTransferEngine:
 
     def forget_local_peer(self, peer: str) -> None:
         """Read ``peer`` over the transfer engine from now on."""
-        with self._lock:
-            process = self._local_peers.get(peer)
-            if process is None:
-                return
-            self._local_peers = {k: v for k, v in self._local_peers.items() if k != peer}
         # a read may still use it: its descriptor closes with the last reference
+        with self._lock:
+            if peer in self._local_peers:
+                self._local_peers = {k: v for k, v in self._local_peers.items() if k != peer}
 
     def is_local_peer(self, peer: str) -> bool:
         """Whether reads of ``peer`` copy from its memory (:meth:`add_local_peer`)."""
