@@ -144,6 +144,9 @@ class P2PWorkerBase:
                                       device_name=self.cfg.device_name)
         for addr, length in self.layout.memory_ranges():
             self.te.register_memory(addr, length)
+        self._kv_on_host = all(getattr(getattr(t, "device", None), "type", "") == "cpu"
+                               for t in kv_caches.values())
+        local_host = local_reads.host_identity() if self._kv_on_host else ""
         self.meta = AgentMeta(
             protocol_version=PROTOCOL_VERSION, engine_id=self.engine_id, model=self.model,
             session=self.te.session_id, tp_rank=self.tp_rank, tp_size=self.tp_size,
@@ -151,12 +154,8 @@ class P2PWorkerBase:
             layout=self.layout.descriptor(),
             region_addrs=[r.base_addr for r in self.layout.regions],
             region_strides=[r.block_stride for r in self.layout.regions],
-            vllm_version=_vllm_version(), instance=self.instance)
-        self._kv_on_host = all(getattr(getattr(t, "device", None), "type", "") == "cpu"
-                               for t in kv_caches.values())
-        if self._kv_on_host:
-            self.meta.local_host = local_reads.host_identity()
-            self.meta.pid = os.getpid() if self.meta.local_host else 0
+            vllm_version=_vllm_version(), instance=self.instance,
+            local_host=local_host, pid=os.getpid() if local_host else 0)
         return self.layout
 
     def _release_resources(self) -> None:

@@ -210,21 +210,15 @@ def _spread(values: list[float]) -> dict[str, float]:
 
 
 @contextlib.contextmanager
-def _deployment_key(key: str | None) -> Iterator[None]:
-    """The environment's deployment key set to ``key`` (``None``: no key) meanwhile.
-
-    Sockets take their key from the environment when they are made (P's side channel
-    when its process starts, D's clients at a load's first message to a P), so each
-    pair's loads run inside this with its own key."""
-    from vllm_ascend.distributed.kv_transfer.core import auth
-
-    saved = {k: os.environ.get(k) for k in (auth.ENV_KEY, auth.ENV_KEY_FILE)}
-    os.environ.pop(auth.ENV_KEY_FILE, None)
-    if key is None:
-        os.environ.pop(auth.ENV_KEY, None)
-    else:
-        os.environ[auth.ENV_KEY] = key
+def _environ(values: dict[str, str | None]) -> Iterator[None]:
+    """The environment with ``values`` set (``None``: unset) meanwhile."""
+    saved = {k: os.environ.get(k) for k in values}
     try:
+        for k, v in values.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         yield
     finally:
         for k, v in saved.items():
@@ -232,6 +226,17 @@ def _deployment_key(key: str | None) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def _deployment_key(key: str | None) -> contextlib.AbstractContextManager[None]:
+    """The environment's deployment key set to ``key`` (``None``: no key) meanwhile.
+
+    Sockets take their key from the environment when they are made (P's side channel
+    when its process starts, D's clients at a load's first message to a P), so each
+    pair's loads run inside this with its own key."""
+    from vllm_ascend.distributed.kv_transfer.core import auth
+
+    return _environ({auth.ENV_KEY_FILE: None, auth.ENV_KEY: key})
 
 
 class _Pair:
@@ -426,15 +431,8 @@ def run(args: argparse.Namespace) -> int:
     cpus = usable_cpus()
     # the connector is measured over the transport of the raw read it is compared with: P
     # (spawned, with this environment) advertises no same-host reads, D makes none
-    saved = os.environ.get(LOCAL_READS_ENV)
-    os.environ[LOCAL_READS_ENV] = "0"
-    try:
+    with _environ({LOCAL_READS_ENV: "0"}):
         rows = _measure(sizes, rounds, pairs, keyed=args.auth)
-    finally:
-        if saved is None:
-            os.environ.pop(LOCAL_READS_ENV, None)
-        else:
-            os.environ[LOCAL_READS_ENV] = saved
     cols = ["blocks", "bytes", "raw_GBps", "connector_GBps", "ratio", "ratio_min", "ratio_max",
             "raw_ms", "connector_ms", *(f"ratio_{m}" for m in MODES), "window_reads"]
     if args.auth:

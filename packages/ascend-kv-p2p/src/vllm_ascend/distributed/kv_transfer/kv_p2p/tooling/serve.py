@@ -57,27 +57,27 @@ def _kv(connector: str, role: str, engine_id: str) -> dict[str, Any]:
             "kv_connector_extra_config": {"load_timeout_s": 60}}
 
 
-def sc_pd_ours(run: Run) -> dict[str, Any]:
-    """MooncakeConnectorV1: D pulls from P over the Mooncake transfer engine."""
+def _pull(run: Run, name: str, engine_id: str, env: dict[str, str] | None = None
+          ) -> dict[str, Any]:
+    """MooncakeConnectorV1 between a P and a D started with ``env``. P computes every
+    prompt, as the layerwise P does: their prefills and whole requests are compared (a
+    repeat that hit P's own cache would make the pull look free on P)."""
     def params(_key: str) -> tuple[dict[str, Any], Callable[..., dict[str, Any]]]:
         return {"do_remote_decode": True, "do_remote_prefill": False}, require_params
 
-    # P computes every prompt, as the layerwise P does: their prefills and whole requests
-    # are compared (a repeat that hit P's own cache would make the pull look free on P)
-    return run_pd(run, "pd/ours", _kv("MooncakeConnectorV1", "kv_producer", "bench-ours-p"),
-                  _kv("MooncakeConnectorV1", "kv_consumer", "bench-ours-d"), params,
-                  fresh_p=True)
+    return run_pd(run, name, _kv("MooncakeConnectorV1", "kv_producer", f"{engine_id}-p"),
+                  _kv("MooncakeConnectorV1", "kv_consumer", f"{engine_id}-d"), params,
+                  p_env=env, d_env=env, fresh_p=True)
+
+
+def sc_pd_ours(run: Run) -> dict[str, Any]:
+    """MooncakeConnectorV1: D pulls from P (from P's memory on this host)."""
+    return _pull(run, "pd/ours", "bench-ours")
 
 
 def sc_pd_ours_tcp(run: Run) -> dict[str, Any]:
     """MooncakeConnectorV1 with same-host reads off: D pulls over the transfer engine."""
-    def params(_key: str) -> tuple[dict[str, Any], Callable[..., dict[str, Any]]]:
-        return {"do_remote_decode": True, "do_remote_prefill": False}, require_params
-
-    off = {LOCAL_READS_ENV: "0"}
-    return run_pd(run, "pd/ours-tcp", _kv("MooncakeConnectorV1", "kv_producer", "bench-tcp-p"),
-                  _kv("MooncakeConnectorV1", "kv_consumer", "bench-tcp-d"), params,
-                  p_env=off, d_env=off, fresh_p=True)
+    return _pull(run, "pd/ours-tcp", "bench-tcp", {LOCAL_READS_ENV: "0"})
 
 
 #: How long the layerwise flow waits for D's post and for D's answer after P's.
