@@ -267,6 +267,26 @@ def pause_on_read(d: PullWorker, p: Any, seconds: float) -> threading.Event:
     return paused
 
 
+def warm(d: PullWorker, p: Any, rid: str) -> None:
+    """A first request: D's handshake with P is cached, the next read is the one paused."""
+    p.proc.hold(rid, [0])
+    pull(d, p, rid, [0], [0])
+    assert ends(d, rid, 20)[:2] == (1, set())
+
+
+def pull_while_p_pauses(d: PullWorker, p: Any, rid: str, stop_s: float,
+                        timeout: float) -> tuple[int, set[int], float]:
+    """P holds ``rid`` (blocks 7, 2, 9, 30); D pulls them into 5, 6, 8, 31 and P stops for
+    ``stop_s`` as D's read starts: what :func:`ends` says."""
+    p.proc.hold(rid, [7, 2, 9, 30])
+    assert wait_for(lambda: p.proc.held()[0] == 1, 5)
+    paused = pause_on_read(d, p, stop_s)
+    pull(d, p, rid, [7, 2, 9, 30], [5, 6, 8, 31])
+    out = ends(d, rid, timeout)
+    assert paused.is_set()
+    return out
+
+
 def failures(d: PullWorker) -> dict[str, float]:
     return {k: v for k, v in d.recorder.totals().items() if k.startswith("p2p_failures")}
 
@@ -299,17 +319,9 @@ def test_p_paused_mid_read_is_retried(p: Any, fault_report: Any) -> None:
     bound = stall_bound()
     d = d_worker(load_timeout_s=bound + 20.0)
     try:
-        # a first request: the handshake is cached, the next read is the one that stalls
-        p.proc.hold("w", [0])
-        pull(d, p, "w", [0], [0])
-        assert ends(d, "w", 20)[:2] == (1, set())
-        p.proc.hold("x", [7, 2, 9, 30])
-        assert wait_for(lambda: p.proc.held()[0] == 1, 5)
+        warm(d, p, "w")
         stop_s = bound + 2.0
-        paused = pause_on_read(d, p, stop_s)
-        pull(d, p, "x", [7, 2, 9, 30], [5, 6, 8, 31])
-        seen, failed, took = ends(d, "x", bound + 30)
-        assert paused.is_set()
+        seen, failed, took = pull_while_p_pauses(d, p, "x", stop_s, bound + 30)
         assert fault_report.check("deadline", (seen, failed) == (1, set()),
                                   f"reported {seen}x, failed blocks {failed}")
         assert same_bytes(d, [5, 6, 8, 31], [7, 2, 9, 30])
@@ -387,19 +399,12 @@ def test_p_paused_while_d_reads_its_memory_costs_nothing(p: Any, fault_report: A
     bound = stall_bound()
     d = d_worker(load_timeout_s=bound + 20.0)
     try:
-        p.proc.hold("lw", [0])
-        pull(d, p, "lw", [0], [0])
-        assert ends(d, "lw", 20)[:2] == (1, set())
+        warm(d, p, "lw")
         assert d.te is not None
         assert [d.te.is_local_peer(m.session) for m in d._remote_meta.values()] == [True]
         before = d.te.stats.local_reads
-        p.proc.hold("lx", [7, 2, 9, 30])
-        assert wait_for(lambda: p.proc.held()[0] == 1, 5)
         stop_s = bound + 2.0
-        paused = pause_on_read(d, p, stop_s)
-        pull(d, p, "lx", [7, 2, 9, 30], [5, 6, 8, 31])
-        seen, failed, took = ends(d, "lx", bound + 30)
-        assert paused.is_set()
+        seen, failed, took = pull_while_p_pauses(d, p, "lx", stop_s, bound + 30)
         assert fault_report.check("deadline", (seen, failed) == (1, set()),
                                   f"reported {seen}x, failed blocks {failed}")
         assert same_bytes(d, [5, 6, 8, 31], [7, 2, 9, 30])

@@ -269,20 +269,14 @@ def test_p_prefill_and_whole_request_compared_per_length_under_the_same_binding(
     best: a pinned P computes on one core), per prompt length and without a goal."""
     declared = [Scenario("pd/lw", "pd", "ours", "L", "", comparisons=(
         Comparison("P/D request: lw / ours (pull)", PD_REQUEST, "pd/ours"),))]
+    # (scenario, binding): D's TTFT, P's prefill, the whole request
+    made = {("pd/lw", "pinned"): (0.05, 0.5, 1.1), ("pd/lw", "nobind"): (0.05, 0.3, 0.7),
+            ("pd/ours", "pinned"): (0.10, 0.4, 1.0), ("pd/ours", "nobind"): (0.10, 0.2, 0.5)}
     results = {
-        "pd/lw[pinned]": _with_request(
-            _ok([_pd_round(r, 0.05, 0.05, 2048) for r in range(5)], binding="pinned"),
-            0.5, 1.1),
-        "pd/lw[nobind]": _with_request(
-            _ok([_pd_round(r, 0.05, 0.05, 2048) for r in range(5)], binding="nobind"),
-            0.3, 0.7),
-        "pd/ours[pinned]": _with_request(
-            _ok([_pd_round(r, 0.10, 0.05, 2048) for r in range(5)], binding="pinned"),
-            0.4, 1.0),
-        "pd/ours[nobind]": _with_request(
-            _ok([_pd_round(r, 0.10, 0.05, 2048) for r in range(5)], binding="nobind"),
-            0.2, 0.5),
-    }
+        f"{name}[{binding}]": _with_request(
+            _ok([_pd_round(r, ttft, 0.05, 2048) for r in range(5)], binding=binding),
+            prefill, total)
+        for (name, binding), (ttft, prefill, total) in made.items()}
     rounds = {n: r for n, e in results.items() if (r := round_series(e)) is not None}
     comps = {c["what"]: c for c in interval_comparisons(results, rounds, declared)}
     c = comps["P's prefill at 8192 tokens (pinned): lw / ours (pull)"]
