@@ -66,3 +66,20 @@ def test_p_computes_every_repeat_only_with_fresh_p(fresh: bool) -> None:
         assert row["p_cached_samples"] == [0, 7, 7]
         assert computed_by_p(row)[0] == 1.0
     assert len(row["pd_total_samples"]) == 3
+
+
+@pytest.mark.parametrize("scenario", ["sc_pd_vllm_mooncake", "sc_pd_nixl"])
+def test_the_peers_p_computes_every_prompt_as_ours_does(
+        monkeypatch: pytest.MonkeyPatch, scenario: str) -> None:
+    from vllm_ascend.distributed.kv_transfer.core.tooling import serve_peers
+
+    seen: dict[str, Any] = {}
+
+    def run_pd(_run: Any, name: str, *_a: Any, **kw: Any) -> dict[str, Any]:
+        seen.update(name=name, fresh_p=kw.get("fresh_p"))
+        return {}
+
+    monkeypatch.setattr(serve_peers, "run_pd", run_pd)
+    run = SimpleNamespace(memo={}, binding="pinned", cfg=SimpleNamespace(nixl_python=None))
+    getattr(serve_peers, scenario)(run)
+    assert seen["name"].startswith("pd/vllm-") and seen["fresh_p"] is True

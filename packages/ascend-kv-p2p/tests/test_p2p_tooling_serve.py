@@ -128,6 +128,9 @@ def test_the_pull_over_tcp_is_declared_as_a_reference_of_the_same_host_path(
         monkeypatch: pytest.MonkeyPatch) -> None:
     (pull, tcp, _lw) = p2p_serve.scenarios()
     assert tcp.family == "pd" and tcp.who == "ours" and not tcp.quick and not tcp.comparisons
+    # P's prefill and the whole request against both peers (their P computes too)
+    assert {c.peer for c in pull.comparisons if c.metric == PD_REQUEST} == {
+        "pd/vllm-nixl", "pd/vllm-mooncake"}
     ref = next(c for c in pull.comparisons if c.peer == "pd/ours-tcp")
     assert ref.metric == p2p_serve.TTFT and ref.goal is None
     assert ref.overhead_goal is not None and ref.overhead_goal.at_most is None

@@ -63,6 +63,13 @@ def sc_baseline(run: Run) -> dict[str, Any]:
     return data
 
 
+#: The peers' P computes every prompt, as ours does (``pd_flow``'s ``fresh_p``): the same
+#: work on P for every connector, and D's request arriving right after a P forward on the
+#: same cores for all of them (a P answering repeats from its own prefix cache would leave
+#: D the cores to itself, and a real P computes new prompts).
+PEER_FRESH_P = True
+
+
 def sc_pd_vllm_mooncake(run: Run) -> dict[str, Any]:
     """vLLM's MooncakeConnector (P pushes on D's request), patched for CPU."""
     # the bootstrap port of P, kept with P across the rounds of one binding
@@ -85,7 +92,8 @@ def sc_pd_vllm_mooncake(run: Run) -> dict[str, Any]:
                 lambda _p_out: d)
 
     return run_pd(run, "pd/vllm-mooncake", p_kv, d_kv, params,
-                  p_env={BOOTSTRAP_ENV: f"127.0.0.1:{port}"}, pre_import=[PATCH_MODULE])
+                  p_env={BOOTSTRAP_ENV: f"127.0.0.1:{port}"}, pre_import=[PATCH_MODULE],
+                  fresh_p=PEER_FRESH_P)
 
 
 def sc_pd_nixl(run: Run) -> dict[str, Any]:
@@ -101,7 +109,7 @@ def sc_pd_nixl(run: Run) -> dict[str, Any]:
 
     return run_pd(run, "pd/vllm-nixl", dict(kv, engine_id="bench-nixl-p"),
                   dict(kv, engine_id="bench-nixl-d"), params, p_env=p_env, d_env=d_env,
-                  python=run.cfg.nixl_python)
+                  python=run.cfg.nixl_python, fresh_p=PEER_FRESH_P)
 
 
 def sc_pool_vllm_store(run: Run) -> dict[str, Any]:

@@ -200,7 +200,12 @@ def scenarios() -> list[Scenario]:
                      *_versus("pd/vllm-mooncake", "vLLM MooncakeConnector", Goal("")),
                      # what the same-host path gives (no goal of its own)
                      Comparison("P/D decode TTFT: ours / ours over TCP", TTFT, "pd/ours-tcp",
-                                overhead_goal=Goal("")))),
+                                overhead_goal=Goal("")),
+                     # P's prefill and the whole request (every P computes its prompts)
+                     Comparison("P/D request: ours / NixlConnector", PD_REQUEST,
+                                "pd/vllm-nixl"),
+                     Comparison("P/D request: ours / vLLM MooncakeConnector", PD_REQUEST,
+                                "pd/vllm-mooncake"))),
         Scenario(
         "pd/ours-tcp", "pd", "ours", "MooncakeConnectorV1",
         "D pulls P's blocks over the Mooncake TE (tcp), same-host reads off",
