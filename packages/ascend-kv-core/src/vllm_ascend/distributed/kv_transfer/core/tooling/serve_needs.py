@@ -68,9 +68,9 @@ def skip_reason(sc: Scenario, cfg: ServeConfig) -> str | None:
                                     and find_binary("mooncake_client")):
             return "mooncake_master / mooncake_client not found"
         if need == "patch" and not cfg.peers_path:
-            return (f"needs the CPU patch of torch.accelerator.current_device_index "
-                    f"({PATCH_MODULE}.py of benchmarks/peers, not shipped): pass --peers-path "
-                    f"or set {PEERS_ENV}")
+            return (f"needs the peers' CPU patches ({PATCH_MODULE}.py and the modules beside "
+                    f"it in benchmarks/peers, not shipped): pass --peers-path or set "
+                    f"{PEERS_ENV}")
         if need == "nixl":
             python = cfg.nixl_python or sys.executable
             if not python_has(python, "nixl"):

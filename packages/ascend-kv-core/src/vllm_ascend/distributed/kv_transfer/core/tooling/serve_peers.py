@@ -7,7 +7,8 @@ packages' own scenarios come through the ``vllm_ascend_kv.serve`` entry points.
 P/D peers: vLLM's ``MooncakeConnector`` (needs ``torch.accelerator.current_device_index``
 patched on CPU: a module of ``benchmarks/peers`` imported first in both engines, never
 shipped) and ``NixlConnector`` (needs the ``nixl`` package, which can live in its own
-environment: ``--nixl-python``). Pool peers: ``MooncakeStoreConnector`` (the run's
+environment: ``--nixl-python``; another module of ``benchmarks/peers`` keeps its engines on
+the cores of their binding). Pool peers: ``MooncakeStoreConnector`` (the run's
 ``mooncake_master`` and pool holder) and ``ExampleConnector``. vLLM's
 ``OffloadingConnector`` and ``SimpleCPUOffloadConnector`` are started and their error
 is recorded.
@@ -96,8 +97,15 @@ def sc_pd_vllm_mooncake(run: Run) -> dict[str, Any]:
                   fresh_p=PEER_FRESH_P)
 
 
+#: The peers' harness module that keeps a NixlConnector engine on the cores it was bound to
+#: (the connector moves the engine's main thread, OpenMP's thread 0, to the last core of
+#: each NUMA node on CPU: core 1 for both P and D on 2 cores).
+NIXL_AFFINITY_MODULE = "vllm_nixl_cpu_affinity"
+
+
 def sc_pd_nixl(run: Run) -> dict[str, Any]:
-    """vLLM's NixlConnector (D pulls; the request protocol of vLLM-Ascend's P/D connector)."""
+    """vLLM's NixlConnector (D pulls; the request protocol of vLLM-Ascend's P/D connector),
+    each engine kept on the cores of its binding (:data:`NIXL_AFFINITY_MODULE`)."""
     kv = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
     p_env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
     d_env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
@@ -109,7 +117,8 @@ def sc_pd_nixl(run: Run) -> dict[str, Any]:
 
     return run_pd(run, "pd/vllm-nixl", dict(kv, engine_id="bench-nixl-p"),
                   dict(kv, engine_id="bench-nixl-d"), params, p_env=p_env, d_env=d_env,
-                  python=run.cfg.nixl_python, fresh_p=PEER_FRESH_P)
+                  python=run.cfg.nixl_python, pre_import=[NIXL_AFFINITY_MODULE],
+                  fresh_p=PEER_FRESH_P)
 
 
 def sc_pool_vllm_store(run: Run) -> dict[str, Any]:
@@ -157,8 +166,9 @@ def builtin_scenarios() -> list[Scenario]:
         Scenario("pd/vllm-mooncake", "pd", "vllm", "MooncakeConnector",
                  "P pushes on D's request (Mooncake TE, tcp), patched for CPU",
                  [*mc, "patch"], sc_pd_vllm_mooncake),
-        Scenario("pd/vllm-nixl", "pd", "vllm", "NixlConnector", "D pulls (NIXL/UCX)",
-                 ["nixl"], sc_pd_nixl),
+        Scenario("pd/vllm-nixl", "pd", "vllm", "NixlConnector",
+                 "D pulls (NIXL/UCX), each engine kept on its cores", ["nixl", "patch"],
+                 sc_pd_nixl),
         Scenario("pool/vllm-mooncake-store", "pool", "vllm", "MooncakeStoreConnector",
                  "same Store, standalone-store mode", [*mc, "store"], sc_pool_vllm_store),
         Scenario("pool/vllm-example", "pool", "vllm", "ExampleConnector",
