@@ -243,10 +243,53 @@ PD_WAIT = (
     "met): there D's wait for 2,048 tokens (0.022–0.072 s, more than for 8,192) is not "
     "the copy, which takes about 2 ms; likely D waiting for a CPU right after P's answer,"
     " with P's threads on both cores (not traced)."
-    " In this run our P computed every prompt (`fresh_p`, kept for the layerwise comparison) while the peers' P answered the repeats of a prompt from their own prefix cache (vLLM MooncakeConnector's P 0.07–0.12 s against ours 0.66–0.86 s for 2,048 tokens unbound), so only ours had D's request arrive right after a P forward on the same cores: an asymmetry against ours, not corrected here. This is a same-host path: between "
+    " In this run our P computed every prompt (`fresh_p`, kept for the layerwise comparison) while the peers' P answered the repeats of a prompt from their own prefix cache (vLLM MooncakeConnector's P 0.07–0.12 s against ours 0.66–0.86 s for 2,048 tokens unbound), so only ours had D's request arrive right after a P forward on the same cores: an asymmetry against ours, corrected in the two runs of the next paragraph. This is a same-host path: between "
     "hosts (or on NPU, whose caches are device memory) every read goes over the transfer "
     "engine as in the rows above, and vLLM's MooncakeConnector has no such path, so these"
     " ratios say what a P and a D sharing a host gain, not what the transport does."
+    "\n\n"
+    '**Every P computing, and NixlConnector on its cores** (2026-12-04, night; two P/D '
+    'runs, 5 rounds of 2 samples each, both bindings, prompts of 2,048 and 8,192 tokens, '
+    "alone on the machine). The peers' P now computes every prompt, as ours does "
+    '(`serve_peers.PEER_FRESH_P`), so every D gets its request right after a P forward on'
+    ' the same cores. Run 1 (ours, ours over TCP, vLLM MooncakeConnector, NixlConnector):'
+    " D's overhead over the floor, ours / vLLM MooncakeConnector at its best (pinned), "
+    '0.42 (95%: 0.29–0.50) pinned and 0.21 (0.15–0.44) unbound at 2,048 tokens, 0.38 '
+    '(0.25–0.74) and 0.15 (0.13–0.31) at 8,192; KV throughput 1.98 (1.51–2.37) and 3.29 '
+    "(2.28–3.93). The same run had NixlConnector's P prefill take 3 times ours (ours / "
+    "Nixl 0.32, 0.31–0.36, pinned), which led to this: on CPU, NixlConnector's worker "
+    "moves the engine's main thread, OpenMP's thread 0 of every forward, to the last core"
+    ' of each NUMA node (`os.sched_setaffinity` in its constructor, "to reserve different'
+    ' cores for start_load_kv() from model_forward()"; no option turns it off), so with P'
+    ' bound to core 0 and D to core 1 both of its engines computed on core 1, as the '
+    "running engines' thread affinities showed. Every NixlConnector figure above this "
+    'paragraph was measured so. `bench serve` now imports '
+    '`benchmarks/peers/vllm_nixl_cpu_affinity.py` first in both of its engines (NUMA '
+    'discovery finds no node, no core is reserved), and its P prefilled 2,048 tokens '
+    'pinned in 2.6–2.9 s instead of 4.0–4.2 s (ours 1.27–1.45 s; the rest of the gap is '
+    "likely NIXL's own threads: while P computed, a native thread of each of its engines "
+    "and D's step loop kept busy; not traced further). Run 2 (ours, vLLM "
+    'MooncakeConnector, NixlConnector on its cores): ours / vLLM MooncakeConnector 0.19 '
+    '(0.12–0.28) pinned and 0.28 (0.17–0.53) unbound at 2,048 tokens, 0.19 (0.13–0.22) '
+    'and 0.17 (0.11–0.41) at 8,192, KV throughput 2.83 (2.01–3.56) and 2.80 (1.81–3.87); '
+    'ours / NixlConnector at its best (pinned) 0.35 (0.29–0.62) and 0.53 (0.33–1.17) at '
+    '2,048 tokens, 0.28 (0.24–0.37) and 0.26 (0.18–0.53) at 8,192, KV throughput 2.44 '
+    "(2.22–2.66) and 2.41 (1.86–3.13). Medians of run 2, D's time over its floor: at "
+    '2,048 tokens ours 8.9 ms pinned and 13.4 ms unbound, vLLM MooncakeConnector 47 ms '
+    'and NixlConnector 25 ms (pinned, their best); at 8,192 tokens 28.6 and 26.3 ms '
+    "against 154 and 103 ms. The goal against vLLM's MooncakeConnector (0.8x, both "
+    'lengths, both bindings, against its best binding) is met in both runs, and so is the'
+    ' KV throughput goal (1.2x); against NixlConnector it is met in run 2 except unbound '
+    'at 2,048 tokens, where the interval reaches 1.17 (ours 8.6–23.6 ms over the floor '
+    "against Nixl's pinned 11.4–31 ms): not met, and not yet confirmed by a second run "
+    "with Nixl on its cores. The whole request (the first request sent to D's first "
+    'token), ours / vLLM MooncakeConnector under the same binding, run 1 and run 2: at '
+    '2,048 tokens 0.96 (0.95–1.04) and 0.93 (0.93–1.05) pinned, 0.89 (0.86–0.95) and 0.86'
+    ' (0.83–0.94) unbound; at 8,192 tokens 1.00 (0.94–1.02) and 1.00 (0.98–1.00) pinned, '
+    "0.95 (0.94–0.98) and 0.96 (0.94–0.98) unbound. P's prefill is the same for both "
+    'connectors (0.97–1.01), so unbound the client gets its first token 4–14% sooner for '
+    "D's shorter wait; pinned the two are level. Against NixlConnector the whole request "
+    'is 0.19–0.50 of theirs, most of it their P computing more slowly on this machine.'
     "\n\n")
 
 
