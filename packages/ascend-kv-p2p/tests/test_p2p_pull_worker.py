@@ -698,3 +698,42 @@ def test_the_tracker_wait_ends_at_once_without_loads_and_times_out_with_one() ->
     assert loads.wait_any(0.05) is False
     loads.finish(meta, ok=True)
     assert loads.wait_any(30) is True and loads.collect_finished() == {"x"}
+
+
+def done_within(p: PullWorker, rid: str, seconds: float) -> bool:
+    """True when P got D's Done for ``rid`` (it no longer holds a lease on it) within
+    ``seconds``, well before its lease of 1 s could lapse."""
+    assert p.holder is not None
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if p.holder.held.get(rid) is None:
+            return p.recorder.total("p2p_expired_leases") == 0
+        time.sleep(0.01)
+    return False
+
+
+def test_p_gets_the_done_of_a_loaded_request_once_d_collected_the_load(pd: Any) -> None:
+    """The Done goes out once vLLM collected the load (D's get_finished), not from the
+    pull thread at the load's end, where it held the GIL while vLLM's thread woke."""
+    pd.p.start_load_kv(MooncakeConnectorMetadata(requests_to_send={"r": SendMeta("r", [5])}))
+    recv(pd, "w", "r", [5], [6])
+    assert pd.d.wait_loads(["w"], timeout=30)
+    assert not done_within(pd.p, "r", 0.3)  # loaded, not collected: no Done yet
+    _s, recving = pd.d.get_finished()
+    assert recving == {"w"}
+    assert done_within(pd.p, "r", 0.5)
+
+
+def test_a_d_shut_down_before_collecting_a_load_still_sends_its_done(pd: Any) -> None:
+    d = new_worker("kv_consumer", free_port(), 1, 0, "D2")
+    d.register_kv_caches(make_caches("cpu", 1, 0, fill=False))
+    pd.p.start_load_kv(MooncakeConnectorMetadata(requests_to_send={"r": SendMeta("r", [5])}))
+    remote = RemotePrefill(engine_id="P", host="127.0.0.1", port=pd.p_port, request_id="r",
+                           block_ids=[5], tp_size=1, pcp_size=1, dcp_size=1)
+    d.start_load_kv(MooncakeConnectorMetadata(requests={"w": RecvMeta(
+        "w", [6], remote, remote_block_ids=[5])}))
+    try:
+        assert d.wait_loads(["w"], timeout=30)
+    finally:
+        d.shutdown()
+    assert done_within(pd.p, "r", 0.5)

@@ -31,6 +31,7 @@ import logging
 import math
 import socket
 import time
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -114,6 +115,9 @@ class PullReader:
                                         thread_name_prefix="p2p-pull")
         # Done messages sent after a load was reported (keeps them off the pull threads)
         self._notify = ThreadPoolExecutor(max_workers=1, thread_name_prefix="p2p-done")
+        # the Done owed for each load that ended loaded, sent once vLLM collected the load
+        # (send_owed): sent at its end, its thread held the GIL while vLLM's woke for it
+        self._owed: deque[tuple[RecvMeta, list[int], Mapping[int, int]]] = deque()
         #: send the claims on claim threads while the pull thread reads (else claim first)
         self.overlap_claims = usable_cpus() >= OVERLAP_MIN_CPUS
         # the claim threads (started on demand)
@@ -146,15 +150,30 @@ class PullReader:
                 self.inbox.expect(meta.request_id, meta.early_claims)
             self._pool.submit(self._pull, meta)
 
+    def send_owed(self) -> None:
+        """Send, off this thread, the ``Done`` of every load that ended loaded so far
+        (called once vLLM collected the loads: :meth:`PullWorker.get_finished`)."""
+        batch = []
+        while self._owed:
+            batch.append(self._owed.popleft())
+        if batch:
+            self._notify.submit(self._send_owed, batch)
+
+    def _send_owed(self, batch: list[tuple[RecvMeta, list[int], Mapping[int, int]]]) -> None:
+        for meta, p_ranks, readers in batch:
+            self._done_quietly(meta, p_ranks, readers)
+
     def done_sent(self, timeout: float = 10.0) -> None:
-        """Wait until the ``Done`` of every load reported so far went out (benchmarks: the
+        """Send the ``Done`` still owed and wait until every one went out (benchmarks: the
         next measurement does not share the machine with them)."""
+        self.send_owed()
         self._notify.submit(lambda: None).result(timeout)
 
     def shutdown(self) -> None:
-        """Stop pulling (queued pulls are dropped)."""
+        """Stop pulling (queued pulls are dropped); the ``Done`` still owed go out."""
         self.inbox.close()
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self.send_owed()
         self._claims.shutdown(wait=True)
         self._notify.shutdown(wait=True)
 
@@ -278,9 +297,9 @@ class PullReader:
             self.shared.recorder.inc("p2p_transfer_bytes", nbytes)
             self.shared.recorder.observe("p2p_transfer_seconds", elapsed)
             self.shared.recorder.observe("p2p_transfer_request_bytes", nbytes)
+            if loaded:  # the read is over: the Done may go out any time from now
+                self._owed.append((meta, p_ranks, readers))
             self.loads.finish(meta, ok=True)
-            if loaded:
-                self._notify.submit(self._done_quietly, meta, p_ranks, readers)
         finally:
             self.inbox.drop(meta.request_id)
             for r in dict.fromkeys(claimed):  # give P its blocks back early after a failure

@@ -154,6 +154,8 @@ class PullWorker(P2PWorkerBase):
             self.loads.wait_any(self.cfg.idle_wait_s)
         sending = self.holder.collect_finished() if self.holder is not None else set()
         recving = self.loads.collect_finished() if self.loads is not None else set()
+        if self.reader is not None:
+            self.reader.send_owed()  # P frees what D loaded, now that vLLM knows
         return sending or None, recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
