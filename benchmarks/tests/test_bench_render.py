@@ -409,6 +409,23 @@ def test_the_keyed_pull_goal_counts_only_with_the_whole_interval_at_or_above() -
     assert "plain / keyed" in page and "0.99 [0.95–1.02] (95%: 0.96–1)" in page
 
 
+
+def test_the_keyed_pull_in_units_of_each_pairs_raw_read() -> None:
+    res = _results()
+    rows = res["p2p"]["results"]
+    for row in rows:
+        row.update(connector_ms=52.0, keyed_ms=58.0, keyed_raw_ms=55.3, keyed_vs_plain=0.94,
+                   keyed_vs_plain_min=0.87, keyed_vs_plain_max=1.07, keyed_vs_plain_low=0.92,
+                   keyed_vs_plain_high=0.98, keyed_vs_plain_time=0.9)
+    key = ("a deployment key keeps the pull connector's speed (plain / keyed connector time in "
+           "units of each pair's raw read >= 0.9 at every block count, whole interval)")
+    assert _goals(res)[key].met is True
+    rows[0]["keyed_vs_plain_low"] = 0.89
+    assert _goals(res)[key].met is False
+    page = render.load_sections()["p2p"].render(res["p2p"], {})
+    assert "keyed pair's raw ms" in page and "in units of its own pair's raw read" in page
+    assert "| 0.9 |" in page  # the ratio in time beside it
+
 def test_the_fleet_goal_of_the_client_section() -> None:
     section = render.load_sections()["client"]
     key = ("2 P + 2 D behind the proxy under vLLM's client (concurrency 8 and 16, random and "

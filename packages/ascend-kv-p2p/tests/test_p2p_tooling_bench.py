@@ -52,8 +52,12 @@ def test_quick_run_reports_the_connector_and_every_claim_mode() -> None:
         # a keyed pair's loads alternate with the plain ones in the same rounds
         assert row["keyed_ms"] > 0
         assert 0 < row["keyed_vs_plain_min"] <= row["keyed_vs_plain"] <= row["keyed_vs_plain_max"]
+        # each pair's loads in units of its own raw reads, timed in the same rounds
+        assert row["keyed_raw_ms"] > 0 and row["keyed_vs_plain_time"] > 0
+        assert row["ratio_keyed"] > 0
         # the 95% bootstrap intervals over the rounds
         assert 0 < row["ratio_low"] <= row["ratio_high"]
         assert 0 < row["keyed_vs_plain_low"] <= row["keyed_vs_plain_high"]
     assert doc["keyed"] is True and "alternating with the others" in doc["description"]
+    assert "its own pair's raw read" in doc["description"]
     assert "claims_first" in proc.stdout

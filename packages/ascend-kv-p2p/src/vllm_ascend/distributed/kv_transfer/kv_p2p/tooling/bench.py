@@ -31,12 +31,15 @@ the raw read and every claim mode in turn (the order turns each time). A round's
 ratio of the rounds' median times (as ``bench serve``), which decides the goal.
 
 With ``--auth`` (issue 19: what a deployment key costs), a second P process and D
-worker with a fresh key load the same block ranges, their loads alternating with the
-others in the same rounds; ``keyed_vs_plain`` is the median over the rounds of the
-plain connector's time over the keyed one's (1.0: the key costs nothing), with its
-min-max and its bootstrap interval (``keyed_vs_plain_low`` / ``_high``). Measuring the
-two in separate phases compared two states of a noisy machine (the raw read's own
-median moved by 40% between them).
+worker with a fresh key load the same block ranges, their loads and their own raw reads
+alternating with the others in the same rounds; ``keyed_vs_plain`` is the median over the
+rounds of the plain connector's time over the keyed one's, each in units of its own pair's
+raw read (1.0: the key costs nothing), with its min-max and its bootstrap interval
+(``keyed_vs_plain_low`` / ``_high``); ``keyed_vs_plain_time`` is the same without the
+units. Measuring the two in separate phases compared two states of a noisy machine (the
+raw read's own median moved by 40% between them); two pairs in the same rounds differ by
+where their processes run (one pair's raw read measured up to 15% slower than the other's,
+and its connector followed it), which their own raw reads take out.
 """
 
 from __future__ import annotations
@@ -205,6 +208,11 @@ MODES = {"window": None, "ahead": None, "overlapped": True, "claims_first": Fals
 DEFAULT_MODE = "window"
 
 
+def _in_raw_units(loads: list[float], raws: list[float]) -> float:
+    """A pair's median load time over its median raw read of the same ranges."""
+    return statistics.median(loads) / statistics.median(raws)
+
+
 def _spread(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
@@ -317,10 +325,11 @@ def _measure(sizes: list[int], rounds: int, pairs: int, *,
         d = plain.d
         rng = random.Random(0)
         auto = d.overlap_claims
-        paths = ["raw", *MODES, *(["keyed"] if sealed is not None else [])]
+        paths = ["raw", *MODES, *(["keyed", "raw_keyed"] if sealed is not None else [])]
         # per size: each round's ratio of each mode, and every time measured
         ratios: dict[int, dict[str, list[float]]] = {
-            n: {m: [] for m in [*MODES, "keyed", "keyed_vs_plain"]} for n in sizes}
+            n: {m: [] for m in [*MODES, "keyed", "raw_keyed", "keyed_vs_plain"]}
+            for n in sizes}
         times: dict[int, dict[str, list[float]]] = {n: {k: [] for k in paths} for n in sizes}
         # per size and path: each round's median time (the unit of the bootstrap)
         medians: dict[int, dict[str, list[float]]] = {n: {k: [] for k in paths} for n in sizes}
@@ -345,6 +354,9 @@ def _measure(sizes: list[int], rounds: int, pairs: int, *,
                         elif kind == "keyed":
                             assert sealed is not None
                             t = sealed.load(rid, d_blocks, p_blocks, DEFAULT_MODE)
+                        elif kind == "raw_keyed":  # the keyed pair's own raw read
+                            assert sealed is not None
+                            t = sealed.raw(d_blocks, p_blocks, nbytes)
                         else:
                             d.overlap_claims = auto if MODES[kind] is None else MODES[kind]
                             before = d.recorder.total("p2p_window_reads")
@@ -360,8 +372,9 @@ def _measure(sizes: list[int], rounds: int, pairs: int, *,
                 for m in paths[1:]:
                     ratios[n][m].append(raw / statistics.median(got[m]))
                 if sealed is not None:
-                    ratios[n]["keyed_vs_plain"].append(statistics.median(got[DEFAULT_MODE])
-                                                       / statistics.median(got["keyed"]))
+                    ratios[n]["keyed_vs_plain"].append(
+                        _in_raw_units(got[DEFAULT_MODE], got["raw"])
+                        / _in_raw_units(got["keyed"], got["raw_keyed"]))
                 for kind in paths:
                     times[n][kind].extend(got[kind])
                     medians[n][kind].append(statistics.median(got[kind]))
@@ -405,15 +418,25 @@ def _row(n: int, nbytes: int, times: dict[str, list[float]], ratios: dict[str, l
             + ", ".join(f"{m} {statistics.median(ratios[m]):.2f}" for m in MODES) + ")")
     if times.get("keyed"):
         cost = _spread(ratios["keyed_vs_plain"])
-        kiv = compare(medians[DEFAULT_MODE], medians["keyed"])
+        # each round's load time in units of its own pair's raw read, compared over the rounds
+        kiv = compare([c / r for c, r in zip(medians[DEFAULT_MODE], medians["raw"], strict=True)],
+                      [c / r for c, r in zip(medians["keyed"], medians["raw_keyed"],
+                                             strict=True)])
+        plain_keyed = [c / k for c, k in zip(medians[DEFAULT_MODE], medians["keyed"],
+                                             strict=True)]
         row.update(keyed_ms=statistics.median(times["keyed"]) * 1e3,
-                   ratio_keyed=statistics.median(ratios["keyed"]),
+                   keyed_raw_ms=statistics.median(times["raw_keyed"]) * 1e3,
+                   # the keyed connector against its own pair's raw read
+                   ratio_keyed=statistics.median(r / k for r, k in zip(
+                       medians["raw_keyed"], medians["keyed"], strict=True)),
                    keyed_vs_plain=cost["median"], keyed_vs_plain_min=cost["min"],
                    keyed_vs_plain_max=cost["max"], keyed_vs_plain_low=kiv.low,
-                   keyed_vs_plain_high=kiv.high)
-        line += (f"; keyed {row['keyed_ms']:.2f} ms, plain / keyed {cost['median']:.2f} "
-                 f"({cost['min']:.2f}-{cost['max']:.2f}, 95% interval {kiv.low:.2f}-"
-                 f"{kiv.high:.2f})")
+                   keyed_vs_plain_high=kiv.high,
+                   keyed_vs_plain_time=statistics.median(plain_keyed))
+        line += (f"; keyed {row['keyed_ms']:.2f} ms (its raw read {row['keyed_raw_ms']:.2f} "
+                 f"ms), plain / keyed in raw units {cost['median']:.2f} ({cost['min']:.2f}-"
+                 f"{cost['max']:.2f}, 95% interval {kiv.low:.2f}-{kiv.high:.2f}; "
+                 f"{row['keyed_vs_plain_time']:.2f} in time)")
     print(line, flush=True)
     return row
 
@@ -454,10 +477,13 @@ def run(args: argparse.Namespace) -> int:
                        f"claiming itself, overlapped with the read or before it ({cpus} CPUs)"
                        + ("; keyed: a second P and D pair with a deployment key (sealed "
                           "frames, claim tokens, regions with the grant), its loads (made "
-                          "as the plain pair's) alternating with the others in the same rounds; "
-                          "keyed_vs_plain = the median over the rounds of plain connector "
-                          "time / keyed connector time, with min-max and the 95% paired "
-                          "bootstrap interval over the rounds" if args.auth else ""),
+                          "as the plain pair's) and its own raw reads alternating with the "
+                          "others in the same rounds; keyed_vs_plain = the median over the "
+                          "rounds of plain connector time / keyed connector time, each in "
+                          "units of its own pair's raw read (the two P processes' memory "
+                          "reads at different speeds), with min-max and the 95% paired "
+                          "bootstrap interval over the rounds; keyed_vs_plain_time: the "
+                          "same in plain time" if args.auth else ""),
         "claim_mode": DEFAULT_MODE,
         "cpus": cpus,
         "rounds": rounds,
