@@ -35,20 +35,26 @@ def _bound(row: dict[str, Any], key: str) -> Any:
 
 #: Where a one-block load's time goes (a measurement, not this run's: its date is in it).
 ONE_BLOCK = (
-    "\nWhere a one-block load's time goes (measured once, 2026-12-03, 2 CPUs, loads in P's read "
-    "window, medians of 280 loads with the steps timed): the raw read on the measuring thread "
-    "took 0.43–0.46 ms, the connector's load 0.76–0.80 ms. About half of the 0.34 ms between "
-    "them is threads: handing the request to a pull thread (about 25 µs); the transfer "
-    "engine's call made from that thread (the same raw read submitted to a one-thread pool "
-    "took 0.54 ms against 0.46 ms on the thread that had just run, 80 µs more on this "
-    "machine); and waking the thread that waits for the load (about 65 µs; in vLLM the next "
-    "engine step's `get_finished` picks the load up instead). The rest is Python: "
-    "`start_load_kv` (about 20 µs), before the engine's call the read window's check, P's "
-    "cached metadata and the read plan (about 75 µs), after it the load's end and its metrics "
-    "(about 60 µs). Pulling on the calling thread instead measured 0.68 of the raw read "
-    "(2026-12-02), and would hold vLLM's engine step for as long as a stalled read lasts (up "
-    "to `MC_TCP_PROGRESS_TIMEOUT_SEC`): the pull stays on its threads. From 16 blocks the "
-    "transfer dominates.\n")
+    "\nWhere a one-block load's time goes (measured 2026-12-04, 2 CPUs, loads in P's read "
+    "window, medians of 700 loads with the steps timed, two runs): the raw read on the "
+    "measuring thread took 0.40–0.42 ms, the connector's load 0.50–0.57 ms. Handing the "
+    "request to a pull thread took 32–40 µs (from `start_load_kv` to the pull starting); the "
+    "Python before the engine's call (the read window's check, P's cached metadata, the read "
+    "plan) 32–44 µs; after the read (its metrics) about 10 µs; from the load's end to the "
+    "waiting thread running 43–47 µs, 20 µs of it the end itself (the condition's notify). "
+    "That last step took 95–97 µs while the pull thread handed the load's `Done` to its own "
+    "thread at the load's end: that thread took the GIL before the waiting one. The `Done` "
+    "now goes out once vLLM collected the load (`get_finished`). Both ways alternating load "
+    "by load in one process (15 rounds of 40 loads each, raw reads between): one block "
+    "0.527 ms before and 0.500 ms after (medians of the rounds; raw read 0.345 ms), the "
+    "change faster in 15 of the 15 rounds; 16 blocks 7.36 and 6.98 ms (raw 6.78 ms), faster "
+    "in 8 of 10. Between whole `bench p2p` runs the machine moves the one-block ratio more "
+    "(0.63–0.76 in seven runs after). The 0.9 goal at one block leaves the connector about "
+    "45 µs, less than the "
+    "hand-off to a thread and the wake-up back on this machine. Pulling on the calling thread "
+    "instead measured 0.68 of the raw read (2026-12-02), and would hold vLLM's engine step "
+    "for as long as a stalled read lasts (up to `MC_TCP_PROGRESS_TIMEOUT_SEC`): the pull "
+    "stays on its threads. From 16 blocks the transfer dominates.\n")
 
 
 def section_p2p(d: dict[str, Any], images: Images) -> str:
