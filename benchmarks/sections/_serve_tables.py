@@ -467,6 +467,33 @@ POOL_AGAIN = (
     "save that made the engine faster could put the whole interval above 1.0.\n\n")
 
 
+#: Why ours' D slowed unbound at 2,048 tokens (measured 2026-12-05).
+PD_UNBOUND = (
+    "**Why D slows unbound: OpenMP threads that spin** (2026-12-05, 02:49 to 03:12 UTC; "
+    "ours alone at 2,048 tokens, both bindings, 7 rounds of 3 samples, five runs, alone on "
+    "the machine). Unbound, D's time over its floor exceeded its wait for the KV by a "
+    "median of 7.1 and 8.8 ms a sample in two runs (90th percentile 44 and 98 ms, at most "
+    "71 and 150 ms); pinned by 0.8 ms in both. That excess is D's step computing the last "
+    "token, after the KV is in. The engines' OpenMP runtime here is GNU libgomp (torch's), "
+    "whose threads keep spinning after a parallel region (`GOMP_SPINCOUNT`, 300,000 "
+    "spins by default) before they sleep, and D gets its request right after P's last "
+    "parallel region: unbound, P's spinning threads and D's two OpenMP threads share the "
+    "2 cores. With `GOMP_SPINCOUNT=0` in every engine (two runs alternating with the two "
+    "above) the excess fell to a median of 1.3 and 1.1 ms (90th percentile 12 and 16 ms, "
+    "at most 15 and 24 ms), pinned unchanged (1.5 and 2.1 ms); with it in P's engine only "
+    "(one run), to 3.3 ms (90th percentile 24 ms, at most 36 ms): P's spin is most of it, "
+    "and the rest went only with D's threads passive too (not traced further). Passive "
+    "threads cost "
+    "each parallel region a wake-up: D's floor unbound rose from 12–13 ms to 16 ms with "
+    "it in D's engine. This is the engines' OpenMP, not the connector: a P and a D sharing "
+    "cores unbound pay it with any connector (every P here computes its prompt, the "
+    "peers' too), pinned engines do not. `bench serve` leaves OpenMP's defaults alone, "
+    "as users run the engines; where P and D cannot be pinned apart, `GOMP_SPINCOUNT=0` "
+    "(or `OMP_WAIT_POLICY=passive`) in P's environment removes most of it. The goal "
+    "against NixlConnector unbound at 2,048 tokens (compared with NixlConnector pinned, "
+    "its best) stays not met.\n\n")
+
+
 def overhead_table(d: dict[str, Any]) -> str:
     """The overhead over the floor, and the save overhead, of every scenario measured in
     rounds: medians over the rounds (min–max of the overhead)."""
@@ -534,7 +561,7 @@ def overhead_table(d: dict[str, Any]) -> str:
                              "overhead min–max", *(["KV wait"] if wait else []),
                              *(["P prefill", "whole request"] if whole else []), "recompute",
                              "external", "loaded", "checked by"]))
-        out.append("\n" + PD_WAIT)
+        out.append("\n" + PD_WAIT + PD_UNBOUND)
     if cache_rows:
         out.append("\nPool and offload (hit after `reset_prefix_cache()`):\n\n")
         out.append(md_table(cache_rows, ["scenario", "connector", "tokens", "hit", "floor",
