@@ -298,7 +298,8 @@ PD_WAIT = (
     'over its floor in four rounds and 38.8 ms in the first, which takes the interval '
     "across 1. D's wait for its KV in that round was 6.5 ms, as in the others (5.2–12.2 ms): "
     "the extra 32 ms came after the KV was in, in D's step that computed the last token, "
-    "with the two engines' OpenMP threads sharing both cores unbound (not traced further; "
+    "with the two engines' OpenMP threads sharing both cores unbound (traced in the next "
+    "paragraph; "
     "pinned, D's time over its floor exceeds its wait for the KV by 0.4–4.5 ms). A fourth run "
     "(ours and NixlConnector on its cores, 2026-12-04 23:46 to 2026-12-05 00:02 UTC, after "
     "the pull's `Done` moved to `get_finished`): ours / NixlConnector at its best (pinned) "
@@ -445,6 +446,8 @@ POOL_STEADY = (
     "CPU time on 2 CPUs, and 1.0 lies inside the intervals.\n\n")
 
 
+#: Two more runs of the Mooncake backend against MooncakeStoreConnector (measured
+#: 2026-12-05).
 POOL_AGAIN = (
     "**The Mooncake backend again, 9 rounds** (2026-12-05, 02:12 to 02:23 UTC; two runs of "
     "no connector, ours-mooncake and MooncakeStoreConnector on the same Store, 9 rounds of "
@@ -467,7 +470,7 @@ POOL_AGAIN = (
     "save that made the engine faster could put the whole interval above 1.0.\n\n")
 
 
-#: Why ours' D slowed unbound at 2,048 tokens (measured 2026-12-05).
+#: Why our pull's D slowed unbound at 2,048 tokens (measured 2026-12-05).
 PD_UNBOUND = (
     "**Why D slows unbound: OpenMP threads that spin** (2026-12-05, 02:49 to 03:12 UTC; "
     "ours alone at 2,048 tokens, both bindings, 7 rounds of 3 samples, five runs, alone on "
