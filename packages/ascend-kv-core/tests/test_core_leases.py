@@ -93,3 +93,67 @@ def test_every_entry_leaves_exactly_once(seq: list[tuple[str, int, float]]) -> N
     left += len(table.expire(now=clock.now + 100))
     assert added == left
     assert len(table) == 0
+
+
+model_ops = st.lists(st.tuples(st.sampled_from(["add", "complete", "renew", "renew_ttl", "tick",
+                                                "drop", "expire_owner", "peek"]),
+                               st.integers(0, 7), st.floats(0, 3)), max_size=80)
+
+
+@settings(max_examples=300)
+@given(model_ops)
+def test_expiry_matches_a_scan_of_the_deadlines(seq: list[tuple[str, int, float]]) -> None:
+    """Expiry in deadline order gives what a scan of every lease would: the same entries,
+    each once, with renewals (also to a new ttl), drops and re-adds between."""
+    clock = Clock()
+    table: LeaseTable[int, int] = LeaseTable(2.0, clock=clock)
+    model: dict[int, tuple[float, float, str]] = {}  # key -> (expires_at, ttl, owner)
+    for op, key, dt in seq:
+        if op == "add" and key not in model:
+            table.add(key, key * 10, owner=f"o{key % 3}", ttl=dt or None)
+            ttl = dt or 2.0
+            model[key] = (clock.now + ttl, ttl, f"o{key % 3}")
+        elif op == "complete":
+            assert (table.complete(key) is not None) == (key in model)
+            model.pop(key, None)
+        elif op == "drop":
+            assert (table.drop(key) is not None) == (key in model)
+            model.pop(key, None)
+        elif op in ("renew", "renew_ttl"):
+            ttl = dt + 0.5 if op == "renew_ttl" else None
+            assert table.renew(key, ttl) == (key in model)
+            if key in model:
+                _, old_ttl, owner = model[key]
+                new_ttl = old_ttl if ttl is None else ttl
+                model[key] = (clock.now + new_ttl, new_ttl, owner)
+        elif op == "expire_owner":
+            owner = f"o{key % 3}"
+            got = sorted(k for k, _ in table.expire_owner(owner))
+            assert got == sorted(k for k, v in model.items() if v[2] == owner)
+            model = {k: v for k, v in model.items() if v[2] != owner}
+        elif op == "peek":
+            want = min((v[0] for v in model.values()), default=None)
+            assert table.next_deadline() == want
+        else:
+            clock.now += dt
+            got = sorted(table.expire())
+            due = sorted(k for k, v in model.items() if v[0] <= clock.now)
+            assert got == [(k, k * 10) for k in due]
+            for k in due:
+                del model[k]
+        assert sorted(table.keys()) == sorted(model)
+
+
+def test_renewals_do_not_grow_the_deadlines_without_bound() -> None:
+    clock = Clock()
+    table: LeaseTable[int, int] = LeaseTable(5.0, clock=clock)
+    for i in range(10):
+        table.add(i, i, owner="d0")
+    for _ in range(2000):
+        clock.now += 0.001
+        for i in range(10):
+            assert table.renew(i)
+    assert len(table._deadlines) <= max(64, 4 * 10) + 1  # rebuilt once mostly stale
+    clock.now += 5.0
+    assert sorted(k for k, _ in table.expire()) == list(range(10))
+    assert table.next_deadline() is None

@@ -11,6 +11,8 @@ leases (:meth:`LeaseTable.renew`) so a long wait is not mistaken for a death.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import threading
 import time
 from collections.abc import Callable, Hashable
@@ -64,7 +66,26 @@ class LeaseTable(Generic[K, V]):
         self._clock = clock
         self._lock = threading.Lock()
         self._entries: dict[K, Lease[V]] = {}
+        # deadlines in order, so expiry costs what lapsed rather than what is held: one item
+        # per add or renew; an item whose lease left, or was renewed since, is stale and
+        # skipped when it comes up (and the heap rebuilt once mostly stale)
+        self._deadlines: list[tuple[float, int, K, Lease[V]]] = []
+        self._seq = itertools.count()
         self.stats = LeaseStats()
+
+    def _push(self, key: K, lease: Lease[V]) -> None:
+        """Record ``lease``'s current deadline (the caller holds the lock)."""
+        heap = self._deadlines
+        if len(heap) > 64 and len(heap) > 4 * len(self._entries):
+            heap[:] = [(le.expires_at, next(self._seq), k, le)
+                       for k, le in self._entries.items() if le is not lease]
+            heapq.heapify(heap)
+        heapq.heappush(heap, (lease.expires_at, next(self._seq), key, lease))
+
+    def _live(self, item: tuple[float, int, K, Lease[V]]) -> bool:
+        """Whether a heap item is its key's current lease at its current deadline."""
+        deadline, _, key, lease = item
+        return self._entries.get(key) is lease and lease.expires_at == deadline
 
     def add(self, key: K, payload: V, *, owner: str, ttl: float | None = None) -> None:
         """Start holding ``key`` for ``owner`` (the peer or component that must release it,
@@ -82,7 +103,9 @@ class LeaseTable(Generic[K, V]):
         with self._lock:
             if key in self._entries:
                 raise KeyError(f"{self.name}: {key!r} is already pending")
-            self._entries[key] = Lease(payload, owner, ttl, now + ttl, now)
+            lease = Lease(payload, owner, ttl, now + ttl, now)
+            self._entries[key] = lease
+            self._push(key, lease)
             self.stats.added += 1
 
     def renew(self, key: K, ttl: float | None = None) -> bool:
@@ -95,6 +118,7 @@ class LeaseTable(Generic[K, V]):
             if ttl is not None:
                 lease.ttl = ttl
             lease.expires_at = now + lease.ttl
+            self._push(key, lease)
             lease.renewals += 1
             self.stats.renewed += 1
             return True
@@ -125,9 +149,14 @@ class LeaseTable(Generic[K, V]):
     def expire(self, now: float | None = None) -> list[tuple[K, V]]:
         """Remove and return every entry whose deadline has passed (each exactly once)."""
         now = self._clock() if now is None else now
+        out: list[tuple[K, V]] = []
         with self._lock:
-            due = [k for k, lease in self._entries.items() if lease.expires_at <= now]
-            out = [(k, self._entries.pop(k).payload) for k in due]
+            heap = self._deadlines
+            while heap and heap[0][0] <= now:
+                item = heapq.heappop(heap)
+                if self._live(item):
+                    del self._entries[item[2]]
+                    out.append((item[2], item[3].payload))
             self.stats.expired += len(out)
             return out
 
@@ -163,7 +192,10 @@ class LeaseTable(Generic[K, V]):
     def next_deadline(self) -> float | None:
         """The earliest deadline, or ``None`` when empty."""
         with self._lock:
-            return min((lease.expires_at for lease in self._entries.values()), default=None)
+            heap = self._deadlines
+            while heap and not self._live(heap[0]):
+                heapq.heappop(heap)
+            return heap[0][0] if heap else None
 
     def keys(self) -> list[K]:
         """Snapshot of the held keys."""

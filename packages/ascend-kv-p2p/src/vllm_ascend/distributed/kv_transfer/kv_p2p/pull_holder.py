@@ -35,6 +35,7 @@ the request's KV without a claim.
 from __future__ import annotations
 
 import collections
+import heapq
 import logging
 import threading
 import time
@@ -100,6 +101,9 @@ class LeaseHolder:
         self._finished: set[str] = set()
         #: released requests whose blocks stay until their read window ends (monotonic)
         self._deferred: dict[str, float] = {}
+        #: the same, in the order their windows end (an item whose entry left or changed
+        #: is skipped): each step costs what is due, not what waits
+        self._deferred_order: list[tuple[float, str]] = []
         #: Done messages of requests not registered yet (D read in the window)
         self._early_done: collections.OrderedDict[str, list[Done]] = collections.OrderedDict()
         self._lock = threading.Lock()
@@ -265,6 +269,7 @@ class LeaseHolder:
         with self._lock:
             if keep_until > time.monotonic():
                 self._deferred[request_id] = keep_until
+                heapq.heappush(self._deferred_order, (keep_until, request_id))
             else:
                 self._finished.add(request_id)
             self._released[request_id] = None
@@ -303,9 +308,13 @@ class LeaseHolder:
             self._release(rid)
         now = time.monotonic()
         with self._lock:
-            due = [rid for rid, until in self._deferred.items() if until <= now]
-            for rid in due:
-                del self._deferred[rid]
+            due: list[str] = []
+            order = self._deferred_order
+            while order and order[0][0] <= now:
+                until, rid = heapq.heappop(order)
+                if self._deferred.get(rid) == until:
+                    del self._deferred[rid]
+                    due.append(rid)
             out, self._finished = self._finished | set(due), set()
             waiting = len(self._deferred)  # released, their blocks kept for the window
         recorder.set("p2p_held_requests", len(self.held) + waiting)
