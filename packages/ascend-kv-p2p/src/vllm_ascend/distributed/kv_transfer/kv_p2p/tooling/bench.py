@@ -148,8 +148,10 @@ def _raw_read(d: Any, session: str, p_addrs: list[int], p_strides: list[int],
 SMALL_LOADS = 64
 #: at most this many times as many loads: with 64 times as many one-block loads the
 #: connector's one-block load measured 0.82 ms instead of 0.63-0.67 ms, the raw read
-#: unchanged (likely P's bookkeeping of the over 1,000 requests it then held for their read
-#: windows of 1 s; not traced)
+#: unchanged (P's bookkeeping of the over 1,000 requests it then held for their read
+#: windows of 1 s was suspected). Not reproduced on 2026-12-05 without ``--auth``, two runs
+#: of 15 rounds each way: 0.68 ms (0.67 and 0.71 of the raw read) with the code of then,
+#: 0.62 and 0.75 ms (0.71 both) once P stopped scanning what it holds at every step
 SMALL_LOADS_MAX = 8
 
 #: an idle engine's step (seconds): how often the simulated engine passes D's scheduler's
