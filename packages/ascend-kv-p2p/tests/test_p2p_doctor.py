@@ -81,3 +81,40 @@ def test_serve_scenario_declares_its_comparisons() -> None:
     c = comps["P/D decode TTFT: ours / vLLM MooncakeConnector"]
     assert c["ratio"] is None and c["goal"] == "" and c["met"] is None
     assert comps["pd/ours D TTFT / recompute"]["kind"] == "recompute"
+
+
+@pytest.mark.parametrize(("env", "status", "says"), [
+    ({}, "warn", "VLLM_CPU_OMP_THREADS_BIND=auto"),  # vLLM's default
+    ({"VLLM_CPU_OMP_THREADS_BIND": "nobind"}, "warn", "GOMP_SPINCOUNT=0"),
+    ({"VLLM_CPU_OMP_THREADS_BIND": "0-3"}, "ok", "pinned"),
+    ({"VLLM_CPU_OMP_THREADS_BIND": "nobind", "GOMP_SPINCOUNT": "0"}, "ok", "passive"),
+    ({"OMP_WAIT_POLICY": "PASSIVE"}, "ok", "passive"),
+    ({"GOMP_SPINCOUNT": "1000"}, "warn", "spin"),
+])
+def test_a_cpu_producer_whose_openmp_threads_are_not_pinned_gets_the_advice(
+        monkeypatch: pytest.MonkeyPatch, env: dict[str, str], status: str, says: str) -> None:
+    monkeypatch.setenv("VLLM_ASCEND_KV_DEVICE", "cpu")
+    d = Doctor({})
+    p2p_doctor.check_openmp_spin(d, env)
+    [c] = d.checks
+    assert (c.status, c.what) == (status, "OpenMP threads (P on CPU)")
+    assert says in c.detail + c.fix
+    assert d.healthy  # advice, never a failure
+
+
+def test_the_openmp_advice_is_for_cpu_producers_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    monkeypatch.setenv("VLLM_ASCEND_KV_DEVICE", "npu")
+    d = Doctor({})
+    p2p_doctor.check_openmp_spin(d)
+    assert d.checks == []  # the threads that compute are the NPU's
+    monkeypatch.setenv("VLLM_ASCEND_KV_DEVICE", "cpu")
+    extra = {"prefill": {"tp_size": 1}, "decode": {"tp_size": 1}}
+    consumer = _run({"kv_connector": "MooncakeConnectorV1", "kv_role": "kv_consumer",
+                     "kv_connector_extra_config": extra})
+    assert not [c for c in consumer.checks if c.what.startswith("OpenMP")]
+    producer = _run({"kv_connector": "MooncakeConnectorV1", "kv_role": "kv_producer",
+                     "kv_connector_extra_config": extra})
+    assert [c.status for c in producer.checks if c.what.startswith("OpenMP")] == ["warn"]
