@@ -14,6 +14,7 @@ import pytest
 
 from vllm_ascend.distributed.kv_transfer.core.tooling.serve_child import (
     bind_in_process,
+    bound_cpus,
     parse_cpu_list,
 )
 
@@ -45,6 +46,16 @@ def test_cpu_lists_parse_as_vllm_writes_them() -> None:
     for bad in ("", "a", "1-", "-2", "1,,2", "0-x"):
         with pytest.raises(ValueError, match="not a CPU list"):
             parse_cpu_list(bad)
+
+
+def test_only_a_cpu_list_pins_and_the_first_rank_s_is_taken() -> None:
+    for free in ("", " ", "auto", "nobind", " nobind "):
+        assert bound_cpus(free) is None
+    assert bound_cpus("2-3") == [2, 3]
+    assert bound_cpus("0,1|2,3") == [0, 1]  # one list per rank: the first
+    for bad in ("cores", "1-", "|0"):
+        with pytest.raises(ValueError, match="not a CPU list"):
+            bound_cpus(bad)
 
 
 def test_a_listed_cpu_pins_the_process_and_its_openmp_threads() -> None:

@@ -90,6 +90,9 @@ def test_serve_scenario_declares_its_comparisons() -> None:
     ({"VLLM_CPU_OMP_THREADS_BIND": "nobind", "GOMP_SPINCOUNT": "0"}, "ok", "passive"),
     ({"OMP_WAIT_POLICY": "PASSIVE"}, "ok", "passive"),
     ({"GOMP_SPINCOUNT": "1000"}, "warn", "spin"),
+    ({"VLLM_CPU_OMP_THREADS_BIND": "0-3|4-7"}, "ok", "pinned"),  # one list per rank
+    ({"VLLM_CPU_OMP_THREADS_BIND": "cores0"}, "warn", "nor a CPU list"),
+    ({"VLLM_CPU_OMP_THREADS_BIND": "1-", "GOMP_SPINCOUNT": "0"}, "warn", "nor a CPU list"),
 ])
 def test_a_cpu_producer_whose_openmp_threads_are_not_pinned_gets_the_advice(
         monkeypatch: pytest.MonkeyPatch, env: dict[str, str], status: str, says: str) -> None:

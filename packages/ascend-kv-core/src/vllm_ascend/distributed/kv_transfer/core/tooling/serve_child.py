@@ -48,6 +48,26 @@ def parse_cpu_list(text: str) -> list[int]:
     return sorted(set(cpus))
 
 
+#: vLLM's CPU thread binding: ``auto`` (its default: the cores of a NUMA node, the same
+#: ones for every engine of the host), ``nobind`` (none), else a CPU list per rank,
+#: ``|``-separated.
+OMP_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def bound_cpus(value: str) -> list[int] | None:
+    """The CPUs a value of :data:`OMP_BIND_ENV` pins an engine in the calling process to
+    (the first rank's list); ``None`` for ``auto``, ``nobind`` or nothing, which pin no
+    engine apart from another on the same host.
+
+    Raises:
+        ValueError: neither of those nor a CPU list.
+    """
+    value = value.strip()
+    if value in ("", "auto", "nobind"):
+        return None
+    return parse_cpu_list(value.split("|")[0])
+
+
 def bind_in_process(env: MutableMapping[str, str] = os.environ) -> list[int] | None:
     """Apply a CPU list in ``VLLM_CPU_OMP_THREADS_BIND`` to this process (before torch loads).
 
@@ -59,10 +79,9 @@ def bind_in_process(env: MutableMapping[str, str] = os.environ) -> list[int] | N
     ``nobind`` or nothing: left as it is (``None``). Of a ``|``-separated list (one per
     rank) the first is taken.
     """
-    value = env.get("VLLM_CPU_OMP_THREADS_BIND", "")
-    if value in ("", "auto", "nobind"):
+    cpus = bound_cpus(env.get(OMP_BIND_ENV, ""))
+    if cpus is None:
         return None
-    cpus = parse_cpu_list(value.split("|")[0])
     os.sched_setaffinity(0, cpus)
     env["OMP_NUM_THREADS"] = str(len(cpus))
     env["OMP_PLACES"] = "{" + ",".join(map(str, cpus)) + "}"

@@ -67,17 +67,16 @@ def check_stall_bound(doctor: Any, section: Any) -> None:
         doctor.ok(TCP_PROGRESS_TIMEOUT_ENV, f"{bound} s, below the lease and the deadline")
 
 
-#: vLLM's CPU thread binding (``auto`` by default: the cores of a NUMA node, the same ones
-#: for every engine of the host; ``nobind``: none; else a CPU list per rank, ``|``-separated)
-OMP_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
-
-
 def check_openmp_spin(doctor: Any, environ: Any = None) -> None:
     """On CPU, a P whose OpenMP threads are not pinned apart: GNU libgomp's threads spin after
     each parallel region (``GOMP_SPINCOUNT``), and a D on the same cores computes its first
     token after the KV slower (7-9 ms a request at the median on 2 cores, measured). Pinned,
     or with the threads passive, nothing to say but ok; on an NPU or GPU, not checked."""
     from vllm_ascend.distributed.kv_transfer.core.device import detect_device_kind
+    from vllm_ascend.distributed.kv_transfer.core.tooling.serve_child import (
+        OMP_BIND_ENV,
+        bound_cpus,
+    )
 
     env = os.environ if environ is None else environ
     try:
@@ -89,10 +88,17 @@ def check_openmp_spin(doctor: Any, environ: Any = None) -> None:
     passive = (env.get("GOMP_SPINCOUNT", "").strip() == "0"
                or env.get("OMP_WAIT_POLICY", "").strip().lower() == "passive")
     bind = env.get(OMP_BIND_ENV, "auto").strip() or "auto"
+    try:
+        pinned = bound_cpus(bind) is not None
+    except ValueError:
+        doctor.warn(what, f"{OMP_BIND_ENV}={bind!r} is neither auto, nobind nor a CPU list "
+                    "(one per rank, |-separated)",
+                    f"set {OMP_BIND_ENV} to the cores of this P, e.g. 0-3")
+        return
     if passive:
         doctor.ok(what, "passive after a parallel region (GOMP_SPINCOUNT=0 or "
                   "OMP_WAIT_POLICY=passive)")
-    elif bind not in ("auto", "nobind"):
+    elif pinned:
         doctor.ok(what, f"pinned ({OMP_BIND_ENV}={bind}): give D's engine other cores")
     else:
         doctor.warn(what, f"{OMP_BIND_ENV}={bind} does not pin this P apart from a D on the "
