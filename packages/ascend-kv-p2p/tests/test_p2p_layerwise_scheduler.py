@@ -337,6 +337,33 @@ def test_chunked_prefill_is_pushed_chunk_by_chunk(model_dir: Path, cached: int,
     assert free_blocks(s) == start
 
 
+def test_requests_sharing_a_step_push_each_block_once(model_dir: Path) -> None:
+    """Two prompts share 64-token steps, so a step ends inside a block: that block goes out
+    with the step that fills it (or ends the prompt), not with both."""
+    s = make_scheduler(model_dir, "kv_producer", batch_tokens=64)
+    lengths = {"a": 50, "b": 90}
+    for rid, n in lengths.items():
+        s.add_request(request(rid, n, p_params(n, remote_request_id=f"d-{rid}"), max_tokens=1))
+    seen: dict[str, list[list[int]]] = {rid: [] for rid in lengths}
+    lasts: dict[str, list[bool]] = {rid: [] for rid in lengths}
+    ends: dict[str, list[int]] = {rid: [] for rid in lengths}
+    done: set[str] = set()
+    while done != set(lengths):
+        out, eo = step(s)
+        for rid, push in out.kv_connector_metadata.pushes.items():
+            seen[rid].append(push.positions)
+            lasts[rid].append(push.last)
+        for rid in out.num_scheduled_tokens:
+            ends[rid].append(s.requests[rid].num_computed_tokens)
+        done |= set(finished(eo))
+    # a step ended inside a block of b (the premise of this test)
+    assert any(0 < end < lengths["b"] and end % BS for end in ends["b"]), ends
+    for rid, n in lengths.items():
+        flat = [j for positions in seen[rid] for j in positions]
+        assert sorted(flat) == list(range(-(-n // BS))), (rid, seen[rid])  # each block once
+        assert lasts[rid][-1] is True and not any(lasts[rid][:-1])
+
+
 def test_positions_map_to_the_requests_blocks(model_dir: Path) -> None:
     s = make_scheduler(model_dir, "kv_producer", batch_tokens=64)
     req = request("p", 100, p_params(100), max_tokens=1)

@@ -12,9 +12,11 @@ step's metadata and fails the request at once instead of at its deadline
 
 On P (``kv_producer``): a request with ``do_remote_decode`` carries what D
 posted. Every step that computes part of its prompt emits a :class:`PushReq`
-naming the blocks to push (from D's cached prefix to the end of what this
-step computes), so chunked prefill is pushed chunk by chunk; the step that
-completes the prompt is flagged ``last``. When such a request finishes, its
+naming the blocks to push: from D's cached prefix, those this step fills (a
+block it leaves partly filled goes with the step that fills it, so each block
+goes out once, also when requests share a step's token budget), so chunked
+prefill is pushed chunk by chunk; the step that completes the prompt is flagged
+``last`` and pushes what is left. When such a request finishes, its
 blocks stay held (``request_finished`` returns ``True``) until the workers'
 pushes that read them are over.
 
@@ -285,10 +287,12 @@ class LayerwiseScheduler:
             req = state.request
             prompt_len = req.num_prompt_tokens
             end = min(req.num_computed_tokens + n, prompt_len)
-            first = state.cursor // self.block_size
-            stop = math.ceil(end / self.block_size)
-            positions = [j for j in range(first, stop) if j < len(state.block_ids)]
             last = end >= prompt_len
+            first = state.cursor // self.block_size
+            # a block this step leaves partly filled goes out with the step that fills it
+            # (or ends the prompt), once: pushed now, it would be pushed again then
+            stop = math.ceil(end / self.block_size) if last else end // self.block_size
+            positions = [j for j in range(first, stop) if j < len(state.block_ids)]
             if not positions and not last:
                 continue
             meta.pushes[rid] = PushReq(rid, state.target, positions,
