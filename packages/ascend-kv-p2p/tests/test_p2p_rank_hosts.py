@@ -127,8 +127,11 @@ def test_d_scheduler_posts_its_ranks_hosts(model_dir: Path, monkeypatch: pytest.
         s = make_scheduler(model_dir, "kv_consumer")
         conn = s.get_kv_connector()
         me = conn.connector_scheduler.host
+        assert conn.connector_scheduler.published_hosts is None  # nothing passed yet
         conn.set_xfer_handshake_metadata({0: RankAddress(me, 1, 0),
                                           1: RankAddress("10.1.2.3", 2, 1)})
+        # every rank as published (what the uneven-TP engine test checks)
+        assert conn.connector_scheduler.published_hosts == {0: me, 1: "10.1.2.3"}
         from test_p2p_layerwise_scheduler import request
 
         s.add_request(request("d1", 40, d_params(server.url)))

@@ -137,6 +137,8 @@ class LayerwiseScheduler:
         self._failed_posts: dict[str, str] = {}
         #: this instance's TP ranks that listen on another host than ``host`` (multi-node D)
         self.rank_hosts: dict[int, str] = {}
+        #: every TP rank's host as its worker published it (``None`` until vLLM passed them)
+        self.published_hosts: dict[int, str] | None = None
         self._lock = threading.Lock()
         self.metaserver = (MetaserverClient(cfg.tls_config, timeout_s=cfg.metaserver_timeout_s,
                                             retries=cfg.metaserver_retries)
@@ -145,6 +147,7 @@ class LayerwiseScheduler:
     def set_rank_hosts(self, hosts: dict[int, str]) -> None:
         """Where each TP rank's side channel listens (from the workers' handshake metadata);
         only ranks away from the scheduler's host are posted (the others are at ``host``)."""
+        self.published_hosts = dict(hosts)
         self.rank_hosts = {r: h for r, h in hosts.items() if h != self.host}
         if self.rank_hosts:
             logger.info("TP ranks on other hosts than %s: %s", self.host, self.rank_hosts)
