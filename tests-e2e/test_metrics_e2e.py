@@ -33,16 +33,15 @@ from typing import Any
 import pytest
 
 from ascend_kv_testing.engines import ENGINE_ENV
-from ascend_kv_testing.models import TINY_LLAMA, make_tiny_llama, make_tokenizer
+from ascend_kv_testing.models import make_tiny_llama, make_tokenizer, tiny_llama_block_bytes
 from ascend_kv_testing.pd import prompts_of
 from ascend_kv_testing.procs import free_port, spawn, stop
 
 BS = 32
 HOST = "127.0.0.1"
 MODEL_NAME = "tiny"
-#: KV bytes of one block of the tiny model (float32): layers x (K and V) x heads x tokens x dim.
-BLOCK_BYTES = (TINY_LLAMA["num_hidden_layers"] * 2 * TINY_LLAMA["num_key_value_heads"] * BS
-               * TINY_LLAMA["head_dim"] * 4)
+#: KV bytes of one block of the tiny model (float32)
+BLOCK_BYTES = tiny_llama_block_bytes(BS)
 
 
 # ---------------------------------------------------------------------- helpers

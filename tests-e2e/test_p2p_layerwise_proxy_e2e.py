@@ -29,13 +29,13 @@ from typing import Any
 import pytest
 
 from ascend_kv_testing.engines import ENGINE_ENV
-from ascend_kv_testing.models import make_tiny_llama, make_tokenizer
+from ascend_kv_testing.models import make_tiny_llama, make_tokenizer, tiny_llama_block_bytes
 from ascend_kv_testing.pd import prompts_of
 from ascend_kv_testing.procs import free_port, spawn, stop
 
 BS = 32
-#: one block of the tiny Llama: 2 layers, K and V, 2 KV heads of 64 float32 values a token
-BLOCK_BYTES = 2 * 2 * 2 * 64 * 4 * BS
+#: KV bytes of one block of the tiny model (float32)
+BLOCK_BYTES = tiny_llama_block_bytes(BS)
 HOST = "127.0.0.1"
 MODEL_NAME = "tiny"
 

@@ -14,6 +14,13 @@ TINY_LLAMA = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_h
                   max_position_embeddings=4096, initializer_range=0.08)
 
 
+def tiny_llama_block_bytes(block_size: int, dtype_bytes: int = 4) -> int:
+    """KV bytes of one block of :data:`TINY_LLAMA` (float32 by default): layers x (K and V)
+    x KV heads x tokens x head dim x bytes a value."""
+    return int(TINY_LLAMA["num_hidden_layers"] * 2 * TINY_LLAMA["num_key_value_heads"]
+               * block_size * TINY_LLAMA["head_dim"] * dtype_bytes)
+
+
 def make_tiny_llama(path: Path, *, seed: int = 0, dtype: str = "float32", **overrides: object) -> Path:
     """Save a random ``LlamaForCausalLM`` to ``path`` (idempotent) and return ``path``.
 
