@@ -254,3 +254,69 @@ def test_an_unknown_wait_mode_is_refused(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv(te_mod.WAIT_ENV, "yield")
     with pytest.raises(ValueError, match="VLLM_ASCEND_KV_TE_WAIT='yield'"):
         te_mod.MooncakeTransferEngine("127.0.0.1", "tcp")
+
+
+def _poll(pending: Any, timeout: float = 30.0) -> int:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = pending.poll()
+        if got is not None:
+            return int(got)
+        assert time.monotonic() < deadline, "the read did not end"
+        time.sleep(0.0005)
+
+
+def test_submit_read_polls_every_range_to_its_end(peer: Any) -> None:
+    """Every range is in once poll says so (a big range behind a small one too: the status
+    call Mooncake offers without blocking looks at a batch's first task only)."""
+    _proc, _q_out, _q_in, (session, src_addr, _dst, _digest) = peer
+    te = get_transfer_engine("127.0.0.1", "tcp")
+    local = torch.zeros(SIZE, dtype=torch.uint8)
+    te.register_memory(local.data_ptr(), SIZE)
+    try:
+        before = (te.stats.reads, te.stats.bytes_read)
+        # P's last 4 KiB first, then all the rest (P's buffer holds 0, 1, 2 ... as int64)
+        pending = te.submit_read(session, [local.data_ptr(), local.data_ptr() + 4096],
+                                 [src_addr + SIZE - 4096, src_addr], [4096, SIZE - 4096])
+        assert pending is not None and len(pending.batches) == 2
+        assert _poll(pending) == SIZE and pending.done
+        words = local.view(torch.int64)
+        n = SIZE // 8
+        assert torch.equal(words[:512], torch.arange(n - 512, n))
+        assert torch.equal(words[512:], torch.arange(0, n - 512))
+        assert pending.poll() == SIZE  # asked again: the same answer, counted once
+        assert (te.stats.reads, te.stats.bytes_read) == (before[0] + 1, before[1] + SIZE)
+        # adjacent ranges go out as one
+        pending = te.submit_read(session, [local.data_ptr(), local.data_ptr() + 64],
+                                 [src_addr, src_addr + 64], [64, 64])
+        assert pending is not None and len(pending.batches) == 1 and _poll(pending) == 128
+    finally:
+        te.unregister_memory(local.data_ptr())
+
+
+def test_submit_read_of_a_dead_peer_fails_clearly_and_same_host_peers_are_not_submitted(
+        peer: Any) -> None:
+    te = get_transfer_engine("127.0.0.1", "tcp")
+    buf = torch.zeros(4096, dtype=torch.uint8)
+    te.register_memory(buf.data_ptr(), 4096)
+    failures = te.stats.failures
+    try:
+        start = time.monotonic()
+        pending = te.submit_read("127.0.0.1:1", [buf.data_ptr()], [0x1000], [4096])
+        assert pending is not None
+        with pytest.raises(TransferError, match="127.0.0.1:1") as info:
+            _poll(pending)
+        assert info.value.op == "read" and info.value.rc < 0 and pending.done
+        assert time.monotonic() - start < 10 and te.stats.failures == failures + 1
+        with pytest.raises(TransferError):  # still failed when asked again, counted once
+            pending.poll()
+        assert te.stats.failures == failures + 1
+        # a peer read from its memory on this host: read synchronously (read), not here
+        _proc, _q_out, _q_in, (session, _src, _dst, _digest) = peer
+        te._local_peers = {**te._local_peers, session: object()}  # type: ignore[dict-item]
+        try:
+            assert te.submit_read(session, [buf.data_ptr()], [0x1000], [4096]) is None
+        finally:
+            te.forget_local_peer(session)
+    finally:
+        te.unregister_memory(buf.data_ptr())
