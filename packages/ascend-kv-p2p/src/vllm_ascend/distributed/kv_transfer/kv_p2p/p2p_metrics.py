@@ -22,6 +22,8 @@ P2P_METRICS = [
     MetricSpec("p2p_late_completions", "counter", "Done messages for requests already freed."),
     MetricSpec("p2p_window_reads", "counter", "D reads trusted without a claim: they ended "
                "within P's read window (read_window_s)."),
+    MetricSpec("p2p_inline_reads", "counter", "D reads started on vLLM's thread and polled "
+               "to their end (inline_reads), whichever way they ended."),
     MetricSpec("p2p_held_requests", "gauge", "Requests whose blocks P holds for D (those "
                "released within their read window included)."),
     MetricSpec("p2p_pending_loads", "gauge", "Requests D is loading from P."),

@@ -107,6 +107,12 @@ class LoadTracker:
         with self._cv:
             return self._cv.wait_for(lambda: not any(r in self._pending for r in ids), timeout)
 
+    def loading(self, request_ids: Iterable[str]) -> bool:
+        """Whether one of ``request_ids`` is still loading (no lock: a glance for a caller
+        that polls; :meth:`wait` to block)."""
+        pending = self._pending
+        return any(r in pending for r in request_ids)
+
     def wait_any(self, timeout: float) -> bool:
         """Block until some load ended since the last :meth:`collect_finished` (or none
         is pending), at most ``timeout`` seconds; False on timeout."""

@@ -60,6 +60,7 @@ from .protocol import (
 )
 from .pull_claims import Claimed, ClaimInbox, accepted_ahead, refused_ahead
 from .pull_contract import RecvMeta
+from .pull_inline import InlineReads
 from .pull_loads import LoadTracker
 from .pull_transfer import AddressPlans, read_request
 from .pull_window import (
@@ -133,6 +134,8 @@ class PullReader:
         self.inbox = ClaimInbox(shared.engine_id)
         # where each P rank's slices go (kept per P rank's metadata and head plan)
         self._addresses = AddressPlans()
+        #: window reads started on the caller's thread (``inline_reads``; None: off)
+        self.inline: InlineReads | None = InlineReads(self) if cfg.inline_reads else None
 
     def start(self, requests: Iterable[RecvMeta]) -> None:
         """Start the pulls (and the releases) of the scheduler's new requests."""
@@ -146,9 +149,20 @@ class PullReader:
             if meta.error is not None or meta.remote is None:
                 self.loads.fail(meta, f"bad kv_transfer_params: {meta.error}", cause="bad_params")
                 continue
+            if self.inline is not None and self.inline.start(meta):
+                continue
             if meta.claimed_ahead:
                 self.inbox.expect(meta.request_id, meta.early_claims)
             self._pool.submit(self._pull, meta)
+
+    def pull_later(self, meta: RecvMeta) -> None:
+        """Pull a load on the pull threads from the start (an inline read that failed or
+        ended after P's read window: :mod:`.pull_inline`)."""
+        self._pool.submit(self._pull, meta)
+
+    def owe_done(self, meta: RecvMeta, p_ranks: list[int], readers: Mapping[int, int]) -> None:
+        """A load ended loaded: its ``Done`` goes out once vLLM collected it."""
+        self._owed.append((meta, p_ranks, readers))
 
     def send_owed(self) -> None:
         """Send, off this thread, the ``Done`` of every load that ended loaded so far
@@ -172,6 +186,8 @@ class PullReader:
     def shutdown(self) -> None:
         """Stop pulling (queued pulls are dropped); the ``Done`` still owed go out."""
         self.inbox.close()
+        if self.inline is not None and self.shared.te is not None:
+            self.inline.drain(self.shared.te.stall_bound_s + 5.0)
         self._pool.shutdown(wait=True, cancel_futures=True)
         self.send_owed()
         self._claims.shutdown(wait=True)
@@ -298,7 +314,7 @@ class PullReader:
             self.shared.recorder.observe("p2p_transfer_seconds", elapsed)
             self.shared.recorder.observe("p2p_transfer_request_bytes", nbytes)
             if loaded:  # the read is over: the Done may go out any time from now
-                self._owed.append((meta, p_ranks, readers))
+                self.owe_done(meta, p_ranks, readers)
             self.loads.finish(meta, ok=True)
         finally:
             self.inbox.drop(meta.request_id)

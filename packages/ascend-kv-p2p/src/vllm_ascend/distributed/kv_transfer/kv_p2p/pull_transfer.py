@@ -202,6 +202,13 @@ def _read_direct(te: MooncakeTransferEngine, meta: RecvMeta, remote: AgentMeta,
                                       f"[0, {p_blocks})", code="bad_blocks")
     if not segments:
         return 0
+    return te.read(remote.session, *direct_ranges(meta, segments))
+
+
+def direct_ranges(meta: RecvMeta, segments: Sequence[Segment]
+                  ) -> tuple[list[int], list[int], list[int]]:
+    """The byte ranges (local addresses, remote addresses, lengths) of the request's blocks
+    in a P rank's direct ``segments``."""
     local_addrs: list[int] = []
     remote_addrs: list[int] = []
     lengths: list[int] = []
@@ -211,7 +218,7 @@ def _read_direct(te: MooncakeTransferEngine, meta: RecvMeta, remote: AgentMeta,
             local_addrs.append(l_base + lb * l_stride + off_l)
             remote_addrs.append(r_base + rb * r_stride + off_r)
             lengths.append(length)
-    return te.read(remote.session, local_addrs, remote_addrs, lengths)
+    return local_addrs, remote_addrs, lengths
 
 
 def _read_staged(te: MooncakeTransferEngine, region: KVRegion, index: int, meta: RecvMeta,

@@ -1,0 +1,242 @@
+# SPDX-License-Identifier: Apache-2.0
+"""D's reads started on vLLM's thread (``inline_reads``) and polled to their end.
+
+A read within P's read window (:mod:`.pull_window`) needs no claim: D can start it at
+once. On the pull threads that costs two hand-offs between threads (to the pull thread,
+and from it back to the one waiting for the load), each a wake-up and a turn of the GIL:
+on the 2-CPU machine they were most of the gap between a one-block load and a raw read of
+the same bytes. With ``inline_reads`` the worker's ``start_load_kv`` submits such a read
+itself (:meth:`~vllm_ascend.distributed.kv_transfer.core.transfer_engine.MooncakeTransferEngine.submit_read`:
+never blocks) and ``get_finished`` polls it; vLLM's engine step is never held by the
+transfer, however long it stalls.
+
+Only the plainest load takes this path, every other one goes to the pull threads
+(:class:`~.pull_reader.PullReader`), before or after its read:
+
+* taken: P's metadata (and a keyed P rank's last grant) already known, of the engine start
+  that holds the request, inside the window now, every P rank read by some D rank, no
+  pipeline stages, no heads to stage, the P rank not read from its memory on this host, and
+  at most :data:`INLINE_MAX_RANGES` byte ranges (small loads: where the hand-offs count);
+* after the read: within the window, the load ends loaded (as a window read on the threads
+  does); a read that ended after the window, or failed, is done again on the pull threads
+  from the start (claimed first once the window is over), whose data replaces this one's;
+* the blocks stay with the load until every range of the read ended (``begin_read`` /
+  ``end_read``), as on the threads; a load past its deadline ends then, failed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vllm_ascend.distributed.kv_transfer.core.channel import tcp_endpoint
+from vllm_ascend.distributed.kv_transfer.core.errors import TransferError
+from vllm_ascend.distributed.kv_transfer.core.transfer_engine import PendingTransfer
+
+from .pull_contract import RecvMeta
+from .pull_transfer import direct_ranges
+from .pull_window import known_regions, same_instance, window_end
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
+
+    from .pull_reader import PullReader
+
+logger = logging.getLogger(__name__)
+
+#: a read of more byte ranges goes to the pull threads: each range is a transfer-engine
+#: batch of its own, which costs vLLM's thread about 5 us to submit (8 ranges: 42-49 us on
+#: 2 CPUs), and from a few blocks on the transfer dominates the load anyway (with 1,024
+#: ranges, 128 blocks of 8 layers, the load measured 0.95-0.96 of the raw read inline
+#: against 0.97-0.98 on the pull threads)
+INLINE_MAX_RANGES = 64
+#: how long :meth:`InlineReads.wait` sleeps between two polls (seconds): a read's end is
+#: seen at most about this late
+POLL_SLEEP_S = 50e-6
+
+
+@dataclass
+class InlineRead:
+    """One load's read in flight."""
+
+    meta: RecvMeta
+    #: one per P rank read
+    parts: list[PendingTransfer]
+    #: the end of P's read window (``time.time()``)
+    until: float
+    p_ranks: list[int]
+    readers: Mapping[int, int]
+    started: float
+
+
+class InlineReads:
+    """The reads :class:`~.pull_reader.PullReader` started on the caller's thread."""
+
+    def __init__(self, reader: PullReader) -> None:
+        self.reader = reader
+        self._lock = threading.Lock()
+        self._inflight: dict[str, InlineRead] = {}
+
+    def __len__(self) -> int:
+        return len(self._inflight)
+
+    # ------------------------------------------------------------ start
+    def start(self, meta: RecvMeta) -> bool:
+        """Start the load's read here if it takes this path (see the module); False: it
+        goes to the pull threads (nothing was started). Never raises: this is vLLM's
+        thread (what went wrong is the pull thread's to find and report)."""
+        r = self.reader
+        try:
+            planned = self._plan(meta)
+        except Exception:
+            logger.debug("request %s: no inline read", meta.request_id, exc_info=True)
+            return False
+        if planned is None or not r.loads.begin_read(meta):
+            return False  # begin_read: ended already (the pull thread finds that out too)
+        until, p_ranks, readers, ranges = planned
+        te = r.shared.te
+        assert te is not None
+        started = time.perf_counter()
+        parts: list[PendingTransfer] = []
+        why = ""
+        for session, loc, rem, lens in ranges:
+            try:
+                part = te.submit_read(session, loc, rem, lens)
+            except Exception as exc:  # nothing of this range went out
+                part, why = None, f"{type(exc).__name__}: {exc}"
+            if part is None:
+                break
+            parts.append(part)
+        if not parts:  # nothing in flight: the pull thread reads it all
+            r.loads.end_read(meta)
+            return False
+        if len(parts) < len(ranges):  # some went out: end it as a failed read
+            parts.append(_failed(te, why or "the transfer engine took only part of the read"))
+        r.shared.recorder.inc("p2p_inline_reads")
+        with self._lock:
+            self._inflight[meta.request_id] = InlineRead(meta, parts, until, p_ranks, readers,
+                                                         started)
+        return True
+
+    def _plan(self, meta: RecvMeta) -> tuple[float, list[int], Mapping[int, int], list[
+            tuple[str, list[int], list[int], list[int]]]] | None:
+        """The window's end, the P ranks, their readers and the ranges (session, local,
+        remote, lengths) of each P rank, if the load takes this path; ``None`` otherwise."""
+        r = self.reader
+        s = r.shared
+        remote = meta.remote
+        if (remote is None or meta.claimed_ahead or s.te is None or s.layout is None
+                or getattr(s, "p_stages", None)
+                or len(meta.local_block_ids) != len(meta.remote_block_ids)):
+            return None
+        until = window_end(remote)
+        if time.time() >= until:
+            return None
+        plan, readers = r._head_plan(remote.tp_size)
+        p_ranks = sorted({sl.remote_rank for sl in plan})
+        if len(readers) < remote.tp_size * s.cfg.prefill.pp_size:
+            return None  # a P rank nobody reads is released by the pull thread
+        metas = {}
+        with s._meta_lock:
+            for rank in p_ranks:
+                m = s._remote_meta.get(tcp_endpoint(remote.host_of(rank),
+                                                    r._port_of(remote, rank)))
+                if m is None:
+                    return None
+                metas[rank] = m
+        early = known_regions(r._granted, remote, metas)
+        if early is None or not same_instance(remote, early):
+            return None
+        if len(meta.local_block_ids) * len(s.layout.regions) * len(early) > INLINE_MAX_RANGES:
+            return None
+        s.layout.check_block_ids(meta.local_block_ids, what="local block ids")
+        ranges: list[tuple[str, list[int], list[int], list[int]]] = []
+        for rank, m in early.items():
+            if s.te.is_local_peer(m.session) or any(
+                    not 0 <= b < m.layout.num_blocks for b in meta.remote_block_ids):
+                return None
+            segments, staged = r._addresses.get(s.layout, m, rank, plan, None)
+            if staged:
+                return None
+            ranges.append((m.session, *direct_ranges(meta, segments)))
+        return until, p_ranks, readers, ranges
+
+    # ------------------------------------------------------------ poll
+    def poll(self) -> int:
+        """End the reads that ended since the last call; how many ended."""
+        if not self._inflight:
+            return 0
+        ended: list[tuple[InlineRead, int, Exception | None]] = []
+        with self._lock:
+            for rid, read in list(self._inflight.items()):
+                nbytes, error = 0, None  # type: int, TransferError | None
+                for part in read.parts:
+                    try:
+                        got = part.poll()
+                    except TransferError as exc:
+                        error = error or exc
+                        continue
+                    if got is None:
+                        break
+                    nbytes += got
+                else:
+                    del self._inflight[rid]
+                    ended.append((read, nbytes, error))
+        for read, nbytes, err in ended:
+            self._end(read, nbytes, err)
+        return len(ended)
+
+    def _end(self, read: InlineRead, nbytes: int, error: Exception | None) -> None:
+        r = self.reader
+        meta = read.meta
+        if not r.loads.end_read(meta):
+            return  # its deadline passed during the read: ended as failed by end_read
+        if error is None and time.time() <= read.until:
+            # read within the window: P held the blocks for the whole read (no claim)
+            rec = r.shared.recorder
+            rec.inc("p2p_window_reads")
+            rec.inc("p2p_transfer_bytes", nbytes)
+            rec.observe("p2p_transfer_seconds", time.perf_counter() - read.started)
+            rec.observe("p2p_transfer_request_bytes", nbytes)
+            r.owe_done(meta, read.p_ranks, read.readers)
+            r.loads.finish(meta, ok=True)
+            return
+        if error is not None:
+            r.shared.recorder.inc("p2p_read_retries", reason="transfer")
+            logger.warning("request %s: KV read from P failed (%s); pulled again on a pull "
+                           "thread", meta.request_id, error)
+        else:
+            logger.info("request %s: its read ended after P's read window; claimed and read "
+                        "again on a pull thread", meta.request_id)
+        r.pull_later(meta)
+
+    def wait(self, timeout: float, stop: Callable[[], bool]) -> None:
+        """Poll for up to ``timeout`` seconds, until ``stop()`` (checked after each poll),
+        sleeping :data:`POLL_SLEEP_S` between polls (an idle engine step's wait)."""
+        end = time.monotonic() + timeout
+        while self._inflight:
+            self.poll()
+            if stop() or time.monotonic() >= end:
+                return
+            time.sleep(POLL_SLEEP_S)
+
+    def drain(self, timeout: float) -> None:
+        """Wait for every read in flight to end (shutdown: the memory it reads into stays
+        registered until then); logs what is still in flight after ``timeout``."""
+        end = time.monotonic() + timeout
+        while self._inflight and time.monotonic() < end:
+            self.poll()
+            time.sleep(POLL_SLEEP_S)
+        if self._inflight:
+            logger.warning("%d reads still in flight at shutdown after %.1fs",
+                           len(self._inflight), timeout)
+
+
+def _failed(te: Any, why: str) -> PendingTransfer:
+    """A read that failed before anything of it went out."""
+    part = PendingTransfer(te, "", 0)
+    part.error = why
+    return part
