@@ -24,6 +24,17 @@ def _with_spread(row: dict[str, Any], key: str = "ratio") -> str:
     return out
 
 
+def _inline(row: dict[str, Any]) -> dict[str, str]:
+    """``ratio_inline`` as ``median (95%: low–high)`` where the run has it."""
+    if num(row.get("ratio_inline")) is None:
+        return {}
+    out = fmt(num(row.get("ratio_inline")))
+    lo, hi = num(row.get("ratio_inline_low")), num(row.get("ratio_inline_high"))
+    if lo is not None and hi is not None:
+        out += f" (95%: {fmt(lo)}–{fmt(hi)})"
+    return {"ratio_inline": out}
+
+
 def _bound(row: dict[str, Any], key: str) -> Any:
     """The low end that decides a goal: the bootstrap interval's, else the rounds' min
     (results from before the interval was recorded), else the ratio itself."""
@@ -57,18 +68,40 @@ ONE_BLOCK = (
     "hand-off to a thread and the wake-up back on this machine. Pulling on the calling thread "
     "instead measured 0.68 of the raw read (2026-12-02), and would hold vLLM's engine step "
     "for as long as a stalled read lasts (up to `MC_TCP_PROGRESS_TIMEOUT_SEC`): the pull "
-    "stays on its threads. From 16 blocks the transfer dominates.\n")
+    "stays on its threads. From 16 blocks the transfer dominates."
+    ' **Inline reads** (`inline_reads`, off by default; 2026-12-05, seven `bench p2p '
+    '--auth --rounds 40` runs, 08:48 to 09:10 UTC, alone on the machine, with the mode '
+    '`inline` beside the others): a one-block window load read from `start_load_kv` (8 '
+    'byte ranges, each submitted as a transfer-engine batch of its own) and polled to '
+    'its end, with no pull thread, measured 0.60, 0.66, 0.61, 0.66, 0.71, 0.68 and 0.66 '
+    'of the raw read (95% intervals from 0.56–0.62 to 0.66–0.73), against 0.49, 0.54, '
+    '0.49, 0.32, 0.46, 0.44 and 0.47 for the same loads on the pull threads in the same '
+    'runs (0.52 in a run of the code before, 09:03 UTC); the raw read took 0.25–0.32 ms '
+    'that morning, against 0.41 ms in the runs above, so the same overhead weighs more. '
+    'Alternating load by load in one process (15 rounds of 40 loads, raw reads between, '
+    'two runs): inline 0.33 and 0.39 ms against raw reads of 0.25 and 0.28 ms, 0.79 and '
+    '0.71 of them (the pull threads\' loads in that harness took 2.3–2.6 ms, far from '
+    "the 0.54–0.68 ms of the bench's rounds: not traced, and not compared here). What is "
+    'left (400 '
+    "loads, timed in steps): submitting the 8 batches 42–49 µs (Mooncake's non-blocking "
+    "status call looks at a batch's first task only, so a read polled without blocking "
+    'goes out a range a batch), the Python before them about 30 µs, after the end about '
+    '10 µs. Reads of more than 64 ranges stay on the pull threads (at 16 blocks and more '
+    "the transfer dominates, and submitting 1,024 ranges on vLLM's thread measured "
+    '0.95–0.96 of the raw read against 0.97–0.98). The 0.9 goal at one block is not met '
+    'this way either.' "\n")
 
 
 def section_p2p(d: dict[str, Any], images: Images) -> str:
     """Body of the section."""
     del images
-    rows = [{**r, "ratio": _with_spread(r)} for r in d.get("results", [])]
+    rows = [{**r, "ratio": _with_spread(r), **_inline(r)} for r in d.get("results", [])]
     columns = ["blocks", "bytes", "raw_GBps", "connector_GBps", "ratio", "raw_ms",
                "connector_ms"]
     names = ["blocks", "bytes", "raw GB/s", "connector GB/s", "connector / raw", "raw ms",
              "connector ms"]
-    modes = [k for k in ("ratio_ahead", "ratio_overlapped", "ratio_claims_first")
+    modes = [k for k in ("ratio_ahead", "ratio_overlapped", "ratio_claims_first",
+                         "ratio_inline")
              if any(k in r for r in rows) and d.get("claim_mode") != k[len("ratio_"):]]
     rounds = d.get("rounds")
     spread = (f"connector / raw: median of {rounds} rounds [min–max] (95%: the paired bootstrap "
@@ -77,6 +110,10 @@ def section_p2p(d: dict[str, Any], images: Images) -> str:
               "scheduler claims when it first sees the request, P's params without a read "
               "window), and the worker's own claims (no claim sent ahead by D's scheduler), "
               "overlapped with the read or before it. " if rounds else "")
+    if any("ratio_inline" in r for r in rows):
+        spread += ("`inline`: window loads with `inline_reads` on (the read goes out from "
+                   "`start_load_kv` and its end is polled, no pull thread), median of the "
+                   "same rounds (95%: its bootstrap interval). ")
     unclaimed = ["window_reads"] if any("window_reads" in r for r in rows) else []
     if unclaimed:
         spread += ("`unclaimed`: the share of the window loads D trusted without a claim (the "

@@ -426,6 +426,7 @@ def test_the_keyed_pull_in_units_of_each_pairs_raw_read() -> None:
     assert "keyed pair's raw ms" in page and "in units of its own pair's raw read" in page
     assert "| 0.9 |" in page  # the ratio in time beside it
 
+
 def test_the_fleet_goal_of_the_client_section() -> None:
     section = render.load_sections()["client"]
     key = ("2 P + 2 D behind the proxy under vLLM's client (concurrency 8 and 16, random and "
@@ -537,3 +538,15 @@ def test_the_layerwise_push_has_its_goal_rows_and_ours_against_ours_is_no_win(
            "request | 1.1 |" in page
     assert "| pd/ours-layerwise[pinned] | – | 2048 | 0.02 | 0.019 | 0.001 | 0–0.002 | 0.94 " \
            "| 0.96 | 0.3 |" in page
+
+
+def test_the_inline_reads_column_with_its_interval() -> None:
+    res = _results()
+    page = render.load_sections()["p2p"].render(res["p2p"], {})
+    assert "`inline`" not in page  # a run without the mode: no column
+    rows = res["p2p"]["results"]
+    rows[0].update(ratio_inline=0.81, ratio_inline_low=0.78, ratio_inline_high=0.84)
+    rows[1].update(ratio_inline=0.97)  # an interval missing: the median alone
+    page = render.load_sections()["p2p"].render(res["p2p"], {})
+    assert "| inline |" in page and "`inline`: window loads with `inline_reads` on" in page
+    assert "| 0.81 (95%: 0.78–0.84) |" in page and "| 0.97 |" in page

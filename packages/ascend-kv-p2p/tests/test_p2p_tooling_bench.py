@@ -46,6 +46,9 @@ def test_quick_run_reports_the_connector_and_every_claim_mode() -> None:
         assert 0 < row["ratio_min"] <= row["ratio"] <= row["ratio_max"]
         assert row["ratio_overlapped"] > 0 and row["ratio_claims_first"] > 0
         assert row["ratio_ahead"] > 0
+        # window loads read from start_load_kv and polled (inline_reads), beside the others
+        assert row["ratio_inline"] > 0 and row["inline_ms"] > 0
+        assert 0 < row["ratio_inline_low"] <= row["ratio_inline_high"]
         # P's params carried the read window: loads read unclaimed (a load that ended
         # after it would be claimed; on a loaded machine a few may)
         assert 0 < row["window_reads"] <= 1

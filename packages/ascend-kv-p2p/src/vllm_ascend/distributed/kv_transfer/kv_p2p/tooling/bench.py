@@ -21,7 +21,9 @@ when the worker marks the request finished receiving
 but not a ``get_finished`` polling interval, which in vLLM is one engine step and no
 part of the connector. The worker's own claims (overlapped with the read, or before
 it: what it does when the scheduler sent none) are measured beside it, from
-``start_load_kv``.
+``start_load_kv``, and so are window loads with ``inline_reads`` on (mode ``inline``:
+read from ``start_load_kv`` and polled by ``wait_loads``, :mod:`..pull_inline`), with
+their own bootstrap interval (``ratio_inline_low`` / ``_high``).
 
 Measurement: ``--rounds`` rounds (round 0 warms up and is dropped); in each, for
 each size, ``--pairs`` times (:data:`SMALL_LOADS` / blocks times as many below that many
@@ -178,7 +180,7 @@ def _connector_load(d: Any, q_in: Any, q_out: Any, rid: str, p_port: int,
     held_at = time.time()  # P's scheduler stamps the params before its worker holds
     q_in.put((rid, p_blocks, token))
     assert q_out.get(timeout=60) == rid
-    window = mode == "window"
+    window = mode in ("window", "inline")
     hold_s = MooncakeP2PConfig().hold_window_s
     remote = RemotePrefill(engine_id="bench-kv_producer", host=d.host, port=p_port,
                            request_id=rid, block_ids=p_blocks, tp_size=1, pcp_size=1,
@@ -187,7 +189,7 @@ def _connector_load(d: Any, q_in: Any, q_out: Any, rid: str, p_port: int,
                            window_tag=window_tag(instance=instance, request_id=rid,
                                                  block_ids=p_blocks, held_at=held_at,
                                                  hold_s=hold_s, token=token))
-    ahead = d.claim_ahead if mode in ("ahead", "window") else None
+    ahead = d.claim_ahead if mode in ("ahead", "window", "inline") else None
     t0 = time.perf_counter()
     early = None
     sent = False
@@ -215,9 +217,11 @@ def _connector_load(d: Any, q_in: Any, q_out: Any, rid: str, p_port: int,
 #: the connector's claim modes: ``window`` (P's params carry its read window, D reads
 #: unclaimed: the connector's way in vLLM for a request D takes up within it), ``ahead``
 #: (D's scheduler claims when it first sees the request: its way after the window, or
-#: with a P whose ``read_window_s`` is 0), and the worker's own claims with
-#: ``PullWorker.overlap_claims`` on and off (its way when the scheduler sent none)
-MODES = {"window": None, "ahead": None, "overlapped": True, "claims_first": False}
+#: with a P whose ``read_window_s`` is 0), the worker's own claims with
+#: ``PullWorker.overlap_claims`` on and off (its way when the scheduler sent none), and
+#: ``inline``: window loads with ``inline_reads`` on (read from ``start_load_kv``, polled)
+MODES = {"window": None, "ahead": None, "overlapped": True, "claims_first": False,
+         "inline": None}
 #: the mode ``ratio`` reports
 DEFAULT_MODE = "window"
 
@@ -329,6 +333,8 @@ def _measure(sizes: list[int], rounds: int, pairs: int, *,
     import random
     import secrets
 
+    from ..pull_inline import InlineReads
+
     plain = _Pair(None)
     sealed = _Pair(secrets.token_hex(32)) if keyed else None
     rows: list[dict[str, Any]] = []
@@ -337,6 +343,8 @@ def _measure(sizes: list[int], rounds: int, pairs: int, *,
         if sealed is not None:
             sealed.connect()
         d = plain.d
+        assert d.reader is not None
+        inline = InlineReads(d.reader)  # on for the loads of mode "inline" only
         rng = random.Random(0)
         auto = d.overlap_claims
         paths = ["raw", *MODES, *(["keyed", "raw_keyed"] if sealed is not None else [])]
@@ -373,6 +381,7 @@ def _measure(sizes: list[int], rounds: int, pairs: int, *,
                             t = sealed.raw(d_blocks, p_blocks, nbytes)
                         else:
                             d.overlap_claims = auto if MODES[kind] is None else MODES[kind]
+                            d.reader.inline = inline if kind == "inline" else None
                             before = d.recorder.total("p2p_window_reads")
                             t = plain.load(rid, d_blocks, p_blocks, kind)
                             if kind == "window" and rnd:
@@ -380,6 +389,7 @@ def _measure(sizes: list[int], rounds: int, pairs: int, *,
                                     d.recorder.total("p2p_window_reads") > before)
                         got[kind].append(t)
                 d.overlap_claims = auto
+                d.reader.inline = None
                 if not rnd:
                     continue
                 raw = statistics.median(got["raw"])
@@ -419,13 +429,16 @@ def _row(n: int, nbytes: int, times: dict[str, list[float]], ratios: dict[str, l
     conn = statistics.median(times[DEFAULT_MODE])
     spread = _spread(ratios[DEFAULT_MODE])
     iv = compare(medians["raw"], medians[DEFAULT_MODE])
+    inline = compare(medians["raw"], medians["inline"])
     row: dict[str, Any] = {
         "blocks": n, "bytes": nbytes, "raw_GBps": nbytes / raw / 1e9,
         "connector_GBps": nbytes / conn / 1e9, "ratio": spread["median"],
         "ratio_min": spread["min"], "ratio_max": spread["max"],
         "ratio_low": iv.low, "ratio_high": iv.high,
         "raw_ms": raw * 1e3, "connector_ms": conn * 1e3,
-        **{f"ratio_{m}": statistics.median(ratios[m]) for m in MODES}}
+        **{f"ratio_{m}": statistics.median(ratios[m]) for m in MODES},
+        "ratio_inline_low": inline.low, "ratio_inline_high": inline.high,
+        "inline_ms": statistics.median(times["inline"]) * 1e3}
     line = (f"{n} blocks: ratio {spread['median']:.2f} ({spread['min']:.2f}-"
             f"{spread['max']:.2f} over {rounds} rounds, 95% interval {iv.low:.2f}-"
             f"{iv.high:.2f}; raw {raw * 1e3:.2f} ms, connector {conn * 1e3:.2f} ms; "
@@ -490,7 +503,10 @@ def run(args: argparse.Namespace) -> int:
                        f"{SMALL_LOADS_MAX} times), ratio = the "
                        "median over the rounds of raw / connector (each round's medians), "
                        "with min-max; ratio_overlapped / ratio_claims_first: the worker "
-                       f"claiming itself, overlapped with the read or before it ({cpus} CPUs)"
+                       f"claiming itself, overlapped with the read or before it ({cpus} CPUs); "
+                       "ratio_inline: window loads with inline_reads on (read from "
+                       "start_load_kv, its end polled: no pull thread), with its 95% paired "
+                       "bootstrap interval (ratio_inline_low / _high)"
                        + ("; keyed: a second P and D pair with a deployment key (sealed "
                           "frames, claim tokens, regions with the grant), its loads (made "
                           "as the plain pair's) and its own raw reads alternating with the "
