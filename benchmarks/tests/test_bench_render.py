@@ -543,7 +543,7 @@ def test_the_layerwise_push_has_its_goal_rows_and_ours_against_ours_is_no_win(
 def test_the_inline_reads_column_with_its_interval() -> None:
     res = _results()
     page = render.load_sections()["p2p"].render(res["p2p"], {})
-    assert "`inline`" not in page  # a run without the mode: no column
+    assert "| inline |" not in page and "`inline`: window loads" not in page  # no mode
     rows = res["p2p"]["results"]
     rows[0].update(ratio_inline=0.81, ratio_inline_low=0.78, ratio_inline_high=0.84)
     rows[1].update(ratio_inline=0.97)  # an interval missing: the median alone
