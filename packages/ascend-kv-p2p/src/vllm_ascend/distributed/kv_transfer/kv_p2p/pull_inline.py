@@ -37,7 +37,7 @@ from vllm_ascend.distributed.kv_transfer.core.errors import TransferError
 from vllm_ascend.distributed.kv_transfer.core.transfer_engine import PendingTransfer
 
 from .pull_contract import RecvMeta
-from .pull_transfer import direct_ranges
+from .pull_transfer import check_remote_blocks, direct_ranges
 from .pull_window import known_regions, same_instance, window_end
 
 if TYPE_CHECKING:
@@ -124,7 +124,9 @@ class InlineReads:
     def _plan(self, meta: RecvMeta) -> tuple[float, list[int], Mapping[int, int], list[
             tuple[str, list[int], list[int], list[int]]]] | None:
         """The window's end, the P ranks, their readers and the ranges (session, local,
-        remote, lengths) of each P rank, if the load takes this path; ``None`` otherwise."""
+        remote, lengths) of each P rank, if the load takes this path; ``None`` otherwise.
+        Raises on what the pull thread reports (a head plan that does not fit, block ids
+        outside a cache)."""
         r = self.reader
         s = r.shared
         remote = meta.remote
@@ -155,9 +157,9 @@ class InlineReads:
         s.layout.check_block_ids(meta.local_block_ids, what="local block ids")
         ranges: list[tuple[str, list[int], list[int], list[int]]] = []
         for rank, m in early.items():
-            if s.te.is_local_peer(m.session) or any(
-                    not 0 <= b < m.layout.num_blocks for b in meta.remote_block_ids):
+            if s.te.is_local_peer(m.session):
                 return None
+            check_remote_blocks(meta, m)  # raises: the pull thread reports it
             segments, staged = r._addresses.get(s.layout, m, rank, plan, None)
             if staged:
                 return None

@@ -195,14 +195,20 @@ def _read_direct(te: MooncakeTransferEngine, meta: RecvMeta, remote: AgentMeta,
                  segments: Sequence[Segment]) -> int:
     """Read the request's blocks of P rank ``remote``'s direct ``segments`` (one batched
     read); returns bytes."""
+    check_remote_blocks(meta, remote)
+    if not segments:
+        return 0
+    return te.read(remote.session, *direct_ranges(meta, segments))
+
+
+def check_remote_blocks(meta: RecvMeta, remote: AgentMeta) -> None:
+    """Raise :class:`RemoteKVUnavailable` (``bad_blocks``) for a remote block id outside P
+    rank ``remote``'s cache."""
     p_blocks = remote.layout.num_blocks
     for b in meta.remote_block_ids:
         if not 0 <= b < p_blocks:
             raise RemoteKVUnavailable(f"remote block id {b} is outside P's cache "
                                       f"[0, {p_blocks})", code="bad_blocks")
-    if not segments:
-        return 0
-    return te.read(remote.session, *direct_ranges(meta, segments))
 
 
 def direct_ranges(meta: RecvMeta, segments: Sequence[Segment]
