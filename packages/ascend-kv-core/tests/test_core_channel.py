@@ -1,15 +1,21 @@
 # SPDX-License-Identifier: Apache-2.0
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import zmq
 
 from vllm_ascend.distributed.kv_transfer.core.channel import RpcClient, RpcServer, tcp_endpoint
-from vllm_ascend.distributed.kv_transfer.core.errors import PeerTimeoutError, RemoteError
+from vllm_ascend.distributed.kv_transfer.core.errors import (
+    EndpointInUseError,
+    PeerTimeoutError,
+    RemoteError,
+)
 from vllm_ascend.distributed.kv_transfer.core.wire import (
     Ack,
     Codec,
@@ -153,3 +159,55 @@ def test_steady_for_tells_a_held_up_server(server: RpcServer[Message],
     stopped = RpcServer(tcp_endpoint("127.0.0.1", 0), CODEC, handler)
     assert stopped.steady_for() == float("inf") and stopped.caught_up()  # nothing to wait for
     stopped.stop()
+
+
+def _echo(endpoint: str) -> Message:
+    client = RpcClient(endpoint, CODEC, timeout_s=5)
+    try:
+        return client.call(Echo(text="ipc"))
+    finally:
+        client.close()
+
+
+def test_a_live_ipc_server_is_never_taken_over(tmp_path: Path) -> None:
+    """A second server on the ipc path of a live one (two engines with one engine_id on a
+    host) fails with a clear error; libzmq alone would take the first one's socket."""
+    endpoint = f"ipc://{tmp_path / 'one.ipc'}"
+    first = RpcServer(endpoint, CODEC, handler, name="first").start()
+    try:
+        with pytest.raises(EndpointInUseError, match="same engine_id"):
+            RpcServer(endpoint, CODEC, handler, name="second")
+        assert _echo(endpoint) == Echo(text="IPC")  # the first still has its socket
+    finally:
+        first.stop()
+    assert not (tmp_path / "one.ipc").exists()  # removed on stop
+
+
+def test_a_stale_ipc_file_of_a_dead_server_is_replaced(tmp_path: Path) -> None:
+    path = tmp_path / "stale.ipc"
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead.bind(str(path))
+    dead.listen()
+    dead.close()  # the file stays, nobody listens: what a killed engine leaves
+    assert path.exists()
+    srv = RpcServer(f"ipc://{path}", CODEC, handler, name="new").start()
+    try:
+        assert _echo(f"ipc://{path}") == Echo(text="IPC")
+    finally:
+        srv.stop()
+    assert not path.exists()
+
+
+def test_stopping_removes_only_its_own_ipc_file(tmp_path: Path) -> None:
+    """A server whose socket file was replaced by another server's leaves that one alone."""
+    path = tmp_path / "shared.ipc"
+    old = RpcServer(f"ipc://{path}", CODEC, handler, name="old").start()
+    os.unlink(path)  # gone from under it (an operator, or a tmp cleaner)
+    new = RpcServer(f"ipc://{path}", CODEC, handler, name="new").start()
+    try:
+        old.stop()
+        assert path.exists()
+        assert _echo(f"ipc://{path}") == Echo(text="IPC")
+    finally:
+        new.stop()
+    assert not path.exists()

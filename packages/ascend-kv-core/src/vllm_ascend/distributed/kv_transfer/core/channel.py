@@ -18,8 +18,11 @@ answers. Without a key the bytes on the wire are exactly the plain
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -28,7 +31,7 @@ from typing import Any, Generic
 import zmq
 
 from . import auth as _auth
-from .errors import PeerTimeoutError, RemoteError, WireFormatError
+from .errors import EndpointInUseError, PeerTimeoutError, RemoteError, WireFormatError
 from .wire import Codec, ErrorReply, M, Message, Ping, Pong
 
 logger = logging.getLogger(__name__)
@@ -68,6 +71,40 @@ STALL_S = 1.0
 SETTLE_S = 0.5
 
 
+def _ipc_path(endpoint: str) -> str | None:
+    """The socket file of an ``ipc://`` endpoint (None: another transport, a wildcard or
+    Linux's abstract namespace, which has no file)."""
+    if not endpoint.startswith("ipc://"):
+        return None
+    path = endpoint[len("ipc://"):]
+    return None if not path or path == "*" or path.startswith("@") else path
+
+
+def claim_ipc_path(path: str) -> None:
+    """Make ``path`` free for a server's ``ipc://`` socket: a file no process listens on
+    any more (left by a dead engine) is removed; libzmq would silently take over the socket
+    of a live one, so that raises.
+
+    Raises:
+        EndpointInUseError: a live server listens on ``path``.
+    """
+    if not os.path.lexists(path):
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+    except OSError:  # refused (nobody listens) or not a socket: stale
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        return
+    finally:
+        probe.close()
+    raise EndpointInUseError(
+        f"a live server already listens on ipc://{path}: another engine with the same "
+        "engine_id (and DP rank) runs on this host; give each instance its own engine_id")
+
+
 class RpcServer(Generic[M]):
     """A ROUTER socket answering requests on a daemon thread.
 
@@ -94,7 +131,13 @@ class RpcServer(Generic[M]):
         # Frames above the limit are dropped by libzmq before they reach Python.
         self._sock.setsockopt(zmq.MAXMSGSIZE, codec.max_size + 1024)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        self.endpoint = self._bind(endpoint)
+        #: the ``ipc://`` socket file this server bound (path, device, inode): removed on stop
+        self._ipc_file: tuple[str, int, int] | None = None
+        try:
+            self.endpoint = self._bind(endpoint)
+        except BaseException:
+            self._sock.close(0)
+            raise
         self._poll_ms = poll_interval_ms
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -108,8 +151,16 @@ class RpcServer(Generic[M]):
             base = endpoint[: -len(":0")]
             port = self._sock.bind_to_random_port(base)
             return f"{base}:{port}"
+        path = _ipc_path(endpoint)
+        if path is not None:
+            claim_ipc_path(path)
         self._sock.bind(endpoint)
-        return self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        bound = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        path = _ipc_path(bound)
+        if path is not None:
+            st = os.stat(path)
+            self._ipc_file = (path, st.st_dev, st.st_ino)
+        return bound
 
     @property
     def port(self) -> int:
@@ -129,6 +180,14 @@ class RpcServer(Generic[M]):
             self._thread.join(timeout)
         if self._thread is None or not self._thread.is_alive():
             self._sock.close(0)
+        if self._ipc_file is not None:
+            path, dev, ino = self._ipc_file
+            self._ipc_file = None
+            # only our own file: another server may have bound the path since
+            with contextlib.suppress(OSError):
+                st = os.stat(path)
+                if (st.st_dev, st.st_ino) == (dev, ino):
+                    os.unlink(path)
 
     def steady_for(self, now: float | None = None) -> float:
         """Seconds this server has been turning its loop without a stall (0.0 while it is

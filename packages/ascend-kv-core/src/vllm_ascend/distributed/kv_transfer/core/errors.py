@@ -66,6 +66,11 @@ class TransferError(KVTransferError, RuntimeError):
         self.rc = rc
 
 
+class EndpointInUseError(KVTransferError, OSError):
+    """A live server already listens on the ``ipc://`` path this one was to bind (another
+    engine with the same ``engine_id`` on this host): binding would take its socket over."""
+
+
 class HandshakeMismatchError(KVTransferError, ValueError):
     """Two instances that are to exchange KV caches disagree on the cache shape or parallelism."""
 

@@ -103,12 +103,8 @@ class LookupServer:
 
     def __init__(self, endpoint: str, handler: Callable[[list[str], int], int]) -> None:
         self._handler = handler
-        if endpoint.startswith("ipc://"):
-            path = endpoint[len("ipc://"):]
-            try:
-                os.unlink(path)  # a stale socket file of a dead engine with the same id
-            except FileNotFoundError:
-                pass
+        # an ipc:// socket file left by a dead engine with the same id is removed, a live
+        # engine's raises EndpointInUseError (RpcServer)
         self._server = RpcServer(endpoint, LOOKUP_CODEC, self._answer,
                                  name="ascend-store-lookup").start()
         self.endpoint = self._server.endpoint
@@ -129,12 +125,7 @@ class LookupServer:
             entry = _IN_PROCESS.get(self.endpoint)
             if entry is not None and entry[1] is self._handler:
                 del _IN_PROCESS[self.endpoint]
-        self._server.stop()
-        if self.endpoint.startswith("ipc://"):
-            try:
-                os.unlink(self.endpoint[len("ipc://"):])
-            except OSError:
-                pass
+        self._server.stop()  # removes its socket file, if still its own
 
 
 class LookupClient:

@@ -14,7 +14,6 @@ keeps serving; nothing received is ever unpickled.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
@@ -92,7 +91,6 @@ class MetadataServer:
         self._reported_expired = 0
         self.manager: HostBlockManager | None = None
         self.codec = make_codec()
-        self._ipc_path = endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else None
         self._rpc: RpcServer[Message] = RpcServer(endpoint, self.codec, self._handle, name=name)
         self.endpoint = self._rpc.endpoint
 
@@ -134,15 +132,12 @@ class MetadataServer:
 
     def stop(self) -> None:
         """Stop serving, unmap and remove the segments and the socket file."""
-        self._rpc.stop()
+        self._rpc.stop()  # removes its socket file, if still its own
         with self._lock:
             for seg in self._segments.values():
                 seg.unlink()
                 seg.close()
             self._segments.clear()
-        if self._ipc_path:
-            with contextlib.suppress(OSError):
-                os.unlink(self._ipc_path)
 
     def shutdown(self) -> None:
         """Upstream's name for :meth:`stop`."""
