@@ -14,6 +14,10 @@ the test stops and continues; D is a D worker in the test process.
 * P paused past D's deadline: the request fails at its deadline, exactly once, and P's
   blocks are freed (D's ``Done`` once P runs again, or P's lease).
 
+* P paused as D's window read goes out from vLLM's thread (``inline_reads``): vLLM's
+  ``get_finished`` never waits for it; the read drops after the progress bound, and a pull
+  thread claims and loads the request once P runs again.
+
 These go over the transfer engine: D's same-host reads are off for them (P offers them).
 With them on, D copies P's blocks from P's memory, which needs no CPU of P's:
 
@@ -47,6 +51,7 @@ from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_contract import (
     MooncakeConnectorMetadata,
     RecvMeta,
 )
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_window import window_tag
 from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_worker import PullWorker
 
 BS, NB, HEADS, HD, LAYERS = 16, 32, 4, 32, 4
@@ -77,7 +82,8 @@ cfg = SimpleNamespace(
     parallel_config=SimpleNamespace(tensor_parallel_size=1, data_parallel_rank=0,
                                     pipeline_parallel_size=1),
     cache_config=SimpleNamespace(block_size=bs),
-    model_config=SimpleNamespace(model="/models/stall", get_total_num_kv_heads=lambda: heads))
+    model_config=SimpleNamespace(model="/models/stall", get_total_num_kv_heads=lambda: heads),
+    instance_id="stall-p-1")  # vLLM's start of this engine: P stamps read windows with it
 p = PullWorker(cfg, MooncakeP2PConfig.from_dict({"lease_ttl_s": float(lease)}), "P",
                MetricsRecorder(P2P_METRICS), tp_rank=0, pp_rank=0)
 caches = {}
@@ -88,7 +94,7 @@ p.register_kv_caches(caches)
 commands = queue.Queue()
 threading.Thread(target=lambda: [commands.put(l.split()) for l in sys.stdin],
                  daemon=True).start()
-print("ready", flush=True)
+print("ready", p.instance, p.cfg.hold_window_s, flush=True)
 while True:
     p.get_finished()  # an engine step: expires lapsed leases
     try:
@@ -124,7 +130,10 @@ class PProcess:
              str(HEADS), str(HD), str(LAYERS)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self._lock = threading.Lock()
-        assert self._line().startswith("ready")
+        ready = self._line().split()
+        assert ready[0] == "ready"
+        #: P's instance and read window (what its scheduler puts in a request's params)
+        self.instance, self.hold_s = ready[1], float(ready[2])
         self._cont: threading.Timer | None = None
 
     def _line(self) -> str:
@@ -197,7 +206,7 @@ def p(progress_env: None) -> Iterator[Any]:
     proc.close()
 
 
-def d_worker(load_timeout_s: float) -> PullWorker:
+def d_worker(load_timeout_s: float, **extra: Any) -> PullWorker:
     kvc = SimpleNamespace(kv_port=free_port(), is_kv_producer=False, is_kv_consumer=True,
                           kv_connector_extra_config={})
     cfg = SimpleNamespace(
@@ -208,16 +217,26 @@ def d_worker(load_timeout_s: float) -> PullWorker:
         model_config=SimpleNamespace(model="/models/stall",
                                      get_total_num_kv_heads=lambda: HEADS))
     d = PullWorker(cfg, MooncakeP2PConfig.from_dict({
-        "load_timeout_s": load_timeout_s, "handshake_timeout_s": HANDSHAKE_S}), "D",
+        "load_timeout_s": load_timeout_s, "handshake_timeout_s": HANDSHAKE_S, **extra}), "D",
         MetricsRecorder(P2P_METRICS), tp_rank=0, pp_rank=0)
     d.register_kv_caches({f"model.layers.{layer}.self_attn.attn":
                           torch.zeros(NB, HEADS, BS, 2 * HD) for layer in range(LAYERS)})
     return d
 
 
-def pull(d: PullWorker, p: Any, rid: str, remote: list[int], local: list[int]) -> None:
+def pull(d: PullWorker, p: Any, rid: str, remote: list[int], local: list[int], *,
+         window: bool = False) -> None:
+    """D loads ``remote`` into ``local``; ``window``: with the params of a request held just
+    now in P's read window (as P's scheduler stamps them), else without (claimed)."""
+    stamp: dict[str, Any] = {}
+    if window:
+        held_at = time.time()
+        stamp = {"instance": p.proc.instance, "held_at": held_at, "hold_s": p.proc.hold_s,
+                 "window_tag": window_tag(instance=p.proc.instance, request_id=rid,
+                                          block_ids=remote, held_at=held_at,
+                                          hold_s=p.proc.hold_s, token="")}
     r = RemotePrefill(engine_id="P", host="127.0.0.1", port=p.port, request_id=rid,
-                      block_ids=remote, tp_size=1, pcp_size=1, dcp_size=1)
+                      block_ids=remote, tp_size=1, pcp_size=1, dcp_size=1, **stamp)
     d.start_load_kv(MooncakeConnectorMetadata(requests={rid: RecvMeta(
         rid, local, r, remote_block_ids=remote)}))
 
@@ -421,5 +440,77 @@ def test_p_paused_while_d_reads_its_memory_costs_nothing(p: Any, fault_report: A
                      happened=f"D copied P's blocks from P's memory while P was stopped "
                               f"({took:.2f}s, no retry); D's Done freed P's blocks once P ran",
                      deadline=f"yes ({took:.2f}s)", client="the request completes")
+    finally:
+        d.shutdown()
+
+
+def test_p_paused_mid_inline_read_is_pulled_again_off_vllms_thread(p: Any,
+                                                                   fault_report: Any) -> None:
+    """``inline_reads``: a window read goes out from vLLM's thread (``start_load_kv``) and
+    P stops as it does. vLLM's ``get_finished`` never waits for it: the read drops after
+    the progress bound, a pull thread claims the request once P runs again and loads it."""
+    bound = stall_bound()
+    d = d_worker(load_timeout_s=bound + 20.0, inline_reads=True)
+    reader = d.reader
+    assert reader is not None and reader.inline is not None
+    try:
+        warm(d, p, "iw")  # D's first request: P's metadata is fetched on a pull thread
+        p.proc.hold("iw2", [1])  # a window read, inline, while P runs
+        pull(d, p, "iw2", [1], [1], window=True)
+        assert ends(d, "iw2", 20)[:2] == (1, set())
+        assert d.recorder.total("p2p_inline_reads") == 1
+        p.proc.hold("ix", [7, 2, 9, 30])
+        assert wait_for(lambda: p.proc.held()[0] == 1, 5)
+        stop_s = bound + 2.0
+        inline, original = reader.inline, reader.inline.start
+
+        def start(meta: Any) -> bool:  # P stops as the read goes out
+            p.proc.pause(stop_s)
+            return original(meta)
+
+        inline.start = start  # type: ignore[method-assign]
+        called = time.monotonic()
+        pull(d, p, "ix", [7, 2, 9, 30], [5, 6, 8, 31], window=True)
+        start_took = time.monotonic() - called
+        inline.start = original  # type: ignore[method-assign]
+        assert d.recorder.total("p2p_inline_reads") == 2  # it did go out inline
+        slowest = 0.0
+        finished = d.get_finished
+
+        def timed(**kwargs: Any) -> Any:
+            nonlocal slowest
+            t0 = time.monotonic()
+            try:
+                return finished(**kwargs)
+            finally:
+                slowest = max(slowest, time.monotonic() - t0)
+
+        d.get_finished = timed  # type: ignore[method-assign]
+        seen, failed, took = ends(d, "ix", bound + 30)
+        assert fault_report.check("deadline", (seen, failed) == (1, set()),
+                                  f"reported {seen}x, failed blocks {failed}")
+        assert same_bytes(d, [5, 6, 8, 31], [7, 2, 9, 30])
+        # vLLM's thread was never held by the stalled read (P stopped for bound + 2 s)
+        assert start_took < bound and slowest < bound, (start_took, slowest)
+        assert took >= bound  # the read really stalled until Mooncake dropped it
+        assert d.recorder.total("p2p_read_retries", reason="transfer") >= 1
+        assert not failures(d), failures(d)
+        assert d.recorder.total("p2p_requests_loaded") == 3
+        held_zero = wait_for(lambda: p.proc.held()[0] == 0, 10)
+        assert fault_report.check("zero", held_zero, "P still held the request after Done")
+        # D and P serve on, inline again
+        p.proc.hold("iz", [11])
+        pull(d, p, "iz", [11], [12], window=True)
+        assert fault_report.check("survivor", ends(d, "iz", 20)[:2] == (1, set()),
+                                  "the next pull")
+        assert same_bytes(d, [12], [11])
+        fault_report(fault=f"P paused (SIGSTOP, {stop_s:.0f}s) as D's inline read "
+                           "(inline_reads, from vLLM's thread) goes out",
+                     happened=f"Mooncake dropped the read after {bound:.0f}s without progress; "
+                              f"vLLM's thread never waited for it (slowest get_finished "
+                              f"{slowest * 1000:.0f} ms); a pull thread claimed and loaded "
+                              f"P's bytes once P ran again ({took:.1f}s); D's Done freed "
+                              "P's blocks",
+                     deadline=f"yes ({took:.1f}s)", client="the request completes")
     finally:
         d.shutdown()

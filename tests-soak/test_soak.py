@@ -167,24 +167,32 @@ def _abort_at(rng: random.Random, share: float, steps: int) -> int | None:
 # ---------------------------------------------------------------------------------- pull
 
 
-@pytest.fixture(scope="module")
-def pull(model: Path) -> Iterator[dict[str, EngineProcess]]:
+@pytest.fixture(scope="module", params=["threads", "inline"])
+def pull(model: Path, request: pytest.FixtureRequest) -> Iterator[dict[str, EngineProcess]]:
+    """P and D pulling; ``inline``: D with ``inline_reads`` and same-host reads off on both
+    (what a D on another host does: its small window reads start on vLLM's thread)."""
+    inline = request.param == "inline"
+    env = {"VLLM_ASCEND_KV_LOCAL_READS": "0"} if inline else None
+    d_extra = {"inline_reads": True} if inline else {}
     made = start_in_parallel({
         "p": lambda: EngineProcess(model, kv_config("kv_producer", "soak-p",
-                                                    lease_ttl_s=LEASE_S)),
+                                                    lease_ttl_s=LEASE_S), env=env),
         "d": lambda: EngineProcess(model, kv_config("kv_consumer", "soak-d",
-                                                    policy="recompute", load_timeout_s=20)),
+                                                    policy="recompute", load_timeout_s=20,
+                                                    **d_extra), env=env),
     })
-    yield made
+    made_with: dict[str, Any] = {**made, "mode": request.param}
+    yield made_with
     for e in made.values():
         e.close()
 
 
-def test_soak_pull_pd(pull: dict[str, EngineProcess], corpus: dict[tuple[int, ...], list[int]],
+def test_soak_pull_pd(pull: dict[str, Any], corpus: dict[tuple[int, ...], list[int]],
                       control: EngineProcess) -> None:
     p, d = pull["p"], pull["d"]
     rng = random.Random(SEED + 7)
-    tally = Tally("pull", pull, control)
+    mode = pull["mode"]
+    tally = Tally("pull" if mode == "threads" else f"pull-{mode}", {"p": p, "d": d}, control)
     prompts = list(corpus)
     seq = 0
     rounds = _rounds()
@@ -218,6 +226,8 @@ def test_soak_pull_pd(pull: dict[str, EngineProcess], corpus: dict[tuple[int, ..
     totals = d.call(f"{PROBES}:connector_totals")
     summary["d_totals"] = {k: v for k, v in totals.items() if k.startswith("p2p_")}
     assert totals.get("p2p_requests_loaded", 0) > 0
+    if mode == "inline":  # the path under soak was taken
+        assert totals.get("p2p_inline_reads", 0) > 0, summary["d_totals"]
 
 
 # ---------------------------------------------------------------------------------- layerwise
