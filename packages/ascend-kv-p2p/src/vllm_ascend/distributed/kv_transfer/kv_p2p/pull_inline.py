@@ -53,8 +53,10 @@ logger = logging.getLogger(__name__)
 #: ranges, 128 blocks of 8 layers, the load measured 0.95-0.96 of the raw read inline
 #: against 0.97-0.98 on the pull threads)
 INLINE_MAX_RANGES = 64
-#: how long :meth:`InlineReads.wait` sleeps between two polls (seconds): a read's end is
-#: seen at most about this late
+#: how long :meth:`InlineReads.wait` asks to sleep between two polls (seconds). The kernel
+#: adds the thread's timer slack (50 us by default) and a virtual machine its timer's cost:
+#: ``time.sleep(50e-6)`` took 136 us on the 2-CPU machine (``sleep(0)`` 82 us), so a read's
+#: end is seen up to that late on an idle step (``wait_loads`` polls without sleeping)
 POLL_SLEEP_S = 50e-6
 
 
