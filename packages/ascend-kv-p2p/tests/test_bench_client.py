@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from vllm_ascend.distributed.kv_transfer.kv_p2p.tooling import bench_client as bc
+from vllm_ascend.distributed.kv_transfer.kv_p2p.tooling import bench_client_model as bm
 from vllm_ascend.distributed.kv_transfer.kv_p2p.tooling import bench_client_procs as procs
 
 #: The shape of ``vllm bench serve --save-result`` (vLLM 0.32) with
@@ -93,6 +94,29 @@ def test_targets() -> None:
     kv = bc.kv_config(ts["pd-pull"], "kv_consumer", "e-d", 5555)
     assert kv["kv_role"] == "kv_consumer" and kv["kv_port"] == 5555 and kv["engine_id"] == "e-d"
     assert kv["kv_load_failure_policy"] == "fail"
+
+
+def test_pull_config_reaches_our_pull_engines_only() -> None:
+    """``--pull-config``: checked as the connector checks it, merged into the extra config
+    of ``MooncakeConnectorV1``'s P and D (both P/D pull targets), never a peer's."""
+    extra = bc.pull_config('{"inline_reads": true, "num_recv_workers": 2}')
+    assert extra == {"inline_reads": True, "num_recv_workers": 2}
+    assert bc.pull_config("  ") is None
+    ts = {t.name: t for t in bc.targets()}
+    for name in ("pd-pull", "pd-pull-2p2d"):
+        for role in ("kv_producer", "kv_consumer"):
+            kv = bc.kv_config(ts[name], role, "e", 1, extra)
+            assert kv["kv_connector_extra_config"] == {"load_timeout_s": 60, **extra}
+    assert ts["pd-pull"].kv["kv_connector_extra_config"] == {  # type: ignore[index]
+        "load_timeout_s": 60}  # the target itself unchanged
+    for name in ("pd-layerwise", "pd-vllm-mooncake"):
+        cfg = bc.kv_config(ts[name], "kv_consumer", "e", 1, extra)["kv_connector_extra_config"]
+        assert "inline_reads" not in cfg
+    for bad, why in (('{"inline_reads": "yes please"}', "inline_reads"),
+                     ('{"no_such_key": 1}', "no_such_key"), ("[1]", "JSON object"),
+                     ("{not json", "--pull-config")):
+        with pytest.raises(SystemExit, match=why):
+            bc.pull_config(bad)
 
 
 def test_server_cmd_pins_and_carries_the_kv_config() -> None:
@@ -234,7 +258,7 @@ def test_word_tokenizer_keeps_random_prompt_lengths(tmp_path: Path, vocab: int) 
     pytest.importorskip("tokenizers")
     from transformers import AutoTokenizer
 
-    bc.write_tokenizer(tmp_path, vocab)
+    bm.write_tokenizer(tmp_path, vocab)
     tok = AutoTokenizer.from_pretrained(tmp_path)
     assert len(tok) == vocab and tok.num_special_tokens_to_add() == 0
     assert sorted(tok.all_special_ids) == [0, 1, 2]
@@ -247,16 +271,16 @@ def test_word_tokenizer_keeps_random_prompt_lengths(tmp_path: Path, vocab: int) 
 
 
 def test_words_are_unique_and_short() -> None:
-    words = [bc.word(i) for i in range(3, 200_000)]
+    words = [bm.word(i) for i in range(3, 200_000)]
     assert len(set(words)) == len(words) and max(map(len, words)) == 3
-    assert bc.word(0) == "0" and bc.word(61) == "Z" and bc.word(62) == "10"
+    assert bm.word(0) == "0" and bm.word(61) == "Z" and bm.word(62) == "10"
 
 
 def test_an_older_tokenizer_is_replaced(tmp_path: Path) -> None:
     pytest.importorskip("tokenizers")
     (tmp_path / "tokenizer.json").write_text("{}")  # no stamp: written by an older version
-    bc.write_tokenizer(tmp_path, 64)
-    assert (tmp_path / bc.TOKENIZER_STAMP).read_text() == "base62 64"
+    bm.write_tokenizer(tmp_path, 64)
+    assert (tmp_path / bm.TOKENIZER_STAMP).read_text() == "base62 64"
     assert "tokenizer.json" in {p.name for p in tmp_path.iterdir()}
     assert json.loads((tmp_path / "tokenizer.json").read_text())["model"]["type"] == "WordLevel"
 
@@ -265,18 +289,21 @@ def test_scrape_and_transfer_delta(monkeypatch: pytest.MonkeyPatch) -> None:
     text = ('# HELP x\nvllm:ascend_kv_p2p_requests_loaded_total{engine="0"} 3.0\n'
             'vllm:ascend_kv_p2p_requests_loaded_total{engine="1"} 2.0\n'
             'vllm:ascend_kv_p2p_requests_loaded_totalx 100.0\n'
-            'vllm:ascend_kv_p2p_failures_total 0.0\n')
+            'vllm:ascend_kv_p2p_failures_total 0.0\n'
+            'vllm:ascend_kv_p2p_window_reads_total 4.0\n'
+            'vllm:ascend_kv_p2p_inline_reads_total 3.0\n')
     assert procs.scrape(text, procs.LOADED) == 5.0 and procs.scrape(text, procs.FAILURES) == 0
     pages = {"http://d/metrics": text.encode(), "http://x/status": b'{"fallbacks": 1}',
              "http://d2/metrics": b"vllm:ascend_kv_p2p_requests_loaded_total 4.0\n"}
     monkeypatch.setattr(procs, "_get", lambda url: pages[url])
     assert procs.transfer_counts(["http://d"], "http://x") == {
-        "kv_loaded": 5.0, "kv_failures": 0.0, "proxy_fallbacks": 1.0, "kv_tokens": 0.0}
+        "kv_loaded": 5.0, "kv_failures": 0.0, "proxy_fallbacks": 1.0, "kv_tokens": 0.0,
+        "window_reads": 4.0, "inline_reads": 3.0}
     delta = procs.transfer_delta({"kv_loaded": 1.0, "kv_failures": 0.0, "proxy_fallbacks": 1.0,
-                                  "kv_tokens": 0.0},
+                                  "kv_tokens": 0.0, "window_reads": 1.0, "inline_reads": 1.0},
                                  ["http://d"], "http://x", expect=4, timeout=0)
     assert delta == {"kv_loaded": 4.0, "kv_failures": 0.0, "proxy_fallbacks": 0.0,
-                     "kv_tokens": 0.0}
+                     "kv_tokens": 0.0, "window_reads": 3.0, "inline_reads": 2.0}
     # several D's: their counters add up
     assert procs.transfer_counts(["http://d", "http://d2"], "http://x")["kv_loaded"] == 9.0
 

