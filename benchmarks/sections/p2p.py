@@ -81,7 +81,15 @@ ONE_BLOCK = (
     'Alternating load by load in one process (15 rounds of 40 loads, raw reads between, '
     'two runs): inline 0.33 and 0.39 ms against raw reads of 0.25 and 0.28 ms, 0.79 and '
     '0.71 of them (the pull threads\' loads in that harness took 2.3–2.6 ms, far from '
-    "the 0.54–0.68 ms of the bench's rounds: not traced, and not compared here). What is "
+    "the 0.54–0.68 ms of the bench's rounds, not compared here: traced later that day, "
+    "every read over Mooncake's TCP transport, the raw ones on the measuring thread too, "
+    'slowed to 1–5 ms in phases of tens to hundreds of loads, in one harness run of 1,494 '
+    'loads 425 of them and 307 raw reads right after; without such a phase, of 1,200 '
+    'one-block loads with a raw read after each, 18–38 on the pull threads took over 1 ms '
+    '(and 3–30 of the raw reads after them), 1–5 inline (1–4), and 0–2 of 1,200 raw reads '
+    'alone: a '
+    'busy-waiting reader and the transport\'s own threads on 2 CPUs, by its look; not '
+    'traced further). What is '
     'left (400 '
     "loads, timed in steps): submitting the 8 batches 42–49 µs (Mooncake's non-blocking "
     "status call looks at a batch's first task only, so a read polled without blocking "
