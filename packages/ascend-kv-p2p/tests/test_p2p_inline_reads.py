@@ -225,6 +225,13 @@ def test_loads_the_inline_path_does_not_take_go_to_the_pull_threads(
     assert len(pd.d.reader.inline) == 0
     finish(pd, "big", remote, [1, 3])
     assert pd.pulls[-1] == "big"
+    # as many blocks, consecutive on both sides: a range a region once merged, read here
+    inline_before = pd.d.recorder.total("p2p_inline_reads")
+    remote = hold(pd, "run", [5, 6])
+    start(pd, "run", remote, [1, 2])
+    assert len(pd.d.reader.inline) == 1
+    finish(pd, "run", remote, [1, 2])
+    assert pd.pulls[-1] == "big" and pd.d.recorder.total("p2p_inline_reads") == inline_before + 1
     # local block ids outside D's cache: not read here, and no exception on vLLM's thread;
     # the pull thread fails the load
     remote = hold(pd, "bad", [1])
@@ -242,6 +249,17 @@ def test_loads_the_inline_path_does_not_take_go_to_the_pull_threads(
     assert len(pd.d.reader.inline) == 0
     finish(pd, "ahead", remote, [6])
     assert pd.pulls[-1] == "ahead"
+
+
+def test_block_runs_count_the_ranges_left_once_merged() -> None:
+    def runs(local: list[int], remote: list[int]) -> int:
+        return pull_inline.block_runs(RecvMeta("r", local, None, remote_block_ids=remote))
+
+    assert runs([1, 2, 3], [7, 8, 9]) == 1
+    assert runs([3, 1, 2], [9, 7, 8]) == 1  # the order of the blocks does not matter
+    assert runs([1, 2, 3], [7, 9, 8]) == 3  # consecutive on D only
+    assert runs([1, 2, 5, 6], [7, 8, 3, 4]) == 2
+    assert runs([4], [0]) == 1 and runs([], []) == 0
 
 
 def test_a_p_read_from_its_memory_on_this_host_is_read_on_a_pull_thread(

@@ -95,7 +95,8 @@ class MooncakeP2PConfig(ConfigSection):
     num_recv_workers: int = option(4, minimum=1, doc="Threads on D that pull KV from P instances.")
     inline_reads: bool = option(
         False,
-        doc="D starts a small read that P's read window covers (at most 64 byte ranges) on "
+        doc="D starts a small read that P's read window covers (at most 64 byte ranges, "
+            "counted once ranges adjacent on both sides are merged) on "
             "vLLM's thread, in start_load_kv, and vLLM's get_finished polls its end: no "
             "hand-off to a pull thread and back. On 2 CPUs a one-block load measured 0.60-0.71 "
             "of the raw read this way, 0.32-0.54 on the pull threads (bench p2p). Claims, "

@@ -16,7 +16,8 @@ Only the plainest load takes this path, every other one goes to the pull threads
 * taken: P's metadata (and a keyed P rank's last grant) already known, of the engine start
   that holds the request, inside the window now, every P rank read by some D rank, no
   pipeline stages, no heads to stage, the P rank not read from its memory on this host, and
-  at most :data:`INLINE_MAX_RANGES` byte ranges (small loads: where the hand-offs count);
+  at most :data:`INLINE_MAX_RANGES` byte ranges once ranges adjacent on both sides are
+  merged (small loads, or blocks consecutive on both P and D: where the hand-offs count);
 * after the read: within the window, the load ends loaded (as a window read on the threads
   does); a read that ended after the window, or failed, is done again on the pull threads
   from the start (claimed first once the window is over), whose data replaces this one's;
@@ -34,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_ascend.distributed.kv_transfer.core.channel import tcp_endpoint
 from vllm_ascend.distributed.kv_transfer.core.errors import TransferError
-from vllm_ascend.distributed.kv_transfer.core.transfer_engine import PendingTransfer
+from vllm_ascend.distributed.kv_transfer.core.transfer_engine import PendingTransfer, coalesce
 
 from .pull_contract import RecvMeta
 from .pull_transfer import check_remote_blocks, direct_ranges
@@ -154,7 +155,11 @@ class InlineReads:
         early = known_regions(r._granted, remote, metas)
         if early is None or not same_instance(remote, early):
             return None
-        if len(meta.local_block_ids) * len(s.layout.regions) * len(early) > INLINE_MAX_RANGES:
+        per_block = len(s.layout.regions) * len(early)
+        # blocks consecutive on both sides coalesce (a range a run of them) where a range is
+        # a whole block: count runs first, then the ranges themselves
+        whole_blocks = len(meta.local_block_ids) * per_block > INLINE_MAX_RANGES
+        if whole_blocks and block_runs(meta) * per_block > INLINE_MAX_RANGES:
             return None
         s.layout.check_block_ids(meta.local_block_ids, what="local block ids")
         ranges: list[tuple[str, list[int], list[int], list[int]]] = []
@@ -163,9 +168,12 @@ class InlineReads:
                 return None
             check_remote_blocks(meta, m)  # raises: the pull thread reports it
             segments, staged = r._addresses.get(s.layout, m, rank, plan, None)
-            if staged:
+            if staged or (whole_blocks and any(seg[6] != seg[1] or seg[6] != seg[4]
+                                               for seg in segments)):
                 return None
-            ranges.append((m.session, *direct_ranges(meta, segments)))
+            ranges.append((m.session, *coalesce(*direct_ranges(meta, segments))))
+        if sum(len(lens) for _s, _l, _r, lens in ranges) > INLINE_MAX_RANGES:
+            return None
         return until, p_ranks, readers, ranges
 
     # ------------------------------------------------------------ poll
@@ -237,6 +245,15 @@ class InlineReads:
         if self._inflight:
             logger.warning("%d reads still in flight at shutdown after %.1fs",
                            len(self._inflight), timeout)
+
+
+def block_runs(meta: RecvMeta) -> int:
+    """How many runs of blocks consecutive on both sides (local and P's ids each one more
+    than the last, in local order) the load's blocks make: its ranges a region once
+    coalesced, where a range is a whole block."""
+    pairs = sorted(zip(meta.local_block_ids, meta.remote_block_ids, strict=True))
+    return sum(1 for i, (lb, rb) in enumerate(pairs)
+               if i == 0 or (lb, rb) != (pairs[i - 1][0] + 1, pairs[i - 1][1] + 1))
 
 
 def _failed(te: Any, why: str) -> PendingTransfer:
