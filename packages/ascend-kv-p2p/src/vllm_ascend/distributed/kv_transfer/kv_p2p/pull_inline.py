@@ -168,11 +168,15 @@ class InlineReads:
                 return None
             check_remote_blocks(meta, m)  # raises: the pull thread reports it
             segments, staged = r._addresses.get(s.layout, m, rank, plan, None)
-            if staged or (whole_blocks and any(seg[6] != seg[1] or seg[6] != seg[4]
-                                               for seg in segments)):
+            if staged or (whole_blocks and any(
+                    length != l_stride or length != r_stride
+                    for _lb, l_stride, _lo, _rb, r_stride, _ro, length in segments)):
                 return None
-            ranges.append((m.session, *coalesce(*direct_ranges(meta, segments))))
-        if sum(len(lens) for _s, _l, _r, lens in ranges) > INLINE_MAX_RANGES:
+            loc, rem, lens = direct_ranges(meta, segments)
+            if whole_blocks:  # submit_read merges adjacent ranges itself: here to count them
+                loc, rem, lens = coalesce(loc, rem, lens)
+            ranges.append((m.session, loc, rem, lens))
+        if whole_blocks and sum(len(lens) for _s, _l, _r, lens in ranges) > INLINE_MAX_RANGES:
             return None
         return until, p_ranks, readers, ranges
 

@@ -472,7 +472,7 @@ def build_config(args: argparse.Namespace) -> ClientConfig:
         concurrency=conc, input_len=args.input_len, output_len=args.output_len,
         block_size=args.block_size, out=Path(args.out), startup_timeout=args.startup_timeout,
         pin=can_pin(), quick_fleet=bool(args.quick),
-        pull_extra=pull_config(getattr(args, "pull_config", "")))
+        pull_extra=pull_config(args.pull_config))
 
 
 def pull_config(text: str) -> dict[str, Any] | None:
