@@ -98,6 +98,14 @@ class _CountingEngine:
         self.real = real
         self.calls: list[tuple[str, int]] = []
 
+    def batch_transfer_async_read(self, peer: str, loc: Any, rem: Any, lens: Any) -> int:
+        self.calls.append(("async_read", len(loc)))
+        return int(self.real.batch_transfer_async_read(peer, loc, rem, lens))
+
+    def batch_transfer_async_write(self, peer: str, loc: Any, rem: Any, lens: Any) -> int:
+        self.calls.append(("async_write", len(loc)))
+        return int(self.real.batch_transfer_async_write(peer, loc, rem, lens))
+
     def batch_transfer_sync_read(self, peer: str, loc: Any, rem: Any, lens: Any) -> int:
         self.calls.append(("read", len(loc)))
         return int(self.real.batch_transfer_sync_read(peer, loc, rem, lens))
@@ -117,6 +125,7 @@ def test_batches_larger_than_max_batch_are_chunked(peer: Any,
     counting = _CountingEngine(te.raw)
     monkeypatch.setattr(te, "_engine", counting)
     monkeypatch.setattr(te, "max_batch", 3)
+    monkeypatch.setattr(te, "wait", "spin")  # Mooncake's synchronous call, one per chunk
     # 10 ranges of 4 KiB, every other 4 KiB on both sides: none can be coalesced
     n, size = 10, 4096
     local = torch.zeros(2 * n * size, dtype=torch.uint8)
@@ -150,6 +159,24 @@ def test_batches_larger_than_max_batch_are_chunked(peer: Any,
                        [dst_addr + 8 * o for o in offsets], [size] * n) == n * size
         for i, o in enumerate(offsets):
             assert torch.equal(local[o:o + size], pattern[i * size:(i + 1) * size])
+        # yield (the default): every range a batch of its own, polled; the same bytes land
+        monkeypatch.setattr(te, "wait", "yield")
+        counting.calls.clear()
+        local.zero_()
+        assert te.read(session, [local.data_ptr() + o for o in offsets],
+                       [src_addr + o for o in offsets], [size] * n) == n * size
+        assert counting.calls == [("async_read", 1)] * n
+        for o in offsets:
+            assert torch.equal(local[o:o + size], src[o:o + size])
+            assert not local[o + size:o + 2 * size].any()
+        counting.calls.clear()
+        assert te.write(session, [local.data_ptr() + o for o in offsets],
+                        [dst_addr + 8 * o for o in offsets], [size] * n) == n * size
+        assert counting.calls == [("async_write", 1)] * n
+        # and Mooncake's own wait, asked for by the call, still is one call per chunk
+        counting.calls.clear()
+        assert te.read(session, [local.data_ptr()], [src_addr], [size], wait="spin") == size
+        assert counting.calls == [("read", 1)]
     finally:
         te.unregister_memory(local.data_ptr())
 
@@ -195,7 +222,7 @@ def test_with_sleep_large_batches_are_slept_on_and_small_ones_are_one_call(
     local = torch.zeros(2 * big, dtype=torch.uint8)
     src = torch.arange(SIZE // 8, dtype=torch.int64).view(torch.uint8)
     te.register_memory(local.data_ptr(), local.numel())
-    assert te.wait == "spin"  # the default: Mooncake's synchronous call
+    assert te.wait == "yield"  # the default: every range polled, yielding between polls
     monkeypatch.setattr(te, "wait", "sleep")
     try:
         for _ in range(te_mod.RATE_WINDOW + 1):
@@ -251,9 +278,12 @@ def test_a_large_batch_to_a_dead_peer_is_a_fast_clear_error(
 
 
 def test_an_unknown_wait_mode_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(te_mod.WAIT_ENV, "yield")
-    with pytest.raises(ValueError, match="VLLM_ASCEND_KV_TE_WAIT='yield'"):
+    monkeypatch.setenv(te_mod.WAIT_ENV, "busy")
+    with pytest.raises(ValueError, match="VLLM_ASCEND_KV_TE_WAIT='busy'"):
         te_mod.MooncakeTransferEngine("127.0.0.1", "tcp")
+    te = get_transfer_engine("127.0.0.1", "tcp")
+    with pytest.raises(ValueError, match="wait='busy'"):
+        te.read("127.0.0.1:1", [0], [0], [1], wait="busy")
 
 
 def _poll(pending: Any, timeout: float = 30.0) -> int:

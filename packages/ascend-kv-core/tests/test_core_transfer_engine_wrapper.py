@@ -72,6 +72,7 @@ def fake_mooncake(monkeypatch: pytest.MonkeyPatch) -> type[FakeEngine]:
     monkeypatch.setenv(te_mod.TCP_PROGRESS_TIMEOUT_ENV, "5")
     monkeypatch.setenv("MC_TCP_BIND_ADDRESS", "127.0.0.1")
     monkeypatch.delenv(PROTOCOL_ENV, raising=False)
+    monkeypatch.delenv(te_mod.WAIT_ENV, raising=False)
     return FakeEngine
 
 
@@ -159,3 +160,93 @@ def test_failed_register_memory_names_what_failed_and_rolls_back(
     monkeypatch.setattr(FakeEngine, "register_rc", {})
     assert engine.register_memory(base, 0x3000)  # a retry registers both gaps
     assert engine.registered_bytes == 0x3000
+
+
+class _PolledEngine(FakeEngine):
+    """Asynchronous batches that end after a set number of polls, in any order; a batch
+    asked for after it ended (freed by the real engine) fails the test."""
+
+    #: polls each submitted range takes to end, by its remote address
+    polls_for: dict[int, int] = {}
+    #: remote addresses whose submission the engine refuses (rc -1), and that fail (-1)
+    refuse: set[int] = set()
+    fail: set[int] = set()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.left: dict[int, int] = {}
+        self.addr: dict[int, int] = {}
+        self.ended: set[int] = set()
+        self.submitted: list[int] = []
+        self.sync_calls = 0
+
+    def _submit(self, peer: str, loc: list[int], rem: list[int], lens: list[int]) -> int:
+        assert len(loc) == 1, "yield submits every range as a batch of its own"
+        if rem[0] in self.refuse:
+            return -1
+        batch = len(self.submitted) + 1
+        self.submitted.append(rem[0])
+        self.left[batch], self.addr[batch] = self.polls_for.get(rem[0], 0), rem[0]
+        return batch
+
+    batch_transfer_async_read = _submit
+    batch_transfer_async_write = _submit
+
+    def transfer_check_status(self, batch: int) -> int:
+        assert batch not in self.ended, f"batch {batch} asked for after it ended"
+        if self.left[batch] > 0:
+            self.left[batch] -= 1
+            return 0
+        self.ended.add(batch)
+        return -1 if self.addr[batch] in self.fail else 1
+
+    def batch_transfer_sync_read(self, *args: Any) -> int:
+        self.sync_calls += 1
+        return 0
+
+
+def test_yield_waits_for_every_range_yielding_between_polls(
+        fake_mooncake: type[FakeEngine], monkeypatch: pytest.MonkeyPatch) -> None:
+    module = types.SimpleNamespace(TransferEngine=_PolledEngine)
+    monkeypatch.setattr(te_mod, "optional_dependency", lambda *a, **k: module)
+    monkeypatch.setattr(_PolledEngine, "polls_for", {0x1000: 0, 0x3000: 5, 0x5000: 2})
+    monkeypatch.setattr(_PolledEngine, "refuse", set())
+    monkeypatch.setattr(_PolledEngine, "fail", set())
+    yields: list[int] = []
+    monkeypatch.setattr(te_mod.os, "sched_yield", lambda: yields.append(1))
+    engine = get_transfer_engine("127.0.0.1", "tcp")
+    fake = engine.raw
+    assert engine.wait == "yield"
+    # three ranges, none adjacent: three batches; the read returns once all of them ended
+    # (the first ends at once, the second after 5 polls, the third after 2)
+    assert engine.read("p:1", [0x10, 0x30, 0x50], [0x1000, 0x3000, 0x5000],
+                       [16, 16, 16]) == 48
+    assert fake.submitted == [0x1000, 0x3000, 0x5000] and fake.ended == {1, 2, 3}
+    assert len(yields) >= 5 and fake.sync_calls == 0
+    assert engine.stats.reads == 1 and engine.stats.bytes_read == 48
+    # a range that fails: the error comes once every range ended, never before
+    monkeypatch.setattr(_PolledEngine, "fail", {0x3000})
+    with pytest.raises(TransferError, match="read of 3 ranges") as info:
+        engine.read("p:1", [0x10, 0x30, 0x50], [0x1000, 0x3000, 0x5000], [16, 16, 16])
+    assert info.value.rc == -1 and fake.ended == {1, 2, 3, 4, 5, 6}
+    # a range the engine refuses: those submitted before it end first, later ones never go
+    monkeypatch.setattr(_PolledEngine, "fail", set())
+    monkeypatch.setattr(_PolledEngine, "refuse", {0x5000})
+    with pytest.raises(TransferError, match="write of 3 ranges"):
+        engine.write("p:1", [0x10, 0x30, 0x50], [0x1000, 0x3000, 0x5000], [16, 16, 16])
+    assert fake.submitted[6:] == [0x1000, 0x3000] and fake.ended == set(range(1, 9))
+    assert engine.stats.failures == 2
+    # spin, asked for by the call: Mooncake's synchronous call
+    assert engine.read("p:1", [0x10], [0x1000], [16], wait="spin") == 16
+    assert fake.sync_calls == 1 and len(fake.submitted) == 8
+
+
+@pytest.mark.parametrize(("protocol", "env", "wait"), [
+    ("tcp", None, "yield"), ("rdma", None, "spin"), ("ascend", None, "spin"),
+    ("tcp", "spin", "spin"), ("ascend", "yield", "yield"), ("tcp", " Sleep ", "sleep")])
+def test_the_wait_defaults_to_yield_over_tcp_only(
+        fake_mooncake: type[FakeEngine], monkeypatch: pytest.MonkeyPatch, protocol: str,
+        env: str | None, wait: str) -> None:
+    if env is not None:
+        monkeypatch.setenv(te_mod.WAIT_ENV, env)
+    assert get_transfer_engine("127.0.0.1", protocol).wait == wait

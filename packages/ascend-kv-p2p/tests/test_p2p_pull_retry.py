@@ -77,25 +77,67 @@ def pd() -> Iterator[Any]:
 
 class FlakyEngine:
     """Mooncake's engine whose first ``fail`` reads return rc=-1 (a dropped connection)
-    after ``stall_s``; everything else goes to the real engine."""
+    after ``stall_s``; everything else goes to the real engine.
+
+    A read is one synchronous call (``VLLM_ASCEND_KV_TE_WAIT=spin``), or a thread's run of
+    asynchronous submissions up to its next status poll (``yield``, the default, and
+    ``submit_read``): every range of a failing read ends failed, ``stall_s`` after it was
+    submitted."""
 
     def __init__(self, real: Any, fail: int, stall_s: float = 0.0,
                  on_fail: Any = None) -> None:
         self.real, self.fail, self.stall_s, self.on_fail = real, fail, stall_s, on_fail
         self.reads = 0
         self._lock = threading.Lock()
+        # per thread: whether it submitted since its last poll, and whether that read fails
+        self._submitting: dict[int, bool] = {}
+        self._failing: dict[int, bool] = {}
+        # batch ids of failing ranges -> (when they fail, whether on_fail is still owed)
+        self._dropped: dict[int, list[Any]] = {}
+        self._next_id = 1 << 62
 
-    def batch_transfer_sync_read(self, *args: Any) -> int:
+    def _take_failure(self) -> bool:
         with self._lock:
             self.reads += 1
             failing = self.fail > 0
             self.fail -= failing
-        if failing:
+            return failing
+
+    def _fail_now(self) -> int:
+        if self.on_fail is not None:
+            self.on_fail()
+        return -1
+
+    def batch_transfer_sync_read(self, *args: Any) -> int:
+        if self._take_failure():
             time.sleep(self.stall_s)
-            if self.on_fail is not None:
-                self.on_fail()
-            return -1
+            return self._fail_now()
         return int(self.real.batch_transfer_sync_read(*args))
+
+    def batch_transfer_async_read(self, *args: Any) -> int:
+        tid = threading.get_ident()
+        if not self._submitting.get(tid):  # the first range of a read
+            self._submitting[tid] = True
+            self._failing[tid] = self._take_failure()
+            owed = True
+        else:
+            owed = False
+        if not self._failing[tid]:
+            return int(self.real.batch_transfer_async_read(*args))
+        with self._lock:
+            self._next_id += 1
+            self._dropped[self._next_id] = [time.monotonic() + self.stall_s, owed]
+            return self._next_id
+
+    def transfer_check_status(self, batch: int) -> int:
+        self._submitting[threading.get_ident()] = False
+        dropped = self._dropped.get(batch)
+        if dropped is None:
+            return int(self.real.transfer_check_status(batch))
+        if time.monotonic() < dropped[0]:
+            return 0
+        del self._dropped[batch]
+        return self._fail_now() if dropped[1] else -1
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.real, name)
@@ -150,11 +192,14 @@ def _same_bytes(pd: Any, local: list[int], remote: list[int]) -> None:
             torch.testing.assert_close(d_t[lb], p_t[rb], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("wait", ["yield", "spin"])
 def test_a_dropped_read_is_retried_and_the_request_completes(
-        pd: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+        pd: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        wait: str) -> None:
     assert pd.d.te is not None
     flaky = FlakyEngine(pd.d.te.raw, fail=1, stall_s=0.3)
     monkeypatch.setattr(pd.d.te, "_engine", flaky)
+    monkeypatch.setattr(pd.d.te, "wait", wait)  # the default, and Mooncake's own wait
     _hold(pd, "r", [7, 2, 9])
     with caplog.at_level("WARNING", logger=pull_reader.__name__):
         _recv(pd, "d", "r", [7, 2, 9], [1, 4, 5])

@@ -24,8 +24,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from . import local_reads
+from . import local_reads, transfer_polling
 from .errors import TransferError
+from .transfer_polling import PendingTransfer
 from .vllm_compat import optional_dependency
 
 logger = logging.getLogger(__name__)
@@ -38,17 +39,23 @@ PROTOCOL_ENV = "VLLM_ASCEND_KV_PROTOCOL"
 #: deadline ended; ours bounds that window below the connectors' lease margins.
 TCP_PROGRESS_TIMEOUT_ENV = "MC_TCP_PROGRESS_TIMEOUT_SEC"
 DEFAULT_TCP_PROGRESS_TIMEOUT_S = 5
-#: How a large transfer is waited for: ``spin`` (default) or ``sleep``. Mooncake's
-#: synchronous calls (and ``get_batch_transfer_status``) poll the transfer's status in a loop
-#: that never yields, so the calling thread takes a CPU for as long as the bytes move. Over
-#: TCP the engine's own threads and the kernel move the bytes, in both processes, and compete
-#: with that loop, as do vLLM's threads beside it. ``sleep`` sleeps through part of a large
-#: transfer first. Measured on 2 CPUs (2026-12-03, reads over loopback from another process,
-#: 12 of each alternating, medians): beside a busy Python thread (an engine's loop) 32 MiB
-#: reads took 43 ms spun and 27 ms slept, 128 MiB reads 110 and 91 ms; on an otherwise idle
-#: machine sleeping was slower, 19 against 18 ms and 94 against 77 ms (a sleeping thread lets
-#: its CPU go idle, and waking it costs), and saved 10-25% of the process's CPU time.
+#: How a transfer is waited for (docs/configuration.md has the measurements): ``yield``
+#: (default over TCP) submits each range as an engine batch of its own (Mooncake's
+#: non-blocking ``transfer_check_status`` looks at a batch's first task only) and polls them
+#: in order with ``sched_yield`` between polls; ``spin`` (default over RDMA and Ascend's
+#: transports, :func:`default_wait`) is Mooncake's synchronous call, whose loop never
+#: yields: over TCP a transport thread that lands on the spinner's CPU waits for its time
+#: slice (a one-block load took 1-1.7 ms at the median after a read on another thread,
+#: 0.5 ms with ``yield``); ``sleep`` submits a batch of :data:`SLEEP_MIN_BYTES` or more,
+#: sleeps through part of its expected time, then lets Mooncake spin for the rest (beside a
+#: busy Python thread 20-40% faster than ``spin``, on an idle machine 8-20% slower).
+#: ``yield`` takes a CPU as the spin does when nothing else wants it, and the GIL at each
+#: poll (released while yielding); an engine without the asynchronous calls is waited for
+#: by Mooncake.
 WAIT_ENV = "VLLM_ASCEND_KV_TE_WAIT"
+WAIT_MODES = ("yield", "spin", "sleep")
+
+
 #: Batches of at least this many bytes are submitted, slept on for part of the time they
 #: are expected to take, then waited for by Mooncake (which spins only for the rest).
 #: Smaller ones are one synchronous call: they take less than a sleep's wake-up.
@@ -139,9 +146,9 @@ class MooncakeTransferEngine:
         self.protocol = protocol
         self.device_name = device_name
         self.max_batch = max_batch
-        wait = os.environ.get(WAIT_ENV, "spin").strip().lower() or "spin"
-        if wait not in ("sleep", "spin"):
-            raise ValueError(f"{WAIT_ENV}={wait!r}: expected 'sleep' or 'spin'")
+        wait = os.environ.get(WAIT_ENV, "").strip().lower() or default_wait(protocol)
+        if wait not in WAIT_MODES:
+            raise ValueError(f"{WAIT_ENV}={wait!r}: expected one of {', '.join(WAIT_MODES)}")
         #: how large batches are waited for (see :data:`WAIT_ENV`)
         self.wait = wait
         # (op, peer) -> bytes per second of its last large transfers (replaced, not changed:
@@ -340,17 +347,21 @@ class MooncakeTransferEngine:
 
     # ------------------------------------------------------------ transfers
     def read(self, peer: str, local: Sequence[int], remote: Sequence[int],
-             lengths: Sequence[int]) -> int:
-        """Read remote ranges of ``peer`` (``host:rpc_port``) into local memory; returns bytes."""
-        return self._batch("read", peer, local, remote, lengths)
+             lengths: Sequence[int], *, wait: str | None = None) -> int:
+        """Read remote ranges of ``peer`` (``host:rpc_port``) into local memory; returns
+        bytes. ``wait``: how to wait for it (:data:`WAIT_ENV`; ``None``: :attr:`wait`)."""
+        return self._batch("read", peer, local, remote, lengths, wait or self.wait)
 
     def write(self, peer: str, local: Sequence[int], remote: Sequence[int],
-              lengths: Sequence[int]) -> int:
-        """Write local ranges into ``peer``'s memory; returns bytes."""
-        return self._batch("write", peer, local, remote, lengths)
+              lengths: Sequence[int], *, wait: str | None = None) -> int:
+        """Write local ranges into ``peer``'s memory; returns bytes. ``wait`` as for
+        :meth:`read`."""
+        return self._batch("write", peer, local, remote, lengths, wait or self.wait)
 
     def _batch(self, op: str, peer: str, local: Sequence[int], remote: Sequence[int],
-               lengths: Sequence[int]) -> int:
+               lengths: Sequence[int], wait: str) -> int:
+        if wait not in WAIT_MODES:
+            raise ValueError(f"wait={wait!r}: expected one of {', '.join(WAIT_MODES)}")
         loc, rem, lens = coalesce(local, remote, lengths)
         if not loc:
             return 0
@@ -373,7 +384,7 @@ class MooncakeTransferEngine:
         total = 0
         for i in range(0, len(loc), self.max_batch):
             chunk = slice(i, i + self.max_batch)
-            rc = self._call(op, peer, loc[chunk], rem[chunk], lens[chunk])
+            rc = self._call(op, peer, loc[chunk], rem[chunk], lens[chunk], wait)
             if rc < 0:
                 self.stats.failures += 1
                 nbytes = sum(lens[chunk])
@@ -400,33 +411,29 @@ class MooncakeTransferEngine:
         that way (a same-host peer, read from its memory: see :meth:`read`; an engine
         without asynchronous calls): read it with :meth:`read` instead.
 
-        Each range goes out as a batch of its own: Mooncake's non-blocking status call
-        (``transfer_check_status``) looks at a batch's first task only, and its status
-        call for a whole batch waits for its end. Measured on 2 CPUs over loopback TCP
-        (2026-12-05, 300 reads each): 8 ranges of 64 KiB took 229 us submitted one by one
-        and polled, 227 us in one synchronous batch; 8 of 1 MiB, 4.45 and 4.39 ms.
+        Each range goes out as a batch of its own (:mod:`.transfer_polling`). Measured on 2
+        CPUs over loopback TCP (2026-12-05, 300 reads each): 8 ranges of 64 KiB took 229 us
+        submitted one by one and polled, 227 us in one synchronous batch; 8 of 1 MiB, 4.45
+        and 4.39 ms.
         """
-        submit = getattr(self._engine, "batch_transfer_async_read", None)
-        check = getattr(self._engine, "transfer_check_status", None)
-        if submit is None or check is None or peer in self._local_peers:
+        if not transfer_polling.can_poll(self._engine, "read") or peer in self._local_peers:
             return None
         loc, rem, lens = coalesce(local, remote, lengths)
         pending = PendingTransfer(self, peer, sum(lens))
-        for a, b, n in zip(loc, rem, lens, strict=True):
-            batch = int(submit(peer, [a], [b], [n]))
-            if batch <= 0 or batch >= 1 << 63:  # not submitted: nothing of it in flight
-                pending.error = (f"read of {len(loc)} ranges ({pending.nbytes} bytes) from "
-                                 f"{peer} failed: the engine refused a range (rc={batch}; "
-                                 "peer dead, unreachable, or the remote memory is not "
-                                 "registered)")
-                break
-            pending.batches.append(batch)
+        pending.batches, rc = transfer_polling.submit_each(self._engine, "read", peer, loc, rem,
+                                                           lens)
+        if rc:  # not submitted: nothing of that range in flight
+            pending.error = (f"read of {len(loc)} ranges ({pending.nbytes} bytes) from "
+                             f"{peer} failed: the engine refused a range (rc={rc}; peer dead, "
+                             "unreachable, or the remote memory is not registered)")
         return pending
 
     def _call(self, op: str, peer: str, loc: list[int], rem: list[int],
-              lens: list[int]) -> int:
-        """One engine batch, waited for as :attr:`wait` says; Mooncake's return code."""
-        nbytes = sum(lens) if self.wait == "sleep" else 0
+              lens: list[int], wait: str) -> int:
+        """One engine batch, waited for as ``wait`` says; Mooncake's return code."""
+        if wait == "yield" and transfer_polling.can_poll(self._engine, op):
+            return transfer_polling.wait_yielding(self._engine, op, peer, loc, rem, lens)
+        nbytes = sum(lens) if wait == "sleep" else 0
         submit = (getattr(self._engine, f"batch_transfer_async_{op}", None)
                   if nbytes >= SLEEP_MIN_BYTES else None)
         if submit is None:  # spin, a small batch, or an engine without async calls
@@ -445,64 +452,6 @@ class MooncakeTransferEngine:
             rate = nbytes / max(time.perf_counter() - start, 1e-6)
             self._rates[key] = (*rates[1 - RATE_WINDOW:], rate)
         return rc
-
-
-class PendingTransfer:
-    """A read in flight (:meth:`MooncakeTransferEngine.submit_read`): one engine batch per
-    range, polled without blocking. The transfer engine cannot cancel a read: memory it
-    reads into must stay reserved until :meth:`poll` says the read ended, either way."""
-
-    def __init__(self, engine: MooncakeTransferEngine, peer: str, nbytes: int) -> None:
-        self._engine = engine
-        self.peer = peer
-        #: bytes the read moves
-        self.nbytes = nbytes
-        #: the engine batches still in flight
-        self.batches: list[int] = []
-        #: why the read failed (set once a range failed; raised once none is in flight)
-        self.error = ""
-        self._start = time.perf_counter()
-        self._reported = False
-
-    @property
-    def done(self) -> bool:
-        """No range is in flight any more (it ended, loaded or failed)."""
-        return not self.batches
-
-    def poll(self) -> int | None:
-        """The bytes read once every range is in; ``None`` while one is in flight.
-
-        Raises:
-            TransferError: a range failed (raised once no other range is in flight).
-        """
-        if self.batches:
-            check = self._engine.raw.transfer_check_status
-            # 1: done, -1: failed (both freed by the engine); 0: in flight, -2: a slice
-            # overdue (still in flight: Mooncake's TCP transport fails a stalled one)
-            still = []
-            for batch in self.batches:
-                rc = int(check(batch))
-                if rc in (0, -2):
-                    still.append(batch)
-                elif rc < 0 and not self.error:
-                    self.error = (f"read of {self.nbytes} bytes from {self.peer} failed: "
-                                  f"rc={rc} (peer dead, unreachable, or the remote memory "
-                                  "is not registered)")
-            self.batches = still
-            if still:
-                return None
-        stats = self._engine.stats
-        if self.error:
-            if not self._reported:
-                self._reported = True
-                stats.failures += 1
-            raise TransferError(self.error, op="read", peer=self.peer, rc=-1)
-        if not self._reported:
-            self._reported = True
-            stats.reads += 1
-            stats.bytes_read += self.nbytes
-            stats.seconds += time.perf_counter() - self._start
-        return self.nbytes
 
 
 def _is_ip(host: str) -> bool:
@@ -525,6 +474,11 @@ def default_protocol() -> str:
     from .device import get_device
 
     return get_device().default_protocol
+
+
+def default_wait(protocol: str) -> str:
+    """How transfers over ``protocol`` are waited for without :data:`WAIT_ENV`."""
+    return "yield" if protocol == "tcp" else "spin"
 
 
 def get_transfer_engine(hostname: str | None = None, protocol: str | None = None, *,
