@@ -129,7 +129,9 @@ def prefill_process(kv_port: int, q_in: Any, q_out: Any) -> None:
 
 def _raw_read(d: Any, session: str, p_addrs: list[int], p_strides: list[int],
               d_blocks: list[int], p_blocks: list[int], nbytes: int) -> float:
-    """One raw Mooncake batch read of the ranges the connector reads; returns seconds."""
+    """One raw Mooncake batch read of the ranges the connector reads, waited for by Mooncake's
+    synchronous call (``wait="spin"``: the engine's own way, not the connector's); returns
+    seconds."""
     loc, rem, lens = [], [], []
     for i, region in enumerate(d.layout.regions):
         for lb, pb in zip(d_blocks, p_blocks, strict=True):
@@ -137,7 +139,7 @@ def _raw_read(d: Any, session: str, p_addrs: list[int], p_strides: list[int],
             rem.append(p_addrs[i] + pb * p_strides[i])
             lens.append(region.block_len)
     t0 = time.perf_counter()
-    moved = d.te.read(session, loc, rem, lens)
+    moved = d.te.read(session, loc, rem, lens, wait="spin")
     elapsed = time.perf_counter() - t0
     assert moved == nbytes
     return elapsed
@@ -495,7 +497,7 @@ def run(args: argparse.Namespace) -> int:
                        "worker reads at once and gets the answer with the next step's "
                        f"metadata, one engine step every {ENGINE_STEP_S * 1e3:g} ms) until "
                        "the worker marks the request finished receiving, vs one raw Mooncake "
-                       "batch read of the same "
+                       "batch read (its synchronous call) of the same "
                        "ranges, TCP on loopback (the connector's same-host reads off: "
                        "both over the same transport), P in another process; "
                        f"{rounds} rounds of {pairs} alternating loads of each ({SMALL_LOADS} / "

@@ -231,7 +231,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 last.zero_()
                 if kind == "raw":
                     start = time.perf_counter()
-                    moved = p.te.write(d.meta.session, src, dst, lens)
+                    moved = p.te.write(d.meta.session, src, dst, lens, wait="spin")
                     ready = time.perf_counter()
                     if moved != sum(lens):
                         raise RuntimeError(f"raw write moved {moved} of {sum(lens)} bytes")
