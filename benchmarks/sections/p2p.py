@@ -124,7 +124,13 @@ ONE_BLOCK = (
     "lower bounds 0.36, 0.76 and 0.94, then 0.47, 0.85 and 0.85. With `yield` the keyed "
     "goal is met in both runs; the 16-block goal misses 0.9 by 0.001–0.002 at the interval's "
     "low end in both; at one block the connector's 0.50–0.53 ms against the raw 0.25–0.26 "
-    "ms is the hand-offs above, not the read." "\n")
+    "ms is the hand-offs above, not the read. A third `yield` run (15:37 UTC) had the two "
+    "pairs' P processes read at different speeds (raw 0.40 against 0.32 ms at one block, "
+    "6.2 against 4.1 ms at 16, 48 against 31 ms at 128): connector / raw 0.61 (95%: "
+    "0.61–0.69), 0.96 (0.95–0.97) and 0.99 (0.97–1.01), so 16 blocks met there; plain / "
+    "keyed 0.91 (0.85–0.93), 0.97 (0.95–1.00) and 0.99 (0.95–1.02): one block not met, "
+    "its fixed cost (0.24 ms for the plain pair, 0.26 for the keyed) weighing more in units "
+    "of the faster pair's raw read." "\n")
 
 
 def section_p2p(d: dict[str, Any], images: Images) -> str:
