@@ -28,7 +28,7 @@ their own bootstrap interval (``ratio_inline_low`` / ``_high``).
 Measurement: ``--rounds`` rounds (round 0 warms up and is dropped); in each, for
 each size, ``--pairs`` times (:data:`SMALL_LOADS` / blocks times as many below that many
 blocks, at most :data:`SMALL_LOADS_MAX` times: a one-block load takes half a millisecond)
-the raw read and every claim mode in turn (the order turns each time). A round's ratio is raw median / connector median of that round;
+the raw read and every claim mode, in an order drawn at random each time. A round's ratio is raw median / connector median of that round;
 ``ratio`` is the median over the rounds, with ``ratio_min`` / ``ratio_max``, and
 ``ratio_low`` / ``ratio_high``: the 95% paired bootstrap interval over the rounds of the
 ratio of the rounds' median times (as ``bench serve``), which decides the goal.
@@ -348,6 +348,7 @@ def _measure(sizes: list[int], rounds: int, pairs: int, *,
         assert d.reader is not None
         inline = InlineReads(d.reader)  # on for the loads of mode "inline" only
         rng = random.Random(0)
+        orders = random.Random(1)  # the order of the paths at each pair of loads
         auto = d.overlap_claims
         paths = ["raw", *MODES, *(["keyed", "raw_keyed"] if sealed is not None else [])]
         # per size: each round's ratio of each mode, and every time measured
@@ -365,13 +366,16 @@ def _measure(sizes: list[int], rounds: int, pairs: int, *,
                 for pair in range(pairs * max(1, min(SMALL_LOADS_MAX, SMALL_LOADS // n))):
                     p_blocks = rng.sample(range(NUM_BLOCKS), n)
                     d_blocks = rng.sample(range(NUM_BLOCKS), n)
-                    # the same memory is warm for every path (one untimed read); ours and
-                    # raw alternate, and the order turns each time
+                    # the same memory is warm for every path (one untimed read); the paths
+                    # go in an order drawn afresh each time: what ran just before a read
+                    # moves its time (one-block raw reads right after another took 0.30-0.31
+                    # ms, right after a connector load 0.36-0.37 ms), and an order that turned put
+                    # every path after the same one (the raw read always after the keyed
+                    # pair's raw read, the window load after the raw read)
                     plain.raw(d_blocks, p_blocks, nbytes)
                     if sealed is not None:
                         sealed.raw(d_blocks, p_blocks, nbytes)
-                    k = pair + rnd
-                    for kind in paths[k % len(paths):] + paths[:k % len(paths)]:
+                    for kind in orders.sample(paths, len(paths)):
                         rid = f"bench-{n}-{rnd}-{pair}-{kind}"
                         if kind == "raw":
                             t = plain.raw(d_blocks, p_blocks, nbytes)
