@@ -92,30 +92,23 @@ def test_overlapping_ranges_register_only_the_gaps(peer: Any) -> None:
 
 
 class _CountingEngine:
-    """Forwards to the real Mooncake engine and records the size of every batch call."""
+    """Forwards to the real Mooncake engine and records the size of every batch call
+    (``read`` / ``write`` for the synchronous ones, ``async_read`` / ``async_write``)."""
 
     def __init__(self, real: Any) -> None:
         self.real = real
         self.calls: list[tuple[str, int]] = []
 
-    def batch_transfer_async_read(self, peer: str, loc: Any, rem: Any, lens: Any) -> int:
-        self.calls.append(("async_read", len(loc)))
-        return int(self.real.batch_transfer_async_read(peer, loc, rem, lens))
-
-    def batch_transfer_async_write(self, peer: str, loc: Any, rem: Any, lens: Any) -> int:
-        self.calls.append(("async_write", len(loc)))
-        return int(self.real.batch_transfer_async_write(peer, loc, rem, lens))
-
-    def batch_transfer_sync_read(self, peer: str, loc: Any, rem: Any, lens: Any) -> int:
-        self.calls.append(("read", len(loc)))
-        return int(self.real.batch_transfer_sync_read(peer, loc, rem, lens))
-
-    def batch_transfer_sync_write(self, peer: str, loc: Any, rem: Any, lens: Any) -> int:
-        self.calls.append(("write", len(loc)))
-        return int(self.real.batch_transfer_sync_write(peer, loc, rem, lens))
-
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.real, name)
+        fn = getattr(self.real, name)
+        if not name.startswith("batch_transfer_"):
+            return fn
+        label = name.removeprefix("batch_transfer_").removeprefix("sync_")
+
+        def call(peer: str, loc: Any, rem: Any, lens: Any) -> int:
+            self.calls.append((label, len(loc)))
+            return int(fn(peer, loc, rem, lens))
+        return call
 
 
 def test_batches_larger_than_max_batch_are_chunked(peer: Any,
