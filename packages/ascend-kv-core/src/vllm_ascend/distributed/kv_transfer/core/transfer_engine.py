@@ -54,8 +54,6 @@ DEFAULT_TCP_PROGRESS_TIMEOUT_S = 5
 #: by Mooncake.
 WAIT_ENV = "VLLM_ASCEND_KV_TE_WAIT"
 WAIT_MODES = ("yield", "spin", "sleep")
-
-
 #: Batches of at least this many bytes are submitted, slept on for part of the time they
 #: are expected to take, then waited for by Mooncake (which spins only for the rest).
 #: Smaller ones are one synchronous call: they take less than a sleep's wake-up.
@@ -149,7 +147,7 @@ class MooncakeTransferEngine:
         wait = os.environ.get(WAIT_ENV, "").strip().lower() or default_wait(protocol)
         if wait not in WAIT_MODES:
             raise ValueError(f"{WAIT_ENV}={wait!r}: expected one of {', '.join(WAIT_MODES)}")
-        #: how large batches are waited for (see :data:`WAIT_ENV`)
+        #: how transfers are waited for (see :data:`WAIT_ENV`)
         self.wait = wait
         # (op, peer) -> bytes per second of its last large transfers (replaced, not changed:
         # pull threads read and time transfers at once)

@@ -368,10 +368,10 @@ def _measure(sizes: list[int], rounds: int, pairs: int, *,
                     d_blocks = rng.sample(range(NUM_BLOCKS), n)
                     # the same memory is warm for every path (one untimed read); the paths
                     # go in an order drawn afresh each time: what ran just before a read
-                    # moves its time (one-block raw reads right after another took 0.30-0.31
-                    # ms, right after a connector load 0.36-0.37 ms), and an order that turned put
-                    # every path after the same one (the raw read always after the keyed
-                    # pair's raw read, the window load after the raw read)
+                    # moves its time (one-block raw reads right after another took
+                    # 0.30-0.31 ms, right after a connector load 0.36-0.37 ms), and an order
+                    # that turned put every path after the same one (the raw read always
+                    # after the keyed pair's raw read, the window load after the raw read)
                     plain.raw(d_blocks, p_blocks, nbytes)
                     if sealed is not None:
                         sealed.raw(d_blocks, p_blocks, nbytes)
