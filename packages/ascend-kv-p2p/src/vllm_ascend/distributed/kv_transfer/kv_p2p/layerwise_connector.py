@@ -45,16 +45,9 @@ from vllm_ascend.distributed.kv_transfer.core.vllm_compat import require_vllm
 
 require_vllm("MooncakeLayerwiseConnector")
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
-    KVConnectorBase_V1,
-    KVConnectorMetadata,
-    KVConnectorRole,
-)
-
-from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder  # noqa: E402
-from vllm_ascend.distributed.kv_transfer.core.vllm_metrics import ConnectorStatsMixin  # noqa: E402
 from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeLayerwiseConfig  # noqa: E402
 
+from .connector_shell import P2PConnectorShell  # noqa: E402
 from .layerwise_contract import (  # noqa: E402
     MooncakeLayerwiseConnectorMetadata,
     PushReq,
@@ -63,17 +56,10 @@ from .layerwise_contract import (  # noqa: E402
 )
 from .layerwise_scheduler import LayerwiseScheduler  # noqa: E402
 from .layerwise_worker import LayerwiseWorker  # noqa: E402
-from .p2p_metrics import P2P_METRICS  # noqa: E402
-from .rank_hosts import RankAddress, hosts_of  # noqa: E402
-from .worker_base import refuse_unsupported_shapes  # noqa: E402
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-    from vllm.v1.core.sched.output import SchedulerOutput
-    from vllm.v1.kv_cache_interface import KVCacheConfig
-    from vllm.v1.request import Request
 
 __all__ = ["MooncakeLayerwiseConnector", "MooncakeLayerwiseConnectorMetadata", "PushReq",
            "RecvReq", "ReqMeta"]
@@ -81,7 +67,8 @@ __all__ = ["MooncakeLayerwiseConnector", "MooncakeLayerwiseConnectorMetadata", "
 logger = logging.getLogger(__name__)
 
 
-class MooncakeLayerwiseConnector(ConnectorStatsMixin, KVConnectorBase_V1):
+class MooncakeLayerwiseConnector(
+        P2PConnectorShell[MooncakeLayerwiseConfig, LayerwiseScheduler, LayerwiseWorker]):
     """P/D connector: the prefill instance pushes each layer into the decode instance.
 
     It moves one KV cache group, so it does not declare vLLM's ``SupportsHMA``: vLLM then
@@ -89,29 +76,13 @@ class MooncakeLayerwiseConnector(ConnectorStatsMixin, KVConnectorBase_V1):
     still has several groups is refused at start-up, naming them.
     """
 
-    metric_specs = P2P_METRICS
+    config_class = MooncakeLayerwiseConfig
 
-    config_class: type[MooncakeLayerwiseConfig] = MooncakeLayerwiseConfig
+    def _make_scheduler(self, vllm_config: VllmConfig) -> LayerwiseScheduler:
+        return LayerwiseScheduler(vllm_config, self.cfg, self.engine_id)
 
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
-                 kv_cache_config: KVCacheConfig | None = None) -> None:
-        super().__init__(vllm_config=vllm_config, role=role,
-                         kv_cache_config=kv_cache_config)  # type: ignore[arg-type]
-        kvc = vllm_config.kv_transfer_config
-        assert kvc is not None
-        self.cfg = self.config_class.from_dict(
-            kvc.kv_connector_extra_config,
-            source=f"kv_connector_extra_config of {type(self).__name__}")
-        refuse_unsupported_shapes(vllm_config, kv_cache_config, type(self).__name__)
-        self.engine_id = str(kvc.engine_id)
-        self.recorder = MetricsRecorder(P2P_METRICS)
-        self.connector_scheduler: LayerwiseScheduler | None = None
-        self.connector_worker: LayerwiseWorker | None = None
-        if role == KVConnectorRole.SCHEDULER:
-            self.connector_scheduler = LayerwiseScheduler(vllm_config, self.cfg, self.engine_id)
-        else:
-            self.connector_worker = LayerwiseWorker(vllm_config, self.cfg, self.engine_id,
-                                                    self.recorder)
+    def _make_worker(self, vllm_config: VllmConfig) -> LayerwiseWorker:
+        return LayerwiseWorker(vllm_config, self.cfg, self.engine_id, self.recorder)
 
     def _meta(self) -> MooncakeLayerwiseConnectorMetadata | None:
         if not self.has_connector_metadata():
@@ -120,44 +91,7 @@ class MooncakeLayerwiseConnector(ConnectorStatsMixin, KVConnectorBase_V1):
         assert isinstance(meta, MooncakeLayerwiseConnectorMetadata)
         return meta
 
-    # ============================== Scheduler-side methods
-    def get_num_new_matched_tokens(self, request: Request,
-                                   num_computed_tokens: int) -> tuple[int | None, bool]:
-        assert self.connector_scheduler is not None
-        return self.connector_scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
-
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
-                                 num_external_tokens: int) -> None:
-        assert self.connector_scheduler is not None
-        self.connector_scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
-
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        assert self.connector_scheduler is not None
-        return self.connector_scheduler.build_connector_meta(scheduler_output)
-
-    def request_finished(self, request: Request,
-                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        assert self.connector_scheduler is not None
-        return self.connector_scheduler.request_finished(request, block_ids)
-
-    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
-        """Where each of this instance's TP ranks listens (vLLM collects them from the
-        workers' :meth:`get_handshake_metadata`)."""
-        if self.connector_scheduler is not None:
-            self.connector_scheduler.set_rank_hosts(hosts_of(metadata))
-
     # ============================== Worker-side methods
-    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        assert self.connector_worker is not None
-        self.connector_worker.register_kv_caches(kv_caches)
-
-    def get_handshake_metadata(self) -> Any:
-        """This rank's side-channel address, for the scheduler (:mod:`.rank_hosts`)."""
-        w = self.connector_worker
-        if w is None:
-            return None
-        return RankAddress(host=w.host, port=w.port, tp_rank=w.tp_rank)
-
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self.connector_worker is not None
         meta = self._meta()
@@ -182,17 +116,6 @@ class MooncakeLayerwiseConnector(ConnectorStatsMixin, KVConnectorBase_V1):
         meta = self._meta()  # bound while vLLM asks (None in a bare call)
         return self.connector_worker.get_finished(finished_req_ids,
                                                   idle=meta is not None and meta.idle)
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        if self.connector_worker is None:
-            return set()
-        return self.connector_worker.get_block_ids_with_load_errors()
-
-    def shutdown(self) -> None:
-        if self.connector_worker is not None:
-            self.connector_worker.shutdown()
-        if self.connector_scheduler is not None:
-            self.connector_scheduler.shutdown()
 
 
 def push_stats(_llm: Any = None) -> dict[str, int]:

@@ -92,6 +92,10 @@ class PullScheduler:
         self._refuse_stages_on_several_hosts(set(hosts.values()))
         self._rank_hosts = dict(hosts)
 
+    def set_rank_hosts(self, hosts: dict[int, str]) -> None:
+        """Where each TP rank listens (from the workers' handshake metadata)."""
+        self.rank_hosts = hosts
+
     def set_stage_hosts(self, by_stage: dict[int, dict[int, str]]) -> None:
         """Where each pipeline stage's TP ranks listen (``{pp rank: {tp rank: host}}``):
         the TP ranks' hosts, once every stage is on one host (refused otherwise, as
