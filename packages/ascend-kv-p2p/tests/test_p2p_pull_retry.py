@@ -23,7 +23,7 @@ from p2p_worker_harness import numbered_caches, pd_vllm_config
 
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
 from vllm_ascend.distributed.kv_transfer.core.net import free_port
-from vllm_ascend.distributed.kv_transfer.kv_p2p import pull_reader
+from vllm_ascend.distributed.kv_transfer.kv_p2p import pull_peer_calls, pull_reader
 from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig
 from vllm_ascend.distributed.kv_transfer.kv_p2p.p2p_metrics import P2P_METRICS
 from vllm_ascend.distributed.kv_transfer.kv_p2p.params import RemotePrefill
@@ -44,7 +44,7 @@ def claim_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(pull_reader, "OVERLAP_MIN_CPUS",
                         0 if request.param == "overlapped" else 1 << 30)
     monkeypatch.setattr(pull_reader, "RETRY_DELAY_S", 0.05)
-    monkeypatch.setattr(pull_reader, "CLAIM_RETRY_S", 0.3)
+    monkeypatch.setattr(pull_peer_calls, "CLAIM_RETRY_S", 0.3)
     return str(request.param)
 
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import math
-import socket
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
@@ -42,26 +41,17 @@ from vllm_ascend.distributed.kv_transfer.core.device import usable_cpus
 from vllm_ascend.distributed.kv_transfer.core.errors import (
     KVTransferError,
     PeerTimeoutError,
-    RemoteError,
     TransferError,
 )
 
 from .errors import HandshakeMismatchError, RemoteKVUnavailable
 from .pp_layout import expand_over_stages
-from .protocol import (
-    AgentMeta,
-    Claim,
-    ClaimGrant,
-    ClaimOK,
-    Done,
-    DoneAck,
-    compatibility_problem,
-    worker_port,
-)
+from .protocol import AgentMeta, compatibility_problem
 from .pull_claims import Claimed, ClaimInbox, accepted_ahead, refused_ahead
 from .pull_contract import RecvMeta
 from .pull_inline import InlineReads
 from .pull_loads import LoadTracker
+from .pull_peer_calls import PeerCalls
 from .pull_transfer import AddressPlans, read_request
 from .pull_window import (
     Granted,
@@ -75,9 +65,6 @@ from .worker_base import P2PWorkerBase, head_partners, head_slices
 
 logger = logging.getLogger(__name__)
 
-#: How long D retries a Claim that P answers "unknown request" (P may not have the
-#: request's metadata yet: it arrives with P's next engine step).
-CLAIM_RETRY_S = 10.0
 #: CPUs this process may run on from which D overlaps its claims with the read. The
 #: transfer engine's synchronous read busy-waits for completion on the pull thread (one
 #: CPU), the transport moves the bytes on its own threads (and, over TCP, the kernel copies
@@ -95,12 +82,9 @@ READ_RETRIES = 8
 #: Back-off before the first retry; doubled each retry up to :data:`RETRY_MAX_DELAY_S`.
 RETRY_DELAY_S = 0.25
 RETRY_MAX_DELAY_S = 4.0
-#: How long D waits for a TCP connection to P's side channel when it checks, before a
-#: retry, whether P is still there.
-PROBE_TIMEOUT_S = 1.0
 
 
-class PullReader:
+class PullReader(PeerCalls):
     """D's pulls: claims on P's ranks, reads, retries, and the ``Done`` that frees P.
 
     Args:
@@ -429,23 +413,6 @@ class PullReader:
             return None
         return delay
 
-    def _p_gone(self, remote: Any, p_ranks: Iterable[int]) -> bool:
-        """Whether a P rank's side-channel port refuses connections: the process is gone (a
-        retry would only wait for timeouts). A P starved of CPU, or stopped, still has its
-        connections accepted by the kernel; a cut network times out: both are retried."""
-        for r in p_ranks:
-            try:
-                with socket.create_connection((remote.host_of(r), self._port_of(remote, r)),
-                                              timeout=PROBE_TIMEOUT_S):
-                    pass
-            except ConnectionRefusedError:
-                logger.info("P rank %d of request %s refuses connections: not retried", r,
-                            remote.request_id)
-                return True
-            except OSError:
-                return False  # no answer (a cut network): the other ranks will not say more
-        return False
-
     def _forget_session(self, remote: Any, p_ranks: Iterable[int]) -> None:
         """Drop what D cached of these P ranks (their ``AgentMeta`` and last grant), so a
         retry fetches it again: a P rank that restarted its transfer engine has a new
@@ -525,85 +492,6 @@ class PullReader:
         if error is not None:
             raise error
         return first_try, sent_at if claimed else time.monotonic()
-
-    def _done_quietly(self, meta: RecvMeta, p_ranks: list[int],
-                      readers: Mapping[int, int]) -> None:
-        """``Done`` to every P rank read from, after a load already reported loaded."""
-        for r in p_ranks:
-            try:
-                self._done(meta, r, readers[r], success=True)
-            except KVTransferError as exc:
-                logger.info("Done for request %s to P rank %d failed: %s (its lease will lapse)",
-                            meta.request_id, r, exc)
-
-    def _port_of(self, remote: Any, p_rank: int) -> int:
-        return worker_port(remote.port, tp_rank=p_rank, tp_size=remote.tp_size)
-
-    def _claim(self, meta: RecvMeta, p_rank: int, num_readers: int) -> Claimed:
-        """Claim the request's blocks on one P rank (claim thread); retries while P answers
-        "unknown request" (its metadata may not have arrived yet), within the deadline."""
-        remote = meta.remote
-        assert remote is not None
-        client = self.shared._client(remote.host_of(p_rank), self._port_of(remote, p_rank))
-        msg = Claim(request_id=remote.request_id, block_ids=meta.remote_block_ids,
-                    reader=self.shared.agent_id, num_readers=num_readers, token=remote.token)
-        give_up = time.monotonic() + CLAIM_RETRY_S
-        delay = 0.01
-        first_try = True
-        while True:
-            sent_at = time.monotonic()
-            try:
-                reply = client.call(msg)
-            except RemoteError as exc:
-                if exc.code == "unknown_request" and time.monotonic() < min(
-                        give_up, self.loads.deadline(meta)):
-                    time.sleep(delay)
-                    delay = min(delay * 2, 0.5)
-                    first_try = False
-                    continue
-                raise RemoteKVUnavailable(f"P rank {p_rank} refused the claim: {exc}",
-                                          code=exc.code) from exc
-            if isinstance(reply, ClaimGrant):
-                return Claimed(first_try=first_try, sent_at=sent_at, grant=reply)
-            if not isinstance(reply, ClaimOK):
-                raise RemoteKVUnavailable(f"unexpected claim reply {type(reply).__name__}")
-            return Claimed(first_try=first_try, sent_at=sent_at)
-
-    def _done(self, meta: RecvMeta, p_rank: int, num_readers: int, *, success: bool) -> bool:
-        remote = meta.remote
-        assert remote is not None
-        client = self.shared._client(remote.host_of(p_rank), self._port_of(remote, p_rank))
-        reply = client.call(Done(request_id=remote.request_id, reader=self.shared.agent_id,
-                                 success=success, num_readers=num_readers, token=remote.token))
-        return isinstance(reply, DoneAck) and reply.valid
-
-    def _release_remote(self, meta: RecvMeta) -> None:
-        """Tell every P rank it can free a request D will not read (best effort)."""
-        remote = meta.remote
-        assert remote is not None
-        plan, readers = self._head_plan(remote.tp_size)
-        for r in sorted({s.remote_rank for s in plan}):
-            try:
-                self._done(meta, r, readers[r], success=False)
-            except KVTransferError as exc:
-                logger.info("could not release request %s on P rank %d: %s (its lease will "
-                            "lapse)", remote.request_id, r, exc)
-        self._release_unread(meta)
-
-    def _release_unread(self, meta: RecvMeta) -> None:
-        """P ranks no D rank reads (MLA, replicated heads) still hold the request: the D rank
-        ``p_rank % d_tp`` releases each of them."""
-        remote = meta.remote
-        assert remote is not None
-        _plan, readers = self._head_plan(remote.tp_size)
-        for r in range(remote.tp_size * self.shared.cfg.prefill.pp_size):
-            if r in readers or r % self.shared.tp_size != self.shared.tp_rank:
-                continue
-            try:
-                self._done(meta, r, 1, success=True)
-            except KVTransferError as exc:
-                logger.info("could not release request %s on unread P rank %d: %s",
-                            remote.request_id, r, exc)
 
     def _read(self, meta: RecvMeta, remotes: dict[int, AgentMeta],
               plan: Sequence[HeadSlice]) -> int:
