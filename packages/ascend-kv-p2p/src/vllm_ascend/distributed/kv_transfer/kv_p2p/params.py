@@ -111,20 +111,12 @@ def engine_instance(vllm_config: Any, engine_id: str) -> str:
     return f"{engine_id}/{instance}" if isinstance(instance, str) and instance else ""
 
 
-def parse_remote_prefill(params: Any, *, prompt_len: int, block_size: int) -> RemotePrefill:
-    """Check D-side ``kv_transfer_params`` against the request's prompt.
-
-    Args:
-        params: the request's ``kv_transfer_params``.
-        prompt_len: tokens in the prompt.
-        block_size: tokens per block (equal on P and D; the handshake checks it).
+def _prompt_blocks(params: Mapping[str, Any], prompt_len: int, block_size: int) -> list[int]:
+    """``remote_block_ids``: distinct non-negative ints, exactly the prompt's blocks.
 
     Raises:
-        KVParamsError: a key is missing or of the wrong type, a block id is negative or
-            not an int, or the block list does not have exactly the blocks the prompt needs.
+        KVParamsError: naming the key and what is wrong with it.
     """
-    if not isinstance(params, Mapping):
-        raise KVParamsError(f"kv_transfer_params must be an object, got {type(params).__name__}")
     blocks = params.get("remote_block_ids")
     if not isinstance(blocks, list):
         raise KVParamsError(f"kv_transfer_params: 'remote_block_ids' must be a list of block "
@@ -140,6 +132,24 @@ def parse_remote_prefill(params: Any, *, prompt_len: int, block_size: int) -> Re
             f"{prompt_len}-token prompt needs {needed} (block size {block_size})")
     if len(set(blocks)) != len(blocks):
         raise KVParamsError("kv_transfer_params: 'remote_block_ids' repeats a block id")
+    return blocks
+
+
+def parse_remote_prefill(params: Any, *, prompt_len: int, block_size: int) -> RemotePrefill:
+    """Check D-side ``kv_transfer_params`` against the request's prompt.
+
+    Args:
+        params: the request's ``kv_transfer_params``.
+        prompt_len: tokens in the prompt.
+        block_size: tokens per block (equal on P and D; the handshake checks it).
+
+    Raises:
+        KVParamsError: a key is missing or of the wrong type, a block id is negative or
+            not an int, or the block list does not have exactly the blocks the prompt needs.
+    """
+    if not isinstance(params, Mapping):
+        raise KVParamsError(f"kv_transfer_params must be an object, got {type(params).__name__}")
+    blocks = _prompt_blocks(params, prompt_len, block_size)
     tp = params.get("remote_tp_size", params.get("remote_ptp_size", 1))
     token = params.get("remote_claim_token", "")
     if not isinstance(token, str) or len(token) > 256:
@@ -317,21 +327,7 @@ def parse_push_target(params: Any, *, prompt_len: int, block_size: int) -> PushT
             below the prompt length.
     """
     host, port, request_id, tp_size = parse_push_endpoint(params)
-    blocks = params.get("remote_block_ids")
-    if not isinstance(blocks, list):
-        raise KVParamsError(f"kv_transfer_params: 'remote_block_ids' must be a list of block "
-                            f"ids, got {blocks!r} ({type(blocks).__name__})")
-    for b in blocks:
-        if isinstance(b, bool) or not isinstance(b, int) or b < 0 or b >= 1 << 40:
-            raise KVParamsError(f"kv_transfer_params: 'remote_block_ids' holds {b!r}; block ids "
-                                "are non-negative integers")
-    needed = math.ceil(prompt_len / block_size)
-    if len(blocks) != needed:
-        raise KVParamsError(
-            f"kv_transfer_params: 'remote_block_ids' has {len(blocks)} blocks but the "
-            f"{prompt_len}-token prompt needs {needed} (block size {block_size})")
-    if len(set(blocks)) != len(blocks):
-        raise KVParamsError("kv_transfer_params: 'remote_block_ids' repeats a block id")
+    blocks = _prompt_blocks(params, prompt_len, block_size)
     remote_bs = params.get("remote_block_size", block_size)
     if remote_bs != block_size:
         raise KVParamsError(f"kv_transfer_params: 'remote_block_size' is {remote_bs!r} but this "
