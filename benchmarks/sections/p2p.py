@@ -142,7 +142,12 @@ ONE_BLOCK = (
     "1.12, 0.98 and 1.02, no 95% bound below 0.95: the 16- and 128-block goals and the "
     "keyed goal met in both runs, one block not. The inline mode at 16 blocks, which "
     "falls back to the pull threads, now measures as the window loads do (0.91 and 0.93), "
-    "where it had measured 0.99–1.18 behind the claimed loads." "\n")
+    "where it had measured 0.99–1.18 behind the claimed loads."
+    " **Served** (`bench serve`, 17:10 to 18:01 UTC): with D and P each pinned to a core, "
+    "our pull over TCP waited for the KV half as long with `yield` as with `spin` (13–18 "
+    "against 28–34 ms at 2,048 tokens, 65–73 against 141–150 ms at 8,192), and its "
+    "overhead over the floor went from level with vLLM's MooncakeConnector to ahead of "
+    "it: see \"The transfer engine's wait, served\" in the serve section." "\n")
 
 
 def section_p2p(d: dict[str, Any], images: Images) -> str:
