@@ -402,7 +402,16 @@ POOL_AGAIN = (
     "CPU-seconds in the putting process and 0.14–0.22 in the holder, batched in objects of "
     "128 KiB to 16 MiB (put one at a time: 0.35 in 16 MiB objects, 0.45–0.56 in 2 MiB ones, "
     "1.9 in 128 KiB ones); a plain copy of the same bytes took 0.11. A Store on other hosts "
-    "would take the holder's share off the engine's CPUs, not the sender's.\n\n")
+    "would take the holder's share off the engine's CPUs, not the sender's. "
+    "The thread that puts is part of it: Mooncake Store's put waits for its transfer on "
+    "the calling thread, and with the wheel here that wait spins: a put of 32 MiB (256 "
+    "objects of 128 KiB, no engine) took 15.9 ms and 12.4 ms of CPU on the calling thread "
+    "(medians of 12; 2026-12-05, 18:40 UTC). Lowering that thread's priority (nice 19, a "
+    "probe, not committed) did not help: beside two threads of matrix products, puts "
+    "every 50 ms cut the products' rate by 28% at nice 0 and by 9% at nice 19, but the "
+    "niced thread put 2–2.5 times a second instead of 12, and cost more of the products "
+    "per put (about 44 against 27 units). The Store offers no put that returns before its "
+    "end, so the spin stays, in both connectors' saves.\n\n")
 
 
 #: Why our pull's D slowed unbound at 2,048 tokens (measured 2026-12-05).
