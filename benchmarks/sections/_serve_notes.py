@@ -467,4 +467,6 @@ PD_TE_WAIT = (
     "against 0.62 and 0.63 at 8,192, ahead in every run. The goal rows compare `pd/ours`, "
     "same-host reads on, and are unchanged by this; it is the path of a P on another host "
     "over TCP (over RDMA and Ascend's transports the wait stays Mooncake's: not measured, "
-    "no such hardware here).\n\n")
+    "no such hardware here). `bench serve` now reports these rows itself (`ours over TCP / "
+    "vLLM MooncakeConnector`, against the peer at its best binding as every peer row, no "
+    "goal, not counted among the comparisons of our connectors as deployed).\n\n")

@@ -228,10 +228,12 @@ def goals(res: dict[str, dict[str, Any]]) -> list[Goal]:
             comps, "pool serving throughput (new prompts, saved): ours-mooncake / "
             "MooncakeStoreConnector", "pool (Mooncake backend) serving throughput >= "
             "MooncakeStoreConnector's", src17, at_least=1.0))
-    # against vLLM's connectors only (not ours against ours: the push against the pull)
+    # against vLLM's connectors only (not ours against ours: the push against the pull),
+    # and our connectors as deployed (not the pull with same-host reads off)
     ahead = [c for c in comps if c.get("kind") in ("peer", "overhead")
              and num(c.get("ratio")) is not None
-             and not str(c.get("what", "")).split(" / ")[-1].startswith("ours")]
+             and not str(c.get("what", "")).split(" / ")[-1].startswith("ours")
+             and "ours over TCP /" not in str(c.get("what", ""))]
     verdicts = [(c, _better(c)) for c in ahead]
     behind = [c for c, b in verdicts if b is False]
     level = [c for c, b in verdicts if b is None]

@@ -340,6 +340,25 @@ def test_serve_goals_count_only_when_the_whole_interval_is_on_the_right_side() -
     assert ahead.met is False and "level (interval across 1)" in ahead.measured
 
 
+def test_the_pull_over_tcp_is_shown_but_not_counted_in_the_goals() -> None:
+    """``pd/ours-tcp`` against vLLM's MooncakeConnector (the path of a P on another host)
+    has no goal and stays out of the count of comparisons ahead and of the pull's rows."""
+    serve = _interval_serve()
+    serve["comparisons"] += [
+        {"what": f"{what}: ours over TCP / vLLM MooncakeConnector{where}", "kind": kind,
+         "ratio": 1.5, "low": 1.2, "high": 1.8, "min": 1.2, "max": 1.8, "rounds": 5,
+         "goal": "", "met": None}
+        for what, where, kind in (
+            ("D-side overhead over the floor at 2048 tokens (pinned)", "", "overhead"),
+            ("P/D decode TTFT", " (pinned)", "peer"))]
+    g = _goals({"serve": serve})
+    ahead = g["ahead of vLLM's own connectors on the same engine wherever both run"]
+    assert ahead.met is True and ahead.measured == "4 of 4 comparisons ahead"
+    mc = g["P/D D-side overhead over the floor <= 0.8x vLLM MooncakeConnector's (2,048 and "
+           "8,192 tokens, pinned and nobind, against its best binding)"]
+    assert mc.met is True and "over TCP" not in mc.measured
+
+
 def test_serve_section_states_rounds_spread_and_the_overhead_table(tmp_path: Path) -> None:
     page = render.render({"serve": _interval_serve()}, tmp_path)
     assert "**5 rounds**" in page and "whole interval is on the right side" in page

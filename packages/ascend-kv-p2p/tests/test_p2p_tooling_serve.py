@@ -127,7 +127,12 @@ def test_the_layerwise_scenario_is_declared_with_its_comparisons() -> None:
 def test_the_pull_over_tcp_is_declared_as_a_reference_of_the_same_host_path(
         monkeypatch: pytest.MonkeyPatch) -> None:
     (pull, tcp, _lw) = p2p_serve.scenarios()
-    assert tcp.family == "pd" and tcp.who == "ours" and not tcp.quick and not tcp.comparisons
+    assert tcp.family == "pd" and tcp.who == "ours" and not tcp.quick
+    # over TCP against the peer whose bytes take the same transport, with no goal
+    (over_tcp,) = tcp.comparisons
+    assert over_tcp.peer == "pd/vllm-mooncake" and over_tcp.metric == p2p_serve.TTFT
+    assert over_tcp.goal is None and over_tcp.overhead_goal is not None
+    assert over_tcp.overhead_goal.at_most is None and over_tcp.overhead_goal.at_least is None
     # P's prefill and the whole request against both peers (their P computes too)
     assert {c.peer for c in pull.comparisons if c.metric == PD_REQUEST} == {
         "pd/vllm-nixl", "pd/vllm-mooncake"}

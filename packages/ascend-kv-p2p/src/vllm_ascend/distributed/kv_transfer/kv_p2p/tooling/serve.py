@@ -9,7 +9,8 @@ The ``vllm_ascend_kv.serve`` entry point ``p2p`` names :func:`scenarios`.
   compared with vLLM's ``NixlConnector`` and ``MooncakeConnector`` (core's peer scenarios).
 * ``pd/ours-tcp``: the same with same-host reads off (``VLLM_ASCEND_KV_LOCAL_READS=0`` on
   both engines): every byte over the transfer engine's TCP transport, as between two hosts
-  without RDMA. What the same-host path gives is ``pd/ours`` against it.
+  without RDMA. What the same-host path gives is ``pd/ours`` against it; it is compared
+  with vLLM's ``MooncakeConnector``, whose bytes go over the same transport (no goal).
 * ``pd/ours-layerwise``: ``MooncakeLayerwiseConnector``, as behind the proxy in layerwise
   mode: D gets the request first and posts its blocks to a metaserver (here, in the
   benchmark's process), then P prefills and pushes every layer into D's blocks while it
@@ -209,7 +210,11 @@ def scenarios() -> list[Scenario]:
         Scenario(
         "pd/ours-tcp", "pd", "ours", "MooncakeConnectorV1",
         "D pulls P's blocks over the Mooncake TE (tcp), same-host reads off",
-        ["mooncake"], sc_pd_ours_tcp),
+        ["mooncake"], sc_pd_ours_tcp,
+        # the path of a P on another host, against the peer whose bytes go over the same
+        # transport (no goal of its own: the goals are the pull's as deployed, above)
+        comparisons=(Comparison("P/D decode TTFT: ours over TCP / vLLM MooncakeConnector",
+                                TTFT, "pd/vllm-mooncake", overhead_goal=Goal("")),)),
         Scenario(
         "pd/ours-layerwise", "pd", "ours", "MooncakeLayerwiseConnector",
         "D first; P pushes each layer into D's blocks as it computes (Mooncake TE, tcp)",
