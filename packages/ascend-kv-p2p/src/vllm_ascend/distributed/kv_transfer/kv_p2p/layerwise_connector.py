@@ -38,7 +38,6 @@ installed last; upstream's path :mod:`.mooncake_layerwise_connector` re-exports 
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
 
 from vllm_ascend.distributed.kv_transfer.core.vllm_compat import require_vllm
@@ -63,8 +62,6 @@ if TYPE_CHECKING:
 
 __all__ = ["MooncakeLayerwiseConnector", "MooncakeLayerwiseConnectorMetadata", "PushReq",
            "RecvReq", "ReqMeta"]
-
-logger = logging.getLogger(__name__)
 
 
 class MooncakeLayerwiseConnector(

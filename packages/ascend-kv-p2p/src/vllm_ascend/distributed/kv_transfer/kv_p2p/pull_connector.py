@@ -28,7 +28,6 @@ here), so the name stays ours whatever is installed last; upstream's path
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
 
 from vllm_ascend.distributed.kv_transfer.core.vllm_compat import require_vllm
@@ -48,8 +47,6 @@ if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
 
 __all__ = ["MooncakeConnector", "MooncakeConnectorMetadata", "RecvMeta", "ReqMeta", "SendMeta"]
-
-logger = logging.getLogger(__name__)
 
 #: Upstream's name (``mooncake_connector.ReqMeta``) of the per-request record D pulls by;
 #: kept as an alias of :class:`~.pull_contract.RecvMeta` for code written against upstream.
