@@ -19,12 +19,15 @@ require_vllm("the P/D connectors")
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorBase_V1,
-    KVConnectorMetadata,
     KVConnectorRole,
 )
 
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder  # noqa: E402
 from vllm_ascend.distributed.kv_transfer.core.vllm_metrics import ConnectorStatsMixin  # noqa: E402
+from vllm_ascend.distributed.kv_transfer.core.vllm_roles import (  # noqa: E402
+    RoleScheduler,
+    SchedulerHooksMixin,
+)
 from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig  # noqa: E402
 
 from .p2p_metrics import P2P_METRICS  # noqa: E402
@@ -33,26 +36,11 @@ from .worker_base import refuse_unsupported_shapes  # noqa: E402
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
-    from vllm.v1.request import Request
 
 
-class P2PScheduler(Protocol):
+class P2PScheduler(RoleScheduler, Protocol):
     """The scheduler side of a P/D connector, as the shell calls it."""
-
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
-                                   ) -> tuple[int | None, bool]: ...
-
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
-                                 num_external_tokens: int) -> None: ...
-
-    def build_connector_meta(self, scheduler_output: SchedulerOutput
-                             ) -> KVConnectorMetadata: ...
-
-    def request_finished(self, request: Request, block_ids: list[int]
-                         ) -> tuple[bool, dict[str, Any] | None]: ...
 
     def set_rank_hosts(self, hosts: dict[int, str]) -> None: ...
 
@@ -78,7 +66,8 @@ SchedT = TypeVar("SchedT", bound=P2PScheduler)
 WorkerT = TypeVar("WorkerT", bound=P2PWorker)
 
 
-class P2PConnectorShell(ConnectorStatsMixin, KVConnectorBase_V1, Generic[CfgT, SchedT, WorkerT]):
+class P2PConnectorShell(ConnectorStatsMixin, SchedulerHooksMixin, KVConnectorBase_V1,
+                        Generic[CfgT, SchedT, WorkerT]):
     """A P/D connector's shell: its config (``config_class``, from
     ``kv_connector_extra_config``), its scheduler or worker, and the hooks that hand over."""
 
@@ -111,26 +100,7 @@ class P2PConnectorShell(ConnectorStatsMixin, KVConnectorBase_V1, Generic[CfgT, S
     def _make_worker(self, vllm_config: VllmConfig) -> WorkerT:
         raise NotImplementedError
 
-    # ============================== Scheduler-side methods
-    def get_num_new_matched_tokens(self, request: Request,
-                                   num_computed_tokens: int) -> tuple[int | None, bool]:
-        assert self.connector_scheduler is not None
-        return self.connector_scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
-
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
-                                 num_external_tokens: int) -> None:
-        assert self.connector_scheduler is not None
-        self.connector_scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
-
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        assert self.connector_scheduler is not None
-        return self.connector_scheduler.build_connector_meta(scheduler_output)
-
-    def request_finished(self, request: Request,
-                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        assert self.connector_scheduler is not None
-        return self.connector_scheduler.request_finished(request, block_ids)
-
+    # ============================== Scheduler side (the hand-overs: SchedulerHooksMixin)
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
         """Where each of this instance's TP ranks listens (vLLM collects them from the
         workers' :meth:`get_handshake_metadata`); P names them in what it tells D."""

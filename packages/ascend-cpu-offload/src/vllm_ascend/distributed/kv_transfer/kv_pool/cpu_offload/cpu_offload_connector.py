@@ -32,12 +32,12 @@ require_vllm("CPUOffloadingConnector")
 # ruff: noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
-    KVConnectorMetadata,
     KVConnectorRole,
 )
 
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
 from vllm_ascend.distributed.kv_transfer.core.vllm_metrics import ConnectorStatsMixin
+from vllm_ascend.distributed.kv_transfer.core.vllm_roles import SchedulerHooksMixin
 from vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.config import CPUOffloadConfig
 
 from .contract import CPUOffloadingConnectorMetadata
@@ -48,9 +48,6 @@ from .worker import CPUOffloadWorker
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-    from vllm.v1.core.sched.output import SchedulerOutput
-    from vllm.v1.request import Request
 
 try:  # vLLM >= 0.32 labels external hits by tier
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -62,7 +59,7 @@ except ImportError:  # pragma: no cover - older vLLM
 __all__ = ["CPUOffloadingConnector", "CPUOffloadingConnectorMetadata"]
 
 
-class CPUOffloadingConnector(ConnectorStatsMixin, KVConnectorBase_V1):
+class CPUOffloadingConnector(ConnectorStatsMixin, SchedulerHooksMixin, KVConnectorBase_V1):
     """Offload KV blocks to a host-memory prefix cache shared by the ranks of an instance."""
 
     metric_specs = OFFLOAD_METRICS
@@ -77,10 +74,10 @@ class CPUOffloadingConnector(ConnectorStatsMixin, KVConnectorBase_V1):
         self.config = CPUOffloadConfig.from_dict(
             extra, source="kv_connector_extra_config of CPUOffloadingConnector")
         self.recorder = MetricsRecorder(OFFLOAD_METRICS)
-        self._scheduler: CPUOffloadScheduler | None = None
+        self.connector_scheduler: CPUOffloadScheduler | None = None
         self._worker: CPUOffloadWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = CPUOffloadScheduler(vllm_config, self.config, kv_cache_config,
+            self.connector_scheduler = CPUOffloadScheduler(vllm_config, self.config, kv_cache_config,
                                                   self.recorder)
         else:
             self._worker = CPUOffloadWorker(vllm_config, self.config, kv_cache_config,
@@ -102,10 +99,6 @@ class CPUOffloadingConnector(ConnectorStatsMixin, KVConnectorBase_V1):
     def _w(self) -> CPUOffloadWorker:
         assert self._worker is not None, "worker-side method called on the scheduler connector"
         return self._worker
-
-    def _s(self) -> CPUOffloadScheduler:
-        assert self._scheduler is not None, "scheduler-side method called on a worker connector"
-        return self._scheduler
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self._w().register_kv_caches(kv_caches)
@@ -137,31 +130,19 @@ class CPUOffloadingConnector(ConnectorStatsMixin, KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
-        if self._scheduler is not None:
-            self._scheduler.shutdown()
+        if self.connector_scheduler is not None:
+            self.connector_scheduler.shutdown()
 
     # ==============================
     # Scheduler-side methods
     # ==============================
-    def get_num_new_matched_tokens(self, request: Request,
-                                   num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self._s().get_num_new_matched_tokens(request, num_computed_tokens)
-
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
-                                 num_external_tokens: int) -> None:
-        self._s().update_state_after_alloc(request, blocks, num_external_tokens)
-
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self._s().build_connector_meta(scheduler_output)
-
-    def request_finished(self, request: Request,
-                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self._s().request_finished(request, block_ids)
+    # get_num_new_matched_tokens, update_state_after_alloc, build_connector_meta and
+    # request_finished hand over to the scheduler half: SchedulerHooksMixin
 
     def reset_cache(self) -> bool | None:
-        if self._scheduler is None:
+        if self.connector_scheduler is None:
             return None
-        return self._scheduler.reset_cache()
+        return self.connector_scheduler.reset_cache()
 
     # ==============================
     # Metrics

@@ -33,7 +33,7 @@ def offload_totals(llm: Any) -> dict[str, Any]:
         for spec in OFFLOAD_METRICS:
             if spec.kind == "counter" and not spec.labels:
                 totals[spec.name] = totals.get(spec.name, 0.0) + recorder.total(spec.name)
-    if scheduler is not None and getattr(scheduler, "_scheduler", None) is not None:
-        stats = scheduler._scheduler.client.stats()
+    if scheduler is not None and getattr(scheduler, "connector_scheduler", None) is not None:
+        stats = scheduler.connector_scheduler.client.stats()
         totals["pool"] = {f: getattr(stats, f) for f in stats.__struct_fields__}
     return totals

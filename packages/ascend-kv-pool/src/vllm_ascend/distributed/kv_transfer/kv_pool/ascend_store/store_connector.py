@@ -38,7 +38,6 @@ from vllm.distributed.kv_events import (  # noqa: E402
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorBase_V1,
-    KVConnectorMetadata,
     KVConnectorRole,
 )
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash  # noqa: E402
@@ -46,6 +45,7 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash  # noqa: E402
 from vllm_ascend.distributed.kv_transfer.core.vllm_metrics import (  # noqa: E402
     ConnectorStatsMixin,
 )
+from vllm_ascend.distributed.kv_transfer.core.vllm_roles import SchedulerHooksMixin  # noqa: E402
 from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.config import AscendStoreConfig  # noqa: E402
 
 from .context import context_from_vllm  # noqa: E402
@@ -59,10 +59,7 @@ if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
-    from vllm.v1.request import Request
 
     from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
 
@@ -164,7 +161,7 @@ def to_vllm_events(events: Sequence[PoolEvent]) -> list[KVCacheEvent]:
     return out
 
 
-class AscendStoreConnector(ConnectorStatsMixin, KVConnectorBase_V1):
+class AscendStoreConnector(ConnectorStatsMixin, SchedulerHooksMixin, KVConnectorBase_V1):
     """KV pool connector (vLLM-Ascend's ``AscendStoreConnector``)."""
 
     metric_specs = POOL_METRICS
@@ -194,25 +191,8 @@ class AscendStoreConnector(ConnectorStatsMixin, KVConnectorBase_V1):
         return False
 
     # ============================================================== scheduler side
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
-                                   ) -> tuple[int | None, bool]:
-        assert self.connector_scheduler is not None
-        return self.connector_scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
-
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
-                                 num_external_tokens: int) -> None:
-        assert self.connector_scheduler is not None
-        self.connector_scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
-
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        assert self.connector_scheduler is not None
-        return self.connector_scheduler.build_connector_meta(scheduler_output)
-
-    def request_finished(self, request: Request, block_ids: list[int]
-                         ) -> tuple[bool, dict[str, Any] | None]:
-        assert self.connector_scheduler is not None
-        return self.connector_scheduler.request_finished(request, block_ids)
-
+    # (get_num_new_matched_tokens, update_state_after_alloc, build_connector_meta and
+    # request_finished hand over to the scheduler half: SchedulerHooksMixin)
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Collect the workers' KV cache events of this step."""
         events = getattr(connector_output, "kv_cache_events", None)
