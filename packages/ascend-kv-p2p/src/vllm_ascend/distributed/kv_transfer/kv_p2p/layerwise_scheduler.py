@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm_ascend.distributed.kv_transfer.core.auth import capability_token
-from vllm_ascend.distributed.kv_transfer.core.net import get_host_ip
 from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeLayerwiseConfig
 
 from .errors import KVParamsError
@@ -53,9 +52,9 @@ from .params import (
     wants_remote_prefill,
     wants_virtual,
 )
-from .protocol import side_channel_port
 from .pull_contract import runs_no_token
 from .rank_hosts import parse_rank_hosts
+from .scheduler_base import SchedulerBase
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -113,24 +112,13 @@ def _lenient_hosts(params: Any, endpoint: tuple[str, int, str, int] | None) -> d
         return {}
 
 
-class LayerwiseScheduler:
+class LayerwiseScheduler(SchedulerBase):
     """Scheduler-side logic of the layerwise connector."""
 
     def __init__(self, vllm_config: VllmConfig, cfg: MooncakeLayerwiseConfig,
                  engine_id: str) -> None:
-        kvc = vllm_config.kv_transfer_config
-        assert kvc is not None
-        par = vllm_config.parallel_config
+        super().__init__(vllm_config, engine_id)
         self.cfg = cfg
-        self.engine_id = engine_id
-        self.block_size = vllm_config.cache_config.block_size
-        self.is_producer = bool(kvc.is_kv_producer)
-        self.is_consumer = bool(kvc.is_kv_consumer)
-        self.tp_size = par.tensor_parallel_size
-        self.host = get_host_ip()
-        self.side_port = side_channel_port(kvc.kv_port, dp_rank=par.data_parallel_rank,
-                                           tp_size=par.tensor_parallel_size,
-                                           pp_size=par.pipeline_parallel_size)
         self._recv: dict[str, RecvReq] = {}
         self._push: dict[str, _PushProgress] = {}
         self._pending_pushes: dict[str, PushReq] = {}

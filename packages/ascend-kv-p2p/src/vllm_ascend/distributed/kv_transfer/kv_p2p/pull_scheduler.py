@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_ascend.distributed.kv_transfer.core.auth import capability_token
 from vllm_ascend.distributed.kv_transfer.core.errors import ConfigError
-from vllm_ascend.distributed.kv_transfer.core.net import get_host_ip
 from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig
 
 from .errors import KVParamsError
@@ -38,11 +37,11 @@ from .params import (
     wants_remote_prefill,
 )
 from .pp_layout import expand_over_stages
-from .protocol import side_channel_port
 from .pull_claims import ClaimAhead
 from .pull_contract import MooncakeConnectorMetadata, RecvMeta, SendMeta, runs_no_token
 from .pull_window import in_window, stamp
 from .renewer import LeaseRenewer
+from .scheduler_base import SchedulerBase
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -53,25 +52,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class PullScheduler:
+class PullScheduler(SchedulerBase):
     """Scheduler-side logic of the pull connector."""
 
     def __init__(self, vllm_config: VllmConfig, cfg: MooncakeP2PConfig, engine_id: str) -> None:
-        kvc = vllm_config.kv_transfer_config
-        assert kvc is not None
-        par = vllm_config.parallel_config
+        super().__init__(vllm_config, engine_id)
         self.cfg = cfg
-        self.engine_id = engine_id
-        self.block_size = vllm_config.cache_config.block_size
-        self.is_producer = bool(kvc.is_kv_producer)
-        self.is_consumer = bool(kvc.is_kv_consumer)
-        self.tp_size = par.tensor_parallel_size
-        self.host = get_host_ip()
-        self.pp_size = int(getattr(par, "pipeline_parallel_size", 1))
+        self.pp_size = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1))
         self._rank_hosts: dict[int, str] = {}
-        self.side_port = side_channel_port(kvc.kv_port, dp_rank=par.data_parallel_rank,
-                                           tp_size=par.tensor_parallel_size,
-                                           pp_size=par.pipeline_parallel_size)
         self._to_pull: dict[str, RecvMeta] = {}
         self._to_hold: dict[str, SendMeta] = {}
         self._parsed: dict[str, RemotePrefill | KVParamsError] = {}
