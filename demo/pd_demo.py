@@ -74,16 +74,9 @@ def free_port() -> int:
 
 def build_model(workdir: Path) -> Path:
     """Tokenizer first, then a model whose vocabulary is exactly the tokenizer's."""
-    from transformers import AutoTokenizer
+    from ascend_kv_testing.models import make_served_llama
 
-    from ascend_kv_testing.models import make_tiny_llama, make_tokenizer
-
-    model_dir = workdir / "tiny-llama"
-    make_tokenizer(model_dir)
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    make_tiny_llama(model_dir, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
-                    eos_token_id=tok.eos_token_id)
-    return model_dir
+    return make_served_llama(workdir / "tiny-llama")[0]
 
 
 def make_prompts(model_dir: Path) -> list[str]:

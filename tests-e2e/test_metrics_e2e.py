@@ -20,43 +20,26 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
-import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from ascend_kv_testing.engines import ENGINE_ENV
-from ascend_kv_testing.models import make_tiny_llama, make_tokenizer, tiny_llama_block_bytes
-from ascend_kv_testing.pd import prompts_of
-from ascend_kv_testing.procs import free_port, spawn, stop
+from ascend_kv_testing.models import make_served_llama, tiny_llama_block_bytes
+from ascend_kv_testing.pd import prompts_of as prompts
+from ascend_kv_testing.procs import free_port
+from ascend_kv_testing.serving import BLOCK_SIZE as BS
+from ascend_kv_testing.serving import HOST, Server, completion, proxy, token_ids, vllm_serve
+from ascend_kv_testing.serving import http_ok as http
 
-BS = 32
-HOST = "127.0.0.1"
-MODEL_NAME = "tiny"
 #: KV bytes of one block of the tiny model (float32)
 BLOCK_BYTES = tiny_llama_block_bytes(BS)
 
 
 # ---------------------------------------------------------------------- helpers
-def http(url: str, body: dict[str, Any] | None = None, *, timeout: float = 180.0) -> Any:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method="POST" if data is not None else "GET",
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            raw = r.read()
-    except urllib.error.HTTPError as exc:
-        raise AssertionError(f"{url} answered {exc.code}: {exc.read()[:2000]!r}") from None
-    return json.loads(raw) if raw[:1] in (b"{", b"[") else raw.decode()
-
-
 def metrics(base: str) -> dict[str, float]:
     """Every sample of ``base/metrics``: ``name`` summed over label sets, and
     ``name{label=value}`` for each labelled sample of our series."""
@@ -85,47 +68,10 @@ def wait_for(base: str, name: str, want: float, timeout: float = 20.0) -> dict[s
     return m
 
 
-class Server:
-    def __init__(self, name: str, cmd: list[str], port: int, logs: Path,
-                 env: dict[str, str]) -> None:
-        self.name, self.port, self.log = name, port, logs / f"{name}.log"
-        self.proc = spawn(cmd, log=self.log, env=env)
-
-    @property
-    def url(self) -> str:
-        return f"http://{HOST}:{self.port}"
-
-    def wait_ready(self, timeout: float = 400.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n"
-                                   + self.log.read_text(errors="replace")[-3000:])
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"{self.name} not ready:\n" + self.log.read_text(errors="replace")[-3000:])
-
-
-def vllm_serve(name: str, model: Path, logs: Path, env: dict[str, str], kv: dict[str, Any],
-               *extra: str) -> Server:
-    port = free_port()
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-           "--host", HOST, "--port", str(port), "--dtype", "float32", "--block-size", str(BS),
-           "--max-model-len", "2048", "--enforce-eager", "--seed", "0", "--max-num-seqs", "8",
-           "--served-model-name", MODEL_NAME, "--kv-transfer-config", json.dumps(kv), *extra]
-    return Server(name, cmd, port, logs, env)
-
-
 def complete(base: str, prompt: list[int], max_tokens: int = 6) -> list[int]:
-    out = http(base + "/v1/completions", {"model": MODEL_NAME, "prompt": prompt,
-                                          "max_tokens": max_tokens, "temperature": 0.0,
-                                          "ignore_eos": True, "return_token_ids": True})
-    return list(out["choices"][0]["token_ids"])
+    status, answer = completion(base, prompt, max_tokens=max_tokens, timeout=180.0)
+    assert status == 200, answer
+    return token_ids(answer)
 
 
 def blocks_of(n: int) -> int:
@@ -135,48 +81,27 @@ def blocks_of(n: int) -> int:
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
     """A tiny Llama with a locally trained tokenizer (``vllm serve`` wants one); its vocab."""
-    path = tmp_path_factory.mktemp("metrics-model")
-    make_tokenizer(path)
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(path)
-    make_tiny_llama(path, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
-                    eos_token_id=tok.eos_token_id)
-    return path, len(tok)
-
-
-def prompts(lengths: list[int], seed: int, vocab: int) -> list[list[int]]:
-    return [[3 + t % (vocab - 3) for t in p] for p in prompts_of(lengths, seed)]
-
-
-def server_env() -> dict[str, str]:
-    return {**os.environ, **ENGINE_ENV, "VLLM_SERVER_DEV_MODE": "1",
-            "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    return make_served_llama(tmp_path_factory.mktemp("metrics-model"))
 
 
 # ---------------------------------------------------------------------- P/D
 @pytest.fixture
 def pd(model: tuple[Path, int], tmp_path: Path) -> Iterator[dict[str, Server]]:
-    env = server_env()
     kv = {"kv_connector": "MooncakeConnectorV1", "kv_connector_extra_config":
           {"prefill": {"tp_size": 1}, "decode": {"tp_size": 1}}}
     servers: dict[str, Server] = {}
     try:
-        servers["p"] = vllm_serve("prefill", model[0], tmp_path, env, {
+        servers["p"] = vllm_serve("prefill", model[0], tmp_path, {
             **kv, "kv_role": "kv_producer", "kv_port": free_port(), "engine_id": "metrics-p"})
-        servers["d"] = vllm_serve("decode", model[0], tmp_path, env, {
+        servers["d"] = vllm_serve("decode", model[0], tmp_path, {
             **kv, "kv_role": "kv_consumer", "kv_port": free_port(), "engine_id": "metrics-d"})
-        proxy_port = free_port()
-        servers["proxy"] = Server("proxy", [
-            sys.executable, "-m", "vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.cli",
-            "--prefill", servers["p"].url, "--decode", servers["d"].url, "--host", HOST,
-            "--port", str(proxy_port), "--log-level", "warning"], proxy_port, tmp_path, env)
+        servers["proxy"] = proxy("proxy", tmp_path, [servers["p"].url], [servers["d"].url])
         for s in servers.values():
             s.wait_ready()
         yield servers
     finally:
         for s in reversed(list(servers.values())):
-            stop(s.proc, timeout=20)
+            s.stop()
 
 
 def test_pd_metrics_on_both_instances(pd: dict[str, Server], model: tuple[Path, int]) -> None:
@@ -282,13 +207,12 @@ def pool(model: tuple[Path, int], tmp_path: Path) -> Iterator[tuple[Server, Even
     sub = EventSubscriber(endpoint, "kv")
     server = None
     try:
-        server = vllm_serve("pool", model[0], tmp_path, server_env(), kv, "--kv-events-config",
-                            events)
+        server = vllm_serve("pool", model[0], tmp_path, kv, "--kv-events-config", events)
         server.wait_ready()
         yield server, sub
     finally:
         if server is not None:
-            stop(server.proc, timeout=20)
+            server.stop()
         sub.close()
 
 

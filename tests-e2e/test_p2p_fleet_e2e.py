@@ -31,7 +31,7 @@ from typing import Any
 
 import pytest
 
-from ascend_kv_testing.models import make_tiny_llama, make_tokenizer
+from ascend_kv_testing.models import make_served_llama
 from ascend_kv_testing.pd import LAYERWISE, PREFILL, kv_config
 from ascend_kv_testing.serving import (
     HELD,
@@ -66,13 +66,7 @@ def prompt(i: int, words: int = 60) -> str:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("fleet-model")
-    make_tokenizer(path)
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(path)
-    return make_tiny_llama(path, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
-                           eos_token_id=tok.eos_token_id)
+    return make_served_llama(tmp_path_factory.mktemp("fleet-model"))[0]
 
 
 def fleet(model: Path, logs: Path, kv: Callable[[str, str], dict[str, Any]],

@@ -16,143 +16,74 @@ presenting its request's ``remote_push_token``, and D's regions coming with each
 from __future__ import annotations
 
 import concurrent.futures
-import json
-import os
-import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from ascend_kv_testing.engines import ENGINE_ENV
-from ascend_kv_testing.models import make_tiny_llama, make_tokenizer, tiny_llama_block_bytes
-from ascend_kv_testing.pd import prompts_of
-from ascend_kv_testing.procs import free_port, spawn, stop
+from ascend_kv_testing import serving
+from ascend_kv_testing.models import make_served_llama, tiny_llama_block_bytes
+from ascend_kv_testing.pd import prompts_of as prompts
+from ascend_kv_testing.procs import free_port
+from ascend_kv_testing.serving import BLOCK_SIZE as BS
+from ascend_kv_testing.serving import (
+    Server,
+    completion,
+    metrics,
+    proxy,
+    serve_env,
+    token_ids,
+    vllm_serve,
+)
+from ascend_kv_testing.serving import http_ok as http
 
-BS = 32
 #: KV bytes of one block of the tiny model (float32)
 BLOCK_BYTES = tiny_llama_block_bytes(BS)
-HOST = "127.0.0.1"
-MODEL_NAME = "tiny"
-
-
-def prompts(lengths: list[int], seed: int, vocab: int) -> list[list[int]]:
-    """Token-id prompts within the tokenizer's vocabulary."""
-    return [[3 + t % (vocab - 3) for t in p] for p in prompts_of(lengths, seed)]
-
-
-def http(url: str, body: dict[str, Any] | None = None, *, headers: dict[str, str] | None = None,
-         timeout: float = 120.0) -> Any:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method="POST" if data is not None else "GET",
-                                 headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            raw = r.read()
-    except urllib.error.HTTPError as exc:
-        raise AssertionError(f"{url} answered {exc.code}: {exc.read()[:2000]!r}") from None
-    return json.loads(raw) if raw[:1] in (b"{", b"[") else raw.decode()
 
 
 def scrape(base: str, name: str) -> float:
     """Sum of a Prometheus series (all label sets)."""
-    text = http(base + "/metrics")
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name) and line[len(name)] in " {")
-
-
-class Server:
-    def __init__(self, name: str, cmd: list[str], port: int, logs: Path,
-                 env: dict[str, str]) -> None:
-        self.name, self.port, self.log = name, port, logs / f"{name}.log"
-        self.proc = spawn(cmd, log=self.log, env=env)
-
-    @property
-    def url(self) -> str:
-        return f"http://{HOST}:{self.port}"
-
-    def wait_ready(self, timeout: float = 400.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n"
-                                   + self.log.read_text(errors="replace")[-3000:])
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"{self.name} not ready:\n"
-                           + self.log.read_text(errors="replace")[-3000:])
-
-
-def vllm_serve(name: str, model: Path, logs: Path, env: dict[str, str],
-               kv: dict[str, Any], *extra: str) -> Server:
-    port = free_port()
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-           "--host", HOST, "--port", str(port), "--dtype", "float32", "--block-size", str(BS),
-           "--max-model-len", "2048", "--enforce-eager", "--seed", "0", "--max-num-seqs", "8",
-           "--served-model-name", MODEL_NAME, "--kv-transfer-config", json.dumps(kv), *extra]
-    return Server(name, cmd, port, logs, env)
+    return metrics(base).get(name, 0.0)
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
     """A tiny Llama with a locally trained tokenizer (``vllm serve`` wants one); its vocab."""
-    path = tmp_path_factory.mktemp("lw-proxy-model")
-    make_tokenizer(path)
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(path)
-    make_tiny_llama(path, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
-                    eos_token_id=tok.eos_token_id)
-    return path, len(tok)
+    return make_served_llama(tmp_path_factory.mktemp("lw-proxy-model"))
 
 
 @pytest.fixture(scope="module")
 def cluster(model: tuple[Path, int],
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Server]]:
     logs = tmp_path_factory.mktemp("lw-proxy-logs")
-    env = {**os.environ, **ENGINE_ENV, "VLLM_SERVER_DEV_MODE": "1",
-           "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
-           "VLLM_ASCEND_KV_AUTH_KEY": "layerwise-proxy-e2e-deployment-key-0123"}
+    env = serve_env(VLLM_ASCEND_KV_AUTH_KEY="layerwise-proxy-e2e-deployment-key-0123")
     env.pop("VLLM_ASCEND_KV_AUTH_KEY_FILE", None)
     kv = {"kv_connector": "MooncakeLayerwiseConnector", "kv_connector_extra_config":
           {"load_timeout_s": 60, "prefill": {"tp_size": 1}, "decode": {"tp_size": 1}}}
     servers: dict[str, Server] = {}
     try:
-        servers["p"] = vllm_serve("prefill", model[0], logs, env, {
+        servers["p"] = vllm_serve("prefill", model[0], logs, {
             **kv, "kv_role": "kv_producer", "kv_port": free_port(), "engine_id": "lw-p"},
-            "--max-num-batched-tokens", "64")
-        servers["d"] = vllm_serve("decode", model[0], logs, env, {
-            **kv, "kv_role": "kv_consumer", "kv_port": free_port(), "engine_id": "lw-d"})
-        proxy_port = free_port()
-        servers["proxy"] = Server("proxy", [
-            sys.executable, "-m", "vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.cli",
-            "--mode", "layerwise", "--prefill", servers["p"].url, "--decode", servers["d"].url,
-            "--host", HOST, "--port", str(proxy_port), "--log-level", "warning"],
-            proxy_port, logs, env)
+            "--max-num-batched-tokens", "64", env=env)
+        servers["d"] = vllm_serve("decode", model[0], logs, {
+            **kv, "kv_role": "kv_consumer", "kv_port": free_port(), "engine_id": "lw-d"},
+            env=env)
+        servers["proxy"] = proxy("proxy", logs, [servers["p"].url], [servers["d"].url],
+                                 "--mode", "layerwise", env=env)
         for s in servers.values():
             s.wait_ready()
         yield servers
     finally:
         for s in reversed(list(servers.values())):
-            stop(s.proc, timeout=20)
+            s.stop()
 
 
 def complete(base: str, prompt: list[int], *, headers: dict[str, str] | None = None
              ) -> list[int]:
-    out = http(base + "/v1/completions", {"model": MODEL_NAME, "prompt": prompt,
-                                          "max_tokens": 8, "temperature": 0.0,
-                                          "ignore_eos": True, "return_token_ids": True},
-               headers=headers)
-    return list(out["choices"][0]["token_ids"])
+    status, answer = completion(base, prompt, headers=headers)
+    assert status == 200, answer
+    return token_ids(answer)
 
 
 def reference(d: Server, prompts: list[list[int]]) -> list[list[int]]:
@@ -163,12 +94,7 @@ def reference(d: Server, prompts: list[list[int]]) -> list[list[int]]:
 
 
 def wait_metric(base: str, name: str, at_least: float, timeout: float = 15.0) -> float:
-    deadline = time.monotonic() + timeout
-    value = scrape(base, name)
-    while value < at_least and time.monotonic() < deadline:
-        time.sleep(0.25)
-        value = scrape(base, name)
-    return value
+    return serving.wait_metric(base, name, lambda v: v >= at_least, timeout=timeout)
 
 
 def settled_bytes(p: Server, quiet_s: float = 1.0, timeout: float = 30.0) -> float:

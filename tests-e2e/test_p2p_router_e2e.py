@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from ascend_kv_testing.models import make_tiny_llama, make_tokenizer
+from ascend_kv_testing.models import make_served_llama
 from ascend_kv_testing.pd import kv_config
 from ascend_kv_testing.procs import free_port
 from ascend_kv_testing.serving import (
@@ -57,13 +57,7 @@ def events_config() -> tuple[dict[str, Any], str]:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("router-model")
-    make_tokenizer(path)
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(path)
-    return make_tiny_llama(path, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
-                           eos_token_id=tok.eos_token_id)
+    return make_served_llama(tmp_path_factory.mktemp("router-model"))[0]
 
 
 @pytest.fixture(scope="module")

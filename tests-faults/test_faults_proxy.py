@@ -35,8 +35,8 @@ from hypothesis import strategies as st
 
 from ascend_kv_testing.faults import evil_pickles, listening_sockets, rss_bytes, wait_for
 from ascend_kv_testing.fuzzing import json_bodies
-from ascend_kv_testing.models import make_tiny_llama, make_tokenizer
-from ascend_kv_testing.pd import prompts_of
+from ascend_kv_testing.models import make_served_llama
+from ascend_kv_testing.pd import prompts_of as prompts
 from ascend_kv_testing.procs import free_port
 from ascend_kv_testing.serving import (
     MODEL_NAME,
@@ -59,14 +59,7 @@ EXAMPLES = max(40, int(os.environ.get("VLLM_ASCEND_KV_FUZZ_EXAMPLES", "40")) // 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
-    path = tmp_path_factory.mktemp("proxy-faults-model")
-    make_tokenizer(path)
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(path)
-    make_tiny_llama(path, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
-                    eos_token_id=tok.eos_token_id)
-    return path, len(tok)
+    return make_served_llama(tmp_path_factory.mktemp("proxy-faults-model"))
 
 
 @pytest.fixture(scope="module")
@@ -89,10 +82,6 @@ def cluster(model: tuple[Path, int],
     finally:
         for s in reversed(list(servers.values())):
             s.stop()
-
-
-def prompts(lengths: list[int], seed: int, vocab: int) -> list[list[int]]:
-    return [[3 + t % (vocab - 3) for t in p] for p in prompts_of(lengths, seed)]
 
 
 def reference(d: Server, batch: list[list[int]]) -> list[list[int]]:

@@ -13,10 +13,12 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
+import p2p_worker_harness as harness
 import pytest
 import torch
+from p2p_worker_harness import layer_name, layout_caches, pd_vllm_config
 
-from vllm_ascend.distributed.kernels.heads import kv_heads_of_rank, plan_head_slices
+from vllm_ascend.distributed.kernels.heads import plan_head_slices
 from vllm_ascend.distributed.kv_transfer.core.channel import RpcClient, tcp_endpoint
 from vllm_ascend.distributed.kv_transfer.core.errors import RemoteError
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
@@ -51,74 +53,21 @@ LAYERS = 3
 
 def vllm_config(role: str, kv_port: int, tp_size: int, *, block_size: int = BS,
                 model: str = "tiny", heads: int = HEADS) -> Any:
-    kvc = SimpleNamespace(kv_port=kv_port, is_kv_producer=role in ("kv_producer", "kv_both"),
-                          is_kv_consumer=role in ("kv_consumer", "kv_both"),
-                          kv_connector_extra_config={})
-    return SimpleNamespace(
-        kv_transfer_config=kvc,
-        parallel_config=SimpleNamespace(tensor_parallel_size=tp_size, data_parallel_rank=0,
-                                        pipeline_parallel_size=1),
-        cache_config=SimpleNamespace(block_size=block_size),
-        model_config=SimpleNamespace(model=f"/models/{model}",
-                                     get_total_num_kv_heads=lambda: heads))
-
-
-def layer_name(i: int) -> str:
-    return f"model.layers.{i}.self_attn.attn"
+    return pd_vllm_config(role, kv_port, block_size=block_size, heads=heads,
+                          model=f"/models/{model}", tp_size=tp_size)
 
 
 def make_caches(layout: str, tp_size: int, tp_rank: int, *, fill: bool,
                 block_size: int = BS) -> dict[str, Any]:
-    """Per-layer caches of one rank; with ``fill`` every element encodes
-    (layer, block, global head, position) so misplaced bytes are detected."""
-    heads = list(kv_heads_of_rank(HEADS, tp_size, tp_rank))
-    caches: dict[str, Any] = {}
-    for layer in range(LAYERS):
-        if layout == "cpu":
-            t = torch.zeros(NB, len(heads), block_size, 2 * HD)
-            if fill:
-                for hi, h in enumerate(heads):
-                    t[:, hi] = _pattern(layer, h, (NB, block_size, 2 * HD))
-            caches[layer_name(layer)] = t
-        elif layout == "npu":
-            k = torch.zeros(NB, block_size, len(heads), HD)
-            v = torch.zeros_like(k)
-            if fill:
-                for hi, h in enumerate(heads):
-                    k[:, :, hi] = _pattern(layer, h, (NB, block_size, HD))
-                    v[:, :, hi] = -_pattern(layer, h, (NB, block_size, HD))
-            caches[layer_name(layer)] = (k, v)
-        else:  # mla: (nope, rope), replicated on every rank
-            nope = torch.zeros(NB, block_size, 1, 16)
-            rope = torch.zeros(NB, block_size, 1, 4)
-            if fill:
-                nope[:] = _pattern(layer, 0, (NB, block_size, 1, 16))
-                rope[:] = _pattern(layer, 1, (NB, block_size, 1, 4))
-            caches[layer_name(layer)] = (nope, rope)
-    return caches
-
-
-def _pattern(layer: int, head: int, shape: tuple[int, ...]) -> torch.Tensor:
-    blocks = torch.arange(shape[0], dtype=torch.float32).view(-1, *[1] * (len(shape) - 1))
-    rest = torch.arange(int(torch.tensor(shape[1:]).prod())).view(shape[1:]).float()
-    return layer * 1e6 + head * 1e4 + blocks * 1e2 + rest / 1e3 + 1
+    return layout_caches(layout, tp_size, tp_rank, fill=fill, layers=LAYERS, blocks=NB,
+                         heads=HEADS, block_size=block_size, head_size=HD)
 
 
 def expected_block(caches_p: list[dict[str, Any]], layout: str, p_tp: int, d_tp: int,
                    d_rank: int, layer: str, p_block: int) -> Any:
     """What D rank ``d_rank``'s block must hold after P's block ``p_block`` was pushed."""
-    if layout == "mla":
-        return caches_p[0][layer][0][p_block], caches_p[0][layer][1][p_block]
-    parts = []
-    for h in kv_heads_of_rank(HEADS, d_tp, d_rank):
-        r = next(r for r in range(p_tp) if h in kv_heads_of_rank(HEADS, p_tp, r))
-        hi = list(kv_heads_of_rank(HEADS, p_tp, r)).index(h)
-        src = caches_p[r][layer]
-        parts.append(src[p_block, hi] if layout == "cpu"
-                     else (src[0][p_block, :, hi], src[1][p_block, :, hi]))
-    if layout == "cpu":
-        return torch.stack(parts)
-    return torch.stack([p[0] for p in parts], 1), torch.stack([p[1] for p in parts], 1)
+    return harness.expected_block(caches_p, layout, p_tp, d_tp, d_rank, layer, p_block,
+                                  heads=HEADS)
 
 
 def new_worker(role: str, kv_port: int, tp_size: int, tp_rank: int, engine: str,

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 import torch
+from p2p_worker_harness import expected_block, layout_caches, pd_vllm_config
 
-from vllm_ascend.distributed.kernels.heads import kv_heads_of_rank
 from vllm_ascend.distributed.kv_transfer.core.channel import RpcServer, tcp_endpoint
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
 from vllm_ascend.distributed.kv_transfer.core.net import free_port
@@ -57,72 +57,20 @@ LAYERS = 2
 
 def vllm_config(role: str, kv_port: int, tp_size: int, *, block_size: int = BS,
                 model: str = "tiny", heads: int = HEADS) -> Any:
-    kvc = SimpleNamespace(kv_port=kv_port, is_kv_producer=role in ("kv_producer", "kv_both"),
-                          is_kv_consumer=role in ("kv_consumer", "kv_both"),
-                          kv_connector_extra_config={})
-    return SimpleNamespace(
-        kv_transfer_config=kvc,
-        parallel_config=SimpleNamespace(tensor_parallel_size=tp_size, data_parallel_rank=0,
-                                        pipeline_parallel_size=1),
-        cache_config=SimpleNamespace(block_size=block_size),
-        model_config=SimpleNamespace(model=f"/models/{model}",
-                                     get_total_num_kv_heads=lambda: heads))
+    return pd_vllm_config(role, kv_port, block_size=block_size, heads=heads,
+                          model=f"/models/{model}", tp_size=tp_size)
 
 
 def make_caches(layout: str, tp_size: int, tp_rank: int, *, fill: bool,
                 dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """Per-layer caches of one rank; with ``fill`` every element encodes
-    (layer, block, global head, position, kind) so misplaced bytes are detected."""
-    heads = list(kv_heads_of_rank(HEADS, tp_size, tp_rank))
-    caches: dict[str, Any] = {}
-    for layer in range(LAYERS):
-        name = f"model.layers.{layer}.self_attn.attn"
-        if layout == "cpu":
-            t = torch.zeros(NB, len(heads), BS, 2 * HD, dtype=dtype)
-            if fill:
-                for hi, h in enumerate(heads):
-                    t[:, hi] = _pattern(layer, h, (NB, BS, 2 * HD))
-            caches[name] = t
-        elif layout == "npu":
-            k = torch.zeros(NB, BS, len(heads), HD, dtype=dtype)
-            v = torch.zeros_like(k)
-            if fill:
-                for hi, h in enumerate(heads):
-                    k[:, :, hi] = _pattern(layer, h, (NB, BS, HD))
-                    v[:, :, hi] = -_pattern(layer, h, (NB, BS, HD))
-            caches[name] = (k, v)
-        else:  # mla: (nope, rope), replicated on every rank
-            nope = torch.zeros(NB, BS, 1, 16, dtype=dtype)
-            rope = torch.zeros(NB, BS, 1, 4, dtype=dtype)
-            if fill:
-                nope[:] = _pattern(layer, 0, (NB, BS, 1, 16))
-                rope[:] = _pattern(layer, 1, (NB, BS, 1, 4))
-            caches[name] = (nope, rope)
-    return caches
-
-
-def _pattern(layer: int, head: int, shape: tuple[int, ...]) -> torch.Tensor:
-    blocks = torch.arange(shape[0], dtype=torch.float32).view(-1, *[1] * (len(shape) - 1))
-    rest = torch.arange(int(torch.tensor(shape[1:]).prod())).view(shape[1:]).float()
-    return layer * 1e6 + head * 1e4 + blocks * 1e2 + rest / 1e3
+    return layout_caches(layout, tp_size, tp_rank, fill=fill, layers=LAYERS, blocks=NB,
+                         heads=HEADS, block_size=BS, head_size=HD, dtype=dtype)
 
 
 def expected_d_block(caches_p: list[dict[str, Any]], layout: str, p_tp: int, d_tp: int,
                      d_rank: int, layer: str, p_block: int) -> Any:
     """What D rank ``d_rank``'s block must hold after pulling P's block ``p_block``."""
-    if layout == "mla":
-        return caches_p[0][layer][0][p_block], caches_p[0][layer][1][p_block]
-    mine = list(kv_heads_of_rank(HEADS, d_tp, d_rank))
-    parts = []
-    for h in mine:
-        r = next(r for r in range(p_tp) if h in kv_heads_of_rank(HEADS, p_tp, r))
-        hi = list(kv_heads_of_rank(HEADS, p_tp, r)).index(h)
-        src = caches_p[r][layer]
-        parts.append(src[p_block, hi] if layout == "cpu"
-                     else (src[0][p_block, :, hi], src[1][p_block, :, hi]))
-    if layout == "cpu":
-        return torch.stack(parts)
-    return torch.stack([p[0] for p in parts], 1), torch.stack([p[1] for p in parts], 1)
+    return expected_block(caches_p, layout, p_tp, d_tp, d_rank, layer, p_block, heads=HEADS)
 
 
 def new_worker(role: str, kv_port: int, tp_size: int, tp_rank: int, engine: str,

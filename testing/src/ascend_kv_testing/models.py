@@ -125,6 +125,18 @@ def make_tokenizer(path: Path, *, vocab_size: int = 1024) -> Path:
     return path
 
 
+def make_served_llama(path: Path) -> tuple[Path, int]:
+    """A tiny Llama beside a tokenizer trained here (``vllm serve`` wants one), its ids within
+    the tokenizer's vocabulary; the directory and the vocabulary's size."""
+    from transformers import AutoTokenizer
+
+    make_tokenizer(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    make_tiny_llama(path, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
+                    eos_token_id=tok.eos_token_id)
+    return Path(path), len(tok)
+
+
 def hybrid_kv_cache_config(groups: int = 2, *, block_size: int = 16, num_blocks: int = 8) -> Any:
     """vLLM's ``KVCacheConfig`` of a model with full-attention and sliding-window layers
     under the hybrid KV cache manager (``groups`` 1: the full-attention group alone)."""

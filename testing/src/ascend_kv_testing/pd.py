@@ -23,10 +23,12 @@ def kv_config(role: str, engine_id: str, policy: str = "fail", *,
             "kv_connector_extra_config": {"load_timeout_s": 30, **extra}}
 
 
-def prompts_of(lengths: list[int], seed: int) -> list[list[int]]:
-    """Random token-id prompts of the given lengths (reproducible)."""
+def prompts_of(lengths: list[int], seed: int, *, vocab: int | None = None) -> list[list[int]]:
+    """Random token-id prompts of the given lengths (reproducible); with ``vocab``, every id
+    folded into ``[3, vocab)`` (a served model's tokenizer is that small)."""
     rng = random.Random(seed)
-    return [[rng.randrange(3, 1000) for _ in range(n)] for n in lengths]
+    out = [[rng.randrange(3, 1000) for _ in range(n)] for n in lengths]
+    return out if vocab is None else [[3 + t % (vocab - 3) for t in p] for p in out]
 
 
 def prefill(p: EngineProcess, prompts: list[list[int]]) -> list[dict[str, Any]]:

@@ -171,13 +171,23 @@ def http(url: str, body: Any = None, *, raw: bytes | None = None, timeout: float
         return status, payload.decode(errors="replace")
 
 
+def http_ok(url: str, body: Any = None, *, timeout: float = 120.0,
+            headers: dict[str, str] | None = None) -> Any:
+    """:func:`http` for a request that must succeed: the decoded answer, or an
+    ``AssertionError`` naming the status and the start of the answer."""
+    status, answer = http(url, body, timeout=timeout, headers=headers)
+    assert status == 200, f"{url} answered {status}: {str(answer)[:2000]}"
+    return answer
+
+
 def completion(base: str, prompt: list[int], *, max_tokens: int = 8, timeout: float = 120.0,
-               **fields: Any) -> tuple[int, Any]:
-    """A greedy completion of token ids, with the token ids in the answer."""
+               headers: dict[str, str] | None = None, **fields: Any) -> tuple[int, Any]:
+    """A greedy completion of token ids, with the token ids in the answer (``fields``: more
+    of the request's body; ``headers``: of the HTTP request)."""
     return http(base + "/v1/completions", {"model": MODEL_NAME, "prompt": prompt,
                                            "max_tokens": max_tokens, "temperature": 0.0,
                                            "ignore_eos": True, "return_token_ids": True,
-                                           **fields}, timeout=timeout)
+                                           **fields}, timeout=timeout, headers=headers)
 
 
 def token_ids(answer: Any) -> list[int]:
