@@ -16,38 +16,13 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from ascend_kv_testing.serving import AppThread
 from vllm_ascend.distributed.kv_transfer.core.net import free_port
 from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.app import ProxyConfig, build_app
 from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.cli import build_parser, metaserver_url
-
-
-class Background:
-    """A uvicorn server on a thread."""
-
-    def __init__(self, app: FastAPI) -> None:
-        self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
-                                                    log_level="error"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> Background:
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started and time.monotonic() < deadline:
-            time.sleep(0.02)
-        return self
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(5)
 
 
 class Cluster:
@@ -60,8 +35,8 @@ class Cluster:
         self.d_cancelled: list[str] = []
         self.p_status = p_status
         self.post_twice = post_twice
-        self.d = Background(self._decode_app())
-        self.p = Background(self._prefill_app())
+        self.d = AppThread(self._decode_app())
+        self.p = AppThread(self._prefill_app())
 
     def _event(self, rid: str) -> threading.Event:
         return self.pushed.setdefault(rid, threading.Event())
@@ -134,16 +109,14 @@ class Cluster:
 
 @pytest.fixture
 def proxy_for() -> Iterator[Any]:
-    started: list[Background] = []
+    started: list[AppThread] = []
 
-    def make(cluster: Cluster, *, prefill: list[str] | None = None) -> Background:
+    def make(cluster: Cluster, *, prefill: list[str] | None = None) -> AppThread:
         port = free_port()
         cfg = ProxyConfig(prefill=prefill or [cluster.p.url], decode=[cluster.d.url],
                           health_interval_s=60, mode="layerwise", timeout_s=30,
                           metaserver_url=f"http://127.0.0.1:{port}/v1/metaserver")
-        bg = Background(build_app(cfg))
-        bg.port = port
-        bg.server.config.port = port
+        bg = AppThread(build_app(cfg), port=port)
         started.append(bg.start())
         return bg
 

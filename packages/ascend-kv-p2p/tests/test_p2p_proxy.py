@@ -11,10 +11,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from ascend_kv_testing.serving import AppThread
 from vllm_ascend.distributed.kv_transfer.core.net import free_port
 from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.app import ProxyConfig, build_app
 from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.balancer import Pool
@@ -70,24 +70,18 @@ class FakeVLLM:
 
         app.post("/v1/completions")(complete)
         app.post("/v1/chat/completions")(complete)
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
-                                                    log_level="error"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.app = AppThread(app, port=self.port)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return self.app.url
 
     def __enter__(self) -> FakeVLLM:
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started and time.monotonic() < deadline:
-            time.sleep(0.02)
+        self.app.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(5)
+        self.app.stop()
 
 
 @pytest.fixture

@@ -14,9 +14,9 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 
+from ascend_kv_testing.serving import AppThread
 from vllm_ascend.distributed.kv_transfer.core.net import free_port
 from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.app import ProxyConfig, build_app
 from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.cli import build_parser, kv_settings, main
@@ -52,17 +52,6 @@ def metric(text: str, name: str, **labels: str) -> float | None:
                                            for k, v in labels.items()):
                 return float(sample.value)
     return None
-
-
-def serve(app: FastAPI) -> tuple[uvicorn.Server, threading.Thread, int]:
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return server, thread, port
 
 
 class StubP:
@@ -106,7 +95,8 @@ class StubP:
 
         app.post("/v1/completions")(complete)
         app.post("/v1/chat/completions")(complete)
-        self.server, self.thread, self.port = serve(app)
+        self.app = AppThread(app).start()
+        self.port = self.app.port
 
     def prefill(self, tokens: list[int]) -> int:
         """Cache ``tokens``' full blocks; the hit vLLM would report."""
@@ -142,8 +132,7 @@ class StubP:
                               f"tcp://127.0.0.1:{self.replay_port}")
 
     def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(5)
+        self.app.stop()
         self.pub.shutdown()
 
 
@@ -173,15 +162,15 @@ class StubD:
 
         app.post("/v1/completions")(complete)
         app.post("/v1/chat/completions")(complete)
-        self.server, self.thread, self.port = serve(app)
+        self.app = AppThread(app).start()
+        self.port = self.app.port
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(5)
+        self.app.stop()
 
 
 @pytest.fixture
@@ -203,13 +192,8 @@ def start_proxy(ps: list[StubP], d: StubD, mode: str, **kw: Any) -> tuple[Any, A
                       metaserver_url=(f"http://127.0.0.1:{port}/v1/metaserver"
                                       if mode == "layerwise" else None),
                       kv=KvAwareSettings(events={p.url: p.events for p in ps}), **kw)
-    server = uvicorn.Server(uvicorn.Config(build_app(cfg), host="127.0.0.1", port=port,
-                                           log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30)
-    assert wait_for(lambda: server.started)
-    return server, client
+    app = AppThread(build_app(cfg), port=port).start()
+    return app.server, httpx.Client(base_url=app.url, timeout=30)
 
 
 def prompt(*tokens: int) -> str:

@@ -240,6 +240,49 @@ def bench_client(base: str, tokenizer: Path, work: Path, *, num_prompts: int, co
                       tag=f"-{len(list(work.iterdir()))}", env=serve_env())
 
 
+class AppThread:
+    """An ASGI app (a stand-in instance, a proxy or router under test) served by uvicorn on
+    a daemon thread of the test process, on ``HOST:port`` (``port``: a free one unless
+    given, e.g. when the app must know its own address before it is built)."""
+
+    def __init__(self, app: Any, port: int | None = None) -> None:
+        import threading
+
+        import uvicorn
+
+        self.port = port or free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host=HOST, port=self.port,
+                                                    log_level="error"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def start(self, timeout: float = 10.0) -> AppThread:
+        """Serve, and return once the server listens (``RuntimeError`` if it did not in
+        ``timeout``)."""
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started and time.monotonic() < deadline:
+            if not self.thread.is_alive():
+                break
+            time.sleep(0.02)
+        if not self.server.started:
+            raise RuntimeError(f"the app on port {self.port} did not start in {timeout}s")
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(5)
+
+    def __enter__(self) -> AppThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
 class StubInstance:
     """An HTTP server in the test process standing in for a ``vllm serve`` instance behind
     the proxy (proxy tests that exercise the proxy alone: no model, no engine).
