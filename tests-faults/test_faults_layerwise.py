@@ -24,8 +24,14 @@ from typing import Any
 
 import pytest
 
-from ascend_kv_testing.engines import EngineProcess, GenResult
-from ascend_kv_testing.faults import start_in_parallel, wait_for
+from ascend_kv_testing.engines import EngineProcess
+from ascend_kv_testing.faults import (
+    PUSH_STATE,
+    failure_counts,
+    holds_nothing,
+    start_in_parallel,
+    wait_for,
+)
 from ascend_kv_testing.models import make_tiny_llama
 from ascend_kv_testing.pd import LAYERWISE, PROBES, Metaserver, baseline, kv_config, prompts_of
 
@@ -60,66 +66,6 @@ def lw(model: Path) -> Iterator[dict[str, Any]]:
         engine.close()
 
 
-_seq = iter(range(10**6))
-
-
-def state(engine: EngineProcess) -> dict[str, int]:
-    return engine.call(f"{PROBES}:leak_state")
-
-
-def totals(engine: EngineProcess) -> dict[str, float]:
-    return engine.call(f"{PROBES}:connector_totals")
-
-
-def failures(engine: EngineProcess) -> dict[str, float]:
-    return {k.split("cause=")[-1]: v for k, v in totals(engine).items()
-            if k.startswith("p2p_failures")}
-
-
-def empty(engine: EngineProcess, report: Any = None) -> dict[str, int]:
-    """Wait until the engine holds nothing; its leak state (observed as ``zero`` on
-    ``report``)."""
-    idle = engine.wait_idle(30)
-    s = state(engine)
-    if report is not None:
-        report.check("zero", idle and s["requests"] == s["used_blocks"] == 0
-                     and s["p2p_held"] == s["p2p_pending"] == s["p2p_pushes"] == 0,
-                     f"idle={idle}, {s}")
-    assert idle, s
-    assert s["requests"] == 0 and s["used_blocks"] == 0, s
-    assert s["p2p_held"] == s["p2p_pending"] == s["p2p_pushes"] == 0, s
-    return s
-
-
-def start_decode(d: EngineProcess, meta: Metaserver, prompt: list[int],
-                 out: dict[str, Any]) -> tuple[str, threading.Thread]:
-    """D gets the request first (in a thread); returns its id once D posted its blocks."""
-    rid = f"flw-{next(_seq)}"
-
-    def decode() -> None:
-        start = time.monotonic()
-        try:
-            out["d"] = d.generate([prompt], max_tokens=8, kv_params=[meta.params(rid)],
-                                  timeout=120)[0]
-        except BaseException as exc:  # D killed: the pipe to it breaks
-            out["error"] = exc
-        out["took"] = time.monotonic() - start
-
-    thread = threading.Thread(target=decode, daemon=True)
-    thread.start()
-    return rid, thread
-
-
-def pd_once(p: EngineProcess, d: EngineProcess, meta: Metaserver,
-            prompt: list[int]) -> GenResult:
-    out: dict[str, Any] = {}
-    rid, thread = start_decode(d, meta, prompt, out)
-    p.generate([prompt], max_tokens=1, kv_params=meta.wait([rid]))
-    thread.join(120)
-    assert "d" in out, out
-    return out["d"]
-
-
 def test_d_killed_while_p_pushes(lw: dict[str, Any], tmp_path: Path,
                                  fault_report: Any) -> None:
     """D dies after P's first layer write, while P holds its write lease: P stops
@@ -127,9 +73,9 @@ def test_d_killed_while_p_pushes(lw: dict[str, Any], tmp_path: Path,
     p, d, dk, meta = lw["p"], lw["d"], lw["dk"], lw["meta"]
     x, w = prompts_of([200, 90], seed=701)
     want_w = baseline(d, [w])[0]
-    fail0 = failures(p)
+    fail0 = failure_counts(p)
     out: dict[str, Any] = {}
-    rid, thread = start_decode(dk, meta, x, out)
+    rid, thread = meta.start_decode(dk, x, out, prefix="flw")
     posted = meta.wait([rid])
     assert p.call(f"{HOOKS}:pause_push", flag_dir=str(tmp_path), after_writes=1, max_wait_s=30)
     p_out: dict[str, Any] = {}
@@ -149,16 +95,16 @@ def test_d_killed_while_p_pushes(lw: dict[str, Any], tmp_path: Path,
     took = time.monotonic() - killed
     assert fault_report.check("deadline", freed and took < LEASE_S + 15,
                               f"P freed the blocks {took:.1f}s after the kill"), took
-    empty(p, fault_report)
-    fail1 = failures(p)
+    holds_nothing(p, fault_report, zero=PUSH_STATE)
+    fail1 = failure_counts(p)
     causes = {k: v - fail0.get(k, 0) for k, v in fail1.items() if v != fail0.get(k, 0)}
     assert sum(causes.values()) >= 1, causes  # the push was stopped and counted
     # P serves on: a new layerwise request to the surviving D
-    got = pd_once(p, d, meta, w)
+    got = meta.pd_once(p, d, w, prefix="flw")
     assert fault_report.check("survivor", got.token_ids == want_w
                               and got.finish_reason == "length", "P/D answer after the kill")
-    empty(p, fault_report)
-    empty(d, fault_report)
+    holds_nothing(p, fault_report, zero=PUSH_STATE)
+    holds_nothing(d, fault_report, zero=PUSH_STATE)
     fault_report(fault="layerwise: D killed (SIGKILL) while P pushes into its blocks",
                  happened=f"P's next write found the lease lapsed and D gone; P stopped the push "
                           f"({', '.join(sorted(causes))}), freed the blocks and its push state "
@@ -173,9 +119,9 @@ def test_p_killed_mid_push(lw: dict[str, Any], fault_report: Any) -> None:
     p, d, meta = lw["p"], lw["d"], lw["meta"]
     x, z = prompts_of([200, 70], seed=702)
     want = baseline(d, [x, z])
-    fail0 = failures(d)
+    fail0 = failure_counts(d)
     out: dict[str, Any] = {}
-    rid, thread = start_decode(d, meta, x, out)
+    rid, thread = meta.start_decode(d, x, out, prefix="flw")
     posted = meta.wait([rid])
     assert p.call(f"{HOOKS}:die_mid_push", after_writes=2)
     with pytest.raises((RuntimeError, EOFError, OSError)):  # P's process is gone
@@ -187,12 +133,12 @@ def test_p_killed_mid_push(lw: dict[str, Any], fault_report: Any) -> None:
     assert got.token_ids == want[0] and got.finish_reason == "length"
     assert fault_report.check("deadline", out["took"] < DEADLINE_S + 5,
                               f"D's request took {out['took']:.1f}s"), out["took"]
-    fail1 = failures(d)
+    fail1 = failure_counts(d)
     causes = {k: v - fail0.get(k, 0) for k, v in fail1.items() if v != fail0.get(k, 0)}
     assert causes == {"peer_lost": 1}, causes  # P's lease lapsed, not the deadline
     assert fault_report.check("survivor", d.generate([z], max_tokens=8)[0].token_ids == want[1],
                               "D's next answer")
-    empty(d, fault_report)
+    holds_nothing(d, fault_report, zero=PUSH_STATE)
     fault_report(fault="layerwise: P killed (SIGKILL) mid-push (after 2 layer writes)",
                  happened=f"D failed the load when P's write lease lapsed (cause peer_lost), "
                           f"recomputed the prompt ({out['took']:.1f}s, deadline "

@@ -33,8 +33,16 @@ from typing import Any
 
 import pytest
 
-from ascend_kv_testing.engines import EngineProcess, GenResult
-from ascend_kv_testing.faults import start_in_parallel, wait_for
+from ascend_kv_testing.engines import EngineProcess
+from ascend_kv_testing.faults import (
+    PUSH_STATE,
+    connector_totals,
+    failure_counts,
+    holds_nothing,
+    leak_state,
+    start_in_parallel,
+    wait_for,
+)
 from ascend_kv_testing.models import make_tiny_llama
 from ascend_kv_testing.netns import NetnsEngineProcess, VethPair, enter_netns, netns_problem
 from ascend_kv_testing.pd import LAYERWISE, PROBES, Metaserver, baseline, kv_config, prompts_of
@@ -106,22 +114,6 @@ def lw(net: VethPair, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict
         thread.join()
 
 
-_seq = iter(range(10**6))
-
-
-def state(engine: EngineProcess) -> dict[str, int]:
-    return engine.call(f"{PROBES}:leak_state")
-
-
-def totals(engine: EngineProcess) -> dict[str, float]:
-    return engine.call(f"{PROBES}:connector_totals")
-
-
-def failures(engine: EngineProcess) -> dict[str, float]:
-    return {k.split("cause=")[-1]: v for k, v in totals(engine).items()
-            if k.startswith("p2p_failures")}
-
-
 def held_requests(llm: Any) -> float | None:
     """In the engine (``EngineProcess.call``): P's ``p2p_held_requests`` gauge."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
@@ -130,50 +122,8 @@ def held_requests(llm: Any) -> float | None:
 
 
 def new_failures(engine: EngineProcess, before: dict[str, float]) -> dict[str, float]:
-    return {k: v - before.get(k, 0) for k, v in failures(engine).items()
+    return {k: v - before.get(k, 0) for k, v in failure_counts(engine).items()
             if v != before.get(k, 0)}
-
-
-def empty(engine: EngineProcess, report: Any) -> dict[str, int]:
-    """Wait until the engine holds nothing; its leak state (observed as ``zero``)."""
-    idle = engine.wait_idle(30)
-    s = state(engine)
-    report.check("zero", idle and s["requests"] == s["used_blocks"] == 0
-                 and s["p2p_held"] == s["p2p_pending"] == s["p2p_pushes"] == 0,
-                 f"idle={idle}, {s}")
-    assert idle, s
-    assert s["requests"] == 0 and s["used_blocks"] == 0, s
-    assert s["p2p_held"] == s["p2p_pending"] == s["p2p_pushes"] == 0, s
-    return s
-
-
-def start_decode(d: EngineProcess, meta: Metaserver, prompt: list[int],
-                 out: dict[str, Any]) -> tuple[str, threading.Thread]:
-    """D gets the request first (in a thread); returns its id, for ``meta.wait``."""
-    rid = f"cutlw-{next(_seq)}"
-
-    def decode() -> None:
-        start = time.monotonic()
-        try:
-            out["d"] = d.generate([prompt], max_tokens=8, kv_params=[meta.params(rid)],
-                                  timeout=120)[0]
-        except BaseException as exc:
-            out["error"] = exc
-        out["took"] = time.monotonic() - start
-
-    thread = threading.Thread(target=decode, daemon=True)
-    thread.start()
-    return rid, thread
-
-
-def pd_once(p: EngineProcess, d: EngineProcess, meta: Metaserver,
-            prompt: list[int]) -> GenResult:
-    out: dict[str, Any] = {}
-    rid, thread = start_decode(d, meta, prompt, out)
-    p.generate([prompt], max_tokens=1, kv_params=meta.wait([rid]))
-    thread.join(120)
-    assert "d" in out, out
-    return out["d"]  # type: ignore[no-any-return]
 
 
 def test_link_cut_mid_push(lw: dict[str, Any], net: VethPair, tmp_path: Path,
@@ -184,15 +134,15 @@ def test_link_cut_mid_push(lw: dict[str, Any], net: VethPair, tmp_path: Path,
     x, x2, z, x3 = prompts_of([200, 200, 70, 150], seed=801)
     want = baseline(d, [x, x2, z, x3])
     # the path works: a first push crosses the veth pair
-    got = pd_once(p, d, meta, x)
+    got = meta.pd_once(p, d, x, prefix="cutlw")
     assert got.token_ids == want[0] and got.finish_reason == "length"
-    loaded = totals(d).get("p2p_requests_loaded", 0)
+    loaded = connector_totals(d).get("p2p_requests_loaded", 0)
     assert loaded == 1
-    fail_p, fail_d = failures(p), failures(d)
-    d_registered = state(d)["registered_bytes"]
+    fail_p, fail_d = failure_counts(p), failure_counts(d)
+    d_registered = leak_state(d)["registered_bytes"]
     # P's next push is held after its first write into D's blocks (D's lease granted)
     out: dict[str, Any] = {}
-    rid, thread = start_decode(d, meta, x2, out)
+    rid, thread = meta.start_decode(d, x2, out, prefix="cutlw")
     posted = meta.wait([rid])
     assert p.call(f"{HOOKS}:pause_push", flag_dir=str(tmp_path), after_writes=1, max_wait_s=30)
     p_out: dict[str, Any] = {}
@@ -216,7 +166,7 @@ def test_link_cut_mid_push(lw: dict[str, Any], net: VethPair, tmp_path: Path,
     p_thread.join(60)
     assert not p_thread.is_alive() and p_out["r"].finish_reason == "length", p_out
     freed = wait_for(lambda: p.call(f"{PROBES}:step_for", seconds=0.2)["requests"] == 0
-                     and state(p)["p2p_pushes"] == 0, LEASE_S + 10)
+                     and leak_state(p)["p2p_pushes"] == 0, LEASE_S + 10)
     freed_after = time.monotonic() - cut_at
     assert fault_report.check("deadline", freed, f"P still held the blocks {freed_after:.1f}s "
                                                  "after the cut"), freed_after
@@ -230,19 +180,19 @@ def test_link_cut_mid_push(lw: dict[str, Any], net: VethPair, tmp_path: Path,
                               "D's answer with the link down")
     assert fault_report.check("survivor", len(p.generate([z], max_tokens=4)[0].token_ids) == 4,
                               "P's answer with the link down")
-    empty(p, fault_report)
-    empty(d, fault_report)
-    regd = state(d)["registered_bytes"]
+    holds_nothing(p, fault_report, zero=PUSH_STATE)
+    holds_nothing(d, fault_report, zero=PUSH_STATE)
+    regd = leak_state(d)["registered_bytes"]
     assert fault_report.check("zero", regd == d_registered,
                               f"D's registered bytes {d_registered} -> {regd}")
     # the network comes back: layerwise P/D works again
     net.set_link(True)
-    again = pd_once(p, d, meta, x3)
+    again = meta.pd_once(p, d, x3, prefix="cutlw")
     assert fault_report.check("survivor", again.token_ids == want[3],
                               "layerwise P/D once the link was back")
-    assert totals(d).get("p2p_requests_loaded", 0) == loaded + 1
-    empty(p, fault_report)
-    empty(d, fault_report)
+    assert connector_totals(d).get("p2p_requests_loaded", 0) == loaded + 1
+    holds_nothing(p, fault_report, zero=PUSH_STATE)
+    holds_nothing(d, fault_report, zero=PUSH_STATE)
     if "transfer" in p_causes:
         write = (f"P's held write went out into the dead network and stalled until Mooncake "
                  f"dropped it ({PROGRESS_S}s without progress)")

@@ -26,7 +26,14 @@ from typing import Any
 import pytest
 
 from ascend_kv_testing.engines import EngineProcess
-from ascend_kv_testing.faults import start_in_parallel, wait_for
+from ascend_kv_testing.faults import (
+    connector_totals,
+    failure_counts,
+    holds_nothing,
+    leak_state,
+    start_in_parallel,
+    wait_for,
+)
 from ascend_kv_testing.models import make_tiny_llama
 from ascend_kv_testing.pd import PROBES, baseline, kv_config, prefill, prompts_of
 
@@ -64,29 +71,6 @@ def engines(model: Path) -> Iterator[dict[str, EngineProcess]]:
         engine.close()
 
 
-def state(engine: EngineProcess) -> dict[str, int]:
-    return engine.call(f"{PROBES}:leak_state")
-
-
-def totals(engine: EngineProcess) -> dict[str, float]:
-    return engine.call(f"{PROBES}:connector_totals")
-
-
-def idle_and_empty(engine: EngineProcess, report: Any = None) -> dict[str, int]:
-    """Wait until the engine holds nothing; its leak state (observed as ``zero`` on
-    ``report``)."""
-    idle = engine.wait_idle(30)
-    s = state(engine)
-    empty = idle and s["requests"] == 0 and s["used_blocks"] == 0
-    empty = empty and s["p2p_held"] == 0 and s["p2p_pending"] == 0
-    if report is not None:
-        report.check("zero", empty, f"idle={idle}, {s}")
-    assert idle, s
-    assert s["requests"] == 0 and s["used_blocks"] == 0, s
-    assert s["p2p_held"] == 0 and s["p2p_pending"] == 0, s
-    return s
-
-
 def test_a_read_stalled_past_the_deadline_never_lands_in_reused_blocks(
         engines: dict[str, EngineProcess], tmp_path: Path, fault_report: Any) -> None:
     """D's read of X stalls (network) past X's deadline; X fails. Its blocks must not go
@@ -114,10 +98,10 @@ def test_a_read_stalled_past_the_deadline_never_lands_in_reused_blocks(
     # X ended once its read could no longer land: the stall, not the deadline, bounds it
     assert fault_report.check("deadline", SMALL_DEADLINE_S <= x_took < stall_s + 5,
                               f"X ended after {x_took:.1f}s")
-    t = totals(dc)
+    t = connector_totals(dc)
     assert t.get("p2p_failures|cause=deadline", 0) == 1
-    idle_and_empty(dc, fault_report)
-    assert fault_report.check("zero", wait_for(lambda: state(pb)["p2p_held"] == 0, 10),
+    holds_nothing(dc, fault_report)
+    assert fault_report.check("zero", wait_for(lambda: leak_state(pb)["p2p_held"] == 0, 10),
                               "P still held X's blocks")  # D's Done released P
     fault_report(fault="D's read stalls past D's deadline (network stall, then resumes)",
                  happened=f"X failed at its deadline; its blocks went back to vLLM only when "
@@ -135,9 +119,9 @@ def test_d_killed_while_p_holds_its_blocks(engines: dict[str, EngineProcess],
     pb, dc, d = engines["pb"], engines["dc"], engines["d"]
     x, w = prompts_of([150, 90], seed=102)
     want_w = baseline(d, [w])[0]
-    expired0 = totals(pb).get("p2p_expired_leases", 0)
+    expired0 = connector_totals(pb).get("p2p_expired_leases", 0)
     params = prefill(pb, [x])
-    assert wait_for(lambda: state(pb)["p2p_held"] == 1, 5)  # registered at P's next step
+    assert wait_for(lambda: leak_state(pb)["p2p_held"] == 1, 5)  # registered at P's next step
     assert dc.call(f"{HOOKS}:die_on_read")
     with pytest.raises((RuntimeError, EOFError, OSError)):  # the engine process is gone
         dc.generate([x], max_tokens=4, kv_params=params, timeout=60)
@@ -149,13 +133,13 @@ def test_d_killed_while_p_holds_its_blocks(engines: dict[str, EngineProcess],
     took = time.monotonic() - start
     assert fault_report.check("deadline", freed and took < LEASE_S + 5,
                               f"P freed the blocks after {took:.1f}s")
-    idle_and_empty(pb, fault_report)
-    assert totals(pb).get("p2p_expired_leases", 0) - expired0 == 1
+    holds_nothing(pb, fault_report)
+    assert connector_totals(pb).get("p2p_expired_leases", 0) - expired0 == 1
     # P serves on: a new P/D request with the surviving D
     got = d.generate([w], max_tokens=8, kv_params=prefill(pb, [w]))[0]
     assert fault_report.check("survivor", got.token_ids == want_w, "P/D answer after the kill")
-    idle_and_empty(pb, fault_report)
-    idle_and_empty(d, fault_report)
+    holds_nothing(pb, fault_report)
+    holds_nothing(d, fault_report)
     fault_report(fault="D killed (SIGKILL) during its read, P holding the blocks",
                  happened=f"P's lease lapsed and P freed the blocks once after {took:.1f}s "
                           f"(lease {LEASE_S:.0f}s); P served the next P/D request",
@@ -169,7 +153,7 @@ def test_p_killed_after_granting_the_claim(engines: dict[str, EngineProcess], tm
     pa, d = engines["pa"], engines["d"]
     x, z = prompts_of([180, 60], seed=103)
     want = baseline(d, [x, z])
-    failures0 = sum(v for k, v in totals(d).items() if k.startswith("p2p_failures"))
+    failures0 = sum(failure_counts(d).values())
     params = prefill(pa, [x])
     assert d.call(f"{HOOKS}:pause_before_read", flag_dir=str(tmp_path), max_wait_s=30)
     out: dict[str, Any] = {}
@@ -188,11 +172,11 @@ def test_p_killed_after_granting_the_claim(engines: dict[str, EngineProcess], tm
     assert out["x"].token_ids == want[0] and out["x"].finish_reason == "length"
     assert fault_report.check("deadline", out["took"] < DEADLINE_S + 5,
                               f"X took {out['took']:.1f}s")
-    failures = sum(v for k, v in totals(d).items() if k.startswith("p2p_failures"))
+    failures = sum(failure_counts(d).values())
     assert failures - failures0 == 1
     assert fault_report.check("survivor", d.generate([z], max_tokens=8)[0].token_ids == want[1],
                               "D's next answer")
-    idle_and_empty(d, fault_report)
+    holds_nothing(d, fault_report)
     fault_report(fault="P killed after granting D's claim, before D's read completed",
                  happened=f"D's read failed; D recomputed the prompt ({out['took']:.1f}s) and "
                           "served the next request",
@@ -207,7 +191,7 @@ def test_p_killed_while_a_large_read_is_in_flight(engines: dict[str, EngineProce
     pc, d = engines["pc"], engines["d"]
     x, z = prompts_of([1400, 60], seed=105)
     want = baseline(d, [x, z])
-    failures0 = {k: v for k, v in totals(d).items() if k.startswith("p2p_failures")}
+    failures0 = failure_counts(d)
     params = prefill(pc, [x])
     assert d.call(f"{HOOKS}:slow_read", flag_dir=str(tmp_path), pieces=64, pause_s=0.03)
     out: dict[str, Any] = {}
@@ -227,16 +211,16 @@ def test_p_killed_while_a_large_read_is_in_flight(engines: dict[str, EngineProce
     assert out["x"].token_ids == want[0] and out["x"].finish_reason == "length"
     assert fault_report.check("deadline", out["took"] < DEADLINE_S + 5,
                               f"X took {out['took']:.1f}s")
-    failures = {k: v - failures0.get(k, 0) for k, v in totals(d).items()
-                if k.startswith("p2p_failures") and v != failures0.get(k, 0)}
+    failures = {k: v - failures0.get(k, 0) for k, v in failure_counts(d).items()
+                if v != failures0.get(k, 0)}
     assert sum(failures.values()) == 1, failures
     assert fault_report.check("survivor", d.generate([z], max_tokens=8)[0].token_ids == want[1],
                               "D's next answer")
     # the same prompt again: nothing half-read was cached under its hashes
     assert fault_report.check("survivor", d.generate([x], max_tokens=8)[0].token_ids == want[0],
                               "the same prompt again")
-    idle_and_empty(d, fault_report)
-    cause = next(iter(failures)).split("cause=")[-1]
+    holds_nothing(d, fault_report)
+    cause = next(iter(failures))
     fault_report(fault="P killed while D's read of a long prompt is in flight (1400 tokens, "
                        "the read cut into pieces on a slow link)",
                  happened=f"{landed} of {pieces} pieces had landed; the rest of the read "
@@ -251,10 +235,10 @@ def test_p_killed_after_d_read_everything(engines: dict[str, EngineProcess],
     pb, d = engines["pb"], engines["d"]
     x, z = prompts_of([120, 70], seed=104)
     want = baseline(d, [x, z])
-    loaded0 = totals(d).get("p2p_requests_loaded", 0)
+    loaded0 = connector_totals(d).get("p2p_requests_loaded", 0)
     got = d.generate([x], max_tokens=8, kv_params=prefill(pb, [x]))[0]
     assert got.token_ids == want[0]
-    assert totals(d).get("p2p_requests_loaded", 0) - loaded0 == 1
+    assert connector_totals(d).get("p2p_requests_loaded", 0) - loaded0 == 1
     pb.kill()
     # D's lease renewer and handshake cache still name the dead P: nothing may hang on it
     state_after = d.call(f"{PROBES}:step_for", seconds=2.0)
@@ -262,7 +246,7 @@ def test_p_killed_after_d_read_everything(engines: dict[str, EngineProcess],
                               f"D still ran {state_after['requests']} request(s) 2s later")
     assert fault_report.check("survivor", d.generate([z], max_tokens=8)[0].token_ids == want[1],
                               "D's next answer")
-    idle_and_empty(d, fault_report)
+    holds_nothing(d, fault_report)
     fault_report(fault="P killed after D read everything",
                  happened="D's request had completed; D served the next request",
                  client="the right tokens")

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from ascend_kv_testing.engines import EngineProcess
-from ascend_kv_testing.faults import start_in_parallel, wait_for
+from ascend_kv_testing.faults import POOL_STATE, holds_nothing, start_in_parallel, wait_for
 from ascend_kv_testing.models import make_tiny_llama
 from ascend_kv_testing.mooncake import MooncakeMaster, MooncakeSegmentHolder
 from ascend_kv_testing.pd import PROBES, prompts_of
@@ -32,17 +32,6 @@ RETRY_S = 2.0
 
 def pool(engine: EngineProcess) -> dict[str, float]:
     return engine.call(f"{PROBES}:pool_totals")
-
-
-def empty(engine: EngineProcess, report: Any = None) -> None:
-    """Wait until the engine holds nothing (observed as ``zero`` on ``report``)."""
-    idle = engine.wait_idle(30)
-    s = engine.call(f"{PROBES}:leak_state")
-    ok = s["requests"] == 0 and s["used_blocks"] == 0 and s["pool_pending_saves"] == 0
-    if report is not None:
-        report.check("zero", idle and ok, f"idle={idle}, {s}")
-    assert idle, s
-    assert ok, s
 
 
 @pytest.fixture(scope="module")
@@ -100,12 +89,12 @@ def test_client_killed_mid_put(store: Any, fault_report: Any) -> None:
     assert got.num_cached_tokens == BS
     assert after.get("pool_loaded_blocks", 0) - before.get("pool_loaded_blocks", 0) == 1
     assert after.get("pool_failed_load_blocks", 0) == before.get("pool_failed_load_blocks", 0)
-    empty(b, fault_report)
+    holds_nothing(b, fault_report, zero=POOL_STATE)
     b.reset_prefix_cache()
     again = b.generate(prompt, max_tokens=8)[0]
     assert fault_report.check("survivor", again.token_ids == want, "the survivor's next answer")
     assert again.num_cached_tokens == 4 * BS
-    empty(b, fault_report)
+    holds_nothing(b, fault_report, zero=POOL_STATE)
     fault_report(fault="pool client killed (SIGKILL) half-way through a put",
                  happened="the object it had finished was a hit for another instance, the "
                           "unfinished ones were never hits (recomputed, saved by the survivor)",
@@ -127,7 +116,7 @@ def test_client_holding_the_segment_killed(store: Any, fault_report: Any) -> Non
         want = plain.generate(prompt, max_tokens=8)[0].token_ids
         saved0 = pool(a2).get("pool_saved_blocks", 0)
         assert a2.generate(prompt, max_tokens=8)[0].token_ids == want
-        empty(a2)
+        holds_nothing(a2, zero=POOL_STATE)
         if pool(a2).get("pool_saved_blocks", 0) - saved0 >= 1:
             break
         dropped_puts += 1
@@ -151,7 +140,7 @@ def test_client_holding_the_segment_killed(store: Any, fault_report: Any) -> Non
     assert fault_report.check("survivor", len(b.generate(prompts_of([70], seed=403),
                                                          max_tokens=8)[0].token_ids) == 8,
                               "the survivor's next answer")
-    empty(b, fault_report)
+    holds_nothing(b, fault_report, zero=POOL_STATE)
     store.holder = MooncakeSegmentHolder(store.master, segment_size="64MB").start()
     fault_report(fault="pool client holding the objects' segment killed",
                  happened=("the master still listed its objects; loading them from the dead "
@@ -170,7 +159,7 @@ def test_master_killed_and_restarted_mid_run(store: Any, fault_report: Any) -> N
     want = {tuple(p[0]): plain.generate(p, max_tokens=8)[0].token_ids
             for p in (first, during, after)}
     assert b.generate(first, max_tokens=8)[0].token_ids == want[tuple(first[0])]
-    empty(b)
+    holds_nothing(b, zero=POOL_STATE)
     old = store.master
     store.master.kill()
     # while it is down: misses and dropped saves, no request waits on the master
@@ -182,7 +171,7 @@ def test_master_killed_and_restarted_mid_run(store: Any, fault_report: Any) -> N
                               "answers while the master was down")
     assert fault_report.check("deadline", down_s < 10,
                               f"2 requests took {down_s:.1f}s while down")
-    empty(b, fault_report)
+    holds_nothing(b, fault_report, zero=POOL_STATE)
     dropped = pool(b).get("pool_dropped_save_blocks|cause=store_unavailable", 0)
     assert dropped > 0
     # the same ports again: the clients find it, the holder mounts its segment again
@@ -201,7 +190,7 @@ def test_master_killed_and_restarted_mid_run(store: Any, fault_report: Any) -> N
     recovered_s = time.monotonic() - back
     assert fault_report.check("survivor", b.generate(after, max_tokens=8)[0].token_ids
                               == want[tuple(after[0])], "the answer after the restart")
-    empty(b, fault_report)
+    holds_nothing(b, fault_report, zero=POOL_STATE)
     fault_report(fault="mooncake_master killed and restarted mid-run",
                  happened=f"while down, lookups missed and saves were dropped at once "
                           f"({dropped:.0f} blocks); once restarted on the same ports the pool "

@@ -1,8 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """Support of the fault, fuzz and soak tests: what a process listens on and how much memory
-it holds, pickles that would run code, and raw probes of ZeroMQ endpoints.
+it holds, pickles that would run code, raw probes of ZeroMQ endpoints, and what an engine
+still holds after a fault.
 
-Everything here reads ``/proc`` or talks to a socket; nothing needs vLLM.
+Everything here reads ``/proc``, talks to a socket or asks an engine process
+(``EngineProcess.call``); nothing imports vLLM in the test process.
 """
 
 from __future__ import annotations
@@ -264,3 +266,45 @@ def wait_for(predicate: Any, timeout_s: float, interval_s: float = 0.05) -> bool
         if value or time.monotonic() >= end:
             return bool(value)
         time.sleep(interval_s)
+
+
+#: The in-engine probes (``EngineProcess.call``).
+_PROBES = "ascend_kv_testing.probes"
+#: A P/D pull engine's leak-state counts that must be 0 once it is idle.
+PULL_STATE = ("p2p_held", "p2p_pending")
+#: The same for a layerwise engine (P's pushes in flight too).
+PUSH_STATE = ("p2p_held", "p2p_pending", "p2p_pushes")
+#: The same for a pool engine (saves not yet in the store).
+POOL_STATE = ("pool_pending_saves",)
+
+
+def leak_state(engine: Any) -> dict[str, int]:
+    """What ``engine`` holds: requests, blocks in use, the connector's held requests."""
+    return engine.call(f"{_PROBES}:leak_state")  # type: ignore[no-any-return]
+
+
+def connector_totals(engine: Any) -> dict[str, float]:
+    """``engine``'s connector counters so far (summed over its workers)."""
+    return engine.call(f"{_PROBES}:connector_totals")  # type: ignore[no-any-return]
+
+
+def failure_counts(engine: Any) -> dict[str, float]:
+    """``engine``'s P/D failures so far, by cause."""
+    return {k.split("cause=")[-1]: v for k, v in connector_totals(engine).items()
+            if k.startswith("p2p_failures")}
+
+
+def holds_nothing(engine: Any, report: Any = None, *, zero: Sequence[str] = PULL_STATE,
+                  idle_s: float = 30.0) -> dict[str, int]:
+    """Wait until ``engine`` is idle; its leak state, which must show no request, no block in
+    use and 0 for each of ``zero`` (observed as ``zero`` on a fault ``report``)."""
+    idle = engine.wait_idle(idle_s)
+    state = leak_state(engine)
+    empty = state["requests"] == 0 and state["used_blocks"] == 0
+    held = {k: state[k] for k in zero if state[k] != 0}
+    if report is not None:
+        report.check("zero", idle and empty and not held, f"idle={idle}, {state}")
+    assert idle, state
+    assert empty, state
+    assert not held, state
+    return state

@@ -58,11 +58,13 @@ class Metaserver:
     forwarding to P): ``wait(ids)`` returns the posts, which are P's kv_transfer_params."""
 
     def __init__(self) -> None:
+        import itertools
         import json
         import threading
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
         self.posts: dict[str, dict[str, Any]] = {}
+        self._ids = itertools.count()
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -95,6 +97,39 @@ class Metaserver:
         if missing:
             raise AssertionError(f"D never posted {missing}")
         return [self.posts[i] for i in ids]
+
+    def start_decode(self, d: EngineProcess, prompt: list[int], out: dict[str, Any], *,
+                     prefix: str) -> tuple[str, Any]:
+        """D gets a layerwise request first, as from the proxy, on a thread whose outcome
+        lands in ``out`` (``d``: D's result, or ``error``; ``took``: seconds); the request's
+        id (``prefix-N``, for :meth:`wait`) and the thread."""
+        import threading
+        import time
+
+        rid = f"{prefix}-{next(self._ids)}"
+
+        def decode() -> None:
+            start = time.monotonic()
+            try:
+                out["d"] = d.generate([prompt], max_tokens=8, kv_params=[self.params(rid)],
+                                      timeout=120)[0]
+            except BaseException as exc:  # D killed: the pipe to it breaks
+                out["error"] = exc
+            out["took"] = time.monotonic() - start
+
+        thread = threading.Thread(target=decode, daemon=True)
+        thread.start()
+        return rid, thread
+
+    def pd_once(self, p: EngineProcess, d: EngineProcess, prompt: list[int], *,
+                prefix: str) -> Any:
+        """One layerwise P/D request: D first, then P with what D posted; D's result."""
+        out: dict[str, Any] = {}
+        rid, thread = self.start_decode(d, prompt, out, prefix=prefix)
+        p.generate([prompt], max_tokens=1, kv_params=self.wait([rid]))
+        thread.join(120)
+        assert "d" in out, out
+        return out["d"]
 
     def close(self) -> None:
         self.httpd.shutdown()
