@@ -14,7 +14,6 @@ instance's (float32, greedy).
 from __future__ import annotations
 
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ HERE = Path(__file__).stem
 from test_p2p_layerwise_engine_e2e import run_pd  # noqa: E402
 
 from ascend_kv_testing.engines import EngineProcess  # noqa: E402
+from ascend_kv_testing.faults import start_in_parallel  # noqa: E402
 from ascend_kv_testing.models import make_tiny_llama  # noqa: E402
 from ascend_kv_testing.pd import (  # noqa: E402
     LAYERWISE,
@@ -72,15 +72,6 @@ def _multi(role: str, engine_id: str, layerwise: dict[str, Any]) -> dict[str, An
 @pytest.fixture(scope="module")
 def mc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     model = make_tiny_llama(tmp_path_factory.mktemp("mc-model"))
-    engines: dict[str, EngineProcess] = {}
-    errors: list[BaseException] = []
-
-    def start(name: str, cfg: dict[str, Any], **kw: Any) -> None:
-        try:
-            engines[name] = EngineProcess(model, cfg, **kw)
-        except BaseException as exc:
-            errors.append(exc)
-
     env = {"MC_TCP_PROGRESS_TIMEOUT_SEC": "1"}
     p_cfg = _multi("kv_producer", "mc-prefill",
                    kv_config("kv_producer", "mc-prefill", connector=LAYERWISE))
@@ -90,17 +81,12 @@ def mc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     # vLLM's MultiConnector supports HMA only when every child does: turn the hybrid
     # KV cache manager off, as vLLM does by itself for a single non-HMA connector
     common = {"env": env, "disable_hybrid_kv_cache_manager": True}
-    threads = [threading.Thread(target=start, args=("p", p_cfg),
-                                kwargs={"max_num_batched_tokens": 64, **common}),
-               threading.Thread(target=start, args=("d", d_cfg), kwargs=common)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    engines = start_in_parallel({
+        "p": lambda: EngineProcess(model, p_cfg, max_num_batched_tokens=64, **common),
+        "d": lambda: EngineProcess(model, d_cfg, **common),
+    })
     server = Metaserver()
     try:
-        if errors:
-            raise errors[0]
         yield type("MC", (), {"p": engines["p"], "d": engines["d"], "meta": server})
     finally:
         server.close()

@@ -18,7 +18,6 @@ blocks once both report, which the idle checks below cover.
 from __future__ import annotations
 
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 HERE = Path(__file__).stem
 
 from ascend_kv_testing.engines import EngineProcess  # noqa: E402
+from ascend_kv_testing.faults import start_in_parallel  # noqa: E402
 from ascend_kv_testing.models import make_tiny_llama  # noqa: E402
 from ascend_kv_testing.pd import PROBES, baseline, kv_config, prefill, prompts_of  # noqa: E402
 
@@ -74,28 +74,15 @@ def _multi(role: str, engine_id: str, pull: dict[str, Any]) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def mc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     model = make_tiny_llama(tmp_path_factory.mktemp("mcp-model"))
-    engines: dict[str, EngineProcess] = {}
-    errors: list[BaseException] = []
-
-    def start(name: str, cfg: dict[str, Any]) -> None:
-        try:
-            # vLLM's MultiConnector supports HMA only when every child does: turn the hybrid
-            # KV cache manager off, as vLLM does by itself for a single non-HMA connector
-            engines[name] = EngineProcess(model, cfg, disable_hybrid_kv_cache_manager=True)
-        except BaseException as exc:
-            errors.append(exc)
-
     cfgs = {"p": _multi("kv_producer", "mcp-prefill",
                         kv_config("kv_producer", "mcp-prefill", lease_ttl_s=60)),
             "d": _multi("kv_consumer", "mcp-decode", kv_config("kv_consumer", "mcp-decode"))}
-    threads = [threading.Thread(target=start, args=item) for item in cfgs.items()]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    # vLLM's MultiConnector supports HMA only when every child does: turn the hybrid
+    # KV cache manager off, as vLLM does by itself for a single non-HMA connector
+    engines = start_in_parallel({
+        name: (lambda cfg=cfg: EngineProcess(model, cfg, disable_hybrid_kv_cache_manager=True))
+        for name, cfg in cfgs.items()})
     try:
-        if errors:
-            raise errors[0]
         yield type("MC", (), {"p": engines["p"], "d": engines["d"]})
     finally:
         for e in engines.values():

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from ascend_kv_testing.engines import EngineProcess, GenResult
+from ascend_kv_testing.faults import start_in_parallel
 from ascend_kv_testing.models import make_tiny_llama
 from ascend_kv_testing.pd import LAYERWISE, PROBES, Metaserver, baseline, kv_config, prompts_of
 
@@ -34,34 +35,19 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def lw(model: Path) -> Iterator[Any]:
     """P (chunked prefill, 64 tokens a step) and D (recompute on a failed load), started
     side by side."""
-    engines: dict[str, EngineProcess] = {}
-    errors: list[BaseException] = []
-
-    def start(name: str, cfg: dict[str, Any], **kw: Any) -> None:
-        try:
-            engines[name] = EngineProcess(model, cfg, **kw)
-        except BaseException as exc:
-            errors.append(exc)
-
     # D's 3 s write lease: the transfer engine's stall bound must stay well below it
     # (P starts no write later than that bound before the lease ends).
     env = {"MC_TCP_PROGRESS_TIMEOUT_SEC": "1"}
-    threads = [
-        threading.Thread(target=start, args=("p", kv_config("kv_producer", "lw-prefill",
-                                                            connector=LAYERWISE)),
-                         kwargs={"max_num_batched_tokens": 64, "env": env}),
-        threading.Thread(target=start, args=("d", kv_config(
+    engines = start_in_parallel({
+        "p": lambda: EngineProcess(model, kv_config("kv_producer", "lw-prefill",
+                                                    connector=LAYERWISE),
+                                   max_num_batched_tokens=64, env=env),
+        "d": lambda: EngineProcess(model, kv_config(
             "kv_consumer", "lw-decode", policy="recompute", connector=LAYERWISE,
-            load_timeout_s=8.0, lease_ttl_s=3.0)), kwargs={"env": env}),
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+            load_timeout_s=8.0, lease_ttl_s=3.0), env=env),
+    })
     server = Metaserver()
     try:
-        if errors:
-            raise errors[0]
         yield type("LW", (), {"p": engines["p"], "d": engines["d"], "meta": server})
     finally:
         server.close()

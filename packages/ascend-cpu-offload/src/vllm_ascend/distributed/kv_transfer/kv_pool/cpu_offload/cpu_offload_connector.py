@@ -77,8 +77,8 @@ class CPUOffloadingConnector(ConnectorStatsMixin, SchedulerHooksMixin, KVConnect
         self.connector_scheduler: CPUOffloadScheduler | None = None
         self._worker: CPUOffloadWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.connector_scheduler = CPUOffloadScheduler(vllm_config, self.config, kv_cache_config,
-                                                  self.recorder)
+            self.connector_scheduler = CPUOffloadScheduler(vllm_config, self.config,
+                                                           kv_cache_config, self.recorder)
         else:
             self._worker = CPUOffloadWorker(vllm_config, self.config, kv_cache_config,
                                             self.recorder)
