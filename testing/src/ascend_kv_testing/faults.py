@@ -268,8 +268,6 @@ def wait_for(predicate: Any, timeout_s: float, interval_s: float = 0.05) -> bool
         time.sleep(interval_s)
 
 
-#: The in-engine probes (``EngineProcess.call``).
-_PROBES = "ascend_kv_testing.probes"
 #: A P/D pull engine's leak-state counts that must be 0 once it is idle.
 PULL_STATE = ("p2p_held", "p2p_pending")
 #: The same for a layerwise engine (P's pushes in flight too).
@@ -280,12 +278,16 @@ POOL_STATE = ("pool_pending_saves",)
 
 def leak_state(engine: Any) -> dict[str, int]:
     """What ``engine`` holds: requests, blocks in use, the connector's held requests."""
-    return engine.call(f"{_PROBES}:leak_state")  # type: ignore[no-any-return]
+    from .pd import PROBES
+
+    return engine.call(f"{PROBES}:leak_state")  # type: ignore[no-any-return]
 
 
 def connector_totals(engine: Any) -> dict[str, float]:
     """``engine``'s connector counters so far (summed over its workers)."""
-    return engine.call(f"{_PROBES}:connector_totals")  # type: ignore[no-any-return]
+    from .pd import PROBES
+
+    return engine.call(f"{PROBES}:connector_totals")  # type: ignore[no-any-return]
 
 
 def failure_counts(engine: Any) -> dict[str, float]:
