@@ -93,11 +93,21 @@ ONE_BLOCK = (
     'left (400 '
     "loads, timed in steps): submitting the 8 batches 42–49 µs (Mooncake's non-blocking "
     "status call looks at a batch's first task only, so a read polled without blocking "
-    'goes out a range a batch), the Python before them about 30 µs, after the end about '
+    'goes out a range a batch; timed apart on 2026-12-05 evening, Mooncake\'s own calls '
+    'took 26–28 µs for the 8 batches against 17–20 µs for one batch of the 8 ranges, and '
+    'the wrapper\'s Python the rest), the Python before them about 30 µs, after the end about '
     '10 µs. Reads of more than 64 ranges stay on the pull threads (at 16 blocks and more '
     "the transfer dominates, and submitting 1,024 ranges on vLLM's thread measured "
     '0.95–0.96 of the raw read against 0.97–0.98). The 0.9 goal at one block is not met '
-    'this way either.'
+    'this way either. Traced again on 2026-12-05 (22:40 to 22:45 UTC, alone on the machine, '
+    '360 one-block inline loads, each after a raw read, the steps timed): the load took '
+    '304 µs against a raw read of 211 µs; of the 93 µs over it, checking P\'s window tag '
+    'twice (D\'s scheduler, then the read\'s plan) took 19 µs, submitting the read 44 µs, '
+    'ending it 9 µs, the rest pieces of 1–4 µs; the read itself, from its submission to '
+    'its end, took about as long as the raw one. At that raw time the 0.9 goal leaves the connector 23 µs: without '
+    'the second tag check and the wrapper\'s Python (about 25 µs together) a one-block '
+    'load would still stand near 0.75–0.85 of the raw read, so the goal at one block is out '
+    'of reach of the connector\'s Python on these 2 CPUs on either path.'
     "\n\n**The transfer engine's wait** (2026-12-05, afternoon). Mooncake's synchronous call "
     "polls the read's status in a loop that never yields, and over TCP the transport "
     "threads of both processes that move the bytes need the same 2 CPUs: when one of them "
