@@ -234,6 +234,23 @@ PD_WAIT = (
     "unbound at 8,192 in three runs, and not met unbound at 2,048 tokens in any of them "
     "(high ends 1.17, 2.53 and 0.85); the KV throughput goal is met in runs 2 and 4 and not "
     "in run 3 (unbound 1.14–2.87)."
+    ' A fifth and a sixth run (ours and NixlConnector on its cores, 2,048 tokens '
+    'only, 11 rounds of 2 samples each, 2026-12-05 23:16 to 23:24 and 23:25 to 23:33 '
+    "UTC, alone on the machine): ours / NixlConnector at its best (pinned), D's "
+    'overhead over the floor 0.56 (0.51–0.69) and 0.52 (0.48–0.62) pinned, 1.13 '
+    '(0.86–1.87) and 0.745 (0.60–0.985) unbound; D-side TTFT 0.51 and 0.52 pinned, '
+    '0.64 (0.55–0.76) and 0.49 (0.44–0.57) unbound; KV throughput 1.97 and 1.92 '
+    'pinned, 1.56 (1.31–1.83) and 2.04 (1.74–2.25) unbound. Medians of the rounds, '
+    'run 5 then run 6: ours unbound was 22.4 and 16.8 ms over its floor (13.0 and '
+    '13.9 ms), of which its wait for the KV 9.3 and 9.5 ms; NixlConnector pinned '
+    '19.9 and 22.5 ms over its floor (39.0 and 36.2 ms), its wait for the KV 15.1 '
+    'and 15.9 ms; ours pinned 11.1 and 11.7 ms over its floor, 8.9 and 9.6 ms of it '
+    "the wait. So unbound ours moved the KV in 0.60–0.62 of NixlConnector's time at "
+    'the median and still stood level with its overhead: the 7–13 ms beyond the wait '
+    "are D's step computing the last token beside P's spinning OpenMP threads (next "
+    'paragraph), and more rounds did not close the interval. The decode-side TTFT '
+    'and KV throughput goals against NixlConnector are met in runs 4, 5 and 6, every '
+    "run since the pull's `Done` moved to `get_finished`."
     "\n\n")
 
 
