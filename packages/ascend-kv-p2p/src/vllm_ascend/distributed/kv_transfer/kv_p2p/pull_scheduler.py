@@ -58,7 +58,6 @@ class PullScheduler(SchedulerBase):
     def __init__(self, vllm_config: VllmConfig, cfg: MooncakeP2PConfig, engine_id: str) -> None:
         super().__init__(vllm_config, engine_id)
         self.cfg = cfg
-        self.pp_size = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1))
         self._rank_hosts: dict[int, str] = {}
         self._to_pull: dict[str, RecvMeta] = {}
         self._to_hold: dict[str, SendMeta] = {}

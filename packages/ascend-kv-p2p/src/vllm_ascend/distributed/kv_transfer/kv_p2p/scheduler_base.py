@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """What both P/D schedulers (:mod:`.pull_scheduler`, :mod:`.layerwise_scheduler`) read from
-vLLM's config when they start: the instance's role, block size, TP size, host and the side
-channel's base port (the port of its TP rank 0, which P's params name)."""
+vLLM's config when they start: the instance's role, block size, TP and PP sizes, host and
+the side channel's base port (the port of its TP rank 0, which P's params name)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ class SchedulerBase:
         self.is_producer = bool(kvc.is_kv_producer)
         self.is_consumer = bool(kvc.is_kv_consumer)
         self.tp_size = par.tensor_parallel_size
+        self.pp_size = int(par.pipeline_parallel_size)
         self.host = get_host_ip()
         self.side_port = side_channel_port(kvc.kv_port, dp_rank=par.data_parallel_rank,
-                                           tp_size=par.tensor_parallel_size,
-                                           pp_size=par.pipeline_parallel_size)
+                                           tp_size=self.tp_size, pp_size=self.pp_size)
