@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from ascend_kv_testing.requires import require
 from vllm_ascend.distributed.kv_transfer.kv_p2p.tooling import bench_client as bc
 from vllm_ascend.distributed.kv_transfer.kv_p2p.tooling import bench_client_model as bm
 from vllm_ascend.distributed.kv_transfer.kv_p2p.tooling import bench_client_procs as procs
@@ -152,7 +153,7 @@ def _client_args(tmp_path: Path) -> list[str]:
 def test_client_cmd_is_accepted_by_vllms_own_parser(tmp_path: Path) -> None:
     cmd = _client_args(tmp_path)
     assert cmd[:3] == ["/py", "-m", procs.__name__]
-    serve = pytest.importorskip("vllm.benchmarks.serve")
+    serve = require("vllm.benchmarks.serve")
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = FlexibleArgumentParser()
@@ -255,7 +256,7 @@ def test_peer_env_loads_the_cpu_patch_in_every_python_process(
 
 @pytest.mark.parametrize("vocab", [1024, 8192])
 def test_word_tokenizer_keeps_random_prompt_lengths(tmp_path: Path, vocab: int) -> None:
-    pytest.importorskip("tokenizers")
+    require("tokenizers", dist="tokenizers", why="write_tokenizer builds it with tokenizers")
     from transformers import AutoTokenizer
 
     bm.write_tokenizer(tmp_path, vocab)
@@ -277,7 +278,7 @@ def test_words_are_unique_and_short() -> None:
 
 
 def test_an_older_tokenizer_is_replaced(tmp_path: Path) -> None:
-    pytest.importorskip("tokenizers")
+    require("tokenizers", dist="tokenizers", why="write_tokenizer builds it with tokenizers")
     (tmp_path / "tokenizer.json").write_text("{}")  # no stamp: written by an older version
     bm.write_tokenizer(tmp_path, 64)
     assert (tmp_path / bm.TOKENIZER_STAMP).read_text() == "base62 64"

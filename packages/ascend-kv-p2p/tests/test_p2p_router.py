@@ -12,6 +12,7 @@ import msgspec
 import pytest
 import zmq
 
+from ascend_kv_testing.requires import require
 from vllm_ascend.distributed.kv_transfer.core.net import free_port
 from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.balancer import Instance
 from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.events import EventsEndpoint, EventStream
@@ -22,7 +23,7 @@ from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.prefix_index import (
 )
 from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.router import KvAwareSettings, KvRouter
 
-kv_events = pytest.importorskip("vllm.distributed.kv_events")
+kv_events = require("vllm.distributed.kv_events")
 BS = 4
 
 

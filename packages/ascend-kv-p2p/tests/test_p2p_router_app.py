@@ -16,6 +16,7 @@ import httpx
 import pytest
 from fastapi import FastAPI, Request
 
+from ascend_kv_testing.requires import require
 from ascend_kv_testing.serving import AppThread
 from vllm_ascend.distributed.kv_transfer.core.net import free_port
 from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.app import ProxyConfig, build_app
@@ -24,7 +25,7 @@ from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.events import EventsEndpoi
 from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.prefix_index import BlockHasher
 from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.router import KvAwareSettings
 
-kv_events = pytest.importorskip("vllm.distributed.kv_events")
+kv_events = require("vllm.distributed.kv_events")
 BS = 4
 
 

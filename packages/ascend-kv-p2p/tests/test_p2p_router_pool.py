@@ -14,6 +14,7 @@ import msgspec
 import pytest
 
 from ascend_kv_testing.faults import wait_for
+from ascend_kv_testing.requires import require
 from vllm_ascend.distributed.kv_transfer.core.net import free_port
 from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.balancer import Instance
 from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.cli import build_parser, kv_settings
@@ -27,7 +28,7 @@ from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.router import (
     KvRouter,
 )
 
-kv_events = pytest.importorskip("vllm.distributed.kv_events")
+kv_events = require("vllm.distributed.kv_events")
 BS = 4
 TOKENS = list(range(100, 117))  # 4 full blocks and one token
 A, B, C = "http://a", "http://b", "http://c"
