@@ -76,7 +76,6 @@ def test_a_metrics_module_missing_from_the_reference_fails_the_build(tmp_path: P
 
 def test_hook_fills_markers_and_stands_in_for_missing_reports(tmp_path: Path) -> None:
     """A real (small) MkDocs build with the hooks: markers replaced, a pending report added."""
-    pytest.importorskip("mkdocs")
     from mkdocs.commands.build import build
     from mkdocs.config import load_config
 

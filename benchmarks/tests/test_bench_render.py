@@ -11,7 +11,9 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("matplotlib", reason="the renderer draws with matplotlib")
+from ascend_kv_testing.requires import require
+
+require("matplotlib", dist="matplotlib", why="the renderer draws with matplotlib")
 
 _spec = importlib.util.spec_from_file_location(
     "bench_render", Path(__file__).resolve().parents[1] / "render.py")

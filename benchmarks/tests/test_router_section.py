@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import pytest
+from ascend_kv_testing.requires import require
 
-pytest.importorskip("matplotlib", reason="the renderer draws with matplotlib")
+require("matplotlib", dist="matplotlib", why="the renderer draws with matplotlib")
 
 if "bench_render" in sys.modules:
     render = sys.modules["bench_render"]
