@@ -8,6 +8,9 @@ are each a batch can be polled range by range: :func:`wait_yielding` does so wit
 ``sched_yield`` between polls (the transfer engine's ``yield`` wait,
 :data:`~.transfer_engine.WAIT_ENV`), :class:`PendingTransfer` for a caller that polls
 on its own (:meth:`~.transfer_engine.MooncakeTransferEngine.submit_read`).
+
+This module sits below :mod:`.transfer_engine` and never imports it: a
+:class:`PendingTransfer` needs only what :class:`PolledEngine` names of the wrapper.
 """
 
 from __future__ import annotations
@@ -15,12 +18,31 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from .errors import TransferError
 
-if TYPE_CHECKING:
-    from .transfer_engine import MooncakeTransferEngine
+
+class ReadCounters(Protocol):
+    """The counters a finished read adds to (those of
+    :class:`~.transfer_engine.TransferStats`)."""
+
+    reads: int
+    bytes_read: int
+    failures: int
+    seconds: float
+
+
+class PolledEngine(Protocol):
+    """What a :class:`PendingTransfer` uses of the engine wrapper
+    (:class:`~.transfer_engine.MooncakeTransferEngine`): Mooncake's engine, whose batches
+    it polls, and the counters it adds the read to."""
+
+    @property
+    def raw(self) -> Any: ...
+
+    @property
+    def stats(self) -> ReadCounters: ...
 
 
 def can_poll(engine: Any, op: str) -> bool:
@@ -79,7 +101,7 @@ class PendingTransfer:
     read: memory it reads into must stay reserved until :meth:`poll` says the read ended,
     either way."""
 
-    def __init__(self, engine: MooncakeTransferEngine, peer: str, nbytes: int) -> None:
+    def __init__(self, engine: PolledEngine, peer: str, nbytes: int) -> None:
         self._engine = engine
         self.peer = peer
         #: bytes the read moves
