@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ast
 import logging
 import os
 import threading
@@ -14,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload import config, metadata
 from vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.cpu_kv_cache_manager import (
     CPUCacheStats,
     CPUKVCacheManager,
@@ -184,6 +186,46 @@ def test_metadata_server_from_vllm_config_is_our_server(tmp_path: Path) -> None:
     other = SimpleNamespace(kv_connector="AscendStoreConnector", kv_connector_extra_config={})
     with pytest.raises(ValueError, match="names no CPUOffloadingConnector"):
         MetadataServer.from_vllm_config(_vllm_config(other, tmp_path))
+
+
+#: This package's modules at upstream's file names: vLLM-Ascend's wheel ships its own files
+#: there and, installed after ours, overwrites them.
+UPSTREAM_PATHS = {"metadata", "cpu_kv_cache_manager"}
+PKG = "vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload"
+
+
+def test_metadata_re_exports_ours() -> None:
+    assert metadata.MetadataServer is server.MetadataServer
+    assert metadata.MetadataServerProc is server.MetadataServerProc
+    assert metadata.get_cpu_offload_connector is config.get_cpu_offload_connector
+
+
+def _imported_upstream_paths(source: str) -> set[str]:
+    """The upstream paths of this package that ``source`` imports (relatively or by name)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level or module.startswith(PKG):
+                parts = {*module.split("."), *(a.name for a in node.names)}
+                found |= parts & UPSTREAM_PATHS
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith(PKG):
+                    found |= set(alias.name.split(".")) & UPSTREAM_PATHS
+    return found
+
+
+def test_no_module_of_ours_imports_an_upstream_path() -> None:
+    """What runs imports only files we ship: an upstream path re-exports ours, never the
+    other way (``MetadataServer.from_vllm_config`` once imported ``metadata.py``)."""
+    assert _imported_upstream_paths("from ..metadata import x\nfrom . import metadata") == {
+        "metadata"}
+    root = Path(metadata.__file__).parent
+    importers = {str(path.relative_to(root)): found for path in sorted(root.rglob("*.py"))
+                 if path.stem not in UPSTREAM_PATHS
+                 and (found := _imported_upstream_paths(path.read_text()))}
+    assert importers == {}
 
 
 def test_run_metadata_server_serves_until_stopped_and_cleans_up(tmp_path: Path) -> None:

@@ -5,16 +5,22 @@ Upstream's keys keep their meaning: ``cpu_swap_space_gb`` is the host memory
 of the whole instance in GiB and ``swap_in_threshold`` the fewest tokens
 worth loading back. ``cpu_swap_space`` is the same capacity written as a size
 (``"512MB"``, ``"1.5GB"``, or bytes); the remaining keys are ours.
+
+:func:`get_cpu_offload_connector` finds the connector's ``KVTransferConfig`` in vLLM's
+config, also as a ``MultiConnector`` child.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from vllm_ascend.distributed.kv_transfer.core.config.base import ConfigSection, option
 from vllm_ascend.distributed.kv_transfer.core.config.sizes import format_size
 from vllm_ascend.distributed.kv_transfer.core.errors import ConfigError
+
+from . import CONNECTOR_NAME
 
 #: Host capacity used when neither ``cpu_swap_space_gb`` nor ``cpu_swap_space`` is given.
 #: Upstream defaulted to 800 GiB, which no development machine has; the pool is
@@ -85,3 +91,37 @@ class CPUOffloadConfig(ConfigSection):
         if self.cpu_swap_space_gb is not None:
             return int(self.cpu_swap_space_gb * (1 << 30))
         return DEFAULT_SWAP_SPACE_BYTES
+
+
+def _field(config: Any, name: str) -> Any:
+    return config.get(name) if isinstance(config, dict) else getattr(config, name, None)
+
+
+def get_cpu_offload_connector(vllm_config: Any) -> Any:
+    """The ``kv_transfer_config`` of ``CPUOffloadingConnector``, or None.
+
+    The engine's own config when it names the connector; otherwise the first child
+    of a ``MultiConnector`` that does (a child given as a dict comes back with its fields
+    as attributes).
+    """
+    kv = getattr(vllm_config, "kv_transfer_config", None)
+    if kv is None:
+        return None
+    if _field(kv, "kv_connector") == CONNECTOR_NAME:
+        return kv
+    if _field(kv, "kv_connector") == "MultiConnector":
+        extra = _field(kv, "kv_connector_extra_config") or {}
+        for child in extra.get("connectors") or ():
+            if _field(child, "kv_connector") == CONNECTOR_NAME:
+                if isinstance(child, dict):
+                    return _ChildConfig(child)
+                return child
+    return None
+
+
+class _ChildConfig:
+    """Attribute access to a ``MultiConnector`` child given as a dict."""
+
+    def __init__(self, fields: dict[str, Any]) -> None:
+        self.__dict__.update(fields)
+        self.kv_connector_extra_config = fields.get("kv_connector_extra_config") or {}

@@ -10,6 +10,9 @@ speaking :mod:`.protocol` through core's
 :class:`~vllm_ascend.distributed.kv_transfer.core.channel.RpcServer`:
 garbage, pickles and malformed messages get an error reply and the server
 keeps serving; nothing received is ever unpickled.
+
+:class:`MetadataServerProc` is upstream's entry point that runs it until told to stop
+(upstream's path ``metadata.py`` re-exports both).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from vllm_ascend.distributed.kv_transfer.core.channel import RpcServer
 from vllm_ascend.distributed.kv_transfer.core.config.sizes import format_size
 from vllm_ascend.distributed.kv_transfer.core.wire import Ack, ErrorReply, Message
 
+from ..config import CPUOffloadConfig, get_cpu_offload_connector
 from ..errors import OffloadError, OffloadProtocolError
 from .block_manager import HostBlockManager
 from .host_pool import HostSegment, plan_num_blocks, shm_dir
@@ -105,9 +109,7 @@ class MetadataServer:
         Raises:
             ValueError: the config names no ``CPUOffloadingConnector``.
         """
-        from ..config import CPUOffloadConfig
-        from ..contract import endpoint_for
-        from ..metadata import get_cpu_offload_connector
+        from ..contract import endpoint_for  # needs vLLM: only when built from its config
 
         kv = get_cpu_offload_connector(vllm_config)
         if kv is None:
@@ -335,3 +337,38 @@ class MetadataServer:
                           aborted_blocks=m.stats.aborted_blocks,
                           expired_jobs=m.stats.expired_jobs, expired_pins=m.stats.expired_pins,
                           registered_ranks=sorted(self._ranks))
+
+
+class MetadataServerProc:
+    """Upstream's entry point that runs the metadata server until told to stop."""
+
+    @staticmethod
+    def run_metadata_server(vllm_config: Any, stop: threading.Event | None = None) -> None:
+        """Serve the instance's metadata until ``stop`` is set (or the process exits).
+
+        Does nothing when prefix caching is off or no ``CPUOffloadingConnector`` is
+        configured, as upstream. The server shuts down (segments and socket file
+        removed) however the wait ends.
+
+        Args:
+            vllm_config: the engine's config.
+            stop: set it to return; default: wait until ``SystemExit``/``KeyboardInterrupt``.
+        """
+        cache = getattr(vllm_config, "cache_config", None)
+        if not getattr(cache, "enable_prefix_caching", False):
+            return
+        if get_cpu_offload_connector(vllm_config) is None:
+            return
+        stop = stop or threading.Event()
+        server: MetadataServer | None = None
+        try:
+            server = MetadataServer.from_vllm_config(vllm_config).start()
+            logger.info("Metadata server started on %s.", server.endpoint)
+            while not stop.wait(0.5):
+                pass
+        except (SystemExit, KeyboardInterrupt):
+            logger.info("Metadata server exiting.")
+            raise
+        finally:
+            if server is not None:
+                server.shutdown()
