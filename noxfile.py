@@ -223,10 +223,14 @@ def demo(session: nox.Session) -> None:
 # ---------------------------------------------------------------------- static checks
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
-    """ruff over every package, the tests, the tools and this file."""
-    session.install("ruff>=0.6")
+    """ruff over every package, the tests, the tools and this file; then no import cycle in
+    packages/*/src (tools/import_cycles.py, after its own tests)."""
+    session.install("ruff>=0.6", "pytest>=8")
     session.run("ruff", "check", "packages", "tests-e2e", "tests-faults", "tests-soak", "testing",
                 "tools", "benchmarks", "demo", "noxfile.py")
+    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                str(ROOT / "tools" / "test_import_cycles.py"))
+    session.run("python", str(ROOT / "tools" / "import_cycles.py"))
 
 
 @nox.session(python=PYTHON)
