@@ -17,7 +17,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ascend_kv_testing.serving import AppThread
 from vllm_ascend.distributed.kv_transfer.core.net import free_port
 from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.app import ProxyConfig, build_app
-from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.balancer import Pool
+from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.instances import InstanceSet
+from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.policies import LeastLoaded
 
 
 class FakeVLLM:
@@ -178,18 +179,16 @@ def test_prefill_without_params_lets_decode_recompute(client_for: Any) -> None:
 
 
 def test_least_loaded_prefers_idle_instances() -> None:
-    pool = Pool("decode", ["http://a", "http://b", "http://c"], "least_loaded")
-    a, b, c = pool.instances
-    pool.begin(a)
-    pool.begin(a)
-    pool.begin(b)
-    assert pool.pick()[0] is c
-    pool.mark(c, False)
-    assert pool.pick()[0] is b and pool.pick()[-1] is c
+    decode = InstanceSet("decode", ["http://a", "http://b", "http://c"], LeastLoaded())
+    a, b, c = decode.instances
+    decode.begin(a)
+    decode.begin(a)
+    decode.begin(b)
+    assert decode.pick()[0] is c
+    decode.mark(c, False)
+    assert decode.pick()[0] is b and decode.pick()[-1] is c
     with pytest.raises(ValueError, match="no decode instance"):
-        Pool("decode", [])
-    with pytest.raises(ValueError, match="unknown policy"):
-        Pool("decode", ["http://a"], "random")  # type: ignore[arg-type]
+        InstanceSet("decode", [], LeastLoaded())
 
 
 def test_a_slow_health_answer_delays_no_other_instance(client_for: Any) -> None:

@@ -21,7 +21,8 @@ from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
 from vllm_ascend.distributed.kv_transfer.core.net import free_port
 from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig
 from vllm_ascend.distributed.kv_transfer.kv_p2p.p2p_metrics import P2P_METRICS
-from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.app import Proxy, ProxyConfig
+from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.app import ProxyConfig
+from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.service import Proxy
 from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_contract import (
     MooncakeConnectorMetadata,
     SendMeta,

@@ -14,10 +14,10 @@ import zmq
 
 from ascend_kv_testing.requires import require
 from vllm_ascend.distributed.kv_transfer.core.net import free_port
-from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.balancer import Instance
 from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.events import EventsEndpoint, EventStream
+from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.instances import Instance
 from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.prefix_index import (
-    BlockHasher,
+    PrefixCacheHasher,
     PrefixIndex,
     block_key,
 )
@@ -111,19 +111,19 @@ TOKENS = list(range(100, 117))  # 4 full blocks and one token
 # ---------------------------------------------------------------- hashes and index
 @pytest.mark.parametrize("algo", ["sha256", "sha256_cbor"])
 def test_block_hashes_are_vllms(algo: str) -> None:
-    mine = BlockHasher(algo).keys(TOKENS, BS)
+    mine = PrefixCacheHasher(algo).keys(TOKENS, BS)
     assert mine == [block_key(h) for h in vllm_block_hashes(TOKENS, algo)]
-    assert len(mine) == 4 and BlockHasher(algo).keys(TOKENS, BS, limit=2) == mine[:2]
-    assert BlockHasher(algo, seed="other").keys(TOKENS, BS) != mine  # the seed matters
+    assert len(mine) == 4 and PrefixCacheHasher(algo).keys(TOKENS, BS, limit=2) == mine[:2]
+    assert PrefixCacheHasher(algo, seed="other").keys(TOKENS, BS) != mine  # the seed matters
 
 
 def test_hasher_settings_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="unknown prefix-caching hash algo"):
-        BlockHasher("md5")
+        PrefixCacheHasher("md5")
     with pytest.raises(ValueError, match="PYTHONHASHSEED"):
-        BlockHasher("xxhash")
+        PrefixCacheHasher("xxhash")
     monkeypatch.setenv("PYTHONHASHSEED", "7")
-    assert BlockHasher("sha256").seed == "7"
+    assert PrefixCacheHasher("sha256").seed == "7"
     assert block_key(2**70 + 5) == 5 and block_key(b"\x00" * 24 + (9).to_bytes(8, "big")) == 9
 
 
@@ -144,11 +144,11 @@ def test_prefix_index_media_and_prefix() -> None:
 
 # ---------------------------------------------------------------- the event stream
 def stream_for(pub: Publisher, **kw: Any) -> EventStream:
-    return EventStream("p0", pub.where, PrefixIndex(), BlockHasher(), **kw).start()
+    return EventStream("p0", pub.where, PrefixIndex(), PrefixCacheHasher(), **kw).start()
 
 
 def keys(tokens: list[int] = TOKENS) -> list[int]:
-    return BlockHasher().keys(tokens, BS)
+    return PrefixCacheHasher().keys(tokens, BS)
 
 
 def test_stream_follows_store_remove_clear(publisher: Publisher) -> None:
@@ -172,7 +172,7 @@ def test_stream_follows_store_remove_clear(publisher: Publisher) -> None:
 
 
 def test_misaligned_hash_settings_disable_the_index(publisher: Publisher) -> None:
-    s = EventStream("p0", publisher.where, PrefixIndex(), BlockHasher(seed="not-the-same"))
+    s = EventStream("p0", publisher.where, PrefixIndex(), PrefixCacheHasher(seed="not-the-same"))
     s.start()
     try:
         publisher.publish(stored(TOKENS[:8]))
@@ -198,7 +198,7 @@ def test_a_lost_batch_is_replayed(publisher: Publisher) -> None:
     sub.close(linger=0)
     ctx = zmq.Context()
     try:
-        s = EventStream("p0", publisher.where, PrefixIndex(), BlockHasher())
+        s = EventStream("p0", publisher.where, PrefixIndex(), PrefixCacheHasher())
         s.handle(frames[0], ctx)
         s.handle(frames[2], ctx)  # batch 1 lost: fetched from the replay socket
         assert s.counts.get("gaps_replayed") == 1 and s.last_seq == 2
@@ -207,7 +207,7 @@ def test_a_lost_batch_is_replayed(publisher: Publisher) -> None:
         assert "restarts" not in s.counts and s.state == "live"
         # without a replay socket the index is cleared and rebuilt from live events
         bare = EventStream("p1", EventsEndpoint(publisher.where.endpoint), PrefixIndex(),
-                           BlockHasher())
+                           PrefixCacheHasher())
         bare.handle(frames[0], ctx)
         assert bare.index.matched(keys()) == 1
         bare.handle(frames[2], ctx)
@@ -255,7 +255,7 @@ def test_garbage_and_unknown_events_do_not_kill_the_stream(publisher: Publisher)
     pub = ctx.socket(zmq.PUB)
     pub.bind(f"tcp://127.0.0.1:{port}")
     s = EventStream("p0", EventsEndpoint(f"tcp://127.0.0.1:{port}"), PrefixIndex(),
-                    BlockHasher()).start()
+                    PrefixCacheHasher()).start()
     try:
         enc = msgspec.msgpack.Encoder()
         good = enc.encode(batch(stored(TOKENS[:4])))
@@ -362,7 +362,7 @@ def test_prompt_blocks_are_hashed_only_while_some_instance_holds_them(
 def test_a_publisher_that_starts_later_is_picked_up() -> None:
     late = Publisher.__new__(Publisher)
     late.port, late.replay_port = free_port(), free_port()
-    s = EventStream("p0", late.where, PrefixIndex(), BlockHasher(),
+    s = EventStream("p0", late.where, PrefixIndex(), PrefixCacheHasher(),
                     replay_timeout_s=0.5).start()
     try:
         time.sleep(1.0)
@@ -377,7 +377,7 @@ def test_a_publisher_that_starts_later_is_picked_up() -> None:
 
 
 def test_predictions_are_checked_against_the_reported_hit() -> None:
-    from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.model import Metrics
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.metrics import Metrics
     from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.router import reported_cached_tokens
 
     r = router_with({"a": 3, "b": 1})

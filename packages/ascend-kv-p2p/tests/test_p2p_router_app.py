@@ -22,7 +22,7 @@ from vllm_ascend.distributed.kv_transfer.core.net import free_port
 from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.app import ProxyConfig, build_app
 from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.cli import build_parser, kv_settings, main
 from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.events import EventsEndpoint
-from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.prefix_index import BlockHasher
+from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.prefix_index import PrefixCacheHasher
 from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.router import KvAwareSettings
 
 kv_events = require("vllm.distributed.kv_events")
@@ -60,7 +60,7 @@ class StubP:
     prompt's full blocks, publishes them as vLLM does and reports its cache hit."""
 
     def __init__(self, pushed: dict[str, threading.Event] | None = None) -> None:
-        self.hasher = BlockHasher()
+        self.hasher = PrefixCacheHasher()
         self.cache: set[bytes] = set()
         self.served: list[list[int]] = []
         self.pushed = pushed

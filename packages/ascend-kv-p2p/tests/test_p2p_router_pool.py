@@ -16,9 +16,9 @@ import pytest
 from ascend_kv_testing.faults import wait_for
 from ascend_kv_testing.requires import require
 from vllm_ascend.distributed.kv_transfer.core.net import free_port
-from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.balancer import Instance
 from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.cli import build_parser, kv_settings
 from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.events import EventsEndpoint, EventStream
+from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.instances import Instance
 from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.prefix_index import (
     PoolIndex,
 )
@@ -238,7 +238,7 @@ def test_pool_hash_mismatch_disables_the_pool_only() -> None:
 
 
 def test_predictions_are_split_by_source() -> None:
-    from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.model import Metrics
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.metrics import Metrics
 
     r = fed_router(pool_shared=True)
     r.metrics = m = Metrics()
@@ -310,15 +310,13 @@ def test_command_line_of_pools() -> None:
 
 def test_the_proxy_tokenizes_when_only_a_pool_index_predicts() -> None:
     """Every device index unusable, the pool's usable: the prompt is still tokenized."""
-    from types import SimpleNamespace
-
-    from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.app import Proxy
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.policies import KvAware
 
     r = fed_router(pool_shared=True)
     r.streams[B].handle(Frames()(*[pool_stored(i) for i in range(4)]))
-    proxy = SimpleNamespace(router=r)
-    assert Proxy._predicts(proxy, insts())  # type: ignore[arg-type]
+    policy = KvAware(r)
+    assert policy.predicts(insts())
     r.usable = lambda _url: None  # type: ignore[method-assign]  # no device index usable
-    assert r.pool_usable(A) is not None and Proxy._predicts(proxy, insts())  # type: ignore[arg-type]
+    assert r.pool_usable(A) is not None and policy.predicts(insts())
     r.pool_usable = lambda _url: None  # type: ignore[method-assign]
-    assert not Proxy._predicts(proxy, insts())  # type: ignore[arg-type]
+    assert not policy.predicts(insts())

@@ -9,9 +9,9 @@ import sys
 from collections.abc import Sequence
 
 from .app import ProxyConfig, build_app
-from .balancer import POLICIES
 from .events import EventsEndpoint
 from .model import MODES
+from .policies import policy_class, policy_names
 from .prefix_index import HASH_ALGOS, POOL_MAX_BLOCKS, POOL_MEDIUM
 from .router import KvAwareSettings
 
@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="serve HTTPS with this certificate (the decode instances' "
                              "tls_config must trust it)")
     parser.add_argument("--ssl-keyfile", default=None, help="private key of --ssl-certfile")
-    parser.add_argument("--policy", choices=POLICIES, default="round_robin",
+    parser.add_argument("--policy", choices=policy_names(), default="round_robin",
                         help="how an instance is chosen (default: %(default)s); kv_aware: the "
                              "P instance with the longest cached prefix of the prompt, traded "
                              "against its requests in flight (see docs/quickstart-pd.md)")
@@ -164,9 +164,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if not args.prefill or not args.decode:
         parser.error("the following arguments are required: --prefill, --decode")
-    if args.prefill_events and args.policy != "kv_aware":
+    follows_events = policy_class(args.policy).follows_kv_events
+    if args.prefill_events and not follows_events:
         parser.error("--prefill-events is for --policy kv_aware")
-    if (args.pool_shared or args.prefill_pool) and args.policy != "kv_aware":
+    if (args.pool_shared or args.prefill_pool) and not follows_events:
         parser.error("--pool-shared and --prefill-pool are for --policy kv_aware")
     if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
         parser.error("--ssl-certfile and --ssl-keyfile go together")
@@ -178,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       timeout_s=args.timeout, health_interval_s=args.health_interval,
                       lease_renew_interval_s=args.lease_renew_interval,
                       kv_error_fallback=args.kv_error_fallback,
-                      kv=kv_settings(parser, args) if args.policy == "kv_aware" else None,
+                      kv=kv_settings(parser, args) if follows_events else None,
                       mode=args.mode,
                       metaserver_url=metaserver_url(args) if args.mode == "layerwise" else None)
     uvicorn.run(build_app(cfg), host=args.host, port=args.port, log_level=args.log_level,

@@ -50,7 +50,7 @@ from typing import Any
 
 import msgspec
 
-from .prefix_index import POOL_MEDIUM, BlockHasher, PoolIndex, PrefixIndex, block_key
+from .prefix_index import POOL_MEDIUM, PoolIndex, PrefixCacheHasher, PrefixIndex, block_key
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ class EventStream:
     """
 
     def __init__(self, name: str, where: EventsEndpoint, index: PrefixIndex,
-                 hasher: BlockHasher | None = None,
+                 hasher: PrefixCacheHasher | None = None,
                  on_event: Callable[[str], None] | None = None,
                  replay_timeout_s: float = 2.0, pool: PoolIndex | None = None,
                  pool_medium: str = POOL_MEDIUM) -> None:

@@ -44,7 +44,7 @@ def block_key(block_hash: bytes | int) -> int:
     return int.from_bytes(block_hash, "big") & _MASK
 
 
-class BlockHasher:
+class PrefixCacheHasher:
     """vLLM's prefix-cache block hashes of a token sequence.
 
     Args:

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The ``kv_aware`` policy: the prefill instance with the longest cached prefix, traded
-against load.
+"""The ``kv_aware`` policy's scores (:class:`.policies.KvAware` asks them): the prefill
+instance with the longest cached prefix, traded against load.
 
 For each request the router gets the prompt's token ids (given, or from a P instance's
 ``/tokenize``), computes vLLM's block hashes of its full blocks (:mod:`.prefix_index`) and
@@ -50,8 +50,8 @@ from .events import EventsEndpoint, EventStream
 from .prefix_index import (
     POOL_MAX_BLOCKS,
     POOL_MEDIUM,
-    BlockHasher,
     PoolIndex,
+    PrefixCacheHasher,
     PrefixIndex,
     block_key,
 )
@@ -59,8 +59,8 @@ from .prefix_index import (
 if TYPE_CHECKING:
     import httpx
 
-    from .balancer import Instance
-    from .model import Metrics
+    from .instances import Instance
+    from .metrics import Metrics
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ class KvRouter:
     def __init__(self, settings: KvAwareSettings, metrics: Metrics | None = None) -> None:
         self.settings = settings
         self.metrics = metrics
-        self.hasher = BlockHasher(settings.hash_algo, settings.hash_seed)
+        self.hasher = PrefixCacheHasher(settings.hash_algo, settings.hash_seed)
         self.streams: dict[str, EventStream] = {}
         self.indexes: dict[str, PrefixIndex] = {}
         #: pool name -> its index; P instance URL -> its pool's name
@@ -329,7 +329,7 @@ class KvRouter:
 class _Chain:
     """The block keys of one prompt for one block size, hashed on demand, once."""
 
-    def __init__(self, hasher: BlockHasher, tokens: Sequence[int], block_size: int) -> None:
+    def __init__(self, hasher: PrefixCacheHasher, tokens: Sequence[int], block_size: int) -> None:
         self.hasher = hasher
         self.tokens = tokens
         self.block_size = block_size

@@ -24,8 +24,8 @@ from .events import EventsEndpoint
 from .model import error_response
 
 if TYPE_CHECKING:
-    from .app import Proxy
-    from .balancer import Instance
+    from .instances import Instance
+    from .service import Proxy
 
 logger = logging.getLogger(__name__)
 
@@ -55,46 +55,43 @@ def _refuse_admin(proxy: Proxy, request: Request) -> Response | None:
 
 
 def instance_status(proxy: Proxy, role: str) -> list[dict[str, Any]]:
-    """Each instance of ``role`` with, for P under kv_aware, its index and event stream."""
-    pool = proxy.prefill if role == "prefill" else proxy.decode
+    """Each instance of ``role`` with, for P, what the policy knows of it (kv_aware: its
+    index and event stream)."""
     out = []
-    for inst in pool.instances:
+    for inst in proxy.instances(role).instances:
         d = inst.as_dict()
-        if role == "prefill" and proxy.router is not None:
-            d.update(proxy.router.status(inst.url))
+        if role == "prefill":
+            d.update(proxy.policy.instance_status(inst.url))
         out.append(d)
     return out
+
+
+def events_endpoint(proxy: Proxy, spec: Any) -> EventsEndpoint | None:
+    """The KV events endpoint given for a new P (None: none, or the policy follows none).
+
+    Raises:
+        ValueError: ``spec`` is not an endpoint.
+    """
+    if not spec or not proxy.policy.follows_kv_events:
+        return None
+    return EventsEndpoint.parse(str(spec), proxy.cfg.kv.topic if proxy.cfg.kv else "")
 
 
 def add_instance(proxy: Proxy, role: str, url: str, events: EventsEndpoint | None
                  ) -> Instance:
     """Add a P or D instance while running (with ``events``: followed by kv_aware)."""
-    pool = proxy.prefill if role == "prefill" else proxy.decode
-    inst = pool.add(url)
-    if role == "prefill" and proxy.router is not None:
-        proxy.router.add(inst.url, events)
+    inst = proxy.instances(role).add(url)
+    if role == "prefill":
+        proxy.policy.instance_added(inst.url, events)
     return inst
 
 
 def remove_instance(proxy: Proxy, role: str, url: str) -> Instance:
     """Remove one; its requests in flight finish on it."""
-    pool = proxy.prefill if role == "prefill" else proxy.decode
-    inst = pool.remove(url)
-    if role == "prefill" and proxy.router is not None:
-        proxy.router.remove(inst.url)
+    inst = proxy.instances(role).remove(url)
+    if role == "prefill":
+        proxy.policy.instance_removed(inst.url)
     return inst
-
-
-def update_gauges(proxy: Proxy) -> None:
-    """The prefix-index gauges, read at scrape time."""
-    router = proxy.router
-    if router is None:
-        return
-    for inst in proxy.prefill.instances:
-        index = router.indexes.get(inst.url)
-        proxy.metrics.index_blocks.labels(inst.url).set(len(index) if index else 0)
-        proxy.metrics.events_live.labels(inst.url).set(
-            1 if router.usable(inst.url) is not None else 0)
 
 
 def add_operator_routes(app: FastAPI, proxy: Proxy) -> None:
@@ -103,10 +100,9 @@ def add_operator_routes(app: FastAPI, proxy: Proxy) -> None:
 
     @app.get("/v1/models")
     async def models() -> Response:
-        assert proxy.client is not None
         for inst in proxy.decode.pick():
             try:
-                r = await proxy.client.get(inst.url + "/v1/models", timeout=10.0)
+                r = await proxy.upstream.client.get(inst.url + "/v1/models", timeout=10.0)
             except httpx.HTTPError:
                 continue
             return Response(r.content, status_code=r.status_code,
@@ -124,14 +120,14 @@ def add_operator_routes(app: FastAPI, proxy: Proxy) -> None:
     @app.get("/status")
     async def status() -> Response:
         return JSONResponse({"mode": cfg.mode, "policy": cfg.policy, **proxy.records,
-                             "pending": len(proxy.pending),
-                             "recent": list(proxy.history),
+                             "pending": len(proxy.layerwise.pending),
+                             "recent": list(proxy.layerwise.history),
                              "prefill": instance_status(proxy, "prefill"),
                              "decode": instance_status(proxy, "decode")})
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        update_gauges(proxy)
+        proxy.policy.update_gauges(proxy.metrics, proxy.prefill.instances)
         return Response(generate_latest(proxy.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/admin/instances")
@@ -149,9 +145,7 @@ def add_operator_routes(app: FastAPI, proxy: Proxy) -> None:
         try:
             body = await request.json()
             role, url = str(body["role"]), str(body["url"])
-            events = body.get("events")
-            where = (EventsEndpoint.parse(str(events), proxy.router.settings.topic)
-                     if events and proxy.router is not None else None)
+            where = events_endpoint(proxy, body.get("events"))
             if role not in ("prefill", "decode"):
                 raise ValueError(f"role must be prefill or decode, not {role!r}")
             if not url.startswith(("http://", "https://")):

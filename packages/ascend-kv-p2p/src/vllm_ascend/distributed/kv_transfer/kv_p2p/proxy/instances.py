@@ -1,5 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Instances behind the proxy and the policy that picks one."""
+"""The P or D instances behind the proxy: their state, and the set of one role's.
+
+An :class:`InstanceSet` keeps its instances' health and load; the order it offers them in
+is its :class:`Ordering`'s (a :class:`~.routing.RoutingPolicy`).
+"""
 
 from __future__ import annotations
 
@@ -8,12 +12,15 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Protocol
 
-Policy = Literal["round_robin", "least_loaded", "kv_aware"]
-#: ``kv_aware`` orders like ``least_loaded`` here; :mod:`.router` reorders the prefill
-#: instances by their cached prefix of each request.
-POLICIES: tuple[str, ...] = ("round_robin", "least_loaded", "kv_aware")
+
+class Ordering(Protocol):
+    """What an :class:`InstanceSet` asks its routing policy."""
+
+    def order(self, instances: list[Instance], turn: int) -> list[Instance]:
+        """``instances`` (all of them) in preference order; ``turn`` counts the set's picks."""
+        ...
 
 
 @dataclass
@@ -35,37 +42,31 @@ class Instance:
                 "last_error": self.last_error}
 
 
-class Pool:
-    """Instances of one role with a selection policy.
+class InstanceSet:
+    """The instances of one role, offered in their routing policy's order.
 
-    ``pick`` returns healthy instances in preference order (the caller tries the
-    next one when a connection fails); unhealthy instances come last, so a pool
-    whose health checks are stale still gets a try rather than an instant 503.
+    ``pick`` returns the healthy instances in the policy's order (the caller tries the
+    next one when a connection fails), then the unhealthy ones, so that a set whose
+    health checks are stale still gets a try rather than an instant 503.
 
     ``add`` and ``remove`` replace the instance list under the lock (copy on write): a
     reader iterating ``instances`` keeps the list it took; a removed instance's requests
     in flight finish on it.
     """
 
-    def __init__(self, role: str, urls: Iterable[str], policy: Policy = "round_robin") -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"unknown policy {policy!r}; expected one of {POLICIES}")
+    def __init__(self, role: str, urls: Iterable[str], ordering: Ordering) -> None:
         self.role = role
-        self.policy = policy
+        self.ordering = ordering
         self.instances = [Instance(u.rstrip("/"), role) for u in urls]
         if not self.instances:
             raise ValueError(f"no {role} instance given")
-        self._rr = itertools.count()
+        self._turns = itertools.count()
         self._lock = threading.Lock()
 
     def pick(self) -> list[Instance]:
         with self._lock:
-            n = len(self.instances)
-            start = next(self._rr) % n
-            rotated = self.instances[start:] + self.instances[:start]
-            if self.policy in ("least_loaded", "kv_aware"):
-                rotated.sort(key=lambda i: i.in_flight)  # stable: ties keep round-robin order
-            return [i for i in rotated if i.healthy] + [i for i in rotated if not i.healthy]
+            ordered = self.ordering.order(list(self.instances), next(self._turns))
+            return [i for i in ordered if i.healthy] + [i for i in ordered if not i.healthy]
 
     def find(self, url: str) -> Instance | None:
         url = url.rstrip("/")
@@ -75,7 +76,7 @@ class Pool:
         """Add an instance (healthy until its first health check says otherwise).
 
         Raises:
-            ValueError: it is in the pool already.
+            ValueError: it is in the set already.
         """
         inst = Instance(url.rstrip("/"), self.role)
         with self._lock:
@@ -85,10 +86,10 @@ class Pool:
         return inst
 
     def remove(self, url: str) -> Instance:
-        """Take an instance out of the pool.
+        """Take an instance out of the set.
 
         Raises:
-            KeyError: it is not in the pool.
+            KeyError: it is not in the set.
             ValueError: it is the last one.
         """
         url = url.rstrip("/")
