@@ -19,7 +19,7 @@ import logging
 import math
 import types
 import typing
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, TypeVar, Union, get_args, get_origin
 
@@ -44,7 +44,7 @@ def option(
     size: bool = False,
     minimum: float | None = None,
     maximum: float | None = None,
-    choices: tuple[Any, ...] | None = None,
+    choices: Sequence[Any] | None = None,
     required: bool = False,
 ) -> Any:
     """Declare a configuration key.
@@ -58,7 +58,8 @@ def option(
         size: the value is a byte size (``int`` or ``"1.5GB"``-style string).
         minimum: smallest accepted number.
         maximum: largest accepted number.
-        choices: the accepted values (for strings this is case-insensitive).
+        choices: the accepted values (for strings this is case-insensitive); a live
+            sequence (a registry's view of its names) is read at each check and description.
         required: the key must be given (no default applies).
     """
     meta = {
@@ -341,7 +342,7 @@ def _raise(exc: Exception) -> Any:
     raise exc
 
 
-def _choice(value: Any, choices: tuple[Any, ...], key: str, source: str) -> Any:
+def _choice(value: Any, choices: Sequence[Any], key: str, source: str) -> Any:
     for c in choices:
         if value == c or (isinstance(value, str) and isinstance(c, str) and value.lower() == c.lower()):
             return c
