@@ -24,14 +24,16 @@ from vllm_ascend.distributed.kv_transfer.core.config.base import ConfigSection, 
 from vllm_ascend.distributed.kv_transfer.core.errors import ConfigError
 
 from .backend.eviction import DEFAULT_POLICY, POLICY_NAMES
+from .backend.registry import backend_entries, backend_names
 
 logger = logging.getLogger(__name__)
 
 #: Environment variable naming the Mooncake Store JSON configuration.
 MOONCAKE_CONFIG_ENV = "MOONCAKE_CONFIG_PATH"
 
-#: Backends of the pool, by the name used in the ``backend`` key.
-POOL_BACKENDS = ("local", "mooncake", "memcache")
+#: Backends of the pool, by the name used in the ``backend`` key: a live view of
+#: :mod:`.backend.registry` (a backend registered later is accepted and listed too).
+POOL_BACKENDS = backend_names()
 
 #: Threads the ``local`` backend copies a big put or get with, by default (at most the CPUs
 #: the process may run on).
@@ -113,8 +115,9 @@ class AscendStoreConfig(ConfigSection):
 
     backend: str = option(
         "local", choices=POOL_BACKENDS,
-        doc="Where the pool lives: 'local' (host memory of this process, LRU; zero "
-            "configuration), 'mooncake' (Mooncake Store) or 'memcache' (memcache_hybrid).")
+        doc="Where the pool lives: " + ", ".join(
+            f"'{e.name}'" + (f" ({e.summary})" if e.summary else "") for e in backend_entries())
+            + "; another backend registers with backend.registry.register_backend.")
     use_layerwise: bool = option(
         False, doc="Save and load layer by layer, overlapping the transfers with the forward.")
     load_async: bool = option(

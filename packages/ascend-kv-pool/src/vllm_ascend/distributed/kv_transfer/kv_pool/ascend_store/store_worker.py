@@ -69,12 +69,10 @@ MAX_MERGED_SAVES = 64
 
 def create_backend(cfg: AscendStoreConfig, ctx: PoolContext, *, parallel_config: Any = None,
                    host_memory: bool = True) -> Backend:
-    """The backend named by ``cfg.backend``."""
-    cls = backend_class(cfg.backend)
-    kwargs: dict[str, Any] = {"config": cfg}
-    if cfg.backend == "memcache":
-        kwargs.update(device_id=ctx.tp_rank + ctx.pp_rank * ctx.tp_size, host_memory=host_memory)
-    return cls(parallel_config, **kwargs)
+    """The backend named by ``cfg.backend`` (:mod:`.backend.registry`), built by its own
+    :meth:`~.backend.base.Backend.create`."""
+    return backend_class(cfg.backend).create(cfg, ctx, parallel_config=parallel_config,
+                                             host_memory=host_memory)
 
 
 class KVPoolWorker:

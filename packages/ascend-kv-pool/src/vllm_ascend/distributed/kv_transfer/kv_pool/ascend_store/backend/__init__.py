@@ -11,14 +11,15 @@ The classes live in modules only ascend-kv-pool ships (:mod:`.base`,
 worker finds them through :mod:`.registry`; upstream's paths (this file,
 ``backend.py``, ``mooncake_backend.py``, ``memcache_backend.py``) re-export them.
 vLLM-Ascend's wheel ships its own copies of those four, which replace these when
-it is installed after ours; the pool keeps working with ours.
+it is installed after ours; the pool keeps working with ours. A new backend is
+registered in :mod:`.registry`, not here.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .registry import BACKEND_CLASSES, backend_class, load_export
+from .registry import backend_class, backend_names, load_export, register_backend
 
 if TYPE_CHECKING:
     from .base import Backend
@@ -26,8 +27,8 @@ if TYPE_CHECKING:
     from .memcache_store import MemcacheBackend
     from .mooncake_store import MooncakeBackend
 
-__all__ = ["BACKEND_CLASSES", "Backend", "LocalBackend", "MemcacheBackend", "MooncakeBackend",
-           "backend_class"]
+__all__ = ["Backend", "LocalBackend", "MemcacheBackend", "MooncakeBackend", "backend_class",
+           "backend_names", "register_backend"]
 
 
 def __getattr__(name: str) -> Any:

@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import enum
 import logging
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..errors import BackendError
-from .base import Backend, chunks
+from .base import ChunkedBackend
+
+if TYPE_CHECKING:
+    from ..context import PoolContext
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +54,7 @@ def detect_device_type() -> str:
     return "other"
 
 
-class MemcacheBackend(Backend):
+class MemcacheBackend(ChunkedBackend):
     """The pool in memcache.
 
     Args:
@@ -97,6 +100,13 @@ class MemcacheBackend(Backend):
                 "data path needs an Ascend driver)", backend=self.name, op="init", rc=rc)
         self._closed = False
 
+    @classmethod
+    def create(cls, cfg: Any, ctx: PoolContext, *, parallel_config: Any = None,
+               host_memory: bool = True) -> MemcacheBackend:
+        """The worker's backend: its device is the rank's index within the TP x PP group."""
+        return cls(parallel_config, config=cfg, device_id=ctx.tp_rank + ctx.pp_rank * ctx.tp_size,
+                   host_memory=host_memory)
+
     @property
     def store(self) -> Any:
         """The underlying ``DistributedObjectStore``."""
@@ -111,31 +121,18 @@ class MemcacheBackend(Backend):
                 raise BackendError(f"memcache register_buffer({ptr:#x}, {length}) failed: "
                                    f"rc={rc}", backend=self.name, op="register", rc=rc)
 
-    def exists(self, keys: list[str]) -> list[int]:
-        out: list[int] = []
-        for _start, part in chunks(keys, self.max_batch_keys):
-            out.extend(int(r) for r in self._store.batch_is_exist(list(part)))
-        return out
+    def exists_chunk(self, keys: list[str]) -> list[int]:
+        return [int(r) for r in self._store.batch_is_exist(keys)]
 
-    def put(self, keys: list[str], addrs: list[list[int]], sizes: list[list[int]]) -> list[int]:
-        self._check_lists(keys, addrs, sizes)
-        out: list[int] = []
-        for start, part in chunks(keys, self.max_batch_keys):
-            end = start + len(part)
-            res = self._store.batch_put_from_layers(list(part), addrs[start:end],
-                                                    sizes[start:end], self._put_direct)
-            out.extend(_per_key(res, len(part)))
-        return out
+    def put_chunk(self, keys: list[str], addrs: list[list[int]],
+                  sizes: list[list[int]]) -> list[int]:
+        return _per_key(self._store.batch_put_from_layers(keys, addrs, sizes, self._put_direct),
+                        len(keys))
 
-    def get(self, keys: list[str], addrs: list[list[int]], sizes: list[list[int]]) -> list[int]:
-        self._check_lists(keys, addrs, sizes)
-        out: list[int] = []
-        for start, part in chunks(keys, self.max_batch_keys):
-            end = start + len(part)
-            res = self._store.batch_get_into_layers(list(part), addrs[start:end],
-                                                    sizes[start:end], self._get_direct)
-            out.extend(_per_key(res, len(part)))
-        return out
+    def get_chunk(self, keys: list[str], addrs: list[list[int]],
+                  sizes: list[list[int]]) -> list[int]:
+        return _per_key(self._store.batch_get_into_layers(keys, addrs, sizes, self._get_direct),
+                        len(keys))
 
     def close(self) -> None:
         if not self._closed:
@@ -150,14 +147,10 @@ class MemcacheBackend(Backend):
 
 
 def _per_key(res: Any, n: int) -> list[int]:
-    """Per-key codes from a batch call (a list, or one code for the whole batch)."""
+    """Per-key codes from a batch call (a list, or one code for the whole batch of ``n``)."""
     if isinstance(res, int):
         return [int(res)] * n
-    out = [int(r) for r in res]
-    if len(out) != n:
-        raise BackendError(f"memcache returned {len(out)} results for {n} keys",
-                           backend="memcache", op="batch")
-    return out
+    return [int(r) for r in res]
 
 
 def _all_gather_barrier() -> None:

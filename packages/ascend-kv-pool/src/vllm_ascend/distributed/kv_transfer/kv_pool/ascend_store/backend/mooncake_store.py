@@ -12,7 +12,7 @@ with an HTTP metadata server it starts its own.
 
 Store quirks handled here: ``batch_get_into*`` return byte counts (turned into
 0 or an error), a put larger than ``local_buffer_size`` fails with -600
-(reported once, clearly), batches are chunked, and an unreachable master
+(reported once, clearly), batches are chunked (:class:`~.base.ChunkedBackend`), and an unreachable master
 (-900 and friends) raises :class:`BackendUnavailableError`. ``mooncake`` is
 imported only when a backend is created.
 """
@@ -27,7 +27,7 @@ from vllm_ascend.distributed.kv_transfer.core.config.sizes import parse_size
 from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.config import MooncakeStoreConfig
 
 from ..errors import BackendError, BackendUnavailableError
-from .base import RC_ERROR, Backend, chunks
+from .base import RC_ERROR, ChunkedBackend
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ def describe_mooncake_rc(rc: int) -> str:
     return f"{rc} {MOONCAKE_ERRORS.get(rc, 'unknown Mooncake error')}"
 
 
-class MooncakeBackend(Backend):
+class MooncakeBackend(ChunkedBackend):
     """The pool in a Mooncake Store.
 
     Args:
@@ -220,46 +220,32 @@ class MooncakeBackend(Backend):
                                    f"rc={describe_mooncake_rc(rc)}", backend=self.name,
                                    op="register", rc=rc)
 
-    def exists(self, keys: list[str]) -> list[int]:
-        out: list[int] = []
-        for _start, part in chunks(keys, self.max_batch_keys):
-            res = list(self._store.batch_is_exist(list(part)))
-            self._raise_if_unavailable("exists", res)
-            self._master_lost = False
-            out.extend(int(r) for r in res)
-        return out
+    def exists_chunk(self, keys: list[str]) -> list[int]:
+        res = [int(r) for r in self._store.batch_is_exist(keys)]
+        self._raise_if_unavailable("exists", res)
+        self._master_lost = False
+        return res
 
-    def put(self, keys: list[str], addrs: list[list[int]], sizes: list[list[int]]) -> list[int]:
-        self._check_lists(keys, addrs, sizes)
-        out: list[int] = []
-        for start, part in chunks(keys, self.max_batch_keys):
-            end = start + len(part)
-            res = [int(r) for r in self._store.batch_put_from_multi_buffers(
-                list(part), addrs[start:end], sizes[start:end])]
-            self._raise_if_unavailable("put", res)
-            if RC_INVALID_PARAMS in res and not self._warned_too_large:
-                i = res.index(RC_INVALID_PARAMS)
-                logger.error("Mooncake Store refused to put %s (%d bytes): %s; is the object "
-                             "larger than local_buffer_size (%d)?", part[i],
-                             sum(sizes[start + i]), describe_mooncake_rc(RC_INVALID_PARAMS),
-                             self.store_config.local_buffer_size)
-                self._warned_too_large = True
-            out.extend(res)
-        return out
+    def put_chunk(self, keys: list[str], addrs: list[list[int]],
+                  sizes: list[list[int]]) -> list[int]:
+        res = [int(r) for r in self._store.batch_put_from_multi_buffers(keys, addrs, sizes)]
+        self._raise_if_unavailable("put", res)
+        if RC_INVALID_PARAMS in res and not self._warned_too_large:
+            i = res.index(RC_INVALID_PARAMS)
+            logger.error("Mooncake Store refused to put %s (%d bytes): %s; is the object "
+                         "larger than local_buffer_size (%d)?", keys[i], sum(sizes[i]),
+                         describe_mooncake_rc(RC_INVALID_PARAMS),
+                         self.store_config.local_buffer_size)
+            self._warned_too_large = True
+        return res
 
-    def get(self, keys: list[str], addrs: list[list[int]], sizes: list[list[int]]) -> list[int]:
-        self._check_lists(keys, addrs, sizes)
-        out: list[int] = []
-        for start, part in chunks(keys, self.max_batch_keys):
-            end = start + len(part)
-            res = [int(r) for r in self._store.batch_get_into_multi_buffers(
-                list(part), addrs[start:end], sizes[start:end])]
-            self._raise_if_unavailable("get", res)
-            for i, r in enumerate(res):
-                want = sum(sizes[start + i])
-                # get returns the bytes read; anything short is a failed load
-                out.append(0 if r == want else (r if r < 0 else RC_ERROR))
-        return out
+    def get_chunk(self, keys: list[str], addrs: list[list[int]],
+                  sizes: list[list[int]]) -> list[int]:
+        res = [int(r) for r in self._store.batch_get_into_multi_buffers(keys, addrs, sizes)]
+        self._raise_if_unavailable("get", res)
+        # get returns the bytes read; anything short is a failed load
+        return [0 if r == sum(want) else (r if r < 0 else RC_ERROR)
+                for r, want in zip(res, sizes, strict=False)]
 
     def remove(self, keys: list[str], *, force: bool = True) -> list[int]:
         """Remove keys (``force`` ignores leases, which otherwise give -706)."""
