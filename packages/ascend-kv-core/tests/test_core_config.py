@@ -66,3 +66,28 @@ def test_sizes_aliases_required(caplog: pytest.LogCaptureFixture) -> None:
 def test_non_mapping_section_is_a_clear_error() -> None:
     with pytest.raises(ConfigError, match="expected a mapping"):
         _Section.from_dict(["name"])  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class _Inner(ConfigSection):
+    a: int = option(1, doc="a")
+    b: float = option(0.5, doc="b")
+
+
+@dataclass(frozen=True)
+class _Outer(ConfigSection):
+    plain: _Inner = option(default_factory=_Inner, doc="class defaults")
+    tuned: _Inner = option(default_factory=lambda: _Inner(a=7, b=2.5), doc="its own defaults")
+
+
+def test_a_nested_section_takes_the_defaults_of_its_field() -> None:
+    """One section type under two keys: the keys left out take each field's own default,
+    in what is parsed and in what the reference shows."""
+    s = _Outer.from_dict({"plain": {"b": 9.0}, "tuned": {"b": 9.0}})
+    assert s.plain == _Inner(a=1, b=9.0)
+    assert s.tuned == _Inner(a=7, b=9.0)
+    assert _Outer.from_dict({}).tuned == _Inner(a=7, b=2.5)
+    docs = {d.key: d.default for d in _Outer.describe()}
+    assert docs["plain.a"] == "1" and docs["tuned.a"] == "7" and docs["tuned.b"] == "2.5"
+    with pytest.raises(ConfigError, match=r"tuned: a: expected an integer"):
+        _Outer.from_dict({"tuned": {"a": "x"}})

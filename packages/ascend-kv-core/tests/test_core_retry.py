@@ -5,7 +5,8 @@ import threading
 
 import pytest
 
-from vllm_ascend.distributed.kv_transfer.core.retry import RetryGuard
+from vllm_ascend.distributed.kv_transfer.core.errors import ConfigError
+from vllm_ascend.distributed.kv_transfer.core.retry import RetryGuard, RetryPolicy
 
 
 class Clock:
@@ -84,3 +85,56 @@ def test_concurrent_trips_are_all_counted_and_one_is_first() -> None:
     assert guard.trips == 800
     assert firsts.count(True) == 1
     assert not guard.available()
+
+
+def test_retry_policy_waits_grow_by_the_factor_up_to_the_cap() -> None:
+    policy = RetryPolicy(attempts=9, delay_s=0.25, max_delay_s=4.0)
+    assert [policy.delay(n) for n in range(7)] == [0.25, 0.5, 1.0, 2.0, 4.0, 4.0, 4.0]
+    assert RetryPolicy(attempts=3, delay_s=0.2, backoff=1.0).delay(5) == 0.2
+    assert policy.delay(10_000) == 4.0  # no overflow
+    assert policy.retries == 8 and RetryPolicy(deadline_s=1.0).retries is None
+
+
+def test_retry_policy_stops_after_its_attempts() -> None:
+    policy = RetryPolicy(attempts=3, delay_s=0.1, max_delay_s=1.0)
+    got = [policy.next_delay(n, started=0.0, now=0.0) for n in range(4)]
+    assert got == [0.1, 0.2, None, None]  # three tries in all: two retries
+    assert RetryPolicy(attempts=1).next_delay(0, started=0.0, now=0.0) is None
+
+
+def test_retry_policy_stops_at_its_deadline_and_at_the_callers() -> None:
+    policy = RetryPolicy(delay_s=0.01, max_delay_s=0.5, deadline_s=10.0)
+    assert policy.next_delay(50, started=0.0, now=9.99) == 0.5  # no count, before the end
+    assert policy.next_delay(50, started=0.0, now=10.0) is None
+    assert policy.next_delay(0, started=0.0, now=2.0, until=2.5) == 0.01
+    assert policy.next_delay(0, started=0.0, now=2.5, until=2.5) is None  # the caller's
+
+
+def test_a_retry_that_must_fit_needs_its_wait_and_delay_s_left() -> None:
+    """``fit``: a retry starts only if, after its wait, ``delay_s`` of the deadline is left
+    (the rule of D's read retries: a retry that cannot end in time is not made)."""
+    policy = RetryPolicy(attempts=9, delay_s=0.25, max_delay_s=4.0)
+    assert policy.next_delay(1, started=0.0, now=0.0, until=0.76, fit=True) == 0.5
+    assert policy.next_delay(1, started=0.0, now=0.0, until=0.75, fit=True) is None
+    assert policy.next_delay(1, started=0.0, now=0.0, until=0.75) == 0.5  # without fit
+
+
+@pytest.mark.parametrize(("data", "needle"), [
+    ({"attempts": 0}, "attempts: must be >= 1"),
+    ({"delay_s": -1}, "delay_s: must be >= 0"),
+    ({"backoff": 0.5}, "backoff: must be >= 1"),
+    ({"delay_s": 2.0, "max_delay_s": 1.0}, "max_delay_s (1.0) is below delay_s (2.0)"),
+    ({"attempts": None, "deadline_s": None}, "set attempts or deadline_s"),
+    ({"deadline_s": "soon"}, "deadline_s: expected a number"),
+])
+def test_retry_policy_config_errors_name_the_key(data: dict[str, object], needle: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        RetryPolicy.from_dict({"attempts": 2, **data}, source="claim_retry")
+    assert needle in str(info.value) and "claim_retry" in str(info.value)
+
+
+def test_retry_policy_parses_from_config() -> None:
+    policy = RetryPolicy.from_dict({"attempts": "4", "delay_s": 0.05, "max_delay_s": 1})
+    assert policy == RetryPolicy(attempts=4, delay_s=0.05, max_delay_s=1.0)
+    assert [policy.next_delay(n, started=0.0, now=0.0) for n in range(4)] == [
+        0.05, 0.1, 0.2, None]

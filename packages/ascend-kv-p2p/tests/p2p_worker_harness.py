@@ -8,6 +8,7 @@ Imported by file name (this folder is on ``sys.path``, see ``conftest.py``).
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 from typing import Any
 
@@ -29,6 +30,14 @@ def pd_vllm_config(role: str, kv_port: int, *, block_size: int, heads: int,
                                         pipeline_parallel_size=1),
         cache_config=SimpleNamespace(block_size=block_size),
         model_config=SimpleNamespace(model=model, get_total_num_kv_heads=lambda: heads))
+
+
+def set_retry(worker: Any, key: str, **changes: Any) -> None:
+    """Change the retry policy ``key`` (``claim_retry``, ``read_retry``, ...) of a worker's
+    config while it runs (its parts read the policy from ``worker.cfg`` on each retry)."""
+    cfg = worker.cfg
+    worker.cfg = dataclasses.replace(
+        cfg, **{key: dataclasses.replace(getattr(cfg, key), **changes)})
 
 
 def numbered_caches(fill: bool, *, layers: int, blocks: int, heads: int, block_size: int,

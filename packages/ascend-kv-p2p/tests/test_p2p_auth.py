@@ -261,6 +261,7 @@ def test_without_a_key_a_token_is_optional_but_a_wrong_one_is_refused(
 def test_metaserver_wants_the_bearer_token_and_d_sends_it(keyed: None) -> None:
     from fastapi.testclient import TestClient
 
+    from vllm_ascend.distributed.kv_transfer.core.retry import RetryPolicy
     from vllm_ascend.distributed.kv_transfer.kv_p2p.config import TLSConfig
     from vllm_ascend.distributed.kv_transfer.kv_p2p.layerwise_metaserver import MetaserverClient
     from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.app import ProxyConfig, build_app
@@ -268,7 +269,7 @@ def test_metaserver_wants_the_bearer_token_and_d_sends_it(keyed: None) -> None:
     app = build_app(ProxyConfig(prefill=["http://127.0.0.1:9"], decode=["http://127.0.0.1:9"],
                                 health_interval_s=60, mode="layerwise",
                                 metaserver_url="http://127.0.0.1:1/v1/metaserver"))
-    d_client = MetaserverClient(TLSConfig(), timeout_s=1, retries=0)
+    d_client = MetaserverClient(TLSConfig(), timeout_s=1, retry=RetryPolicy(attempts=1))
     headers = d_client._headers()
     d_client.close()
     assert headers["Authorization"] == "Bearer " + Authenticator(
@@ -292,6 +293,7 @@ def test_without_a_key_the_metaserver_and_its_client_are_as_before(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from fastapi.testclient import TestClient
 
+    from vllm_ascend.distributed.kv_transfer.core.retry import RetryPolicy
     from vllm_ascend.distributed.kv_transfer.kv_p2p.config import TLSConfig
     from vllm_ascend.distributed.kv_transfer.kv_p2p.layerwise_metaserver import MetaserverClient
     from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.app import ProxyConfig, build_app
@@ -299,7 +301,7 @@ def test_without_a_key_the_metaserver_and_its_client_are_as_before(
     monkeypatch.delenv(auth.ENV_KEY, raising=False)
     monkeypatch.delenv(auth.ENV_KEY_FILE, raising=False)
     monkeypatch.setattr(auth, "_cached", None)
-    d_client = MetaserverClient(TLSConfig(), timeout_s=1, retries=0)
+    d_client = MetaserverClient(TLSConfig(), timeout_s=1, retry=RetryPolicy(attempts=1))
     assert d_client._headers() == {}
     d_client.close()
     app = build_app(ProxyConfig(prefill=["http://127.0.0.1:9"], decode=["http://127.0.0.1:9"],

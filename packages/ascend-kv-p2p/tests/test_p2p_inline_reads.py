@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 import pytest
 import torch
-from p2p_worker_harness import numbered_caches, pd_vllm_config
+from p2p_worker_harness import numbered_caches, pd_vllm_config, set_retry
 
 from ascend_kv_testing.keys import set_deployment_key
 from vllm_ascend.distributed.kv_transfer.core import auth
@@ -186,10 +186,8 @@ def test_a_read_seen_after_the_window_is_claimed_and_read_again_on_a_pull_thread
     assert pd.d.recorder.total("p2p_window_reads") == (0 if pd.keyed else 1)  # the warm-up's
 
 
-def test_a_failed_inline_read_is_pulled_again_on_a_pull_thread(pd: Any) -> None:
-    """D's knowledge of P's regions is wrong (as after P re-registered its cache): the read
-    fails, a pull thread tries again, fetches P's regions anew and loads."""
-    warm_up(pd)
+def misplace_p_regions(pd: Any) -> None:
+    """Make D's knowledge of P's regions wrong (as after P re-registered its cache)."""
     d = pd.d
     endpoint = tcp_endpoint("127.0.0.1", worker_port(pd.p_port, tp_rank=0, tp_size=1))
     if pd.keyed:  # the regions of the last grant
@@ -201,12 +199,40 @@ def test_a_failed_inline_read_is_pulled_again_on_a_pull_thread(pd: Any) -> None:
         good = d._remote_meta[endpoint]
         d._remote_meta[endpoint] = msgspec.structs.replace(
             good, region_addrs=[a + (1 << 44) for a in good.region_addrs])
+
+
+def test_a_failed_inline_read_is_pulled_again_on_a_pull_thread(pd: Any) -> None:
+    """D's knowledge of P's regions is wrong (as after P re-registered its cache): the read
+    fails, a pull thread tries again, fetches P's regions anew and loads."""
+    warm_up(pd)
+    d = pd.d
+    misplace_p_regions(pd)
     remote = hold(pd, "f", [1, 6])
     start(pd, "f", remote, [3, 5])
     assert len(d.reader.inline) == 1
     finish(pd, "f", remote, [3, 5])
     assert pd.pulls == ["warm", "f"]
     assert d.recorder.total("p2p_read_retries", reason="transfer") >= 1
+
+
+def test_a_failed_inline_read_fails_the_load_when_read_retry_allows_no_retry(
+        pd: Any) -> None:
+    """``read_retry.attempts`` 1: the inline read was the one try; its failure ends the load
+    (failed, its blocks reported) instead of going to a pull thread."""
+    warm_up(pd)
+    d = pd.d
+    set_retry(d, "read_retry", attempts=1)
+    misplace_p_regions(pd)
+    remote = hold(pd, "f", [1, 6])
+    start(pd, "f", remote, [3, 5])
+    assert len(d.reader.inline) == 1
+    deadline = time.monotonic() + 20
+    while "f" not in (d.get_finished(idle=True)[1] or set()):
+        assert time.monotonic() < deadline, "the load did not end"
+    assert d.get_block_ids_with_load_errors() == {3, 5}
+    assert pd.pulls == ["warm"]  # no pull thread tried again
+    assert d.recorder.total("p2p_read_retries", reason="transfer") == 0
+    assert d.recorder.total("p2p_failures", cause="transfer") == 1
 
 
 def test_loads_the_inline_path_does_not_take_go_to_the_pull_threads(

@@ -30,7 +30,6 @@ from vllm_ascend.distributed.kv_transfer.core import auth
 from vllm_ascend.distributed.kv_transfer.core.channel import RpcClient, tcp_endpoint
 from vllm_ascend.distributed.kv_transfer.core.errors import RemoteError
 from vllm_ascend.distributed.kv_transfer.core.net import free_port
-from vllm_ascend.distributed.kv_transfer.kv_p2p import layerwise_links
 from vllm_ascend.distributed.kv_transfer.kv_p2p.errors import KVParamsError
 from vllm_ascend.distributed.kv_transfer.kv_p2p.layerwise_contract import PushReq
 from vllm_ascend.distributed.kv_transfer.kv_p2p.params import (
@@ -56,10 +55,10 @@ TOKEN = "the-requests-capability-0123456789abcdef"
 @pytest.fixture(params=["keyed", "unkeyed"])
 def pd(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
     set_deployment_key(monkeypatch, KEY if request.param == "keyed" else None)
-    monkeypatch.setattr(layerwise_links, "BEGIN_RETRY_S", 0.5)
     p_port, d_port = free_port(), free_port()
     p = new_worker("kv_producer", p_port, 1, 0, "P", {"lease_ttl_s": 2.5,
-                                                       "handshake_timeout_s": 2.0})
+                                                       "handshake_timeout_s": 2.0,
+                                                       "push_retry": {"deadline_s": 0.5}})
     d = new_worker("kv_consumer", d_port, 1, 0, "D", {"load_timeout_s": 5.0,
                                                        "lease_ttl_s": 2.5})
     cp = make_caches("cpu", 1, 0, fill=True)

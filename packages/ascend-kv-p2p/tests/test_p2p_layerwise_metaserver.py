@@ -114,7 +114,7 @@ def client(tls: dict[str, Any] | None = None, retries: int = 0) -> MetaserverCli
     cfg = MooncakeLayerwiseConfig.from_dict({"tls_config": tls or {}, "metaserver_retries":
                                              retries, "metaserver_timeout_s": 3})
     return MetaserverClient(cfg.tls_config, timeout_s=cfg.metaserver_timeout_s,
-                            retries=cfg.metaserver_retries)
+                            retry=cfg.metaserver_policy)
 
 
 def test_tls_with_the_configured_ca(certs: dict[str, str], servers: list[Server]) -> None:
@@ -196,4 +196,26 @@ def test_unreachable_metaserver_fails_after_retries_in_bounded_time() -> None:
     c.submit(f"http://127.0.0.1:{free_port()}/v1/metaserver", {},
              lambda reason: (failures.append(reason), done.set()))
     assert done.wait(10) and "ConnectError" in failures[0]
+    c.close()
+
+
+def test_metaserver_retry_sets_the_tries_and_the_deadline(servers: list[Server]) -> None:
+    """``metaserver_retry``: its attempts bound the POSTs; with a deadline and no count the
+    retries stop once the deadline passed."""
+    srv = Server(statuses=[503] * 10)
+    servers.append(srv)
+    cfg = MooncakeLayerwiseConfig.from_dict({"metaserver_retry": {"attempts": 2}})
+    c = MetaserverClient(cfg.tls_config, timeout_s=3, retry=cfg.metaserver_policy)
+    with pytest.raises(MetaserverError, match=r"2 attempt\(s\): HTTP 503"):
+        c.post(srv.url, {"request_id": "r"})
+    assert len(srv.posts) == 2
+    c.close()
+    cfg = MooncakeLayerwiseConfig.from_dict({"metaserver_retry": {
+        "attempts": None, "deadline_s": 0.3, "delay_s": 0.1, "backoff": 1.0}})
+    c = MetaserverClient(cfg.tls_config, timeout_s=3, retry=cfg.metaserver_policy)
+    start = time.monotonic()
+    with pytest.raises(MetaserverError, match="HTTP 503"):
+        c.post(srv.url, {"request_id": "s"})
+    assert time.monotonic() - start < 2.0
+    assert 2 <= len(srv.posts) - 2 <= 5  # tries 0.1 s apart for 0.3 s
     c.close()

@@ -23,7 +23,6 @@ from vllm_ascend.distributed.kv_transfer.core.channel import RpcClient, tcp_endp
 from vllm_ascend.distributed.kv_transfer.core.errors import RemoteError
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
 from vllm_ascend.distributed.kv_transfer.core.net import free_port
-from vllm_ascend.distributed.kv_transfer.kv_p2p import layerwise_links
 from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeLayerwiseConfig
 from vllm_ascend.distributed.kv_transfer.kv_p2p.layerwise_contract import (
     MooncakeLayerwiseConnectorMetadata,
@@ -178,10 +177,10 @@ def test_chunked_push_moves_the_right_bytes(layout: str, p_tp: int, d_tp: int) -
 
 @pytest.fixture
 def pd(monkeypatch: pytest.MonkeyPatch) -> Any:
-    monkeypatch.setattr(layerwise_links, "BEGIN_RETRY_S", 0.5)
     p_port, d_port = free_port(), free_port()
     p = new_worker("kv_producer", p_port, 1, 0, "P", {"lease_ttl_s": 2.5,
-                                                       "handshake_timeout_s": 2.0})
+                                                       "handshake_timeout_s": 2.0,
+                                                       "push_retry": {"deadline_s": 0.5}})
     d = new_worker("kv_consumer", d_port, 1, 0, "D", {"load_timeout_s": 5.0, "lease_ttl_s": 2.5})
     cp = make_caches("cpu", 1, 0, fill=True)
     p.register_kv_caches(cp)

@@ -23,7 +23,7 @@ from p2p_worker_harness import numbered_caches, pd_vllm_config
 
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
 from vllm_ascend.distributed.kv_transfer.core.net import free_port
-from vllm_ascend.distributed.kv_transfer.kv_p2p import pull_peer_calls, pull_reader
+from vllm_ascend.distributed.kv_transfer.kv_p2p import pull_reader
 from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig
 from vllm_ascend.distributed.kv_transfer.kv_p2p.p2p_metrics import P2P_METRICS
 from vllm_ascend.distributed.kv_transfer.kv_p2p.params import RemotePrefill
@@ -43,9 +43,11 @@ def claim_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
     """The first try overlaps its claims with the read, or claims first."""
     monkeypatch.setattr(pull_reader, "OVERLAP_MIN_CPUS",
                         0 if request.param == "overlapped" else 1 << 30)
-    monkeypatch.setattr(pull_reader, "RETRY_DELAY_S", 0.05)
-    monkeypatch.setattr(pull_peer_calls, "CLAIM_RETRY_S", 0.3)
     return str(request.param)
+
+
+#: D's retries here: a short first back-off, "unknown request" not retried long
+D_RETRIES = {"read_retry": {"delay_s": 0.05}, "claim_retry": {"deadline_s": 0.3}}
 
 
 def _vllm_config(role: str, kv_port: int) -> Any:
@@ -66,7 +68,8 @@ def _caches(fill: bool) -> dict[str, Any]:
 def pd() -> Iterator[Any]:
     p_port, d_port = free_port(), free_port()
     p = _worker("kv_producer", p_port, "P", {"lease_ttl_s": 30.0})
-    d = _worker("kv_consumer", d_port, "D", {"load_timeout_s": 6.0, "handshake_timeout_s": 0.5})
+    d = _worker("kv_consumer", d_port, "D", {"load_timeout_s": 6.0, "handshake_timeout_s": 0.5,
+                                            **D_RETRIES})
     p.register_kv_caches(_caches(fill=True))
     d.register_kv_caches(_caches(fill=False))
     ns = SimpleNamespace(p=p, d=d, p_port=p_port)
@@ -251,11 +254,11 @@ def test_reads_failing_until_the_deadline_fail_the_request_once(
     """Every read drops: D retries within its 3 s deadline (at most READ_RETRIES times),
     then the request fails exactly once, its blocks reported once, and P is told."""
     pd.d.shutdown()  # a D whose deadline (not the retry count) ends the load, sooner
-    pd.d = _worker("kv_consumer", free_port(), "D", {"load_timeout_s": FAILING_DEADLINE_S,
-                                                     "handshake_timeout_s": 0.5})
+    pd.d = _worker("kv_consumer", free_port(), "D", {
+        "load_timeout_s": FAILING_DEADLINE_S, "handshake_timeout_s": 0.5, **D_RETRIES,
+        "read_retry": {"delay_s": 0.05, "max_delay_s": 0.5}})
     pd.d.register_kv_caches(_caches(fill=False))
     assert pd.d.te is not None
-    monkeypatch.setattr(pull_reader, "RETRY_MAX_DELAY_S", 0.5)
     flaky = FlakyEngine(pd.d.te.raw, fail=1 << 30, stall_s=0.4)
     monkeypatch.setattr(pd.d.te, "_engine", flaky)
     _hold(pd, "r", [1, 2])
@@ -266,7 +269,7 @@ def test_reads_failing_until_the_deadline_fail_the_request_once(
     assert (seen, failed) == (1, {3, 4})
     rec = pd.d.recorder
     retries = rec.total("p2p_read_retries", reason="transfer")
-    assert 1 <= retries <= pull_reader.READ_RETRIES
+    assert 1 <= retries <= pd.d.cfg.read_retry.retries
     failures = {k: v for k, v in rec.totals().items() if k.startswith("p2p_failures")}
     assert sum(failures.values()) == 1, failures
     assert retries >= 2  # the deadline left room for more than one retry
@@ -328,3 +331,53 @@ def test_retries_and_concurrent_loads(pd: Any, monkeypatch: pytest.MonkeyPatch) 
     assert sorted(ended) == ["d0", "d1", "d2", "d3"] and failed == set()
     _same_bytes(pd, [4, 5, 6, 7], [0, 1, 2, 3])
     assert pd.d.recorder.total("p2p_read_retries", reason="transfer") == 4
+
+
+def test_read_retry_attempts_bound_the_retries(pd: Any,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """``read_retry.attempts`` 3: every read drops, D reads three times in all (two retries)
+    and fails the request once, well before its deadline."""
+    pd.d.shutdown()
+    pd.d = _worker("kv_consumer", free_port(), "D", {
+        "load_timeout_s": 20.0, "handshake_timeout_s": 0.5, **D_RETRIES,
+        "read_retry": {"attempts": 3, "delay_s": 0.05}})
+    pd.d.register_kv_caches(_caches(fill=False))
+    assert pd.d.te is not None
+    flaky = FlakyEngine(pd.d.te.raw, fail=1 << 30)
+    monkeypatch.setattr(pd.d.te, "_engine", flaky)
+    _hold(pd, "r", [1, 2])
+    start = time.monotonic()
+    _recv(pd, "d", "r", [1, 2], [3, 4])
+    seen, failed = _ends(pd.d, "d")
+    assert (seen, failed) == (1, {3, 4})
+    assert time.monotonic() - start < 10.0  # not the 20 s deadline
+    assert pd.d.recorder.total("p2p_read_retries", reason="transfer") == 2
+    assert flaky.reads == 3
+    assert pd.d.recorder.total("p2p_failures", cause="transfer") == 1
+
+
+def test_claim_retry_attempts_bound_the_claims_p_does_not_know(pd: Any) -> None:
+    """``claim_retry`` with 3 attempts: P answers "unknown request" to every claim (it never
+    held the request); D claims three times, then fails the request with P's answer."""
+    pd.d.shutdown()
+    pd.d = _worker("kv_consumer", free_port(), "D", {
+        "load_timeout_s": 20.0, "handshake_timeout_s": 0.5,
+        "claim_retry": {"attempts": 3, "deadline_s": None, "delay_s": 0.01}})
+    pd.d.register_kv_caches(_caches(fill=False))
+    server = pd.p.holder.server
+    real = server.handler
+    claims: list[str] = []
+
+    def counting(msg: Any) -> Any:
+        if isinstance(msg, Claim):
+            claims.append(msg.request_id)
+        return real(msg)
+
+    server.handler = counting
+    start = time.monotonic()
+    _recv(pd, "d", "never-held", [1], [3])
+    seen, failed = _ends(pd.d, "d")
+    assert (seen, failed) == (1, {3})
+    assert claims == ["never-held"] * 3
+    assert time.monotonic() - start < 10.0
+    assert pd.d.recorder.total("p2p_failures", cause="unknown_request") == 1

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from p2p_worker_harness import expected_block, layout_caches, pd_vllm_config
+from p2p_worker_harness import expected_block, layout_caches, pd_vllm_config, set_retry
 
 from vllm_ascend.distributed.kv_transfer.core.channel import RpcServer, tcp_endpoint
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
@@ -25,7 +25,6 @@ from vllm_ascend.distributed.kv_transfer.core.net import free_port
 from vllm_ascend.distributed.kv_transfer.kv_p2p import (
     pull_holder,
     pull_loads,
-    pull_peer_calls,
     pull_reader,
 )
 from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig
@@ -156,11 +155,11 @@ def test_pull_moves_the_right_bytes(layout: str, p_tp: int, d_tp: int) -> None:
 
 @pytest.fixture
 def pd(monkeypatch: pytest.MonkeyPatch) -> Any:
-    monkeypatch.setattr(pull_peer_calls, "CLAIM_RETRY_S", 0.5)
     p_port, d_port = free_port(), free_port()
     p = new_worker("kv_producer", p_port, 1, 0, "P", {"lease_ttl_s": 1.0})
     d = new_worker("kv_consumer", d_port, 1, 0, "D", {"load_timeout_s": 5.0,
-                                                         "handshake_timeout_s": 2.0})
+                                                         "handshake_timeout_s": 2.0,
+                                                         "claim_retry": {"deadline_s": 0.5}})
     p.register_kv_caches(make_caches("cpu", 1, 0, fill=True))
     d.register_kv_caches(make_caches("cpu", 1, 0, fill=False))
     yield SimpleNamespace(p=p, d=d, p_port=p_port)
@@ -519,9 +518,9 @@ def test_a_read_is_trusted_only_under_a_claim_accepted_at_first_try(
     again after the claim was accepted, never report the first read's bytes. Here P's block
     changes between the two (as if it had held another request's KV at the first read)."""
 
-    monkeypatch.setattr(pull_peer_calls, "CLAIM_RETRY_S", 5.0)
     monkeypatch.setattr(pull_holder, "CLAIM_WAIT_S", 0.0)  # P answers "unknown" at once
     p, d = pd.p, pd.d
+    set_retry(d, "claim_retry", deadline_s=5.0)
     refused = threading.Event()
     on_claim = p.holder._on_claim
 

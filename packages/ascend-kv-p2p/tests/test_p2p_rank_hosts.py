@@ -94,9 +94,8 @@ def test_p_pushes_to_d_ranks_on_their_own_hosts(monkeypatch: pytest.MonkeyPatch)
 
 def test_without_the_mapping_the_push_fails_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
     """The same D ranks, P told only ``remote_host``: it cannot reach them, and says so."""
-    from test_p2p_layerwise_worker import layerwise_links, target
+    from test_p2p_layerwise_worker import target
 
-    monkeypatch.setattr(layerwise_links, "BEGIN_RETRY_S", 0.5)
     p_port, d_port = free_port(), free_port()
     workers = []
     try:
@@ -105,7 +104,8 @@ def test_without_the_mapping_the_push_fails_clearly(monkeypatch: pytest.MonkeyPa
         workers.append(d)
         d.register_kv_caches(make_caches("cpu", 1, 0, fill=False))
         at_host(monkeypatch, "127.0.0.1")
-        p = new_worker("kv_producer", p_port, 1, 0, "P", {"handshake_timeout_s": 1.0})
+        p = new_worker("kv_producer", p_port, 1, 0, "P", {"handshake_timeout_s": 1.0,
+                                                           "push_retry": {"deadline_s": 0.5}})
         workers.append(p)
         cp = make_caches("cpu", 1, 0, fill=True)
         p.register_kv_caches(cp)

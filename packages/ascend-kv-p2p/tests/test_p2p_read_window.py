@@ -19,13 +19,12 @@ from typing import Any
 import pytest
 import torch
 import zmq
-from p2p_worker_harness import numbered_caches, pd_vllm_config
+from p2p_worker_harness import numbered_caches, pd_vllm_config, set_retry
 
 from ascend_kv_testing.keys import set_deployment_key
 from vllm_ascend.distributed.kv_transfer.core import auth
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
 from vllm_ascend.distributed.kv_transfer.core.net import free_port
-from vllm_ascend.distributed.kv_transfer.kv_p2p import pull_peer_calls
 from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig
 from vllm_ascend.distributed.kv_transfer.kv_p2p.errors import KVParamsError
 from vllm_ascend.distributed.kv_transfer.kv_p2p.p2p_metrics import P2P_METRICS
@@ -258,7 +257,7 @@ def test_params_changed_on_the_way_are_claimed_and_refused(
     """Without a claim P cannot check the request id, the blocks or the token: the window
     tag stands for those checks. Params that differ from what P tagged are claimed, and P
     refuses them as before, instead of D reading blocks that are not the request's."""
-    monkeypatch.setattr(pull_peer_calls, "CLAIM_RETRY_S", 0.3)  # "unknown request": not retried long
+    set_retry(pd.d, "claim_retry", deadline_s=0.3)  # "unknown request": not retried long
     warm_up(pd)
     hold(pd, "other", [6, 7])
     remote, _t = hold(pd, "r", [2, 3])

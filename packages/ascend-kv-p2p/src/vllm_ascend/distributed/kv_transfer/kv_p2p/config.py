@@ -3,16 +3,34 @@
 
 The keys of vLLM-Ascend (``prefill``/``decode`` with ``tp_size``, ``dp_size``,
 ``pp_size``, ``pp_layer_partition``; ``tls_config`` for the layerwise
-metaserver) keep their meaning; the lease, deadline and protocol keys are ours.
+metaserver) keep their meaning; the lease, deadline, protocol and retry keys are ours.
+Each call the connectors retry has its own retry policy key (``claim_retry``,
+``read_retry``, ``push_retry``, ``metaserver_retry``: a
+:class:`~vllm_ascend.distributed.kv_transfer.core.retry.RetryPolicy` each, whose defaults
+are that call's).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
 from vllm_ascend.distributed.kv_transfer.core.config.base import ConfigSection, option
 from vllm_ascend.distributed.kv_transfer.core.errors import ConfigError
+from vllm_ascend.distributed.kv_transfer.core.retry import RetryPolicy
+
+#: D's ``Claim`` that P answers "unknown request" (P's metadata for the request comes with
+#: its next engine step): retried for 10 s at most, within the load's deadline.
+CLAIM_RETRY = RetryPolicy(delay_s=0.01, max_delay_s=0.5, deadline_s=10.0)
+#: D's pull after a stalled or dropped read, or a side-channel timeout: 8 retries at most,
+#: each only while the load's deadline leaves its wait and ``delay_s`` more.
+READ_RETRY = RetryPolicy(attempts=9, delay_s=0.25, max_delay_s=4.0)
+#: P's ``PushBegin`` that D answers "unknown request" (D's worker learns of the request
+#: with the step after its scheduler posted it to the metaserver): retried for 10 s at most.
+PUSH_RETRY = RetryPolicy(delay_s=0.01, max_delay_s=0.5, deadline_s=10.0)
+#: D's POST to the proxy's metaserver after a connection error or a 5xx answer: 3 retries.
+METASERVER_RETRY = RetryPolicy(attempts=4, delay_s=0.05, max_delay_s=1.0)
 
 
 @dataclass(frozen=True)
@@ -114,6 +132,17 @@ class MooncakeP2PConfig(ConfigSection):
             "transfer runs (on a host where they share cores). A request that arrives "
             "meanwhile waits at most this long. 0 turns it off.")
 
+    claim_retry: RetryPolicy = option(
+        default_factory=lambda: CLAIM_RETRY,
+        doc="How D retries a Claim that P answers 'unknown request' (P learns of the "
+            "request with its next engine step); also bounded by load_timeout_s.")
+    read_retry: RetryPolicy = option(
+        default_factory=lambda: READ_RETRY,
+        doc="How D pulls again after a stalled or dropped read or a side-channel timeout "
+            "(on a fresh session, every P rank claimed first); a retry is made only while "
+            "load_timeout_s leaves its wait plus delay_s. With attempts 1, an inline read "
+            "(inline_reads) that failed fails the load instead of being pulled again.")
+
     @property
     def hold_window_s(self) -> float:
         """``read_window_s`` as P applies it (at most half the lease)."""
@@ -135,11 +164,30 @@ class MooncakeLayerwiseConfig(MooncakeP2PConfig):
                                    doc="TLS for the HTTP call to the proxy's metaserver.")
     metaserver_timeout_s: float = option(5.0, minimum=0.1,
                                          doc="Timeout of one POST to the metaserver.")
-    metaserver_retries: int = option(3, minimum=0, doc="Retries of a failed metaserver POST.")
+    metaserver_retry: RetryPolicy = option(
+        default_factory=lambda: METASERVER_RETRY,
+        doc="How D retries a metaserver POST that failed on a connection error or a 5xx "
+            "answer (a 4xx answer is final).")
+    metaserver_retries: int | None = option(
+        None, minimum=0,
+        doc="Retries of a failed metaserver POST, the older key: when set, it replaces "
+            "metaserver_retry.attempts by this plus one (null: metaserver_retry applies).")
+    push_retry: RetryPolicy = option(
+        default_factory=lambda: PUSH_RETRY,
+        doc="How P retries a PushBegin that D answers 'unknown request' (D's worker learns "
+            "of the request with the step after its scheduler posted it).")
     save_wait_s: float = option(
         30.0, minimum=0.01,
         doc="How long P's wait_for_save waits for the step's layer pushes before the engine "
             "goes on (their requests keep their blocks until the pushes end).")
+
+    @property
+    def metaserver_policy(self) -> RetryPolicy:
+        """The metaserver posts' retries: ``metaserver_retry``, its attempts set by
+        ``metaserver_retries`` where that is given."""
+        if self.metaserver_retries is None:
+            return self.metaserver_retry
+        return dataclasses.replace(self.metaserver_retry, attempts=self.metaserver_retries + 1)
 
     def validate(self, source: str) -> None:
         super().validate(source)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from vllm_ascend.distributed.kernels.heads import HeadSlice
 from vllm_ascend.distributed.kv_transfer.core.errors import KVTransferError, RemoteError
 from vllm_ascend.distributed.kv_transfer.core.transfer_engine import MooncakeTransferEngine
+from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeLayerwiseConfig
 
 from .errors import HandshakeMismatchError, RemoteKVUnavailable
 from .params import PushTarget
@@ -44,9 +45,6 @@ from .worker_base import P2PWorkerBase, head_slices, heads_in_block
 
 logger = logging.getLogger(__name__)
 
-#: How long P retries a PushBegin that D answers "unknown request" (D's worker learns of
-#: the request with the step after its scheduler posted it to the metaserver).
-BEGIN_RETRY_S = 10.0
 #: P stops writing this fraction of a lease before it runs out (D measures its lease from a
 #: later instant, so P's view always ends first).
 LEASE_MARGIN = 0.2
@@ -144,8 +142,9 @@ class PushLinks:
 
     def __init__(self, shared: P2PWorkerBase,
                  on_revoked: Callable[[PushSession, PushLink], None]) -> None:
+        assert isinstance(shared.cfg, MooncakeLayerwiseConfig)
         self.shared = shared
-        self.cfg = shared.cfg
+        self.cfg: MooncakeLayerwiseConfig = shared.cfg
         self.recorder = shared.recorder
         self.sessions: dict[str, PushSession] = {}
         self.lock = threading.Lock()
@@ -215,16 +214,21 @@ class PushLinks:
                         block_lens=[r.block_len for r in shared.layout.regions],
                         token=target.token)
         client = shared._client(host, link.port)
-        give_up = time.monotonic() + BEGIN_RETRY_S
-        delay = 0.01
+        # D's worker learns of the request with the step after its scheduler posted it to
+        # the metaserver: "unknown request" is retried as push_retry says
+        policy = self.cfg.push_retry
+        started = time.monotonic()
+        retries = 0
         while True:
             sent = time.monotonic()
             try:
                 reply = client.call(msg)
             except RemoteError as exc:
-                if exc.code == "unknown_request" and time.monotonic() < give_up:
+                delay = (policy.next_delay(retries, started=started)
+                         if exc.code == "unknown_request" else None)
+                if delay is not None:
                     time.sleep(delay)
-                    delay = min(delay * 2, 0.5)
+                    retries += 1
                     continue
                 raise RemoteKVUnavailable(f"D rank {link.d_rank} refused the push: {exc}",
                                           code=exc.code) from exc

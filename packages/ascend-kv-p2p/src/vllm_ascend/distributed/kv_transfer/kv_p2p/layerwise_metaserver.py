@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from vllm_ascend.distributed.kv_transfer.core import auth
+from vllm_ascend.distributed.kv_transfer.core.retry import RetryPolicy
 from vllm_ascend.distributed.kv_transfer.kv_p2p.config import TLSConfig
 
 if TYPE_CHECKING:
@@ -48,16 +49,16 @@ class MetaserverClient:
     Args:
         tls: ``tls_config`` of the connector.
         timeout_s: timeout of one POST.
-        retries: extra attempts after a failed one (connection errors and 5xx answers;
-            a 4xx answer is final).
+        retry: how a failed POST is tried again (connection errors and 5xx answers; a 4xx
+            answer is final): ``metaserver_retry``.
         workers: threads posting concurrently.
     """
 
-    def __init__(self, tls: TLSConfig, *, timeout_s: float, retries: int,
+    def __init__(self, tls: TLSConfig, *, timeout_s: float, retry: RetryPolicy,
                  workers: int = 4) -> None:
         self.tls = tls
         self.timeout_s = timeout_s
-        self.retries = retries
+        self.retry = retry
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="metaserver")
         self._lock = threading.Lock()
         self._client: httpx.Client | None = None
@@ -84,24 +85,26 @@ class MetaserverClient:
         """POST ``payload`` to ``url``, retrying; raises :class:`MetaserverError` at the end."""
         import httpx
 
-        delay = 0.05
-        last = ""
-        for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(delay)
-                delay = min(delay * 2, 1.0)
+        started = time.monotonic()
+        attempt = 0
+        while True:
             try:
                 resp = self._http().post(url, json=payload, headers=self._headers())
             except (httpx.HTTPError, ssl.SSLError, OSError) as exc:
                 last = f"{type(exc).__name__}: {exc}"
-                continue
-            with self._lock:
-                self.posts += 1
-            if resp.status_code < 300:
-                return
-            last = f"HTTP {resp.status_code}: {resp.text[:200]}"
-            if resp.status_code < 500:
-                break  # the proxy refused this request: retrying cannot help
+            else:
+                with self._lock:
+                    self.posts += 1
+                if resp.status_code < 300:
+                    return
+                last = f"HTTP {resp.status_code}: {resp.text[:200]}"
+                if resp.status_code < 500:
+                    break  # the proxy refused this request: retrying cannot help
+            delay = self.retry.next_delay(attempt, started=started)
+            if delay is None:
+                break
+            time.sleep(delay)
+            attempt += 1
         raise MetaserverError(f"POST {url} failed after {attempt + 1} attempt(s): {last}")
 
     def submit(self, url: str, payload: dict[str, Any],

@@ -129,7 +129,7 @@ class LayerwiseScheduler(SchedulerBase):
         self.published_hosts: dict[int, str] | None = None
         self._lock = threading.Lock()
         self.metaserver = (MetaserverClient(cfg.tls_config, timeout_s=cfg.metaserver_timeout_s,
-                                            retries=cfg.metaserver_retries)
+                                            retry=cfg.metaserver_policy)
                            if self.is_consumer else None)
 
     def set_rank_hosts(self, hosts: dict[int, str]) -> None:

@@ -20,7 +20,9 @@ Only the plainest load takes this path, every other one goes to the pull threads
   merged (small loads, or blocks consecutive on both P and D: where the hand-offs count);
 * after the read: within the window, the load ends loaded (as a window read on the threads
   does); a read that ended after the window, or failed, is done again on the pull threads
-  from the start (claimed first once the window is over), whose data replaces this one's;
+  from the start (claimed first once the window is over), whose data replaces this one's
+  (a failed read only where ``read_retry`` allows a retry: with ``attempts`` 1 the load
+  fails, as a read on the pull threads would);
 * the blocks stay with the load until every range of the read ended (``begin_read`` /
   ``end_read``), as on the threads; a load past its deadline ends then, failed.
 """
@@ -221,6 +223,10 @@ class InlineReads:
             r.loads.finish(meta, ok=True)
             return
         if error is not None:
+            if r.shared.cfg.read_retry.retries == 0:
+                r.loads.fail(meta, f"KV read from P failed ({error}); read_retry allows no "
+                                   "retry", cause="transfer")
+                return
             r.shared.recorder.inc("p2p_read_retries", reason="transfer")
             logger.warning("request %s: KV read from P failed (%s); pulled again on a pull "
                            "thread", meta.request_id, error)

@@ -25,9 +25,6 @@ from .worker_base import P2PWorkerBase
 
 logger = logging.getLogger(__name__)
 
-#: How long D retries a Claim that P answers "unknown request" (P may not have the
-#: request's metadata yet: it arrives with P's next engine step).
-CLAIM_RETRY_S = 10.0
 #: How long D waits for a TCP connection to P's side channel when it checks, before a
 #: retry, whether P is still there.
 PROBE_TIMEOUT_S = 1.0
@@ -75,33 +72,35 @@ class PeerCalls:
 
     def _claim(self, meta: RecvMeta, p_rank: int, num_readers: int) -> Claimed:
         """Claim the request's blocks on one P rank (claim thread); retries while P answers
-        "unknown request" (its metadata may not have arrived yet), within the deadline."""
+        "unknown request" (its metadata may not have arrived yet), as ``claim_retry`` says,
+        within the load's deadline."""
         remote = meta.remote
         assert remote is not None
         client = self.shared._client(remote.host_of(p_rank), self._port_of(remote, p_rank))
         msg = Claim(request_id=remote.request_id, block_ids=meta.remote_block_ids,
                     reader=self.shared.agent_id, num_readers=num_readers, token=remote.token)
-        give_up = time.monotonic() + CLAIM_RETRY_S
-        delay = 0.01
-        first_try = True
+        policy = self.shared.cfg.claim_retry
+        started = time.monotonic()
+        retries = 0
         while True:
             sent_at = time.monotonic()
             try:
                 reply = client.call(msg)
             except RemoteError as exc:
-                if exc.code == "unknown_request" and time.monotonic() < min(
-                        give_up, self.loads.deadline(meta)):
+                delay = (policy.next_delay(retries, started=started,
+                                           until=self.loads.deadline(meta))
+                         if exc.code == "unknown_request" else None)
+                if delay is not None:
                     time.sleep(delay)
-                    delay = min(delay * 2, 0.5)
-                    first_try = False
+                    retries += 1
                     continue
                 raise RemoteKVUnavailable(f"P rank {p_rank} refused the claim: {exc}",
                                           code=exc.code) from exc
             if isinstance(reply, ClaimGrant):
-                return Claimed(first_try=first_try, sent_at=sent_at, grant=reply)
+                return Claimed(first_try=retries == 0, sent_at=sent_at, grant=reply)
             if not isinstance(reply, ClaimOK):
                 raise RemoteKVUnavailable(f"unexpected claim reply {type(reply).__name__}")
-            return Claimed(first_try=first_try, sent_at=sent_at)
+            return Claimed(first_try=retries == 0, sent_at=sent_at)
 
     def _done(self, meta: RecvMeta, p_rank: int, num_readers: int, *, success: bool) -> bool:
         remote = meta.remote

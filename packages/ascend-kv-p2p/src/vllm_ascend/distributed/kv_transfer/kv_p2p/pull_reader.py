@@ -18,7 +18,7 @@ The very first request to a keyed P rank claims before it reads.
 A read that stalls or drops (Mooncake's TCP transport fails a transfer without progress
 for ``MC_TCP_PROGRESS_TIMEOUT_SEC``: rc=-1), or a side-channel call to a P starved of CPU
 that times out, does not fail the request while its deadline leaves time: the pull is
-tried again (:data:`READ_RETRIES` times at most, with back-off) on a fresh session: P's
+tried again (as ``read_retry`` says: 8 times at most, with back-off) on a fresh session: P's
 metadata fetched again, every P rank claimed again before the read (which renews the
 lease and proves P still holds the blocks), and the read issued as a new transfer (a
 new connection: the transport dropped the stalled one). Only a deadline, a lease P let go
@@ -76,12 +76,6 @@ OVERLAP_MIN_CPUS = 4
 #: than :data:`OVERLAP_MIN_CPUS`, for an answer from a scheduler in this process, before it
 #: reads (and claims itself after the read if the answer is still not in).
 AHEAD_WAIT_S = 0.05
-#: How many times D tries a pull again after a stalled/dropped read or a side-channel
-#: timeout (each within the load's deadline) before it fails the request.
-READ_RETRIES = 8
-#: Back-off before the first retry; doubled each retry up to :data:`RETRY_MAX_DELAY_S`.
-RETRY_DELAY_S = 0.25
-RETRY_MAX_DELAY_S = 4.0
 
 
 class PullReader(PeerCalls):
@@ -255,6 +249,7 @@ class PullReader(PeerCalls):
         assert meta.remote is not None
         remote = meta.remote
         start = time.perf_counter()
+        started = time.monotonic()
         claimed: list[int] = []
         readers: Mapping[int, int] = {}
         p_ranks: list[int] = []
@@ -269,15 +264,17 @@ class PullReader(PeerCalls):
                                                    fresh=retries > 0)
                     break
                 except (TransferError, PeerTimeoutError) as exc:
-                    delay = self._retry_delay(meta, retries)
+                    delay = self._retry_delay(meta, retries, started)
                     if delay is None or self._p_gone(remote, p_ranks):
                         raise
                     retries += 1
                     reason = "transfer" if isinstance(exc, TransferError) else "peer_timeout"
                     self.shared.recorder.inc("p2p_read_retries", reason=reason)
-                    logger.warning("request %s: KV pull from P failed (%s: %s); retry %d/%d on "
+                    most = self.shared.cfg.read_retry.retries
+                    logger.warning("request %s: KV pull from P failed (%s: %s); retry %d/%s on "
                                    "a fresh session in %.2fs (%.1fs left of the load deadline)",
-                                   meta.request_id, reason, exc, retries, READ_RETRIES, delay,
+                                   meta.request_id, reason, exc, retries,
+                                   "-" if most is None else most, delay,
                                    self.loads.deadline(meta) - time.monotonic())
                     time.sleep(delay)
                     self._forget_session(remote, p_ranks)
@@ -401,17 +398,13 @@ class PullReader(PeerCalls):
                                       code="lease_lapsed")
         return nbytes, False
 
-    def _retry_delay(self, meta: RecvMeta, retries: int) -> float | None:
-        """How long to wait before retrying a failed pull; ``None`` when it is not retried:
-        :data:`READ_RETRIES` reached, or the load's deadline would pass before (or right
-        after) the retry starts, or the load already ended."""
-        if retries >= READ_RETRIES:
-            return None
-        delay = min(RETRY_DELAY_S * (2 ** retries), RETRY_MAX_DELAY_S)
-        left = self.loads.deadline(meta) - time.monotonic()
-        if left <= delay + RETRY_DELAY_S:
-            return None
-        return delay
+    def _retry_delay(self, meta: RecvMeta, retries: int, started: float) -> float | None:
+        """How long to wait before retrying a pull first tried at ``started`` that failed
+        after ``retries`` retries; ``None`` when it is not retried (``read_retry``): its
+        attempts used up, its deadline passed, or the load's deadline would pass before (or
+        right after) the retry starts, or the load already ended."""
+        return self.shared.cfg.read_retry.next_delay(
+            retries, started=started, until=self.loads.deadline(meta), fit=True)
 
     def _forget_session(self, remote: Any, p_ranks: Iterable[int]) -> None:
         """Drop what D cached of these P ranks (their ``AgentMeta`` and last grant), so a

@@ -114,6 +114,7 @@ class ConfigSection:
         *,
         source: str = "kv_connector_extra_config",
         strict: bool = False,
+        defaults: T | None = None,
     ) -> T:
         """Build a validated section from a mapping.
 
@@ -121,6 +122,10 @@ class ConfigSection:
             data: the raw mapping (``None`` means empty).
             source: where the mapping came from, used as the prefix of every error.
             strict: raise on unknown keys instead of logging a warning.
+            defaults: where the keys ``data`` leaves out take their values (``None``: the
+                class's defaults). A nested section's keys default to the field's own
+                default (its ``default_factory``), so one section type can serve several
+                keys with different defaults.
 
         Raises:
             ConfigError: on a missing required key, a wrong type, a value out of range,
@@ -141,13 +146,18 @@ class ConfigSection:
             meta = f.metadata
             found_key, raw = _lookup(data, f.name, meta, source)
             if found_key is None:
-                if meta.get("required"):
+                if defaults is not None:
+                    values[f.name] = getattr(defaults, f.name)
+                elif meta.get("required"):
                     raise ConfigError(
                         f"{source}: required key {f.name!r} is missing ({meta.get('doc', '')})",
                         key=f"{source}.{f.name}", source=source)
                 continue
             consumed.add(found_key)
-            values[f.name] = _convert(raw, hints[f.name], meta, key=found_key, source=source)
+            nested_default = (getattr(defaults, f.name) if defaults is not None
+                              else _field_default(f))
+            values[f.name] = _convert(raw, hints[f.name], meta, key=found_key, source=source,
+                                      nested_default=nested_default)
         unknown = [k for k in data if k not in consumed and k not in cls.passthrough_keys]
         unknown = [k for k in unknown if k not in cls._all_key_names()]
         if unknown:
@@ -196,8 +206,15 @@ class ConfigSection:
 
     # ------------------------------------------------------------------ describe
     @classmethod
-    def describe(cls, prefix: str = "") -> Iterator[OptionDoc]:
-        """Yield the documentation of every key, nested sections flattened with dots."""
+    def describe(cls, prefix: str = "", defaults: ConfigSection | None = None
+                 ) -> Iterator[OptionDoc]:
+        """Yield the documentation of every key, nested sections flattened with dots (their
+        defaults those of the field's own default, see :meth:`from_dict`).
+
+        Args:
+            prefix: put before every key (a nested section's dotted path).
+            defaults: the defaults to show (``None``: the class's).
+        """
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             if not f.init:
@@ -205,15 +222,16 @@ class ConfigSection:
             tp = hints[f.name]
             nested = _section_type(tp)
             key = f"{prefix}{f.name}"
+            default = getattr(defaults, f.name) if defaults is not None else _field_default(f)
             if nested is not None:
                 yield OptionDoc(key, "object", "{}", f.metadata.get("doc", ""),
                                 f.metadata.get("aliases", ()), f.metadata.get("deprecated_aliases", ()))
-                yield from nested.describe(prefix=f"{key}.")
+                yield from nested.describe(prefix=f"{key}.", defaults=default)
                 continue
             yield OptionDoc(
                 key=key,
                 type=_type_name(tp, f.metadata),
-                default=_default_text(f),
+                default=_default_text(f, default),
                 doc=f.metadata.get("doc", ""),
                 aliases=f.metadata.get("aliases", ()),
                 deprecated_aliases=f.metadata.get("deprecated_aliases", ()),
@@ -261,7 +279,8 @@ def _fail(key: str, source: str, value: Any, expected: str) -> ConfigError:
         key=key, value=value, source=source)
 
 
-def _convert(value: Any, tp: Any, meta: Mapping[str, Any], *, key: str, source: str) -> Any:
+def _convert(value: Any, tp: Any, meta: Mapping[str, Any], *, key: str, source: str,
+             nested_default: Any = None) -> Any:
     optional, inner = _is_optional(tp)
     if value is None:
         if optional:
@@ -270,8 +289,11 @@ def _convert(value: Any, tp: Any, meta: Mapping[str, Any], *, key: str, source: 
     tp = inner
     nested = _section_type(tp)
     if nested is not None:
-        return nested.from_dict(value, source=f"{source}.{key}") if isinstance(value, Mapping) \
-            else _raise(_fail(key, source, value, "an object"))
+        if not isinstance(value, Mapping):
+            raise _fail(key, source, value, "an object")
+        return nested.from_dict(value, source=f"{source}.{key}",
+                                defaults=nested_default if isinstance(nested_default, nested)
+                                else None)
     if meta.get("size"):
         return _check_range(parse_size(value, key=key, source=source), meta, key, source)
     origin = get_origin(tp)
@@ -338,10 +360,6 @@ def _convert(value: Any, tp: Any, meta: Mapping[str, Any], *, key: str, source: 
     raise TypeError(f"unsupported config type {tp!r} for {key}")
 
 
-def _raise(exc: Exception) -> Any:
-    raise exc
-
-
 def _choice(value: Any, choices: Sequence[Any], key: str, source: str) -> Any:
     for c in choices:
         if value == c or (isinstance(value, str) and isinstance(c, str) and value.lower() == c.lower()):
@@ -383,13 +401,16 @@ def _type_name(tp: Any, meta: Mapping[str, Any]) -> str:
     return f"{name} | null" if optional else name
 
 
-def _default_text(f: dataclasses.Field[Any]) -> str:
+def _field_default(f: dataclasses.Field[Any]) -> Any:
+    """A field's default value (a new one from its ``default_factory``)."""
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return f.default_factory()  # type: ignore[misc]
+    return f.default
+
+
+def _default_text(f: dataclasses.Field[Any], value: Any) -> str:
     if f.metadata.get("required"):
         return "(required)"
-    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-        value = f.default_factory()  # type: ignore[misc]
-    else:
-        value = f.default
     if f.metadata.get("size") and isinstance(value, int):
         return format_size(value)
     if value is None:
