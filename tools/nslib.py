@@ -27,6 +27,13 @@ def packages() -> dict[str, Path]:
     return out
 
 
+def is_tool(pkg_dir: Path) -> bool:
+    """Whether a package is a tool (``[tool.vllm-ascend-distributed] role = "tool"``:
+    ascend-kv-bench), which no runtime package and not the meta-package brings."""
+    data = tomllib.loads((pkg_dir / "pyproject.toml").read_text())
+    return data.get("tool", {}).get("vllm-ascend-distributed", {}).get("role") == "tool"
+
+
 def shipped_paths(pkg_dir: Path) -> list[str]:
     """Paths (relative to src/) a package's wheel must hold, from its only-include."""
     data = tomllib.loads((pkg_dir / "pyproject.toml").read_text())

@@ -3,8 +3,9 @@
 """Generate (or, with --check, verify) the meta-package's exact pins.
 
 The pins of ``packages/vllm-ascend-distributed/pyproject.toml`` must equal the
-``__about__.py`` versions of the six packages; a release that forgets one would
-install a mismatched set.
+``__about__.py`` versions of the six runtime packages; a release that forgets one would
+install a mismatched set. A tool (``[tool.vllm-ascend-distributed] role = "tool"``:
+ascend-kv-bench) is not pinned: the meta-package does not install it.
 """
 
 from __future__ import annotations
@@ -22,12 +23,14 @@ END = "# END GENERATED PINS"
 
 
 def package_versions() -> dict[str, str]:
-    """Return ``{dist name: version}`` for every package but the meta-package."""
+    """Return ``{dist name: version}`` for every package but the meta-package and the tools."""
     out: dict[str, str] = {}
     for pyproject in sorted((ROOT / "packages").glob("*/pyproject.toml")):
         if pyproject == META:
             continue
         data = tomllib.loads(pyproject.read_text())
+        if data.get("tool", {}).get("vllm-ascend-distributed", {}).get("role") == "tool":
+            continue
         about = pyproject.parent / data["tool"]["hatch"]["version"]["path"]
         match = re.search(r'__version__\s*=\s*"([^"]+)"', about.read_text())
         if not match:

@@ -50,6 +50,19 @@ def test_console_script_runs() -> None:
     assert "bench" in out and "config" in out
 
 
+def test_bench_without_ascend_kv_bench_says_what_to_install(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_ascend.distributed.kv_transfer.core.tooling import plugins
+
+    real = plugins.entry_points
+    monkeypatch.setattr(plugins, "entry_points",
+                        lambda group: [] if group == plugins.BENCH_GROUP else real(group))
+    for argv in (["bench"], ["bench", "p2p", "--quick", "--out", "somewhere"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "pip install ascend-kv-bench" in err and "Traceback" not in err
+
+
 def test_parse_version() -> None:
     assert vllm_compat.parse_version("0.32.0+cpu") == (0, 32, 0)
     assert vllm_compat.parse_version("0.33.1rc1") == (0, 33)

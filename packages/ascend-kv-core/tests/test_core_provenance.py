@@ -15,8 +15,7 @@ from typing import Any
 
 import pytest
 
-from vllm_ascend.distributed.kv_transfer.core import provenance
-from vllm_ascend.distributed.kv_transfer.core.tooling import doctor_provenance
+from vllm_ascend.distributed.kv_transfer.core.tooling import doctor_provenance, provenance
 
 D = "vllm_ascend/distributed/kv_transfer/demo/"
 OURS = {f"{D}__init__.py": "# ours\n", f"{D}__about__.py": "__version__ = '1'\n",

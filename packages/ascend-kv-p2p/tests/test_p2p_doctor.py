@@ -1,6 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``vllm-ascend-kv doctor`` checks of the P/D connectors (``kv_p2p.tooling.doctor``) and their
-``bench serve`` scenario's declared comparisons."""
+"""``vllm-ascend-kv doctor`` checks of the P/D connectors (``kv_p2p.tooling.doctor``)."""
 
 from __future__ import annotations
 
@@ -12,7 +11,6 @@ import pytest
 from vllm_ascend.distributed.kv_transfer.core.tooling.doctor import Doctor
 from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig
 from vllm_ascend.distributed.kv_transfer.kv_p2p.tooling import doctor as p2p_doctor
-from vllm_ascend.distributed.kv_transfer.kv_p2p.tooling import serve as p2p_serve
 
 
 def test_stall_bound_warning(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -62,25 +60,6 @@ def test_a_bad_key_is_reported_with_the_section_to_read() -> None:
     fail = next(c for c in d.checks if c.what == "MooncakeConnectorV1 configuration")
     assert fail.status == "fail" and "soon" in fail.detail
     assert "vllm-ascend-kv config MooncakeConnectorV1" in fail.fix
-
-
-def test_serve_scenario_declares_its_comparisons() -> None:
-    from vllm_ascend.distributed.kv_transfer.core.tooling.serve_report import comparisons
-
-    sc, tcp, layerwise = p2p_serve.scenarios()
-    assert sc.name == "pd/ours" and sc.quick
-    assert tcp.name == "pd/ours-tcp" and not tcp.quick
-    assert layerwise.name == "pd/ours-layerwise" and not layerwise.quick
-    summary = {"pd/ours": {"d_ttft_over_recompute": 0.06},
-               "pd/vllm-nixl": {"d_ttft_over_recompute": 0.11}}
-    comps = {c["what"]: c for c in comparisons(summary, [sc])}
-    c = comps["P/D decode TTFT: ours / NixlConnector"]
-    assert c["ratio"] == pytest.approx(0.06 / 0.11) and c["met"] is True and c["kind"] == "peer"
-    c = comps["P/D KV throughput: ours / NixlConnector"]
-    assert c["ratio"] == pytest.approx(0.11 / 0.06) and c["met"] is True
-    c = comps["P/D decode TTFT: ours / vLLM MooncakeConnector"]
-    assert c["ratio"] is None and c["goal"] == "" and c["met"] is None
-    assert comps["pd/ours D TTFT / recompute"]["kind"] == "recompute"
 
 
 @pytest.mark.parametrize(("env", "status", "says"), [

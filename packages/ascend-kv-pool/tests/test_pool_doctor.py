@@ -1,6 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``vllm-ascend-kv doctor`` checks of the KV pool (``ascend_store.tooling.doctor``) and its
-``bench serve`` scenarios' declared comparisons."""
+"""``vllm-ascend-kv doctor`` checks of the KV pool (``ascend_store.tooling.doctor``)."""
 
 from __future__ import annotations
 
@@ -13,7 +12,6 @@ import pytest
 
 from vllm_ascend.distributed.kv_transfer.core.tooling.doctor import Doctor
 from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.tooling import doctor as pool_doctor
-from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.tooling import serve as pool_serve
 
 
 def test_master_check_says_only_the_port_was_reached(tmp_path: Path) -> None:
@@ -46,37 +44,6 @@ def test_the_alias_is_checked_against_the_pool_section() -> None:
     pool_doctor.check(d, "MooncakeConnectorStoreV1", {"backend": "nope"}, "here", cfg)
     fail = next(c for c in d.checks if c.what == "MooncakeConnectorStoreV1 configuration")
     assert fail.status == "fail" and "AscendStoreConnector" in fail.fix
-
-
-def test_serve_scenarios_declare_their_comparisons() -> None:
-    from vllm_ascend.distributed.kv_transfer.core.tooling.serve_report import comparisons
-
-    scs = pool_serve.scenarios()
-    assert [s.name for s in scs] == ["pool/ours-local", "pool/ours-local-prefault",
-                                     "pool/ours-mooncake"]
-    summary = {"pool/ours-mooncake": {"hit_over_recompute": 0.05, "cold_over_baseline": 1.1},
-               "pool/vllm-mooncake-store": {"hit_over_recompute": 0.1,
-                                            "cold_over_baseline": 1.2}}
-    comps = {c["what"]: c for c in comparisons(summary, scs)}
-    c = comps["pool hit TTFT: ours-mooncake / MooncakeStoreConnector"]
-    assert c["ratio"] == pytest.approx(0.5) and c["met"] is None  # the goal is the overhead's
-    # issue 17: the overheads (hit over the floor, save) at most 0.8x the Store peer's, the
-    # throughput at least theirs; the other pairs have no goal
-    decl = {c.what: c for s in scs for c in s.comparisons}
-    vs_store = "ours-mooncake / MooncakeStoreConnector"
-    for what in (f"pool hit TTFT: {vs_store}", f"pool cold TTFT (miss + save): {vs_store}"):
-        goal = decl[what].overhead_goal
-        assert goal is not None and goal.at_most == 0.8
-    thr = decl[f"pool serving throughput (new prompts, saved): {vs_store}"].goal
-    assert thr is not None and thr.at_least == 1.0
-    local = decl["pool hit TTFT: ours-local / MooncakeStoreConnector"].overhead_goal
-    assert local is not None and local.at_most is None
-    assert comps["pool cold TTFT (miss + save): ours-mooncake / MooncakeStoreConnector"][
-        "ratio"] == pytest.approx(1.1 / 1.2)
-    assert comps["pool serving throughput (new prompts, saved): ours-local / "
-                 "ExampleConnector"]["ratio"] is None  # ours-local was not run
-    hit = comps["pool/ours-mooncake hit TTFT / recompute"]
-    assert hit["kind"] == "recompute" and hit["goal"] == "well below 1" and hit["met"] is True
 
 
 def test_the_local_pool_is_checked_against_the_hosts_available_memory(

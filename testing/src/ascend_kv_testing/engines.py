@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_ascend.distributed.kv_transfer.core.tooling.engine_env import ENGINE_ENV
+from vllm_ascend.distributed.kv_transfer.bench.engine_env import ENGINE_ENV
 
 __all__ = ["ENGINE_ENV", "EngineProcess", "engine_context", "engine_kwargs"]
 

@@ -1,10 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """Start and stop helper processes in tests, never leaving one behind.
 
-The implementations are ascend-kv-core's (``core.net.free_port`` and
-``core.tooling.procs``), imported when called: the sessions of ascend-dist-utils
-and ascend-kernels run without ascend-kv-core, and there :func:`free_port` is
-torch's own.
+The implementations are ascend-kv-core's ``core.net.free_port`` and ascend-kv-bench's
+``bench.procs`` (the one implementation the benchmarks use too), imported when called:
+the sessions of ascend-dist-utils and ascend-kernels run without ascend-kv-core, and there
+:func:`free_port` is torch's own; only the engine and Store launchers need ascend-kv-bench.
 """
 
 from __future__ import annotations
@@ -35,14 +35,14 @@ def free_port(host: str = "127.0.0.1") -> int:
 def wait_port(host: str, port: int, timeout: float = 30.0,
               proc: subprocess.Popen[bytes] | None = None) -> None:
     """Wait until ``host:port`` accepts TCP connections (or the process died)."""
-    from vllm_ascend.distributed.kv_transfer.core.tooling.procs import wait_port as impl
+    from vllm_ascend.distributed.kv_transfer.bench.procs import wait_port as impl
 
     impl(host, port, timeout, proc=proc)
 
 
 def stop(proc: subprocess.Popen[bytes] | None, timeout: float = 5.0) -> None:
     """SIGTERM, then SIGKILL the whole process group after ``timeout``."""
-    from vllm_ascend.distributed.kv_transfer.core.tooling.procs import stop as impl
+    from vllm_ascend.distributed.kv_transfer.bench.procs import stop as impl
 
     impl(proc, timeout)
 
@@ -50,7 +50,7 @@ def stop(proc: subprocess.Popen[bytes] | None, timeout: float = 5.0) -> None:
 def spawn(cmd: list[str], *, log: Path | None = None,
           env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     """Start ``cmd`` in its own process group, output to ``log`` (or discarded)."""
-    from vllm_ascend.distributed.kv_transfer.core.tooling.procs import spawn as impl
+    from vllm_ascend.distributed.kv_transfer.bench.procs import spawn as impl
 
     return impl(cmd, log=log, env=env)
 

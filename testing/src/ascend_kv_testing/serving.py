@@ -17,7 +17,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .engines import ENGINE_ENV
 from .procs import free_port, spawn, stop
 
 HOST = "127.0.0.1"
@@ -87,7 +86,10 @@ class Server:
 
 def serve_env(**extra: str) -> dict[str, str]:
     """Environment of ``vllm serve`` children (loopback, small KV cache, engine core in its
-    own process as in production)."""
+    own process as in production). ``ENGINE_ENV`` is ascend-kv-bench's, imported here: the
+    package sessions that only need :class:`AppThread` run without it."""
+    from vllm_ascend.distributed.kv_transfer.bench.engine_env import ENGINE_ENV
+
     return {**os.environ, **ENGINE_ENV, "VLLM_SERVER_DEV_MODE": "1",
             "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
             **extra}
@@ -230,7 +232,7 @@ def bench_client(base: str, tokenizer: Path, work: Path, *, num_prompts: int, co
     another, e.g. ``--dataset-name prefix_repetition ...``) against ``base`` once, model
     ``MODEL_NAME`` with ``tokenizer``'s tokenizer; the summary row of bench client
     (``completed``, ``failed``, ``errors``, latencies)."""
-    from vllm_ascend.distributed.kv_transfer.kv_p2p.tooling.bench_client_procs import run_client
+    from vllm_ascend.distributed.kv_transfer.bench.client.procs import run_client
 
     work.mkdir(parents=True, exist_ok=True)
     return run_client(sys.executable, base, MODEL_NAME, num_prompts=num_prompts,

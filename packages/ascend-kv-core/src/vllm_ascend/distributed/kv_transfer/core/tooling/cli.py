@@ -3,8 +3,9 @@
 
 Core provides ``version``, ``config`` and ``doctor``; every installed package
 adds to them through the entry-point groups of :mod:`.plugins` (its config
-section, its doctor checks, its ``bench`` subcommands) and can add subcommands
-through the ``vllm_ascend_kv.cli`` group. Such an entry point names a callable
+section, its doctor checks; ascend-kv-bench the ``bench`` subcommands, and without it
+``bench`` says to install it) and can add subcommands through the ``vllm_ascend_kv.cli``
+group. Such an entry point names a callable
 ``add_commands(subparsers)`` that adds parsers whose ``func`` default is called
 with the parsed arguments and returns an exit code.
 
@@ -97,6 +98,31 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_doctor(sub)
 
+    _add_bench(sub)
+    _add_plugins(ENTRY_POINT_GROUP, sub)
+    return parser
+
+
+#: What ``vllm-ascend-kv bench`` says when no distribution brings a benchmark.
+BENCH_MISSING = ("the benchmarks are not installed: they are the ascend-kv-bench "
+                 "distribution (pip install ascend-kv-bench), a tool that no runtime package "
+                 "and not the meta-package installs")
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """``bench <name>``: the ``vllm_ascend_kv.bench`` entry points (ascend-kv-bench's); with
+    none installed, ``bench`` and anything after it print :data:`BENCH_MISSING`."""
+    if not plugins.entry_points(BENCH_ENTRY_POINT_GROUP):
+        missing = sub.add_parser("bench", help="benchmarks (pip install ascend-kv-bench)",
+                                 description=BENCH_MISSING)
+        missing.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+
+        def _missing(_args: argparse.Namespace) -> int:
+            print(f"vllm-ascend-kv bench: {BENCH_MISSING}", file=sys.stderr)
+            return 2
+
+        missing.set_defaults(func=_missing)
+        return
     bench = sub.add_parser("bench", help="benchmarks: each path against its raw baseline, "
                                          "measured in the same run")
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCHMARK")
@@ -107,8 +133,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench.set_defaults(func=_bench_help)
     _add_plugins(BENCH_ENTRY_POINT_GROUP, bench_sub)
-    _add_plugins(ENTRY_POINT_GROUP, sub)
-    return parser
 
 
 def _add_plugins(group: str, sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

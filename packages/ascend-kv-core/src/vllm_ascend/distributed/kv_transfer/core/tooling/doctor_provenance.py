@@ -3,7 +3,7 @@
 
 Beside vLLM-Ascend both distributions ship some of the same files, upstream's
 module paths (``docs/deployment-ascend.md``). This check names the distribution
-whose copy each module holds (:mod:`..provenance` reads the RECORD hashes),
+whose copy each module holds (:mod:`.provenance` reads the RECORD hashes),
 warns when an upstream path of ours holds vLLM-Ascend's copy (the connector
 names stay ours; imports of that path get its code), and fails when a file of
 ours is gone or ours are shadowed by a ``vllm_ascend`` from another site
@@ -16,7 +16,7 @@ import logging
 from collections import defaultdict
 from typing import Any
 
-from .. import provenance
+from . import provenance
 
 logger = logging.getLogger(__name__)
 

@@ -13,12 +13,13 @@ Core names no connector package: each package declares what it brings in its
     doctor`` for that connector (it validates the section and adds the package's
     own checks).
 ``vllm_ascend_kv.bench``
-    value: ``add_parser(subparsers)`` adding a ``vllm-ascend-kv bench <name>``.
+    value: ``add_parser(subparsers)`` adding a ``vllm-ascend-kv bench <name>`` (the
+    ascend-kv-bench distribution declares every benchmark of the project).
 ``vllm_ascend_kv.cli``
     value: ``add_commands(subparsers)`` adding top-level subcommands.
 ``vllm_ascend_kv.serve``
     value: a callable returning the package's ``bench serve`` scenarios
-    (:class:`~.serve_scenarios.Scenario`).
+    (``vllm_ascend.distributed.kv_transfer.bench.serve.spec.Scenario``).
 """
 
 from __future__ import annotations

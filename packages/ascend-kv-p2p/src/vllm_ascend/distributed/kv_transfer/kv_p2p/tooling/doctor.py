@@ -73,7 +73,7 @@ def check_openmp_spin(doctor: Any, environ: Any = None) -> None:
     token after the KV slower (7-9 ms a request at the median on 2 cores, measured). Pinned,
     or with the threads passive, nothing to say but ok; on an NPU or GPU, not checked."""
     from vllm_ascend.distributed.kv_transfer.core.device import detect_device_kind
-    from vllm_ascend.distributed.kv_transfer.core.tooling.serve_child import (
+    from vllm_ascend.distributed.kv_transfer.core.tooling.cpu_binding import (
         OMP_BIND_ENV,
         bound_cpus,
     )

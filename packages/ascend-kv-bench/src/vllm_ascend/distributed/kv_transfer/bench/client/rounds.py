@@ -1,0 +1,99 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``bench client --rounds N``: our P/D pull pair against vLLM's own ``MooncakeConnector``
+pair under vLLM's client, in alternating rounds.
+
+Both pairs stay up for the whole comparison (both P's on core 0, both D's on core 1; the
+pair not measured is idle). Each round runs vLLM's client against one pair, then the other
+(who goes first flips every round), at each concurrency, with the same prompts for both
+(one dataset seed per round and concurrency, new to both pairs). Per concurrency and metric
+(TTFT mean and p50, TPOT p50, output tokens/s): ours / theirs as the ratio of the medians
+over the rounds, the per-round min-max and the paired bootstrap interval
+(:func:`~vllm_ascend.distributed.kv_transfer.bench.stats.compare`). A run with
+a failed request is left out of the ratios and counted.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from ..benchutil import Steps
+from ..stats import compare, spread
+from .deploy import VLLM_PEERS_MISSING, one_run, peers_dir, start_target, targets
+from .procs import warm_up
+
+logger = logging.getLogger(__name__)
+
+#: ours, then the peer
+PAIR = ("pd-pull", "pd-vllm-mooncake")
+#: (metric of a run, True when higher is better)
+METRICS = (("ttft_mean_ms", False), ("ttft_p50_ms", False), ("tpot_p50_ms", False),
+           ("output_tok_per_s", True))
+#: the first dataset seed of the rounds (the single runs use 100 + i)
+SEED0 = 1000
+
+
+def round_order(names: tuple[str, str], r: int) -> tuple[str, str]:
+    """Who runs first in round ``r``: ours in even rounds, the peer in odd ones."""
+    return names if r % 2 == 0 else (names[1], names[0])
+
+
+def summarize_rounds(runs: dict[str, dict[int, list[dict[str, Any]]]],
+                     concurrency: tuple[int, ...]) -> list[dict[str, Any]]:
+    """Ours / the peer per concurrency and metric, from each round's run of each
+    (``runs[target][concurrency]``, one row a round, in round order)."""
+    ours, peer = PAIR
+    out = []
+    for conc in concurrency:
+        a_rows, b_rows = runs[ours][conc], runs[peer][conc]
+        for metric, higher in METRICS:
+            a = [None if r.get("failed") else r.get(metric) for r in a_rows]
+            b = [None if r.get("failed") else r.get(metric) for r in b_rows]
+            stats = compare(a, b)
+            out.append({"concurrency": conc, "metric": metric, "higher_is_better": higher,
+                        **stats.as_dict(), "ours": spread(a), "peer": spread(b)})
+    return out
+
+
+def run_rounds(cfg: Any, steps: Steps, work: Path, rounds: int) -> dict[str, Any]:
+    """The alternating rounds (``cfg``: the run's ``ClientConfig``); their entry of the
+    results."""
+    chosen = {t.name: t for t in targets() if t.name in PAIR}
+    entry: dict[str, Any] = {"pair": list(PAIR), "rounds": rounds,
+                             "concurrency": list(cfg.concurrency)}
+    if peers_dir() is None:
+        steps.note(f"rounds: {VLLM_PEERS_MISSING}")
+        return {**entry, "status": "not run", "reason": VLLM_PEERS_MISSING}
+    logs = cfg.out / "client-logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    deps: dict[str, Any] = {}
+    runs: dict[str, dict[int, list[dict[str, Any]]]] = {
+        n: {c: [] for c in cfg.concurrency} for n in PAIR}
+    try:
+        for name in PAIR:
+            deps[name] = start_target(chosen[name], cfg, logs)
+            warm_up(deps[name].url, cfg.model, cfg.vocab, cfg.input_len, seed=7)
+        steps.note(f"rounds: {' and '.join(PAIR)} up")
+        for r in range(rounds):
+            for ci, conc in enumerate(cfg.concurrency):
+                for name in round_order(PAIR, r):
+                    row = one_run(deps[name], cfg, conc, seed=SEED0 + 100 * r + ci, extra=(),
+                                  work=work / "rounds" / name, tag=f"-r{r}")
+                    runs[name][conc].append({"round": r, **row})
+            steps.note(f"rounds: round {r + 1} of {rounds}: " + "; ".join(
+                f"{n} c{c} TTFT p50 {runs[n][c][-1].get('ttft_p50_ms') or 0:.0f} ms, "
+                f"{runs[n][c][-1].get('failed')} failed"
+                for c in cfg.concurrency for n in PAIR))
+    except Exception as exc:  # recorded, not fatal, as the single runs are
+        logger.exception("client rounds failed")
+        return {**entry, "status": "failed", "reason": str(exc)[-2000:], "runs": runs}
+    finally:
+        for dep in deps.values():
+            for s in reversed(dep.servers):
+                s.stop()
+    failed = {n: sum(int(row.get("failed") or 0) for c in runs[n] for row in runs[n][c])
+              for n in PAIR}
+    return {**entry, "status": "ok" if not any(failed.values()) else "failed requests",
+            "failed": failed, "runs": runs,
+            "comparisons": summarize_rounds(runs, tuple(cfg.concurrency))}
