@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_ascend.distributed.kv_transfer.core import provenance
+from vllm_ascend.distributed.kv_transfer.core.tooling import provenance
 
 STATE = os.environ.get("ASCEND_COEXIST", "")
 pytestmark = pytest.mark.skipif(not STATE, reason="run by the nox session ascend-coexist")
@@ -55,7 +55,7 @@ UPSTREAM_NAMES = {
 REGISTER = textwrap.dedent("""
     import importlib, importlib.metadata as md, inspect, json, sys
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-    from vllm_ascend.distributed.kv_transfer.core import provenance
+    from vllm_ascend.distributed.kv_transfer.core.tooling import provenance
     order = sys.argv[1].split(",")
     eps = {e.name: e for e in md.entry_points(group="vllm.general_plugins")}
     for step in order:

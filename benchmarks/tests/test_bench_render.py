@@ -283,7 +283,7 @@ def test_a_new_benchmark_is_rendered_by_its_section_module(
 
 
 def _interval_serve() -> dict[str, Any]:
-    """A serve.json of repeated rounds (the shape of bench serve's serve_compare)."""
+    """A serve.json of repeated rounds (the shape of bench serve's serve.compare)."""
     def row(what: str, kind: str, ratio: float | None, low: float | None,
             high: float | None, **extra: Any) -> dict[str, Any]:
         return {"what": what, "kind": kind, "ratio": ratio, "low": low, "high": high,
