@@ -195,7 +195,7 @@ def test_doctor_names_each_modules_provider() -> None:
     assert not [c for c in checks if c["status"] == "fail"], checks
     p2p = next(c for c in checks if c["what"].endswith("modules from ascend-kv-p2p"))
     assert "kv_transfer.kv_p2p.mooncake_connector" in p2p["detail"]
-    assert "kv_transfer.kv_p2p.pull_connector" in p2p["detail"]
+    assert "kv_transfer.kv_p2p.pull.connector" in p2p["detail"]
     theirs = next(c for c in checks if c["what"].endswith("modules from vllm-ascend"))
     assert "kv_transfer.kv_p2p.mooncake_hybrid_connector" in theirs["detail"]
     assert any("shipped by two distributions" in c["what"] for c in checks)
@@ -262,8 +262,8 @@ def test_installing_vllm_ascend_after_ours_overwrites_only_upstream_paths() -> N
     # what the connectors run is in files only we ship: untouched
     by_module = {e.module: e for e in provenance.scan()}
     prefix = "vllm_ascend.distributed.kv_transfer."
-    for module, dist in {"kv_p2p.pull_connector": "ascend-kv-p2p",
-                         "kv_p2p.layerwise_connector": "ascend-kv-p2p",
+    for module, dist in {"kv_p2p.pull.connector": "ascend-kv-p2p",
+                         "kv_p2p.layerwise.connector": "ascend-kv-p2p",
                          "kv_p2p.plugin": "ascend-kv-p2p",
                          "kv_pool.ascend_store.store_connector": "ascend-kv-pool",
                          "kv_pool.ascend_store.store_worker": "ascend-kv-pool",

@@ -63,10 +63,10 @@ def test_bad_extra_configs_stop_the_engine_with_a_clear_error(
 #: connector -> (module, how it finds its config class, the ``source`` it passes)
 CONNECTORS = {
     "MooncakeConnectorV1": (
-        "vllm_ascend.distributed.kv_transfer.kv_p2p.pull_connector",
+        "vllm_ascend.distributed.kv_transfer.kv_p2p.pull.connector",
         "MooncakeConnector.config_class", "kv_connector_extra_config of MooncakeConnector"),
     "MooncakeLayerwiseConnector": (
-        "vllm_ascend.distributed.kv_transfer.kv_p2p.layerwise_connector",
+        "vllm_ascend.distributed.kv_transfer.kv_p2p.layerwise.connector",
         "MooncakeLayerwiseConnector.config_class",
         "kv_connector_extra_config of MooncakeLayerwiseConnector"),
     "AscendStoreConnector": (

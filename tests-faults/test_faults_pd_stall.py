@@ -47,12 +47,12 @@ from vllm_ascend.distributed.kv_transfer.core.transfer_engine import peek_transf
 from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig
 from vllm_ascend.distributed.kv_transfer.kv_p2p.p2p_metrics import P2P_METRICS
 from vllm_ascend.distributed.kv_transfer.kv_p2p.params import RemotePrefill
-from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_contract import (
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.contract import (
     MooncakeConnectorMetadata,
     RecvMeta,
 )
-from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_window import window_tag
-from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_worker import PullWorker
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.window import window_tag
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.worker import PullWorker
 
 BS, NB, HEADS, HD, LAYERS = 16, 32, 4, 32, 4
 #: Mooncake's bound on a transfer without progress, in both processes
@@ -69,9 +69,9 @@ import torch
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
 from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig
 from vllm_ascend.distributed.kv_transfer.kv_p2p.p2p_metrics import P2P_METRICS
-from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_contract import (
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.contract import (
     MooncakeConnectorMetadata, SendMeta)
-from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_worker import PullWorker
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.worker import PullWorker
 
 port, lease, bs, nb, heads, hd, layers = sys.argv[1:8]
 bs, nb, heads, hd, layers = int(bs), int(nb), int(heads), int(hd), int(layers)

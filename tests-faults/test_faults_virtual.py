@@ -9,7 +9,7 @@ after a virtual one with the same prompt answered other tokens than a single ins
 
 Fixed in the layerwise connector (D's scheduler side): a virtual request's block hashes
 are re-keyed with a per-request salt before vLLM caches its blocks
-(``layerwise_scheduler.isolate_from_prefix_cache``).
+(``layerwise.scheduler.isolate_from_prefix_cache``).
 """
 
 from __future__ import annotations

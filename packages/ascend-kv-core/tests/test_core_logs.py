@@ -44,7 +44,7 @@ def test_records_reach_vllms_handlers_at_vllms_level(clean: logging.Logger) -> N
     assert not follow_vllm_logging({})  # once
     keep = Keep(logging.INFO)
     logging.getLogger("vllm").addHandler(keep)  # vLLM configures after the plugin ran
-    log = logging.getLogger(NAMESPACE + ".kv_transfer.kv_p2p.pull_reader")
+    log = logging.getLogger(NAMESPACE + ".kv_transfer.kv_p2p.pull.reader")
     log.info("handshake ok")
     log.debug("not shown")
     assert [r.getMessage() for r in keep.records] == ["handshake ok"]

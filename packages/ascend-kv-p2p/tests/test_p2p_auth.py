@@ -28,11 +28,11 @@ from vllm_ascend.distributed.kv_transfer.kv_p2p.config import (
     MooncakeLayerwiseConfig,
     MooncakeP2PConfig,
 )
-from vllm_ascend.distributed.kv_transfer.kv_p2p.layerwise_contract import (
+from vllm_ascend.distributed.kv_transfer.kv_p2p.layerwise.contract import (
     MooncakeLayerwiseConnectorMetadata,
     RecvReq,
 )
-from vllm_ascend.distributed.kv_transfer.kv_p2p.layerwise_worker import LayerwiseWorker
+from vllm_ascend.distributed.kv_transfer.kv_p2p.layerwise.worker import LayerwiseWorker
 from vllm_ascend.distributed.kv_transfer.kv_p2p.p2p_metrics import P2P_METRICS
 from vllm_ascend.distributed.kv_transfer.kv_p2p.params import RemotePrefill
 from vllm_ascend.distributed.kv_transfer.kv_p2p.protocol import (
@@ -46,12 +46,12 @@ from vllm_ascend.distributed.kv_transfer.kv_p2p.protocol import (
     Renew,
     worker_port,
 )
-from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_contract import (
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.contract import (
     MooncakeConnectorMetadata,
     RecvMeta,
     SendMeta,
 )
-from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_worker import PullWorker
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.worker import PullWorker
 
 KEY = "deployment-key-for-the-auth-tests-0123"
 BS, NB, HEADS, HD, LAYERS = 16, 8, 2, 8, 2
@@ -263,7 +263,7 @@ def test_metaserver_wants_the_bearer_token_and_d_sends_it(keyed: None) -> None:
 
     from vllm_ascend.distributed.kv_transfer.core.retry import RetryPolicy
     from vllm_ascend.distributed.kv_transfer.kv_p2p.config import TLSConfig
-    from vllm_ascend.distributed.kv_transfer.kv_p2p.layerwise_metaserver import MetaserverClient
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.layerwise.metaserver import MetaserverClient
     from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.app import ProxyConfig, build_app
 
     app = build_app(ProxyConfig(prefill=["http://127.0.0.1:9"], decode=["http://127.0.0.1:9"],
@@ -295,7 +295,7 @@ def test_without_a_key_the_metaserver_and_its_client_are_as_before(
 
     from vllm_ascend.distributed.kv_transfer.core.retry import RetryPolicy
     from vllm_ascend.distributed.kv_transfer.kv_p2p.config import TLSConfig
-    from vllm_ascend.distributed.kv_transfer.kv_p2p.layerwise_metaserver import MetaserverClient
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.layerwise.metaserver import MetaserverClient
     from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.app import ProxyConfig, build_app
 
     monkeypatch.delenv(auth.ENV_KEY, raising=False)

@@ -25,25 +25,25 @@ from ascend_kv_testing.keys import set_deployment_key
 from vllm_ascend.distributed.kv_transfer.core import auth
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
 from vllm_ascend.distributed.kv_transfer.core.net import free_port
-from vllm_ascend.distributed.kv_transfer.kv_p2p import pull_claims
 from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig
 from vllm_ascend.distributed.kv_transfer.kv_p2p.p2p_metrics import P2P_METRICS
 from vllm_ascend.distributed.kv_transfer.kv_p2p.params import RemotePrefill
 from vllm_ascend.distributed.kv_transfer.kv_p2p.protocol import Claim
-from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_claims import (
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull import claims as pull_claims
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.claims import (
     ClaimAhead,
     accepted_ahead,
     claim_sent_at,
     refused_ahead,
 )
-from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_contract import (
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.contract import (
     EarlyClaim,
     MooncakeConnectorMetadata,
     RecvMeta,
     SendMeta,
 )
-from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_scheduler import PullScheduler
-from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_worker import PullWorker
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.scheduler import PullScheduler
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.worker import PullWorker
 
 BS, NB, HEADS, HD, LAYERS = 16, 8, 2, 8, 2
 KEY = "deployment-key-for-the-claims-ahead-tests-01"
@@ -215,7 +215,7 @@ def test_a_refused_claim_ahead_falls_back_to_the_workers_claim(pd: Any) -> None:
 def test_a_claim_before_p_registered_the_request_falls_back(pd: Any,
                                                              monkeypatch: pytest.MonkeyPatch
                                                              ) -> None:
-    from vllm_ascend.distributed.kv_transfer.kv_p2p import pull_holder
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.pull import holder as pull_holder
 
     monkeypatch.setattr(pull_holder, "CLAIM_WAIT_S", 0.0)
     token = auth.capability_token()
@@ -341,11 +341,11 @@ def test_a_step_that_runs_no_token_is_idle_for_the_worker() -> None:
 def test_the_connector_hands_the_bound_steps_idle_mark_to_its_worker(layerwise: bool) -> None:
     """vLLM binds the step's metadata around get_finished: the worker learns from it whether
     the step ran a token (and waits for a load only when it did not)."""
-    from vllm_ascend.distributed.kv_transfer.kv_p2p.layerwise_connector import (
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.layerwise.connector import (
         MooncakeLayerwiseConnector,
         MooncakeLayerwiseConnectorMetadata,
     )
-    from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_connector import MooncakeConnector
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.connector import MooncakeConnector
 
     asked: list[bool] = []
 

@@ -38,12 +38,12 @@ from vllm_ascend.distributed.kv_transfer.kv_p2p.protocol import (
     GetMeta,
     worker_port,
 )
-from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_contract import (
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.contract import (
     MooncakeConnectorMetadata,
     RecvMeta,
     SendMeta,
 )
-from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_worker import PullWorker
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.worker import PullWorker
 
 KEY = "deployment-key-for-the-grant-tests-0123"
 BS, NB, HEADS, HD, LAYERS = 16, 8, 2, 8, 2

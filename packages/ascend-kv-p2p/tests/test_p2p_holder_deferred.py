@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
-from vllm_ascend.distributed.kv_transfer.kv_p2p import pull_holder
-from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_holder import LeaseHolder
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull import holder as pull_holder
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.holder import LeaseHolder
 
 
 class Clock:

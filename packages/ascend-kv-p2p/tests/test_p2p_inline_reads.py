@@ -26,19 +26,19 @@ from vllm_ascend.distributed.kv_transfer.core.channel import tcp_endpoint
 from vllm_ascend.distributed.kv_transfer.core.local_reads import LOCAL_READS_ENV
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
 from vllm_ascend.distributed.kv_transfer.core.net import free_port
-from vllm_ascend.distributed.kv_transfer.kv_p2p import pull_inline
 from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig
 from vllm_ascend.distributed.kv_transfer.kv_p2p.p2p_metrics import P2P_METRICS
 from vllm_ascend.distributed.kv_transfer.kv_p2p.params import RemotePrefill
 from vllm_ascend.distributed.kv_transfer.kv_p2p.protocol import Claim, worker_port
-from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_claims import CLOCK_SKEW_S
-from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_contract import (
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull import inline as pull_inline
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.claims import CLOCK_SKEW_S
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.contract import (
     MooncakeConnectorMetadata,
     RecvMeta,
     SendMeta,
 )
-from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_window import window_end, window_tag
-from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_worker import PullWorker
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.window import window_end, window_tag
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.worker import PullWorker
 
 BS, NB, HEADS, HD, LAYERS = 16, 8, 2, 8, 2
 KEY = "deployment-key-for-the-inline-read-tests-0001"

@@ -31,7 +31,7 @@ from vllm_ascend.distributed.kv_transfer.core.channel import RpcClient, tcp_endp
 from vllm_ascend.distributed.kv_transfer.core.errors import RemoteError
 from vllm_ascend.distributed.kv_transfer.core.net import free_port
 from vllm_ascend.distributed.kv_transfer.kv_p2p.errors import KVParamsError
-from vllm_ascend.distributed.kv_transfer.kv_p2p.layerwise_contract import PushReq
+from vllm_ascend.distributed.kv_transfer.kv_p2p.layerwise.contract import PushReq
 from vllm_ascend.distributed.kv_transfer.kv_p2p.params import (
     params_for_prefill,
     parse_push_target,

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeLayerwiseConfig, TLSConfig
-from vllm_ascend.distributed.kv_transfer.kv_p2p.layerwise_metaserver import (
+from vllm_ascend.distributed.kv_transfer.kv_p2p.layerwise.metaserver import (
     MetaserverClient,
     MetaserverError,
     build_ssl_context,

@@ -34,7 +34,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from vllm_ascend.distributed.kv_transfer.kv_p2p import register
-from vllm_ascend.distributed.kv_transfer.kv_p2p.layerwise_contract import (
+from vllm_ascend.distributed.kv_transfer.kv_p2p.layerwise.contract import (
     MooncakeLayerwiseConnectorMetadata,
 )
 

@@ -24,12 +24,12 @@ from vllm_ascend.distributed.kv_transfer.core.errors import RemoteError
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
 from vllm_ascend.distributed.kv_transfer.core.net import free_port
 from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeLayerwiseConfig
-from vllm_ascend.distributed.kv_transfer.kv_p2p.layerwise_contract import (
+from vllm_ascend.distributed.kv_transfer.kv_p2p.layerwise.contract import (
     MooncakeLayerwiseConnectorMetadata,
     PushReq,
     RecvReq,
 )
-from vllm_ascend.distributed.kv_transfer.kv_p2p.layerwise_worker import LayerwiseWorker
+from vllm_ascend.distributed.kv_transfer.kv_p2p.layerwise.worker import LayerwiseWorker
 from vllm_ascend.distributed.kv_transfer.kv_p2p.p2p_metrics import P2P_METRICS
 from vllm_ascend.distributed.kv_transfer.kv_p2p.params import PushTarget
 from vllm_ascend.distributed.kv_transfer.kv_p2p.protocol import (

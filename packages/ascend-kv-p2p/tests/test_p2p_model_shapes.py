@@ -24,11 +24,11 @@ from vllm_ascend.distributed.kv_transfer.kv_p2p.config import (
     MooncakeP2PConfig,
 )
 from vllm_ascend.distributed.kv_transfer.kv_p2p.errors import HandshakeMismatchError
-from vllm_ascend.distributed.kv_transfer.kv_p2p.layerwise_worker import LayerwiseWorker
+from vllm_ascend.distributed.kv_transfer.kv_p2p.layerwise.worker import LayerwiseWorker
 from vllm_ascend.distributed.kv_transfer.kv_p2p.p2p_metrics import P2P_METRICS
-from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_contract import RecvMeta
-from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_transfer import read_request
-from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_worker import PullWorker
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.contract import RecvMeta
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.transfer import read_request
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.worker import PullWorker
 from vllm_ascend.distributed.kv_transfer.kv_p2p.worker_base import (
     _latent_view,
     head_slices,
@@ -147,10 +147,10 @@ def test_more_than_one_kv_cache_group_is_refused_naming_the_groups() -> None:
 def test_both_connectors_refuse_a_hybrid_kv_cache_at_start_up(name: str, role: str) -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    from vllm_ascend.distributed.kv_transfer.kv_p2p import (
-        layerwise_connector,
-        pull_connector,
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.layerwise import (
+        connector as layerwise_connector,
     )
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.pull import connector as pull_connector
 
     cls = {"MooncakeConnector": pull_connector.MooncakeConnector,
            "MooncakeLayerwiseConnector": layerwise_connector.MooncakeLayerwiseConnector}[name]
@@ -164,10 +164,10 @@ def test_no_p2p_connector_claims_hybrid_kv_cache_support() -> None:
     would get a hybrid model's groups and move only the first."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
 
-    from vllm_ascend.distributed.kv_transfer.kv_p2p import (
-        layerwise_connector,
-        pull_connector,
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.layerwise import (
+        connector as layerwise_connector,
     )
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.pull import connector as pull_connector
 
     assert not issubclass(layerwise_connector.MooncakeLayerwiseConnector, SupportsHMA)
     assert not issubclass(pull_connector.MooncakeConnector, SupportsHMA)

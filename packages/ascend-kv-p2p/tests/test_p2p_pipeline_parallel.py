@@ -19,7 +19,6 @@ import torch
 from vllm_ascend.distributed.kv_transfer.core.errors import ConfigError
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
 from vllm_ascend.distributed.kv_transfer.core.net import free_port
-from vllm_ascend.distributed.kv_transfer.kv_p2p import pull_reader
 from vllm_ascend.distributed.kv_transfer.kv_p2p.config import (
     MooncakeLayerwiseConfig,
     MooncakeP2PConfig,
@@ -29,17 +28,18 @@ from vllm_ascend.distributed.kv_transfer.kv_p2p.params import (
     params_for_decode,
     parse_remote_prefill,
 )
-from vllm_ascend.distributed.kv_transfer.kv_p2p.pp_layout import (
-    expand_over_stages,
-    stage_layers,
-)
 from vllm_ascend.distributed.kv_transfer.kv_p2p.protocol import worker_port
-from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_contract import (
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull import reader as pull_reader
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.contract import (
     MooncakeConnectorMetadata,
     RecvMeta,
     SendMeta,
 )
-from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_worker import PullWorker
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.stages import (
+    expand_over_stages,
+    stage_layers,
+)
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.worker import PullWorker
 
 BS, NB, HEADS, HD = 16, 10, 2, 8
 
@@ -280,7 +280,7 @@ def test_the_layerwise_connector_refuses_a_pp_prefill() -> None:
 
 
 def test_a_pp_p_whose_ranks_listen_on_several_hosts_is_refused() -> None:
-    from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_scheduler import PullScheduler
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.scheduler import PullScheduler
 
     sched = PullScheduler(_vllm_config("kv_producer", free_port(), tp=2, pp=2, layers=8),
                           MooncakeP2PConfig.from_dict({"prefill": {"pp_size": 2}}), "P")
@@ -294,8 +294,8 @@ def test_the_connector_takes_every_stages_handshake_metadata() -> None:
     """vLLM hands a PP engine's handshake metadata keyed by (pp rank, tp rank); its default
     refuses any stage above 0. Stages on one host name their TP ranks' host; stages on
     several hosts are refused, naming them."""
-    from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_connector import MooncakeConnector
-    from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_scheduler import PullScheduler
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.connector import MooncakeConnector
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.scheduler import PullScheduler
     from vllm_ascend.distributed.kv_transfer.kv_p2p.rank_hosts import RankAddress
 
     sched = PullScheduler(_vllm_config("kv_producer", free_port(), tp=2, pp=2, layers=8),

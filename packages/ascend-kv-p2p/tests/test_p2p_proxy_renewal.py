@@ -23,11 +23,11 @@ from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig
 from vllm_ascend.distributed.kv_transfer.kv_p2p.p2p_metrics import P2P_METRICS
 from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.app import ProxyConfig
 from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.service import Proxy
-from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_contract import (
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.contract import (
     MooncakeConnectorMetadata,
     SendMeta,
 )
-from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_worker import PullWorker
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.worker import PullWorker
 
 LEASE_S = 1.0
 
@@ -237,7 +237,7 @@ def test_a_layerwise_d_rank_that_does_not_answer_delays_no_other_d_renewals() ->
     )
     from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
     from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeLayerwiseConfig
-    from vllm_ascend.distributed.kv_transfer.kv_p2p.layerwise_links import (
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.layerwise.links import (
         PushLink,
         PushLinks,
         PushSession,

@@ -23,17 +23,17 @@ from p2p_worker_harness import numbered_caches, pd_vllm_config
 
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
 from vllm_ascend.distributed.kv_transfer.core.net import free_port
-from vllm_ascend.distributed.kv_transfer.kv_p2p import pull_reader
 from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig
 from vllm_ascend.distributed.kv_transfer.kv_p2p.p2p_metrics import P2P_METRICS
 from vllm_ascend.distributed.kv_transfer.kv_p2p.params import RemotePrefill
 from vllm_ascend.distributed.kv_transfer.kv_p2p.protocol import Claim, GetMeta
-from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_contract import (
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull import reader as pull_reader
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.contract import (
     MooncakeConnectorMetadata,
     RecvMeta,
     SendMeta,
 )
-from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_worker import PullWorker
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.worker import PullWorker
 
 BS, NB, HEADS, HD, LAYERS = 16, 12, 4, 8, 2
 

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""D's byte plan (``pull_transfer``) for every head split, with a transfer engine that
+"""D's byte plan (``pull.transfer``) for every head split, with a transfer engine that
 copies memory in-process: the staged NPU-layout path merges P ranks' head parts,
 equal or not, through ascend-kernels' head ops."""
 
@@ -15,8 +15,8 @@ import torch
 
 from vllm_ascend.distributed.kernels.heads import kv_heads_of_rank
 from vllm_ascend.distributed.kv_transfer.core.layout import KVCacheLayout
-from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_contract import RecvMeta
-from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_transfer import read_request
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.contract import RecvMeta
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.transfer import read_request
 from vllm_ascend.distributed.kv_transfer.kv_p2p.worker_base import head_slices
 
 BS, NB, HD = 4, 6, 3
@@ -85,7 +85,7 @@ def test_a_kept_read_plan_serves_later_requests_and_a_new_p_meta_gets_its_own(
     """Address plans kept between requests: the same P metadata and head plan are planned
     once, each request still reads its own blocks, and P's new metadata (a restart: other
     regions) is planned again, so D never reads the old addresses."""
-    from vllm_ascend.distributed.kv_transfer.kv_p2p import pull_transfer
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.pull import transfer as pull_transfer
 
     made: list[int] = []
     real = pull_transfer._rank_plan

@@ -30,7 +30,7 @@ from test_p2p_layerwise_worker import (
 
 from vllm_ascend.distributed.kv_transfer.core.net import HOST_ENV_VARS, free_port
 from vllm_ascend.distributed.kv_transfer.kv_p2p.errors import KVParamsError
-from vllm_ascend.distributed.kv_transfer.kv_p2p.layerwise_contract import PushReq
+from vllm_ascend.distributed.kv_transfer.kv_p2p.layerwise.contract import PushReq
 from vllm_ascend.distributed.kv_transfer.kv_p2p.params import parse_push_target
 from vllm_ascend.distributed.kv_transfer.kv_p2p.rank_hosts import (
     MULTI_NODES_KEY,
@@ -165,7 +165,7 @@ def test_d_pulls_from_p_ranks_on_their_own_hosts(monkeypatch: pytest.MonkeyPatch
         params_for_decode,
         parse_remote_prefill,
     )
-    from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_contract import (
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.contract import (
         MooncakeConnectorMetadata,
         RecvMeta,
         SendMeta,

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The read window (``pull_window``): D reads a fresh request without claiming it.
+"""The read window (``pull.window``): D reads a fresh request without claiming it.
 
 Real P and D pull workers (side channels, the real transfer engine on loopback), with and
 without a deployment key: P stamps the params with its hold and its engine start and keeps
@@ -35,20 +35,20 @@ from vllm_ascend.distributed.kv_transfer.kv_p2p.params import (
     parse_remote_prefill,
 )
 from vllm_ascend.distributed.kv_transfer.kv_p2p.protocol import Claim, GetMeta
-from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_claims import CLOCK_SKEW_S
-from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_contract import (
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.claims import CLOCK_SKEW_S
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.contract import (
     MooncakeConnectorMetadata,
     RecvMeta,
     SendMeta,
 )
-from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_scheduler import PullScheduler
-from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_window import (
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.scheduler import PullScheduler
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.window import (
     in_window,
     stamp,
     window_end,
     window_tag,
 )
-from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_worker import PullWorker
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.worker import PullWorker
 
 BS, NB, HEADS, HD, LAYERS = 16, 8, 2, 8, 2
 KEY = "deployment-key-for-the-read-window-tests-0001"

@@ -58,7 +58,7 @@ def test_the_plugin_entry_point_is_not_an_upstream_path() -> None:
 #: this session), started when this module is collected: it runs on a free core meanwhile.
 _FRESH_IMPORT = start_in_background([sys.executable, "-c", (
     "import sys\n"
-    "for m in ('pull_connector', 'layerwise_connector', 'multi_connector', 'plugin'):\n"
+    "for m in ('pull.connector', 'layerwise.connector', 'multi_connector', 'plugin'):\n"
     "    __import__('vllm_ascend.distributed.kv_transfer.kv_p2p.' + m)\n"
     "print('\\n'.join(m for m in sys.modules if m.startswith('vllm_ascend')))")], timeout=300)
 

@@ -17,7 +17,7 @@ from vllm_ascend.distributed.kv_transfer.kv_p2p.config import (
     MooncakeP2PConfig,
 )
 from vllm_ascend.distributed.kv_transfer.kv_p2p.p2p_metrics import P2P_METRICS
-from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_worker import PullWorker
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.worker import PullWorker
 
 
 def _vllm_config(pp: int, role: str = "kv_consumer") -> SimpleNamespace:

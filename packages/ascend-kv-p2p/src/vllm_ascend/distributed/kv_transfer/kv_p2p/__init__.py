@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """ascend-kv-p2p: P/D disaggregation connectors for vLLM.
 
-* ``MooncakeConnectorV1`` -> :mod:`.pull_connector` (decode pulls; upstream's path
+* ``MooncakeConnectorV1`` -> :mod:`.pull.connector` (decode pulls; upstream's path
   :mod:`.mooncake_connector` re-exports it);
-* ``MooncakeLayerwiseConnector`` -> :mod:`.layerwise_connector` (prefill pushes
+* ``MooncakeLayerwiseConnector`` -> :mod:`.layerwise.connector` (prefill pushes
   layer by layer, virtual push; upstream's path :mod:`.mooncake_layerwise_connector`);
 * ``AscendMultiConnector`` -> :mod:`.multi_connector` (vLLM's ``MultiConnector``
   that gives layerwise children the real blocks; upstream's path

@@ -5,7 +5,7 @@ vLLM calls that only hand over to the scheduler or the worker.
 :class:`P2PConnectorShell` builds the scheduler (scheduler role) or the worker (worker role)
 a connector names through :meth:`~P2PConnectorShell._make_scheduler` and
 :meth:`~P2PConnectorShell._make_worker`; the hooks that differ between the pull
-(:mod:`.pull_connector`) and the layerwise push (:mod:`.layerwise_connector`) stay in those
+(:mod:`.pull.connector`) and the layerwise push (:mod:`.layerwise.connector`) stay in those
 modules. This module is a path only ascend-kv-p2p ships.
 """
 

@@ -1,15 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Upstream's module path of ``MooncakeLayerwiseConnector``; it lives in :mod:`.layerwise_connector`.
+"""Upstream's module path of ``MooncakeLayerwiseConnector``; it lives in :mod:`.layerwise.connector`.
 
 vLLM-Ascend's wheel ships a file at this path too. Installed after ours, its
 copy replaces this one: imports of this path then get vLLM-Ascend's class,
 while the name ``MooncakeLayerwiseConnector`` stays ours (it is registered at
-:mod:`.layerwise_connector`, which only ascend-kv-p2p ships).
+:mod:`.layerwise.connector`, which only ascend-kv-p2p ships).
 """
 
 from __future__ import annotations
 
-from .layerwise_connector import (
+from .layerwise.connector import (
     MooncakeLayerwiseConnector,
     MooncakeLayerwiseConnectorMetadata,
     PushReq,

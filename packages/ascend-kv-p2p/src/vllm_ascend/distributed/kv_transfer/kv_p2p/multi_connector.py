@@ -55,7 +55,7 @@ __all__ = ["AscendMultiConnector", "is_layerwise_connector"]
 
 def is_layerwise_connector(connector: Any) -> bool:
     """Whether ``connector`` is a ``MooncakeLayerwiseConnector`` (ours, or vLLM-Ascend's copy)."""
-    from .layerwise_connector import MooncakeLayerwiseConnector
+    from .layerwise.connector import MooncakeLayerwiseConnector
 
     if isinstance(connector, MooncakeLayerwiseConnector):
         return True

@@ -44,11 +44,11 @@ class RemotePrefill:
     instance: str = ""
     #: P's ``time.time()`` when it began holding the blocks (``remote_held_at``), and how
     #: long it keeps them at least from then, D's ``Done`` or not (``remote_hold_s``; 0:
-    #: no such promise): D's read window (:mod:`.pull_window`)
+    #: no such promise): D's read window (:mod:`.pull.window`)
     held_at: float = 0.0
     hold_s: float = 0.0
     #: P's MAC over the request's identity and window (``remote_window_tag``,
-    #: :func:`~.pull_window.window_tag`): params changed on the way are claimed
+    #: :func:`~.pull.window.window_tag`): params changed on the way are claimed
     window_tag: str = ""
 
     def endpoint_key(self) -> tuple[str, int]:
@@ -186,7 +186,7 @@ def params_for_decode(*, block_ids: list[int], engine_id: str, host: str, port: 
                       window: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The ``kv_transfer_params`` P returns for D (upstream keys, plus ``remote_tp_size`` and
     ``remote_claim_token``, the request's capability, when P issued one, and the keys of
-    its read window, ``window``: :func:`~.pull_window.stamp`).
+    its read window, ``window``: :func:`~.pull.window.stamp`).
 
     ``remote_multi_nodes_meta_mapping`` names every rank's host (``rank_hosts``, as the
     workers published them); without them, rank 0 at ``host`` (upstream's one entry)."""

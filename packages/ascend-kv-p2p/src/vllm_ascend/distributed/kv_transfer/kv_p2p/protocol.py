@@ -50,7 +50,7 @@ class AgentMeta(Message):
     region_addrs: list[int]
     region_strides: list[int]
     vllm_version: str = ""
-    #: a pipeline-parallel P stage (:mod:`.pp_layout`): the instance's stages, the index of
+    #: a pipeline-parallel P stage (:mod:`.pull.stages`): the instance's stages, the index of
     #: this stage's first layer and the model's layer count (``layout`` has the stage's
     #: layers only); ``total_num_layers`` 0: ``layout.num_layers``
     pp_size: int = 1

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""What both P/D schedulers (:mod:`.pull_scheduler`, :mod:`.layerwise_scheduler`) read from
+"""What both P/D schedulers (:mod:`.pull.scheduler`, :mod:`.layerwise.scheduler`) read from
 vLLM's config when they start: the instance's role, block size, TP and PP sizes, host and
 the side channel's base port (the port of its TP rank 0, which P's params name)."""
 

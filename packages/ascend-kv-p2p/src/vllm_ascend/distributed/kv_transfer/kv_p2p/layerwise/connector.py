@@ -24,13 +24,13 @@ Lifecycle (vLLM ``KVConnectorBase_V1``):
 
 **Virtual push**: a request with ``"do_virtual": true`` is not posted to the
 metaserver; D's workers report it loaded at once with nothing transferred
-(``ReqMeta.do_virtual``, upstream's name of :class:`~.layerwise_contract.RecvReq`, and
+(``ReqMeta.do_virtual``, upstream's name of :class:`~.layerwise.contract.RecvReq`, and
 the worker's ``virtual_request`` set). ``None``, empty or ``do_virtual``-less params are
 ordinary requests.
 
-The class is thin: scheduler-side work is in :mod:`.layerwise_scheduler`, worker-side
-work in :mod:`.layerwise_worker` (a P sender and a D receiver), and the records the
-scheduler sends the workers in :mod:`.layerwise_contract`.
+The class is thin: scheduler-side work is in :mod:`.layerwise.scheduler`, worker-side
+work in :mod:`.layerwise.worker` (a P sender and a D receiver), and the records the
+scheduler sends the workers in :mod:`.layerwise.contract`.
 
 This module is a path only ascend-kv-p2p ships, so the name stays ours whatever is
 installed last; upstream's path :mod:`.mooncake_layerwise_connector` re-exports it.
@@ -46,15 +46,15 @@ require_vllm("MooncakeLayerwiseConnector")
 
 from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeLayerwiseConfig  # noqa: E402
 
-from .connector_shell import P2PConnectorShell  # noqa: E402
-from .layerwise_contract import (  # noqa: E402
+from ..connector_shell import P2PConnectorShell  # noqa: E402
+from .contract import (  # noqa: E402
     MooncakeLayerwiseConnectorMetadata,
     PushReq,
     RecvReq,
     ReqMeta,
 )
-from .layerwise_scheduler import LayerwiseScheduler  # noqa: E402
-from .layerwise_worker import LayerwiseWorker  # noqa: E402
+from .scheduler import LayerwiseScheduler  # noqa: E402
+from .worker import LayerwiseWorker  # noqa: E402
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -2,8 +2,8 @@
 """What the layerwise connector's scheduler tells its workers each step.
 
 The records of :class:`MooncakeLayerwiseConnectorMetadata` are the whole contract
-between :mod:`.layerwise_scheduler` (which builds them) and the workers
-(:mod:`.layerwise_worker`, :mod:`.layerwise_receiver`, :mod:`.layerwise_sender`),
+between :mod:`.layerwise.scheduler` (which builds them) and the workers
+(:mod:`.layerwise.worker`, :mod:`.layerwise.receiver`, :mod:`.layerwise.sender`),
 which import this module and never the scheduler's, as vLLM's
 ``kv_connector/v1/nixl/metadata.py`` does for NIXL.
 
@@ -25,8 +25,8 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from .errors import KVParamsError
-from .params import PushTarget, wants_virtual
+from ..errors import KVParamsError
+from ..params import PushTarget, wants_virtual
 
 __all__ = ["MooncakeLayerwiseConnectorMetadata", "PushReq", "RecvReq", "ReqMeta"]
 

@@ -9,7 +9,7 @@ renewer thread keeps the leases alive (``PushRenew``, to every D rank side by si
 Every write starts inside the lease (:func:`write_window_end`). A D that died,
 refused, or revoked the lease stops the link, which P reports to D
 (``PushDone(success=False)``) when it can. The sender thread
-(:mod:`.layerwise_sender`) drives all of this.
+(:mod:`.layerwise.sender`) drives all of this.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from vllm_ascend.distributed.kv_transfer.core.errors import KVTransferError, Rem
 from vllm_ascend.distributed.kv_transfer.core.transfer_engine import MooncakeTransferEngine
 from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeLayerwiseConfig
 
-from .errors import HandshakeMismatchError, RemoteKVUnavailable
-from .params import PushTarget
-from .protocol import (
+from ..errors import HandshakeMismatchError, RemoteKVUnavailable
+from ..params import PushTarget
+from ..protocol import (
     AgentMeta,
     PushBegin,
     PushDone,
@@ -40,8 +40,8 @@ from .protocol import (
     compatibility_problem,
     worker_port,
 )
-from .renewer import SideBySide
-from .worker_base import P2PWorkerBase, head_slices, heads_in_block
+from ..renewer import SideBySide
+from ..worker_base import P2PWorkerBase, head_slices, heads_in_block
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@
 D serves the side channel P's ranks push through: ``GetMeta`` (D's cache
 description), ``PushBegin`` (a write lease on exactly the blocks D allocated for
 the request, with staging buffers where P's heads are not contiguous in D's
-blocks, see :mod:`.layerwise_staging`), ``PushRenew`` and ``PushDone``.
+blocks, see :mod:`.layerwise.staging`), ``PushRenew`` and ``PushDone``.
 
 Each request waits under a deadline; it completes when every P rank that pushes
 to this rank said ``PushDone``, and fails at once when a sender failed, when a
@@ -42,10 +42,8 @@ from vllm_ascend.distributed.kv_transfer.core.channel import RpcServer, tcp_endp
 from vllm_ascend.distributed.kv_transfer.core.errors import TransferError
 from vllm_ascend.distributed.kv_transfer.core.wire import ErrorReply, Message
 
-from .errors import HandshakeMismatchError
-from .layerwise_contract import RecvReq
-from .layerwise_staging import allocate_staging, merge_staged_heads, release_staging
-from .protocol import (
+from ..errors import HandshakeMismatchError
+from ..protocol import (
     LAYERWISE_CODEC,
     LAYERWISE_PROTOCOL_VERSION,
     GetMeta,
@@ -56,7 +54,9 @@ from .protocol import (
     PushRenew,
     PushRenewReply,
 )
-from .worker_base import P2PWorkerBase, head_slices
+from ..worker_base import P2PWorkerBase, head_slices
+from .contract import RecvReq
+from .staging import allocate_staging, merge_staged_heads, release_staging
 
 logger = logging.getLogger(__name__)
 

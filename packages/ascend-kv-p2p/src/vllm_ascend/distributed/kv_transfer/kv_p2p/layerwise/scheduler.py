@@ -8,7 +8,7 @@ the params, optional TLS, retries) and tells its workers to expect pushes. A
 *virtual* request (``do_virtual: true``) is not posted: its workers report it
 loaded at once. A post that fails for good reaches the workers with the next
 step's metadata and fails the request at once instead of at its deadline
-(the posts: :mod:`.layerwise_metaserver`).
+(the posts: :mod:`.layerwise.metaserver`).
 
 On P (``kv_producer``): a request with ``do_remote_decode`` carries what D
 posted. Every step that computes part of its prompt emits a :class:`PushReq`
@@ -20,7 +20,7 @@ prefill is pushed chunk by chunk; the step that completes the prompt is flagged
 blocks stay held (``request_finished`` returns ``True``) until the workers'
 pushes that read them are over.
 
-What the scheduler tells the workers is :mod:`.layerwise_contract`.
+What the scheduler tells the workers is :mod:`.layerwise.contract`.
 
 ``kv_transfer_params`` that are ``None``, empty, or without ``do_virtual``
 make an ordinary request on every path.
@@ -38,10 +38,8 @@ from typing import TYPE_CHECKING, Any
 from vllm_ascend.distributed.kv_transfer.core.auth import capability_token
 from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeLayerwiseConfig
 
-from .errors import KVParamsError
-from .layerwise_contract import MooncakeLayerwiseConnectorMetadata, PushReq, RecvReq
-from .layerwise_metaserver import MetaserverClient
-from .params import (
+from ..errors import KVParamsError
+from ..params import (
     PushTarget,
     metaserver_url,
     params_for_prefill,
@@ -52,9 +50,11 @@ from .params import (
     wants_remote_prefill,
     wants_virtual,
 )
-from .pull_contract import runs_no_token
-from .rank_hosts import parse_rank_hosts
-from .scheduler_base import SchedulerBase
+from ..pull.contract import runs_no_token
+from ..rank_hosts import parse_rank_hosts
+from ..scheduler_base import SchedulerBase
+from .contract import MooncakeLayerwiseConnectorMetadata, PushReq, RecvReq
+from .metaserver import MetaserverClient
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

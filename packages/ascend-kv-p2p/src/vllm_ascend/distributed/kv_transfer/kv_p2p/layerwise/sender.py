@@ -4,7 +4,7 @@
 For every step whose metadata names blocks to push, ``save_layer`` queues that
 layer's writes as soon as the attention layer has written it; a sender thread
 writes them into D's blocks with the transfer engine (through
-:class:`~.layerwise_links.PushLinks`) while the forward pass goes on with the
+:class:`~.layerwise.links.PushLinks`) while the forward pass goes on with the
 next layer. Layers queued behind each other go out in one batch write.
 ``wait_for_save`` pushes any layer whose hook did not run, queues the
 ``PushDone`` of the requests whose prompt this step completed, and waits for the
@@ -32,12 +32,12 @@ from vllm_ascend.distributed.kv_transfer.core.errors import (
 )
 from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeLayerwiseConfig
 
-from .errors import HandshakeMismatchError, RemoteKVUnavailable
-from .layerwise_contract import MooncakeLayerwiseConnectorMetadata
-from .layerwise_links import PushLink, PushLinks, PushSession, StepItem
-from .params import PushTarget
-from .protocol import worker_port
-from .worker_base import P2PWorkerBase
+from ..errors import HandshakeMismatchError, RemoteKVUnavailable
+from ..params import PushTarget
+from ..protocol import worker_port
+from ..worker_base import P2PWorkerBase
+from .contract import MooncakeLayerwiseConnectorMetadata
+from .links import PushLink, PushLinks, PushSession, StepItem
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class PushSender:
         shared: the worker's identity, KV cache registration, peers and handshake.
 
     Attributes:
-        links: the sessions, leases and writes (:class:`~.layerwise_links.PushLinks`).
+        links: the sessions, leases and writes (:class:`~.layerwise.links.PushLinks`).
         hooked_layer_pushes: layer pushes queued by the attention layer's
             ``save_kv_layer`` hook.
         fallback_layer_pushes: layer pushes queued by ``wait_for_save`` because the hook

@@ -27,8 +27,8 @@ from vllm_ascend.distributed.kernels.heads import HeadSlice, merge_head_slices
 from vllm_ascend.distributed.kv_transfer.core.layout import KVRegion
 from vllm_ascend.distributed.kv_transfer.core.transfer_engine import MooncakeTransferEngine
 
-from .errors import HandshakeMismatchError
-from .worker_base import heads_in_block
+from ..errors import HandshakeMismatchError
+from ..worker_base import heads_in_block
 
 logger = logging.getLogger(__name__)
 

@@ -6,15 +6,15 @@ The worker keeps what both roles share (:class:`~.worker_base.P2PWorkerBase`:
 identity, the KV cache registered with the transfer engine, peers and handshake)
 and hands each role's work to its own object:
 
-* P (``kv_producer``): :class:`~.layerwise_sender.PushSender`, the step's layers
+* P (``kv_producer``): :class:`~.layerwise.sender.PushSender`, the step's layers
   queued by the hooks and the thread that writes them into D's blocks, over
-  :class:`~.layerwise_links.PushLinks`, the sessions, write leases and writes of
+  :class:`~.layerwise.links.PushLinks`, the sessions, write leases and writes of
   this rank to each D rank;
-* D (``kv_consumer``): :class:`~.layerwise_receiver.PushReceiver`, the side channel
+* D (``kv_consumer``): :class:`~.layerwise.receiver.PushReceiver`, the side channel
   P pushes through, the requests waiting for their KV and how each ends, with
-  :mod:`.layerwise_staging` for heads that P cannot write into D's blocks directly.
+  :mod:`.layerwise.staging` for heads that P cannot write into D's blocks directly.
 
-What the scheduler tells the worker is :mod:`.layerwise_contract`.
+What the scheduler tells the worker is :mod:`.layerwise.contract`.
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING, Any
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
 from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeLayerwiseConfig
 
-from .layerwise_contract import MooncakeLayerwiseConnectorMetadata
-from .layerwise_links import write_window_end
-from .layerwise_receiver import PushReceiver
-from .layerwise_sender import PushSender
-from .protocol import LAYERWISE_CODEC
-from .worker_base import P2PWorkerBase
+from ..protocol import LAYERWISE_CODEC
+from ..worker_base import P2PWorkerBase
+from .contract import MooncakeLayerwiseConnectorMetadata
+from .links import write_window_end
+from .receiver import PushReceiver
+from .sender import PushSender
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

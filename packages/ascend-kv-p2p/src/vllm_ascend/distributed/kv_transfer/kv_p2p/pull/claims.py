@@ -10,17 +10,17 @@ decision and the first byte read. With them:
   again), to every P rank some D rank reads, with the request's token and each rank's
   number of D readers: the claim the workers would send.
 * The answers go to the workers with the scheduler's metadata: in the request's
-  :class:`~.pull_contract.RecvMeta` when they came before allocation, else in a later
+  :class:`~.pull.contract.RecvMeta` when they came before allocation, else in a later
   step's ``claim_answers`` (an idle engine steps back to back; a busy one within a step).
   A worker in the scheduler's own process (vLLM's one-process executor) gets each answer
   the moment it comes, too (:func:`local_inbox`).
-* :class:`ClaimInbox` (D's worker) hands them to the pull (:mod:`.pull_reader`), which
+* :class:`ClaimInbox` (D's worker) hands them to the pull (:mod:`.pull.reader`), which
   reads at once where P's regions are known and uses an answer only as its own claim's
   (accepted at the first try, sent at ``sent_wall``, trusted for a read ending within
   ``lease_ttl_s / 2`` of it). An answer that is a refusal, a timeout, a clock that does
   not add up, or one that is not in when the read ended makes the worker claim itself, as
   before (its claims then come after its read, which proves as much: see
-  :meth:`~.pull_reader.PullReader._pull`). Nothing waits on an answer without a bound.
+  :meth:`~.pull.reader.PullReader._pull`). Nothing waits on an answer without a bound.
 
 Safety is the worker's claim's: P answers the same ``Claim`` (token, block ids, readers)
 the same way and renews the same lease. A request aborted before allocation is released
@@ -44,9 +44,9 @@ from typing import Any
 from vllm_ascend.distributed.kv_transfer.core.channel import RpcClient, tcp_endpoint
 from vllm_ascend.distributed.kv_transfer.core.errors import KVTransferError, RemoteError
 
-from .params import RemotePrefill
-from .protocol import CODEC, Claim, ClaimGrant, ClaimOK, worker_port
-from .pull_contract import EarlyClaim
+from ..params import RemotePrefill
+from ..protocol import CODEC, Claim, ClaimGrant, ClaimOK, worker_port
+from .contract import EarlyClaim
 
 logger = logging.getLogger(__name__)
 

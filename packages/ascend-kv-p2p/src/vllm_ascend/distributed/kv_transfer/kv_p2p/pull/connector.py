@@ -16,10 +16,10 @@ Lifecycle (vLLM ``KVConnectorBase_V1``):
    deadline; failures go to ``get_block_ids_with_load_errors`` and vLLM's
    ``kv_load_failure_policy`` decides between failing and recomputing.
 
-The class is thin: scheduler-side work is in :mod:`.pull_scheduler`,
-worker-side work in :mod:`.pull_worker` (which composes the P-side
-:mod:`.pull_holder` and the D-side :mod:`.pull_reader`); the records the
-scheduler sends the worker are :mod:`.pull_contract`.
+The class is thin: scheduler-side work is in :mod:`.pull.scheduler`,
+worker-side work in :mod:`.pull.worker` (which composes the P-side
+:mod:`.pull.holder` and the D-side :mod:`.pull.reader`); the records the
+scheduler sends the worker are :mod:`.pull.contract`.
 
 This module is a path only ascend-kv-p2p ships (vLLM-Ascend's wheel has none
 here), so the name stays ours whatever is installed last; upstream's path
@@ -36,11 +36,11 @@ require_vllm("MooncakeConnectorV1")
 
 from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig  # noqa: E402
 
-from .connector_shell import P2PConnectorShell  # noqa: E402
-from .pull_contract import MooncakeConnectorMetadata, RecvMeta, SendMeta  # noqa: E402
-from .pull_scheduler import PullScheduler  # noqa: E402
-from .pull_worker import PullWorker  # noqa: E402
-from .rank_hosts import hosts_of  # noqa: E402
+from ..connector_shell import P2PConnectorShell  # noqa: E402
+from ..rank_hosts import hosts_of  # noqa: E402
+from .contract import MooncakeConnectorMetadata, RecvMeta, SendMeta  # noqa: E402
+from .scheduler import PullScheduler  # noqa: E402
+from .worker import PullWorker  # noqa: E402
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 __all__ = ["MooncakeConnector", "MooncakeConnectorMetadata", "RecvMeta", "ReqMeta", "SendMeta"]
 
 #: Upstream's name (``mooncake_connector.ReqMeta``) of the per-request record D pulls by;
-#: kept as an alias of :class:`~.pull_contract.RecvMeta` for code written against upstream.
+#: kept as an alias of :class:`~.pull.contract.RecvMeta` for code written against upstream.
 ReqMeta = RecvMeta
 
 

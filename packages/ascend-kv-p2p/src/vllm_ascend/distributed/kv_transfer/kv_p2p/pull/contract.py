@@ -2,15 +2,15 @@
 """What the pull connector's scheduler tells its workers each step.
 
 The records of :class:`MooncakeConnectorMetadata` are the whole contract between
-:mod:`.pull_scheduler` (which builds them) and the workers (:mod:`.pull_worker`,
-:mod:`.pull_holder`, :mod:`.pull_reader`), which import this module and never the
+:mod:`.pull.scheduler` (which builds them) and the workers (:mod:`.pull.worker`,
+:mod:`.pull.holder`, :mod:`.pull.reader`), which import this module and never the
 scheduler's, as vLLM's ``kv_connector/v1/nixl/metadata.py`` does for NIXL.
 
 * D (``kv_consumer``): one :class:`RecvMeta` a request whose KV D pulls from P, or
   whose P blocks D only releases (``release_only``).
 * P (``kv_producer``): one :class:`SendMeta` a finished request whose blocks P holds
   (delayed free) until D's ``Done`` or a lapsed lease.
-* D: the answers of the claims D's scheduler sent ahead (:mod:`.pull_claims`), one
+* D: the answers of the claims D's scheduler sent ahead (:mod:`.pull.claims`), one
   :class:`EarlyClaim` a P rank: in the request's :class:`RecvMeta` when the answer came
   before the request's blocks were allocated, else in a later step's
   ``claim_answers``.
@@ -24,7 +24,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from .params import RemotePrefill
+from ..params import RemotePrefill
 
 __all__ = ["EarlyClaim", "MooncakeConnectorMetadata", "RecvMeta", "SendMeta"]
 
@@ -69,7 +69,7 @@ class RecvMeta:
     error: str | None = None
     #: nothing to read (local prefix hit or aborted before allocation): just release P's blocks
     release_only: bool = False
-    #: D's scheduler claimed the request ahead (:mod:`.pull_claims`); the worker does not
+    #: D's scheduler claimed the request ahead (:mod:`.pull.claims`); the worker does not
     #: claim it unless that claim failed or its answer is late
     claimed_ahead: bool = False
     #: the answers of the claims sent ahead, by P rank, when they came before allocation
@@ -85,7 +85,7 @@ class SendMeta:
     request_id: str
     block_ids: list[int]
     #: the request's capability: P serves only a ``Claim`` presenting it (see
-    #: :class:`~.pull_holder.LeaseHolder`); ``""`` from callers that issue none
+    #: :class:`~.pull.holder.LeaseHolder`); ``""`` from callers that issue none
     token: str = ""
 
 

@@ -2,7 +2,7 @@
 """P side of ``MooncakeConnectorV1``: the blocks P holds for D, as leases.
 
 P serves a side channel (one ZeroMQ socket a worker rank). Every request the
-scheduler holds for D (a :class:`~.pull_contract.SendMeta`) is a lease: D's
+scheduler holds for D (a :class:`~.pull.contract.SendMeta`) is a lease: D's
 ``Claim`` and ``Renew`` extend it, D's ``Done`` (from every expected reader)
 releases it, and a lease that lapses frees the blocks anyway, reported exactly
 once through ``get_finished``. P only answers a ``Claim`` for blocks it holds for
@@ -28,7 +28,7 @@ The read window: the scheduler stamps each request's params with the wall time i
 holding the blocks and ``read_window_s``; this worker keeps them at least that long from
 when it registers the hold (a moment later), even when every reader's ``Done`` came
 sooner (the release is then deferred, while a later ``Claim`` is refused as after any
-release). So a D read that ends within the window of the stamp (:mod:`.pull_window`) read
+release). So a D read that ends within the window of the stamp (:mod:`.pull.window`) read
 the request's KV without a claim.
 """
 
@@ -49,7 +49,7 @@ from vllm_ascend.distributed.kv_transfer.core.channel import RpcServer, tcp_endp
 from vllm_ascend.distributed.kv_transfer.core.leases import LeaseTable
 from vllm_ascend.distributed.kv_transfer.core.wire import ErrorReply, Message
 
-from .protocol import (
+from ..protocol import (
     CODEC,
     AgentMeta,
     Claim,
@@ -61,8 +61,8 @@ from .protocol import (
     Renew,
     RenewReply,
 )
-from .pull_contract import SendMeta
-from .worker_base import P2PWorkerBase
+from ..worker_base import P2PWorkerBase
+from .contract import SendMeta
 
 logger = logging.getLogger(__name__)
 

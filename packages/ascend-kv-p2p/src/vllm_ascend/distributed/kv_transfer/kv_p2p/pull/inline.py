@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """D's reads started on vLLM's thread (``inline_reads``) and polled to their end.
 
-A read within P's read window (:mod:`.pull_window`) needs no claim: D can start it at
+A read within P's read window (:mod:`.pull.window`) needs no claim: D can start it at
 once. On the pull threads that costs two hand-offs between threads (to the pull thread,
 and from it back to the one waiting for the load), each a wake-up and a turn of the GIL:
 on the 2-CPU machine they were most of the gap between a one-block load and a raw read of
@@ -11,7 +11,7 @@ never blocks) and ``get_finished`` polls it; vLLM's engine step is never held by
 transfer, however long it stalls.
 
 Only the plainest load takes this path, every other one goes to the pull threads
-(:class:`~.pull_reader.PullReader`), before or after its read:
+(:class:`~.pull.reader.PullReader`), before or after its read:
 
 * taken: P's metadata (and a keyed P rank's last grant) already known, of the engine start
   that holds the request, inside the window now, every P rank read by some D rank, no
@@ -39,14 +39,14 @@ from vllm_ascend.distributed.kv_transfer.core.channel import tcp_endpoint
 from vllm_ascend.distributed.kv_transfer.core.errors import TransferError
 from vllm_ascend.distributed.kv_transfer.core.transfer_engine import PendingTransfer, coalesce
 
-from .pull_contract import RecvMeta
-from .pull_transfer import check_remote_blocks, direct_ranges
-from .pull_window import known_regions, same_instance, window_end
+from .contract import RecvMeta
+from .transfer import check_remote_blocks, direct_ranges
+from .window import known_regions, same_instance, window_end
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
-    from .pull_reader import PullReader
+    from .reader import PullReader
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class InlineRead:
 
 
 class InlineReads:
-    """The reads :class:`~.pull_reader.PullReader` started on the caller's thread."""
+    """The reads :class:`~.pull.reader.PullReader` started on the caller's thread."""
 
     def __init__(self, reader: PullReader) -> None:
         self.reader = reader

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
 
-from .pull_contract import RecvMeta
+from .contract import RecvMeta
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 """D's calls to P's side channel for one request: ``Claim``, ``Done``, the releases of a
 request D will not read (or whose P ranks no D rank reads), and the probe that tells a P
 that is gone from one that is slow. :class:`PeerCalls` is a part of
-:class:`~.pull_reader.PullReader` (the fault and window tests hook its ``_claim``).
+:class:`~.pull.reader.PullReader` (the fault and window tests hook its ``_claim``).
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from typing import Any
 from vllm_ascend.distributed.kernels.heads import HeadSlice
 from vllm_ascend.distributed.kv_transfer.core.errors import KVTransferError, RemoteError
 
-from .errors import RemoteKVUnavailable
-from .protocol import Claim, ClaimGrant, ClaimOK, Done, DoneAck, worker_port
-from .pull_claims import Claimed
-from .pull_contract import RecvMeta
-from .pull_loads import LoadTracker
-from .worker_base import P2PWorkerBase
+from ..errors import RemoteKVUnavailable
+from ..protocol import Claim, ClaimGrant, ClaimOK, Done, DoneAck, worker_port
+from ..worker_base import P2PWorkerBase
+from .claims import Claimed
+from .contract import RecvMeta
+from .loads import LoadTracker
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ PROBE_TIMEOUT_S = 1.0
 
 
 class PeerCalls:
-    """The side-channel calls of :class:`~.pull_reader.PullReader` (its ``shared`` state,
+    """The side-channel calls of :class:`~.pull.reader.PullReader` (its ``shared`` state,
     its ``loads`` and its head plan)."""
 
     shared: P2PWorkerBase

@@ -3,11 +3,11 @@
 
 D pulls each request on a thread pool: handshake with every P rank it needs
 (cached, with the compatibility check), ``Claim``, one batched read through the
-transfer engine (:mod:`.pull_transfer`), ``Done``. With enough CPUs the claims go
+transfer engine (:mod:`.pull.transfer`), ``Done``. With enough CPUs the claims go
 out on claim threads while the pull thread reads; the read's data is then used
 only when every claim was accepted at its first try, otherwise it is read again
 under the accepted claims (see :meth:`PullReader._pull`). How each load ends is
-kept by :class:`~.pull_loads.LoadTracker`.
+kept by :class:`~.pull.loads.LoadTracker`.
 
 A P with a deployment key hands out its region addresses only with a claim's grant
 (:class:`~.protocol.ClaimGrant`), not in ``GetMeta``: D reads with the addresses of a
@@ -44,16 +44,17 @@ from vllm_ascend.distributed.kv_transfer.core.errors import (
     TransferError,
 )
 
-from .errors import HandshakeMismatchError, RemoteKVUnavailable
-from .pp_layout import expand_over_stages
-from .protocol import AgentMeta, compatibility_problem
-from .pull_claims import Claimed, ClaimInbox, accepted_ahead, refused_ahead
-from .pull_contract import RecvMeta
-from .pull_inline import InlineReads
-from .pull_loads import LoadTracker
-from .pull_peer_calls import PeerCalls
-from .pull_transfer import AddressPlans, read_request
-from .pull_window import (
+from ..errors import HandshakeMismatchError, RemoteKVUnavailable
+from ..protocol import AgentMeta, compatibility_problem
+from ..worker_base import P2PWorkerBase, head_partners, head_slices
+from .claims import Claimed, ClaimInbox, accepted_ahead, refused_ahead
+from .contract import RecvMeta
+from .inline import InlineReads
+from .loads import LoadTracker
+from .peers import PeerCalls
+from .stages import expand_over_stages
+from .transfer import AddressPlans, read_request
+from .window import (
     Granted,
     granted_metas,
     known_regions,
@@ -61,7 +62,6 @@ from .pull_window import (
     same_instance,
     window_end,
 )
-from .worker_base import P2PWorkerBase, head_partners, head_slices
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class PullReader(PeerCalls):
         self._granted: Granted = {}
         # (P endpoint, engine start) whose metadata was fetched again for that start
         self._refetched: set[tuple[tuple[str, int], str]] = set()
-        #: answers of the claims D's scheduler sent ahead (:mod:`.pull_claims`)
+        #: answers of the claims D's scheduler sent ahead (:mod:`.pull.claims`)
         self.inbox = ClaimInbox(shared.engine_id)
         # where each P rank's slices go (kept per P rank's metadata and head plan)
         self._addresses = AddressPlans()
@@ -135,7 +135,7 @@ class PullReader(PeerCalls):
 
     def pull_later(self, meta: RecvMeta) -> None:
         """Pull a load on the pull threads from the start (an inline read that failed or
-        ended after P's read window: :mod:`.pull_inline`)."""
+        ended after P's read window: :mod:`.pull.inline`)."""
         self._pool.submit(self._pull, meta)
 
     def owe_done(self, meta: RecvMeta, p_ranks: list[int], readers: Mapping[int, int]) -> None:
@@ -235,11 +235,11 @@ class PullReader(PeerCalls):
         * The claims are always awaited before the request ends, so every rank that
           accepted one gets ``Done(success=False)`` on failure, and ``begin_read`` /
           ``end_read`` keep the blocks from vLLM while any read into them can land.
-        * A request D's scheduler claimed ahead (:mod:`.pull_claims`): its accepted answers
+        * A request D's scheduler claimed ahead (:mod:`.pull.claims`): its accepted answers
           are these claims (sent earlier, so trusted for less of the read); ranks without
           one are claimed after the read, which proves as much (held at that answer and
           continuously since before the read); a refusal means claiming as before.
-        * Within P's read window (:mod:`.pull_window`): read at once; a read ending within
+        * Within P's read window (:mod:`.pull.window`): read at once; a read ending within
           it needs no claim (P keeps the blocks), a later one is claimed after it, as above.
         * A pull that failed on a stalled or dropped read, or on a side-channel timeout,
           is tried again while the deadline leaves time (:meth:`_retry_delay`): claims
@@ -322,12 +322,12 @@ class PullReader(PeerCalls):
         # where to read before the claims are answered (None: a keyed P rank not granted
         # before, whose addresses come only with this claim's grant)
         early = known_regions(self._granted, remote, metas)
-        # within P's read window (pull_window): read at once, claim only a read ending after
+        # within P's read window (pull.window): read at once, claim only a read ending after
         until = (window_end(remote) if not (fresh or meta.claimed_ahead) and early is not None
                  and same_instance(remote, early) else -math.inf)
         if time.time() >= until:  # over already: claimed as any other request
             until = -math.inf
-        # claimed by D's scheduler (pull_claims): read at once, claim only what it could not
+        # claimed by D's scheduler (pull.claims): read at once, claim only what it could not
         ahead = (meta.claimed_ahead or until > -math.inf) and not fresh
         if meta.claimed_ahead and ahead and not self.overlap_claims and self.inbox.local:
             # few CPUs: a claim answered during the read slows it down; the answer comes
@@ -454,7 +454,7 @@ class PullReader(PeerCalls):
                   plan: Sequence[HeadSlice]) -> int:
         """Read every P rank's slices into the local blocks; returns bytes. The blocks are
         written by the transfer engine: they must not go back to vLLM while a read into them
-        can still land (see :meth:`~.pull_loads.LoadTracker.collect_finished`)."""
+        can still land (see :meth:`~.pull.loads.LoadTracker.collect_finished`)."""
         if not self.loads.begin_read(meta):
             raise RemoteKVUnavailable("the load ended (deadline) before its read started",
                                       code="deadline")

@@ -8,12 +8,12 @@ D needs; the worker learns which blocks it holds through the metadata.
 On D (``kv_consumer``): a request with ``do_remote_prefill`` reports its
 prompt as an asynchronous external hit; after vLLM allocates blocks, the
 worker is told to pull the matching P blocks. What the workers are told is
-:mod:`.pull_contract`. Malformed params still go
+:mod:`.pull.contract`. Malformed params still go
 through the asynchronous path so the worker can fail (or recompute) that one
 request through vLLM's ``kv_load_failure_policy``; the engine serves on.
 While a request waits in D's queue, a background thread renews P's lease on
 its blocks so a busy D is not mistaken for a dead one. D claims the request on P
-when it first sees it (:mod:`.pull_claims`), so the claim's round trip is off the
+when it first sees it (:mod:`.pull.claims`), so the claim's round trip is off the
 load's critical path.
 """
 
@@ -27,8 +27,8 @@ from vllm_ascend.distributed.kv_transfer.core.auth import capability_token
 from vllm_ascend.distributed.kv_transfer.core.errors import ConfigError
 from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig
 
-from .errors import KVParamsError
-from .params import (
+from ..errors import KVParamsError
+from ..params import (
     RemotePrefill,
     engine_instance,
     params_for_decode,
@@ -36,12 +36,12 @@ from .params import (
     wants_remote_decode,
     wants_remote_prefill,
 )
-from .pp_layout import expand_over_stages
-from .pull_claims import ClaimAhead
-from .pull_contract import MooncakeConnectorMetadata, RecvMeta, SendMeta, runs_no_token
-from .pull_window import in_window, stamp
-from .renewer import LeaseRenewer
-from .scheduler_base import SchedulerBase
+from ..renewer import LeaseRenewer
+from ..scheduler_base import SchedulerBase
+from .claims import ClaimAhead
+from .contract import MooncakeConnectorMetadata, RecvMeta, SendMeta, runs_no_token
+from .stages import expand_over_stages
+from .window import in_window, stamp
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -128,7 +128,7 @@ class PullScheduler(SchedulerBase):
         if (isinstance(parsed, RemotePrefill) and self.claims is not None
                 and not in_window(parsed)):
             # the blocks the worker will read (vLLM's prefix hit is num_computed_tokens);
-            # a request well within P's read window is read unclaimed (pull_window), one
+            # a request well within P's read window is read unclaimed (pull.window), one
             # still waiting here once it is not is claimed then (vLLM asks every step)
             self.claims.start(request.request_id, parsed,
                               parsed.block_ids[num_computed_tokens // self.block_size:])
@@ -211,7 +211,7 @@ class PullScheduler(SchedulerBase):
             return False, None
         token = capability_token()
         # P's workers hold the blocks at least cfg.hold_window_s from their next step (after
-        # this moment): D trusts a read within that window of the stamp (pull_window)
+        # this moment): D trusts a read within that window of the stamp (pull.window)
         window = stamp(instance=self.instance, request_id=rid, block_ids=held, token=token,
                        hold_s=self.cfg.hold_window_s)
         self._to_hold[rid] = SendMeta(rid, held, token)

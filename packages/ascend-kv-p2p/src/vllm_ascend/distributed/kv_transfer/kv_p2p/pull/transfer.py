@@ -25,10 +25,10 @@ from vllm_ascend.distributed.kernels.heads import HeadSlice, merge_head_slices
 from vllm_ascend.distributed.kv_transfer.core.layout import KVCacheLayout, KVRegion
 from vllm_ascend.distributed.kv_transfer.core.transfer_engine import MooncakeTransferEngine
 
-from .errors import HandshakeMismatchError, RemoteKVUnavailable
-from .protocol import AgentMeta
-from .pull_contract import RecvMeta
-from .worker_base import heads_in_block
+from ..errors import HandshakeMismatchError, RemoteKVUnavailable
+from ..protocol import AgentMeta
+from ..worker_base import heads_in_block
+from .contract import RecvMeta
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ def read_request(te: MooncakeTransferEngine, layout: KVCacheLayout, meta: RecvMe
         remotes: the metadata of every P rank to read from, by P rank (the instance rank
             ``pp_rank * tp_size + tp_rank`` of a pipeline-parallel P).
         plan: this rank's head slices (``remote_rank`` is the P rank).
-        stages: the layers of each of P's pipeline stages (:func:`~.pp_layout.stage_layers`);
+        stages: the layers of each of P's pipeline stages (:func:`~.pull.stages.stage_layers`);
             ``None``: P is one stage. Each P rank is read for its stage's layers only.
         plans: where the P ranks' read plans are kept between requests (``None``: computed
             for this read only).

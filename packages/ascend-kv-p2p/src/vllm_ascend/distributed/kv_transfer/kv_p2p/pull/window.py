@@ -11,15 +11,15 @@ that is as long as the read itself. P therefore promises more than the lease:
   tag over these, the request id, its block ids and its token (``remote_window_tag``,
   :func:`window_tag`), which stands for the claim's checks of them.
 * P's worker keeps the blocks at least that long from when it registers the hold (after
-  the stamp), even when D's ``Done`` comes sooner (:mod:`.pull_holder` defers the
+  the stamp), even when D's ``Done`` comes sooner (:mod:`.pull.holder` defers the
   release; a ``Claim`` after a ``Done`` is still refused).
 
 So a read that ended before ``remote_held_at + remote_hold_s`` in P's clock read the
 request's KV, whoever read it and however often: P could not have freed the blocks yet.
-D checks that with its own clock at the end of the read, less :data:`~.pull_claims.
+D checks that with its own clock at the end of the read, less :data:`~.pull.claims.
 CLOCK_SKEW_S` for the difference between the clocks (:func:`window_end`). A read that
 ends later is claimed after it, which proves as much (held at the answer, and
-continuously since before the read: see :meth:`~.pull_reader.PullReader._pull`).
+continuously since before the read: see :meth:`~.pull.reader.PullReader._pull`).
 
 D uses the window only with region addresses of the same P engine start
 (:func:`same_instance`): a P restarted at the same address is another instance, whose
@@ -42,13 +42,13 @@ import msgspec
 
 from vllm_ascend.distributed.kv_transfer.core import auth
 
-from .errors import RemoteKVUnavailable
-from .params import RemotePrefill
-from .protocol import AgentMeta, worker_port
-from .pull_claims import CLOCK_SKEW_S, Claimed
+from ..errors import RemoteKVUnavailable
+from ..params import RemotePrefill
+from ..protocol import AgentMeta, worker_port
+from .claims import CLOCK_SKEW_S, Claimed
 
 #: keyed P ranks, ``(host, side-channel port)`` -> their metadata with the regions of their
-#: last grant (D's :class:`~.pull_reader.PullReader` keeps one)
+#: last grant (D's :class:`~.pull.reader.PullReader` keeps one)
 Granted = dict[tuple[str, int], AgentMeta]
 
 #: How much of the window must be left for D's scheduler to leave a request unclaimed

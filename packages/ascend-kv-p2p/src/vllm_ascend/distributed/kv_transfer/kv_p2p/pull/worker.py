@@ -5,15 +5,15 @@ The worker keeps what both roles share (:class:`~.worker_base.P2PWorkerBase`:
 identity, the KV cache registered with the transfer engine, peers and
 handshake) and hands each role's work to its own object:
 
-* P (``kv_producer``): :class:`~.pull_holder.LeaseHolder`, the blocks P holds for
+* P (``kv_producer``): :class:`~.pull.holder.LeaseHolder`, the blocks P holds for
   D as leases, and the side channel D claims them through;
-* D (``kv_consumer``): :class:`~.pull_reader.PullReader`, the pulls (claims, reads,
-  retries, ``Done``), with :class:`~.pull_loads.LoadTracker`, the loads in flight
-  and how each ends, and :mod:`.pull_transfer`, the bytes of one request.
+* D (``kv_consumer``): :class:`~.pull.reader.PullReader`, the pulls (claims, reads,
+  retries, ``Done``), with :class:`~.pull.loads.LoadTracker`, the loads in flight
+  and how each ends, and :mod:`.pull.transfer`, the bytes of one request.
 
-What the scheduler tells the worker is :mod:`.pull_contract`.
+What the scheduler tells the worker is :mod:`.pull.contract`.
 
-A pipeline-parallel P (``prefill.pp_size`` > 1, :mod:`.pp_layout`): each stage's workers
+A pipeline-parallel P (``prefill.pp_size`` > 1, :mod:`.pull.stages`): each stage's workers
 register only their stage's layers (vLLM gives them no others) and say which in their
 ``AgentMeta`` (``pp_size``, ``first_layer``, ``total_num_layers``); D (one stage) claims
 and reads every stage's ranks, each for its stage's layers, and sends each its ``Done``.
@@ -32,13 +32,13 @@ from vllm_ascend.distributed.kv_transfer.core.errors import ConfigError
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
 from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig
 
-from .pp_layout import stage_layers
-from .protocol import CODEC
-from .pull_contract import MooncakeConnectorMetadata
-from .pull_holder import LeaseHolder
-from .pull_loads import LoadTracker
-from .pull_reader import PullReader
-from .worker_base import P2PWorkerBase
+from ..protocol import CODEC
+from ..worker_base import P2PWorkerBase
+from .contract import MooncakeConnectorMetadata
+from .holder import LeaseHolder
+from .loads import LoadTracker
+from .reader import PullReader
+from .stages import stage_layers
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
