@@ -116,7 +116,7 @@ def _wait_recv(worker: Any, rid: str, timeout: float = 120.0) -> None:
 
 
 def _is_layerwise(worker: Any) -> bool:
-    from vllm_ascend.distributed.kv_transfer.kv_p2p.layerwise_worker import LayerwiseWorker
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.layerwise.worker import LayerwiseWorker
 
     return isinstance(worker, LayerwiseWorker)
 
@@ -128,20 +128,20 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         MooncakeLayerwiseConfig,
         MooncakeP2PConfig,
     )
-    from vllm_ascend.distributed.kv_transfer.kv_p2p.layerwise_contract import (
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.layerwise.contract import (
         MooncakeLayerwiseConnectorMetadata,
         PushReq,
         RecvReq,
     )
-    from vllm_ascend.distributed.kv_transfer.kv_p2p.layerwise_worker import LayerwiseWorker
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.layerwise.worker import LayerwiseWorker
     from vllm_ascend.distributed.kv_transfer.kv_p2p.p2p_metrics import P2P_METRICS
     from vllm_ascend.distributed.kv_transfer.kv_p2p.params import PushTarget, RemotePrefill
-    from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_contract import (
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.contract import (
         MooncakeConnectorMetadata,
         RecvMeta,
         SendMeta,
     )
-    from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_worker import PullWorker
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.worker import PullWorker
 
     nb = 2 * args.blocks + 2
     lw_cfg = MooncakeLayerwiseConfig.from_dict({"lease_ttl_s": 60})

@@ -12,17 +12,17 @@ after the load was reported, and is sent before the next measurement starts).
 
 The connector's time runs from the moment D's scheduler sees the request until the
 worker marks the request finished receiving. P's params carry its read window
-(:mod:`..pull_window`), so D reads the fresh request without claiming it; mode ``ahead``
+(``kv_p2p.pull.window``), so D reads the fresh request without claiming it; mode ``ahead``
 (params without the window) has the scheduler send the claim when it sees the request
-(:mod:`..pull_claims`) and hand the request to the worker with the answer if it is in,
-else the next engine step brings it, one step every :data:`ENGINE_STEP_S`. The time ends
-when the worker marks the request finished receiving
+(``kv_p2p.pull.scheduler.ClaimAhead``) and hand the request to the worker with the answer
+if it is in, else the next engine step brings it, one step every :data:`ENGINE_STEP_S`. The
+time ends when the worker marks the request finished receiving
 (:meth:`PullWorker.wait_loads` wakes up), so it includes waking the waiting thread
 but not a ``get_finished`` polling interval, which in vLLM is one engine step and no
 part of the connector. The worker's own claims (overlapped with the read, or before
 it: what it does when the scheduler sent none) are measured beside it, from
 ``start_load_kv``, and so are window loads with ``inline_reads`` on (mode ``inline``:
-read from ``start_load_kv`` and polled by ``wait_loads``, :mod:`..pull_inline`), with
+read from ``start_load_kv`` and polled by ``wait_loads``, ``kv_p2p.pull.inline``), with
 their own bootstrap interval (``ratio_inline_low`` / ``_high``).
 
 Measurement: ``--rounds`` rounds (round 0 warms up and is dropped); in each, for
@@ -95,7 +95,7 @@ def _worker(role: str, kv_port: int) -> Any:
     from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
     from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig
     from vllm_ascend.distributed.kv_transfer.kv_p2p.p2p_metrics import P2P_METRICS
-    from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_worker import PullWorker
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.worker import PullWorker
 
     return PullWorker(_vllm_config(role, kv_port), MooncakeP2PConfig(), f"bench-{role}",
                       MetricsRecorder(P2P_METRICS), tp_rank=0, pp_rank=0)
@@ -103,7 +103,7 @@ def _worker(role: str, kv_port: int) -> Any:
 
 def prefill_process(kv_port: int, q_in: Any, q_out: Any) -> None:
     """The P side: hold requests on command, serve the side channel, release on Done."""
-    from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_contract import (
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.contract import (
         MooncakeConnectorMetadata,
         SendMeta,
     )
@@ -176,11 +176,11 @@ def _connector_load(d: Any, q_in: Any, q_out: Any, rid: str, p_port: int,
     from vllm_ascend.distributed.kv_transfer.core.auth import capability_token
     from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig
     from vllm_ascend.distributed.kv_transfer.kv_p2p.params import RemotePrefill
-    from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_contract import (
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.contract import (
         MooncakeConnectorMetadata,
         RecvMeta,
     )
-    from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_window import in_window, window_tag
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.window import in_window, window_tag
 
     token = capability_token()  # P's capability for the request, as P's scheduler issues it
     held_at = time.time()  # P's scheduler stamps the params before its worker holds
@@ -277,7 +277,7 @@ class _Pair:
 
     def __init__(self, key: str | None) -> None:
         from vllm_ascend.distributed.kv_transfer.core.net import free_port
-        from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_claims import ClaimAhead
+        from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.scheduler import ClaimAhead
 
         self.key = key
         self.p_port = free_port()
@@ -338,8 +338,6 @@ def _measure(sizes: list[int], rounds: int, pairs: int, *,
     import random
     import secrets
 
-    from vllm_ascend.distributed.kv_transfer.kv_p2p.pull_inline import InlineReads
-
     plain = _Pair(None)
     sealed = _Pair(secrets.token_hex(32)) if keyed else None
     rows: list[dict[str, Any]] = []
@@ -349,7 +347,7 @@ def _measure(sizes: list[int], rounds: int, pairs: int, *,
             sealed.connect()
         d = plain.d
         assert d.reader is not None
-        inline = InlineReads(d.reader)  # on for the loads of mode "inline" only
+        inline = d.reader.new_inline_reads()  # on for the loads of mode "inline" only
         rng = random.Random(0)
         orders = random.Random(1)  # the order of the paths at each pair of loads
         auto = d.overlap_claims
