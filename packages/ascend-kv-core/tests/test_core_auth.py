@@ -184,17 +184,44 @@ def test_keys_from_env_and_files(tmp_path: object, caplog: pytest.LogCaptureFixt
         auth.load_window({auth.ENV_WINDOW: "-1"})
 
 
-def test_no_key_warns_once_loudly(monkeypatch: pytest.MonkeyPatch,
-                                  caplog: pytest.LogCaptureFixture) -> None:
+def test_no_key_says_protected_mode_once(monkeypatch: pytest.MonkeyPatch,
+                                         caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(auth, "_cached", None)
     monkeypatch.setattr(auth, "_warned", False)
-    with caplog.at_level(logging.WARNING):
-        assert auth.from_env({}) is None
+    with caplog.at_level(logging.INFO, logger=auth.__name__):
         assert auth.from_env({}) is None
         monkeypatch.setattr(auth, "_cached", None)
         assert auth.from_env({}) is None
+    said = [r for r in caplog.records if "protected mode" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.INFO
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_the_opt_out_of_protected_mode_warns_once_loudly(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(auth, "_cached", None)
+    monkeypatch.setattr(auth, "_warned", False)
+    env = {auth.ENV_ALLOW_UNAUTHENTICATED: "1"}
+    with caplog.at_level(logging.WARNING):
+        assert auth.from_env(env) is None
+        assert auth.from_env(env) is None
+        monkeypatch.setattr(auth, "_cached", None)
+        assert auth.from_env(env) is None
     warnings = [r for r in caplog.records if "UNAUTHENTICATED" in r.getMessage()]
     assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
+    assert auth.ENV_ALLOW_UNAUTHENTICATED in warnings[0].getMessage()
+
+
+def test_mode_of_an_environment() -> None:
+    assert auth.mode({}) == auth.MODE_PROTECTED
+    assert auth.mode({auth.ENV_ALLOW_UNAUTHENTICATED: "0"}) == auth.MODE_PROTECTED
+    assert auth.mode({auth.ENV_ALLOW_UNAUTHENTICATED: " 1 "}) == auth.MODE_OPEN
+    assert auth.mode({auth.ENV_ALLOW_UNAUTHENTICATED: "true"}) == auth.MODE_OPEN
+    # a key decides, whatever the opt-out says
+    assert auth.mode({auth.ENV_KEY: NEW.decode(),
+                      auth.ENV_ALLOW_UNAUTHENTICATED: "1"}) == auth.MODE_KEYED
+    with pytest.raises(ConfigError, match=auth.ENV_ALLOW_UNAUTHENTICATED):
+        auth.mode({auth.ENV_ALLOW_UNAUTHENTICATED: "maybe"})
     keyed = auth.from_env({auth.ENV_KEY: NEW.decode()})
     assert keyed is not None and keyed.keys == (NEW,)
     assert auth.from_env({auth.ENV_KEY: NEW.decode()}) is keyed  # one replay cache a process

@@ -29,8 +29,10 @@ Several keys may be active at once, for a rotation without downtime: the first
 signs, every one verifies. Roll out ``old,new`` everywhere (everyone accepts the
 new key), then ``new,old`` (everyone signs with it), then ``new``.
 
-Without a key nothing changes on the wire (same bytes as before) and the first
-socket built logs, once, a WARNING that the control plane is unauthenticated.
+Without a key nothing changes on the wire (same bytes as before), and every server runs
+in protected mode (:mod:`.protected`): it serves only peers on its own host, until
+``VLLM_ASCEND_KV_ALLOW_UNAUTHENTICATED=1`` opens it to every host (logged once per process
+as a WARNING). :func:`mode` says which of ``keyed``, ``protected`` and ``open`` applies.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ logger = logging.getLogger(__name__)
 ENV_KEY = "VLLM_ASCEND_KV_AUTH_KEY"
 ENV_KEY_FILE = "VLLM_ASCEND_KV_AUTH_KEY_FILE"
 ENV_WINDOW = "VLLM_ASCEND_KV_AUTH_WINDOW_S"
+#: Without a key, serve every host (not only this one): the opt-out of protected mode.
+ENV_ALLOW_UNAUTHENTICATED = "VLLM_ASCEND_KV_ALLOW_UNAUTHENTICATED"
 
 AUTH_MAGIC = b"VAKA"
 AUTH_VERSION = 1
@@ -69,8 +73,14 @@ DEFAULT_WINDOW_S = 30.0
 DEFAULT_MAX_NONCES = 1 << 17
 
 #: Refusal reasons of frames (the ``reason`` label of ``auth_refused``); bearer tokens and
-#: per-request capabilities add ``bad_token``.
+#: per-request capabilities add ``bad_token``, protected mode :data:`REASON_PROTECTED_MODE`.
 REASONS = ("unauthenticated", "bad_mac", "stale", "replay", "malformed")
+#: A peer on another host refused by a server without a key (:mod:`.protected`).
+REASON_PROTECTED_MODE = "protected_mode"
+#: The control plane's modes (:func:`mode`).
+MODE_KEYED, MODE_PROTECTED, MODE_OPEN = "keyed", "protected", "open"
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
 #: The bearer token's purpose on the proxy's ``/v1/metaserver``.
 PURPOSE_METASERVER = "metaserver"
 
@@ -169,6 +179,32 @@ def load_window(env: Mapping[str, str] | None = None) -> float:
         raise ConfigError(f"{ENV_WINDOW}={raw!r} is not a positive number of seconds",
                           key=ENV_WINDOW, value=raw, source="environment")
     return window
+
+
+def allow_unauthenticated(env: Mapping[str, str] | None = None) -> bool:
+    """Whether :data:`ENV_ALLOW_UNAUTHENTICATED` opts out of protected mode.
+
+    Raises:
+        ConfigError: a value that is neither true (``1``, ``true``, ``yes``, ``on``) nor
+            false (``0``, ``false``, ``no``, ``off``, empty).
+    """
+    env = os.environ if env is None else env
+    raw = env.get(ENV_ALLOW_UNAUTHENTICATED, "").strip().lower()
+    if raw in _TRUE:
+        return True
+    if raw in _FALSE:
+        return False
+    raise ConfigError(f"{ENV_ALLOW_UNAUTHENTICATED}={raw!r} is neither 1 nor 0",
+                      key=ENV_ALLOW_UNAUTHENTICATED, value=raw, source="environment")
+
+
+def mode(env: Mapping[str, str] | None = None) -> str:
+    """The control plane's mode: :data:`MODE_KEYED` (a key is set), :data:`MODE_OPEN`
+    (no key, protected mode opted out of) or :data:`MODE_PROTECTED` (no key: servers
+    serve only peers on their own host)."""
+    if configured(env):
+        return MODE_KEYED
+    return MODE_OPEN if allow_unauthenticated(env) else MODE_PROTECTED
 
 
 class ReplayCache:
@@ -358,8 +394,8 @@ def from_env(env: Mapping[str, str] | None = None) -> Authenticator | None:
     """The process's authenticator from the environment, or ``None`` without a key.
 
     Built once per distinct setting and shared by every socket of the process (one
-    replay cache). Without a key, logs once, as a WARNING, that the control plane
-    is unauthenticated.
+    replay cache). Without a key, logs once which mode applies: protected (INFO) or, with
+    :data:`ENV_ALLOW_UNAUTHENTICATED`, open to every host (a WARNING).
 
     Raises:
         ConfigError: see :func:`load_keys` and :func:`load_window`.
@@ -375,11 +411,18 @@ def from_env(env: Mapping[str, str] | None = None) -> Authenticator | None:
         _cached = (ident, auth)
         if auth is None and not _warned:
             _warned = True
-            logger.warning(
-                "The KV control plane is UNAUTHENTICATED: anyone who reaches a side channel, "
-                "lookup or metadata socket can read KV memory addresses and hold or free "
-                "blocks. Set %s or %s to a shared deployment key (see docs/security.md).",
-                ENV_KEY_FILE, ENV_KEY)
+            if allow_unauthenticated(env):
+                logger.warning(
+                    "The KV control plane is UNAUTHENTICATED and serves every host (%s=1): "
+                    "anyone who reaches a side channel, lookup or metadata socket can read "
+                    "KV memory addresses and hold or free blocks. Set %s or %s to a shared "
+                    "deployment key (see docs/security.md).", ENV_ALLOW_UNAUTHENTICATED,
+                    ENV_KEY_FILE, ENV_KEY)
+            else:
+                logger.info(
+                    "No deployment key: the KV control plane runs in protected mode, its "
+                    "servers answer peers on this host only. Across hosts, set %s or %s to "
+                    "a shared deployment key (see docs/security.md).", ENV_KEY_FILE, ENV_KEY)
         elif auth is not None:
             logger.info("KV control plane authenticated with %d active key(s), %gs window",
                         len(auth.keys), auth.window_s)

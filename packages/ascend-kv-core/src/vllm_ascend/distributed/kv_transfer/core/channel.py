@@ -13,7 +13,9 @@ a signed envelope and open the peer's: a request that fails the check never
 reaches the handler (it is answered ``ErrorReply(code="auth_refused")`` and
 counted), and a reply is accepted only if it is signed for the very request it
 answers. Without a key the bytes on the wire are exactly the plain
-:mod:`.wire` frames.
+:mod:`.wire` frames, and a TCP server runs in protected mode (:mod:`.protected`): a
+request from a peer on another host (ZeroMQ's ``Peer-Address`` of the frame) never
+reaches the handler; it is answered ``ErrorReply(code="protected_mode")`` and counted.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Any, Generic
 import zmq
 
 from . import auth as _auth
+from . import protected
 from .errors import EndpointInUseError, PeerTimeoutError, RemoteError, WireFormatError
 from .wire import Codec, ErrorReply, M, Message, Ping, Pong
 
@@ -116,6 +119,8 @@ class RpcServer(Generic[M]):
             become an ``ErrorReply(code="internal")``.
         name: thread name, for logs and the ``socket`` label of ``auth_refused``.
         auth: the deployment key check (default: from the environment; ``None``: none).
+            Without one, a ``tcp://`` server serves only peers on this host unless
+            ``VLLM_ASCEND_KV_ALLOW_UNAUTHENTICATED=1`` (:mod:`.protected`, read here).
     """
 
     def __init__(self, endpoint: str, codec: Codec[M], handler: Handler, *, name: str = "rpc",
@@ -138,6 +143,9 @@ class RpcServer(Generic[M]):
         except BaseException:
             self._sock.close(0)
             raise
+        #: protected mode: without a key, only peers on this host are served
+        self.gate = protected.PeerGate(name, keyed=self.auth is not None,
+                                       endpoint=self.endpoint)
         self._poll_ms = poll_interval_ms
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -240,7 +248,7 @@ class RpcServer(Generic[M]):
             if len(frames) < 2:
                 continue
             envelope = [f.bytes for f in frames[:-1]]
-            reply, reply_to = self._answer(frames[-1].buffer)
+            reply, reply_to = self._answer(frames[-1].buffer, self._peer(frames[-1]))
             try:
                 data = self.codec.encode(reply)
                 if self.auth is not None and reply_to is not None:
@@ -249,10 +257,25 @@ class RpcServer(Generic[M]):
             except (zmq.ZMQError, WireFormatError) as exc:
                 logger.warning("%s: reply failed: %s", self.name, exc)
 
-    def _answer(self, payload: memoryview) -> tuple[Message, bytes | None]:
-        """The reply to one frame, and the request nonce to sign it for (``None``: the
-        request failed the key check, the refusal goes out unsigned)."""
+    def _peer(self, frame: zmq.Frame) -> str | None:
+        """The address ``frame`` came from (only read in protected mode; None: unknown)."""
+        if not self.gate.active:
+            return None
+        try:
+            return str(frame.get("Peer-Address")) or None
+        except (zmq.ZMQError, UnicodeDecodeError):
+            return None
+
+    def _answer(self, payload: memoryview, peer: str | None = None
+                ) -> tuple[Message, bytes | None]:
+        """The reply to one frame from ``peer``, and the request nonce to sign it for
+        (``None``: the request was refused by the key check or protected mode, the refusal
+        goes out unsigned)."""
         self.stats["requests"] += 1
+        refused = self.gate.refusal(peer)
+        if refused is not None:
+            self.stats["auth_refused"] += 1
+            return ErrorReply(code=protected.REFUSAL, message=refused), None
         nonce: bytes | None = None
         if self.auth is not None:
             try:
