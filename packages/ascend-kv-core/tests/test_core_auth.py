@@ -323,20 +323,38 @@ def test_without_a_key_the_bytes_are_the_plain_wire_frames() -> None:
 
 
 # ---------------------------------------------------------------- doctor
-def test_doctor_warns_without_a_key_and_an_unbound_mooncake(tmp_path: object) -> None:
+def test_doctor_says_the_mode_and_warns_on_an_unbound_mooncake(tmp_path: object) -> None:
     from vllm_ascend.distributed.kv_transfer.core.tooling import doctor_auth
     from vllm_ascend.distributed.kv_transfer.core.tooling.doctor import Doctor
 
-    def statuses(env: dict[str, str]) -> dict[str, str]:
+    mode = doctor_auth.MODE
+
+    def checks(env: dict[str, str]) -> dict[str, tuple[str, str]]:
         d = Doctor({})
         doctor_auth.check(d, env)
-        return {c.what: c.status for c in d.checks}
+        return {c.what: (c.status, c.detail) for c in d.checks}
 
-    assert statuses({}) == {"control-plane key": "warn", "Mooncake bind address": "warn"}
-    assert statuses({auth.ENV_KEY: NEW.decode(), "MC_TCP_BIND_ADDRESS": "10.0.0.5"}) == {
-        "control-plane key": "ok", "Mooncake bind address": "ok"}
+    def statuses(env: dict[str, str]) -> dict[str, str]:
+        return {what: status for what, (status, _detail) in checks(env).items()}
+
+    # no key, on loopback: protected, same-host only, nothing to warn about
+    local = checks({"VLLM_ASCEND_KV_HOST": "127.0.0.1"})
+    assert local[mode][0] == "ok" and local[mode][1].startswith("protected (same-host only)")
+    assert local["Mooncake bind address"][0] == "warn"
+    # no key, advertising a network address: peers elsewhere would be refused
+    remote = checks({"VLLM_ASCEND_KV_HOST": "10.0.0.5", "MC_TCP_BIND_ADDRESS": "10.0.0.5"})
+    assert remote[mode][0] == "warn" and "protected (same-host only)" in remote[mode][1]
+    assert "10.0.0.5" in remote[mode][1]
+    # the opt-out: open, warned
+    opened = checks({auth.ENV_ALLOW_UNAUTHENTICATED: "1", "VLLM_ASCEND_KV_HOST": "127.0.0.1"})
+    assert opened[mode][0] == "warn" and opened[mode][1].startswith("open by opt-out")
+    keyed = checks({auth.ENV_KEY: NEW.decode(), "MC_TCP_BIND_ADDRESS": "10.0.0.5",
+                    "VLLM_ASCEND_KV_HOST": "10.0.0.5"})
+    assert keyed[mode][0] == "ok" and keyed[mode][1].startswith("keyed: 1 active key(s)")
+    assert keyed["Mooncake bind address"][0] == "ok"
     assert statuses({auth.ENV_KEY: "short", "MC_TCP_BIND_ADDRESS": "0.0.0.0"}) == {
-        "control-plane key": "fail", "Mooncake bind address": "warn"}
+        mode: "fail", "Mooncake bind address": "warn"}
+    assert statuses({auth.ENV_ALLOW_UNAUTHENTICATED: "perhaps"})[mode] == "fail"
     full = Doctor({"kv_connector": "X", "kv_role": "kv_both"})
     full.run()
-    assert any(c.what == "control-plane key" for c in full.checks)
+    assert any(c.what == mode for c in full.checks)
