@@ -29,20 +29,19 @@ from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig
 from vllm_ascend.distributed.kv_transfer.kv_p2p.p2p_metrics import P2P_METRICS
 from vllm_ascend.distributed.kv_transfer.kv_p2p.params import RemotePrefill
 from vllm_ascend.distributed.kv_transfer.kv_p2p.protocol import Claim
-from vllm_ascend.distributed.kv_transfer.kv_p2p.pull import claims as pull_claims
-from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.claims import (
-    ClaimAhead,
-    accepted_ahead,
-    claim_sent_at,
-    refused_ahead,
-)
 from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.contract import (
     EarlyClaim,
     MooncakeConnectorMetadata,
     RecvMeta,
     SendMeta,
 )
-from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.scheduler import PullScheduler
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.peers import (
+    accepted_ahead,
+    claim_sent_at,
+    refused_ahead,
+)
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.scheduler import ClaimAhead, PullScheduler
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.window import CLOCK_SKEW_S
 from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.worker import PullWorker
 
 BS, NB, HEADS, HD, LAYERS = 16, 8, 2, 8, 2
@@ -80,13 +79,13 @@ def pd(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
     p.holder.server.handler = spy
     # the worker's own claims
     own: list[str] = []
-    original = d.reader._claim
+    original = d.reader.peers.claim
 
     def own_claim(meta: Any, p_rank: int, n: int) -> Any:
         own.append(meta.request_id)
         return original(meta, p_rank, n)
 
-    d.reader._claim = own_claim
+    d.reader.peers.claim = own_claim  # type: ignore[method-assign]
     ahead = ClaimAhead(lambda p_tp: {0: 1}, 5.0, reader="D/scheduler", engine_id="D")
     try:
         yield SimpleNamespace(p=p, d=d, cp=cp, cd=cd, p_port=p_port, ahead=ahead,
@@ -309,7 +308,7 @@ def test_abort_before_allocation_drops_the_claim_and_releases_p(pd: Any) -> None
 def test_an_answer_is_trusted_from_when_its_claim_was_sent() -> None:
     a = EarlyClaim(ok=True, first_try=True, sent_wall=1000.0)
     sent = claim_sent_at(a, now_mono=50.0, now_wall=1002.0)
-    assert sent == pytest.approx(50.0 - 2.0 - pull_claims.CLOCK_SKEW_S)
+    assert sent == pytest.approx(50.0 - 2.0 - CLOCK_SKEW_S)
     # a scheduler clock far ahead of ours: never trusted (the worker asks P after its read)
     assert claim_sent_at(a, now_mono=50.0, now_wall=999.0) == -math.inf
 

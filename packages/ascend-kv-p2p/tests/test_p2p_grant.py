@@ -143,13 +143,13 @@ def test_keyed_d_reads_with_the_grants_regions(pd: Any, overlap: bool) -> None:
     reader._read = spy
     pull(pd, "a", [3, 5], [1, 2])  # first request: claims, then reads with the grant
     assert reads == [pd.p.meta.region_addrs]
-    (granted,) = reader._granted.values()
+    (granted,) = reader.peers._granted.values()
     assert granted.region_addrs == pd.p.meta.region_addrs
     pull(pd, "b", [6], [4])  # later: the last grant's regions (overlapped: before the claim)
     assert reads[1:] == [pd.p.meta.region_addrs]
     if overlap:
         # a grant that moves the regions (say P restarted) makes D read again with the new
-        reader._granted = {k: _moved_meta(v) for k, v in reader._granted.items()}
+        reader.peers._granted = {k: _moved_meta(v) for k, v in reader.peers._granted.items()}
         pull(pd, "c", [7], [5])
         assert len(reads) == 4 and reads[3] == pd.p.meta.region_addrs
         assert reads[2] != pd.p.meta.region_addrs
@@ -174,4 +174,4 @@ def test_without_a_key_getmeta_and_the_claim_reply_are_as_before(pd: Any) -> Non
     finally:
         client.close()
     pull(pd, "v", [2, 3], [6, 7])
-    assert pd.d.reader._granted == {}
+    assert pd.d.reader.peers._granted == {}

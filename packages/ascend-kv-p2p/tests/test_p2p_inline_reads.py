@@ -31,13 +31,16 @@ from vllm_ascend.distributed.kv_transfer.kv_p2p.p2p_metrics import P2P_METRICS
 from vllm_ascend.distributed.kv_transfer.kv_p2p.params import RemotePrefill
 from vllm_ascend.distributed.kv_transfer.kv_p2p.protocol import Claim, worker_port
 from vllm_ascend.distributed.kv_transfer.kv_p2p.pull import inline as pull_inline
-from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.claims import CLOCK_SKEW_S
 from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.contract import (
     MooncakeConnectorMetadata,
     RecvMeta,
     SendMeta,
 )
-from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.window import window_end, window_tag
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.window import (
+    CLOCK_SKEW_S,
+    window_end,
+    window_tag,
+)
 from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.worker import PullWorker
 
 BS, NB, HEADS, HD, LAYERS = 16, 8, 2, 8, 2
@@ -192,8 +195,8 @@ def misplace_p_regions(pd: Any) -> None:
     endpoint = tcp_endpoint("127.0.0.1", worker_port(pd.p_port, tp_rank=0, tp_size=1))
     if pd.keyed:  # the regions of the last grant
         key = ("127.0.0.1", worker_port(pd.p_port, tp_rank=0, tp_size=1))
-        good = d.reader._granted[key]
-        d.reader._granted[key] = msgspec.structs.replace(
+        good = d.reader.peers._granted[key]
+        d.reader.peers._granted[key] = msgspec.structs.replace(
             good, region_addrs=[a + (1 << 44) for a in good.region_addrs])
     else:
         good = d._remote_meta[endpoint]

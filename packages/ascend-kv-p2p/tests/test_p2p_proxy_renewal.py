@@ -272,7 +272,7 @@ def test_a_layerwise_d_rank_that_does_not_answer_delays_no_other_d_renewals() ->
                                                   timeout_s=2.0))
 
     cfg = MooncakeLayerwiseConfig(lease_ttl_s=0.6)
-    shared = SimpleNamespace(cfg=cfg, recorder=MetricsRecorder(P2P_METRICS), _client=client,
+    shared = SimpleNamespace(cfg=cfg, recorder=MetricsRecorder(P2P_METRICS), client=client,
                              agent_id="p/tp0", te=None)
     revoked: list[str] = []
     links = PushLinks(shared, lambda s, link: revoked.append(s.request_id))  # type: ignore[arg-type]

@@ -35,7 +35,6 @@ from vllm_ascend.distributed.kv_transfer.kv_p2p.params import (
     parse_remote_prefill,
 )
 from vllm_ascend.distributed.kv_transfer.kv_p2p.protocol import Claim, GetMeta
-from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.claims import CLOCK_SKEW_S
 from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.contract import (
     MooncakeConnectorMetadata,
     RecvMeta,
@@ -43,6 +42,7 @@ from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.contract import (
 )
 from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.scheduler import PullScheduler
 from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.window import (
+    CLOCK_SKEW_S,
     in_window,
     stamp,
     window_end,
@@ -217,7 +217,7 @@ def test_a_second_reader_within_the_window_reads_the_request_then_a_late_one_is_
 def test_a_read_ending_after_the_window_is_claimed_after_it(pd: Any) -> None:
     warm_up(pd)
     events: list[str] = []
-    read, claim = pd.d.reader._read, pd.d.reader._claim
+    read, claim = pd.d.reader._read, pd.d.reader.peers.claim
 
     def slow_read(meta: RecvMeta, *args: Any) -> int:
         time.sleep(0.5)  # the window ends during the read
@@ -228,7 +228,7 @@ def test_a_read_ending_after_the_window_is_claimed_after_it(pd: Any) -> None:
         events.append("claim")
         return claim(*args)
 
-    pd.d.reader._read, pd.d.reader._claim = slow_read, logged_claim
+    pd.d.reader._read, pd.d.reader.peers.claim = slow_read, logged_claim
     # stamped so long ago that 0.2 s of the window are left when D starts
     remote, _t = hold(pd, "old", [2], age_s=WINDOW_S - CLOCK_SKEW_S - 0.2)
     assert in_window(remote, margin_s=0.0)

@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Upstream's module path of ``AscendMultiConnector``; it lives in ``kv_p2p.multi_connector``.
+"""Upstream-path re-export (no code here): ``AscendMultiConnector`` lives in
+``kv_p2p.multi_connector``.
 
 vLLM-Ascend's wheel ships a file at this path too. Installed after ours, its
 copy replaces this one: imports of this path then get vLLM-Ascend's class,

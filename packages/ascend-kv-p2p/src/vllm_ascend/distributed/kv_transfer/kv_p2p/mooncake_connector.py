@@ -1,5 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Upstream's module path of ``MooncakeConnector``; the class lives in :mod:`.pull.connector`.
+"""Upstream-path re-export (no code here): ``MooncakeConnector`` lives in :mod:`.pull.connector`.
+
+This module exists because upstream's configs and imports name this path
+(``kv_connector_module_path``, DESIGN.md); everything else of the connector is in
+:mod:`.pull`.
 
 vLLM-Ascend's wheel ships a file at this path too. Installed after ours, its
 copy replaces this one: imports of this path then get vLLM-Ascend's class,

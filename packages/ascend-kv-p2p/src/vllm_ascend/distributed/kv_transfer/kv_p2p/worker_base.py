@@ -170,7 +170,8 @@ class P2PWorkerBase:
             self.te = None
 
     # ------------------------------------------------------------ peers
-    def _client(self, host: str, port: int) -> RpcClient[Message]:
+    def client(self, host: str, port: int) -> RpcClient[Message]:
+        """The side-channel client of the peer rank at ``host:port`` (one a peer, kept)."""
         endpoint = tcp_endpoint(host, port)
         with self._meta_lock:
             client = self._clients.get(endpoint)
@@ -179,8 +180,18 @@ class P2PWorkerBase:
                 self._clients[endpoint] = client
             return client
 
-    def _peer_meta(self, host: str, port: int, *, peer: str,
-                   problem_of: Callable[[AgentMeta], str]) -> AgentMeta:
+    def cached_peer_meta(self, host: str, port: int) -> AgentMeta | None:
+        """The peer rank's metadata if it was fetched already (no call), else ``None``."""
+        with self._meta_lock:
+            return self._remote_meta.get(tcp_endpoint(host, port))
+
+    def forget_peer_meta(self, host: str, port: int) -> None:
+        """Drop the peer rank's metadata: the next :meth:`peer_meta` fetches it again."""
+        with self._meta_lock:
+            self._remote_meta.pop(tcp_endpoint(host, port), None)
+
+    def peer_meta(self, host: str, port: int, *, peer: str,
+                  problem_of: Callable[[AgentMeta], str]) -> AgentMeta:
         """A peer rank's metadata, fetched once and checked with ``problem_of``."""
         endpoint = tcp_endpoint(host, port)
         with self._meta_lock:
@@ -189,7 +200,7 @@ class P2PWorkerBase:
             cached = self._remote_meta.get(endpoint)
         if cached is not None:
             return cached
-        meta = self._client(host, port).call(GetMeta(requester=self.agent_id))
+        meta = self.client(host, port).call(GetMeta(requester=self.agent_id))
         if not isinstance(meta, AgentMeta):
             raise RemoteKVUnavailable(f"{endpoint} answered GetMeta with {type(meta).__name__}")
         problem = problem_of(meta)

@@ -196,7 +196,7 @@ class PushLinks:
         """D rank's metadata, fetched once and checked against this instance."""
         mine = self.shared.meta
         assert mine is not None
-        return self.shared._peer_meta(host, port, peer="D", problem_of=lambda m: (
+        return self.shared.peer_meta(host, port, peer="D", problem_of=lambda m: (
             compatibility_problem(mine, m, expect_tp=expect_tp,
                                   configured_tp=self.cfg.decode.tp_size, me="P", them="D",
                                   verb="receive the KV cache of")))
@@ -213,7 +213,7 @@ class PushLinks:
                         block_ids=target.block_ids[session.first_position:],
                         block_lens=[r.block_len for r in shared.layout.regions],
                         token=target.token)
-        client = shared._client(host, link.port)
+        client = shared.client(host, link.port)
         # D's worker learns of the request with the step after its scheduler posted it to
         # the metaserver: "unknown request" is retried as push_retry says
         policy = self.cfg.push_retry
@@ -255,7 +255,7 @@ class PushLinks:
 
     def renew_link(self, session: PushSession, link: PushLink) -> None:
         """Renew one lease now (the sender is about to write); raises if D refuses."""
-        client = self.shared._client(session.target.host_of(link.d_rank), link.port)
+        client = self.shared.client(session.target.host_of(link.d_rank), link.port)
         sent = time.monotonic()
         reply = client.call(PushRenew(request_ids=[session.target.request_id],
                                       sender=self.shared.agent_id))
@@ -360,7 +360,7 @@ class PushLinks:
                      reason: str = "", nbytes: int = 0, token: str = "") -> bool:
         """``PushDone`` to one D rank; whether D accepted it (False if D is unreachable)."""
         try:
-            reply = self.shared._client(host, port).call(PushDone(
+            reply = self.shared.client(host, port).call(PushDone(
                 request_id=request_id, sender=self.shared.agent_id, success=success,
                 reason=reason[:2000], nbytes=nbytes, token=token))
         except KVTransferError as exc:
@@ -404,7 +404,7 @@ class PushLinks:
         try:
             sent = time.monotonic()
             try:
-                reply = self.shared._client(host, port).call(PushRenew(
+                reply = self.shared.client(host, port).call(PushRenew(
                     request_ids=[s.target.request_id for s, _ in pairs],
                     sender=self.shared.agent_id))
             except KVTransferError as exc:

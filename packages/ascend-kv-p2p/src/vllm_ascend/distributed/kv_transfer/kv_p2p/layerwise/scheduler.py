@@ -50,9 +50,8 @@ from ..params import (
     wants_remote_prefill,
     wants_virtual,
 )
-from ..pull.contract import runs_no_token
 from ..rank_hosts import parse_rank_hosts
-from ..scheduler_base import SchedulerBase
+from ..scheduler_base import SchedulerBase, runs_no_token
 from .contract import MooncakeLayerwiseConnectorMetadata, PushReq, RecvReq
 from .metaserver import MetaserverClient
 

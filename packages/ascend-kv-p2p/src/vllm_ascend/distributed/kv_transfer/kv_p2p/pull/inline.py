@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """D's reads started on vLLM's thread (``inline_reads``) and polled to their end.
 
-A read within P's read window (:mod:`.pull.window`) needs no claim: D can start it at
+A read within P's read window (:mod:`.window`) needs no claim: D can start it at
 once. On the pull threads that costs two hand-offs between threads (to the pull thread,
 and from it back to the one waiting for the load), each a wake-up and a turn of the GIL:
 on the 2-CPU machine they were most of the gap between a one-block load and a raw read of
@@ -11,7 +11,8 @@ never blocks) and ``get_finished`` polls it; vLLM's engine step is never held by
 transfer, however long it stalls.
 
 Only the plainest load takes this path, every other one goes to the pull threads
-(:class:`~.pull.reader.PullReader`), before or after its read:
+(:class:`~.reader.PullReader`, which starts these reads, polls them, and takes back those
+that cannot end here), before or after its read:
 
 * taken: P's metadata (and a keyed P rank's last grant) already known, of the engine start
   that holds the request, inside the window now, every P rank read by some D rank, no
@@ -32,21 +33,19 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
-from vllm_ascend.distributed.kv_transfer.core.channel import tcp_endpoint
 from vllm_ascend.distributed.kv_transfer.core.errors import TransferError
 from vllm_ascend.distributed.kv_transfer.core.transfer_engine import PendingTransfer, coalesce
 
+from ..worker_base import P2PWorkerBase
 from .contract import RecvMeta
-from .transfer import check_remote_blocks, direct_ranges
-from .window import known_regions, same_instance, window_end
-
-if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping
-
-    from .reader import PullReader
+from .loads import LoadTracker
+from .peers import PeerRanks
+from .transfer import AddressPlans, check_remote_blocks, direct_ranges
+from .window import same_instance, window_end
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +55,7 @@ logger = logging.getLogger(__name__)
 #: ranges, 128 blocks of 8 layers, the load measured 0.95-0.96 of the raw read inline
 #: against 0.97-0.98 on the pull threads)
 INLINE_MAX_RANGES = 64
-#: how long :meth:`InlineReads.wait` asks to sleep between two polls (seconds). The kernel
+#: how long :meth:`~.reader.PullReader.wait_inline` sleeps between two polls (seconds). The kernel
 #: adds the thread's timer slack (50 us by default) and a virtual machine its timer's cost:
 #: ``time.sleep(50e-6)`` took 136 us on the 2-CPU machine (``sleep(0)`` 82 us), so a read's
 #: end is seen up to that late on an idle step (``wait_loads`` polls without sleeping)
@@ -77,11 +76,36 @@ class InlineRead:
     started: float
 
 
-class InlineReads:
-    """The reads :class:`~.pull.reader.PullReader` started on the caller's thread."""
+@dataclass
+class Ended:
+    """The reads that ended at one :meth:`InlineReads.poll`, by what their caller does next
+    (a load that ended failed here is counted only)."""
 
-    def __init__(self, reader: PullReader) -> None:
-        self.reader = reader
+    #: ended within P's window: the load is loaded once its ``Done`` is owed to P
+    loaded: list[InlineRead] = field(default_factory=list)
+    #: to be pulled again, from the start, on the pull threads
+    again: list[RecvMeta] = field(default_factory=list)
+    #: reads that ended, all outcomes
+    count: int = 0
+
+
+class InlineReads:
+    """The reads started on the caller's thread (vLLM's), and their ends.
+
+    Args:
+        shared: the worker's transfer engine, KV cache layout, config and metrics.
+        loads: where each load's deadline and end are kept.
+        peers: D's knowledge of P's ranks (head plans, metadata, regions): only what it has
+            already is used here, no side-channel call.
+        plans: where each P rank's slices go (the pull threads' plans, shared).
+    """
+
+    def __init__(self, shared: P2PWorkerBase, loads: LoadTracker, peers: PeerRanks,
+                 plans: AddressPlans) -> None:
+        self.shared = shared
+        self.loads = loads
+        self.peers = peers
+        self.plans = plans
         self._lock = threading.Lock()
         self._inflight: dict[str, InlineRead] = {}
 
@@ -93,16 +117,15 @@ class InlineReads:
         """Start the load's read here if it takes this path (see the module); False: it
         goes to the pull threads (nothing was started). Never raises: this is vLLM's
         thread (what went wrong is the pull thread's to find and report)."""
-        r = self.reader
         try:
             planned = self._plan(meta)
         except Exception:
             logger.debug("request %s: no inline read", meta.request_id, exc_info=True)
             return False
-        if planned is None or not r.loads.begin_read(meta):
+        if planned is None or not self.loads.begin_read(meta):
             return False  # begin_read: ended already (the pull thread finds that out too)
         until, p_ranks, readers, ranges = planned
-        te = r.shared.te
+        te = self.shared.te
         assert te is not None
         started = time.perf_counter()
         parts: list[PendingTransfer] = []
@@ -116,11 +139,11 @@ class InlineReads:
                 break
             parts.append(part)
         if not parts:  # nothing in flight: the pull thread reads it all
-            r.loads.end_read(meta)
+            self.loads.end_read(meta)
             return False
         if len(parts) < len(ranges):  # some went out: end it as a failed read
             parts.append(_failed(te, why or "the transfer engine took only part of the read"))
-        r.shared.recorder.inc("p2p_inline_reads")
+        self.shared.recorder.inc("p2p_inline_reads")
         with self._lock:
             self._inflight[meta.request_id] = InlineRead(meta, parts, until, p_ranks, readers,
                                                          started)
@@ -132,8 +155,7 @@ class InlineReads:
         remote, lengths) of each P rank, if the load takes this path; ``None`` otherwise.
         Raises on what the pull thread reports (a head plan that does not fit, block ids
         outside a cache)."""
-        r = self.reader
-        s = r.shared
+        s = self.shared
         remote = meta.remote
         if (remote is None or meta.claimed_ahead or s.te is None or s.layout is None
                 or getattr(s, "p_stages", None)
@@ -142,19 +164,14 @@ class InlineReads:
         until = window_end(remote)
         if time.time() >= until:
             return None
-        plan, readers = r._head_plan(remote.tp_size)
+        plan, readers = self.peers.head_plan(remote.tp_size)
         p_ranks = sorted({sl.remote_rank for sl in plan})
         if len(readers) < remote.tp_size * s.cfg.prefill.pp_size:
             return None  # a P rank nobody reads is released by the pull thread
-        metas = {}
-        with s._meta_lock:
-            for rank in p_ranks:
-                m = s._remote_meta.get(tcp_endpoint(remote.host_of(rank),
-                                                    r._port_of(remote, rank)))
-                if m is None:
-                    return None
-                metas[rank] = m
-        early = known_regions(r._granted, remote, metas)
+        metas = self.peers.cached_metas(remote, p_ranks)
+        if metas is None:
+            return None
+        early = self.peers.known_regions(remote, metas)
         if early is None or not same_instance(remote, early):
             return None
         per_block = len(s.layout.regions) * len(early)
@@ -169,7 +186,7 @@ class InlineReads:
             if s.te.is_local_peer(m.session):
                 return None
             check_remote_blocks(meta, m)  # raises: the pull thread reports it
-            segments, staged = r._addresses.get(s.layout, m, rank, plan, None)
+            segments, staged = self.plans.get(s.layout, m, rank, plan, None)
             if staged or (whole_blocks and any(
                     length != l_stride or length != r_stride
                     for _lb, l_stride, _lo, _rb, r_stride, _ro, length in segments)):
@@ -183,10 +200,13 @@ class InlineReads:
         return until, p_ranks, readers, ranges
 
     # ------------------------------------------------------------ poll
-    def poll(self) -> int:
-        """End the reads that ended since the last call; how many ended."""
+    def poll(self) -> Ended:
+        """The reads that ended since the last call: a read that failed past a retry
+        (``read_retry``) ends its load here, failed; the others are the caller's to end
+        (:class:`Ended`)."""
+        out = Ended()
         if not self._inflight:
-            return 0
+            return out
         ended: list[tuple[InlineRead, int, Exception | None]] = []
         with self._lock:
             for rid, read in list(self._inflight.items()):
@@ -204,57 +224,36 @@ class InlineReads:
                     del self._inflight[rid]
                     ended.append((read, nbytes, error))
         for read, nbytes, err in ended:
-            self._end(read, nbytes, err)
-        return len(ended)
+            self._end(read, nbytes, err, out)
+        out.count = len(ended)
+        return out
 
-    def _end(self, read: InlineRead, nbytes: int, error: Exception | None) -> None:
-        r = self.reader
+    def _end(self, read: InlineRead, nbytes: int, error: Exception | None,
+             out: Ended) -> None:
         meta = read.meta
-        if not r.loads.end_read(meta):
+        if not self.loads.end_read(meta):
             return  # its deadline passed during the read: ended as failed by end_read
         if error is None and time.time() <= read.until:
             # read within the window: P held the blocks for the whole read (no claim)
-            rec = r.shared.recorder
+            rec = self.shared.recorder
             rec.inc("p2p_window_reads")
             rec.inc("p2p_transfer_bytes", nbytes)
             rec.observe("p2p_transfer_seconds", time.perf_counter() - read.started)
             rec.observe("p2p_transfer_request_bytes", nbytes)
-            r.owe_done(meta, read.p_ranks, read.readers)
-            r.loads.finish(meta, ok=True)
+            out.loaded.append(read)
             return
         if error is not None:
-            if r.shared.cfg.read_retry.retries == 0:
-                r.loads.fail(meta, f"KV read from P failed ({error}); read_retry allows no "
-                                   "retry", cause="transfer")
+            if self.shared.cfg.read_retry.retries == 0:
+                self.loads.fail(meta, f"KV read from P failed ({error}); read_retry allows no "
+                                      "retry", cause="transfer")
                 return
-            r.shared.recorder.inc("p2p_read_retries", reason="transfer")
+            self.shared.recorder.inc("p2p_read_retries", reason="transfer")
             logger.warning("request %s: KV read from P failed (%s); pulled again on a pull "
                            "thread", meta.request_id, error)
         else:
             logger.info("request %s: its read ended after P's read window; claimed and read "
                         "again on a pull thread", meta.request_id)
-        r.pull_later(meta)
-
-    def wait(self, timeout: float, stop: Callable[[], bool]) -> None:
-        """Poll for up to ``timeout`` seconds, until ``stop()`` (checked after each poll),
-        sleeping :data:`POLL_SLEEP_S` between polls (an idle engine step's wait)."""
-        end = time.monotonic() + timeout
-        while self._inflight:
-            self.poll()
-            if stop() or time.monotonic() >= end:
-                return
-            time.sleep(POLL_SLEEP_S)
-
-    def drain(self, timeout: float) -> None:
-        """Wait for every read in flight to end (shutdown: the memory it reads into stays
-        registered until then); logs what is still in flight after ``timeout``."""
-        end = time.monotonic() + timeout
-        while self._inflight and time.monotonic() < end:
-            self.poll()
-            time.sleep(POLL_SLEEP_S)
-        if self._inflight:
-            logger.warning("%d reads still in flight at shutdown after %.1fs",
-                           len(self._inflight), timeout)
+        out.again.append(meta)
 
 
 def block_runs(meta: RecvMeta) -> int:

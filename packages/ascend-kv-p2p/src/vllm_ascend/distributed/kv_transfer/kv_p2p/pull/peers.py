@@ -1,27 +1,58 @@
 # SPDX-License-Identifier: Apache-2.0
-"""D's calls to P's side channel for one request: ``Claim``, ``Done``, the releases of a
-request D will not read (or whose P ranks no D rank reads), and the probe that tells a P
-that is gone from one that is slow. :class:`PeerCalls` is a part of
-:class:`~.pull.reader.PullReader` (the fault and window tests hook its ``_claim``).
+"""D side of ``MooncakeConnectorV1``: what D knows of the P ranks it reads, and its calls to
+their side channel.
+
+:class:`PeerRanks` owns that knowledge: where each P rank listens, which of its heads this D
+rank reads (the head plan, over P's pipeline stages), its ``AgentMeta`` (fetched once,
+checked for compatibility, fetched again after P restarted), and where its KV cache is (its
+metadata, or a keyed P rank's last grant). And the calls, for one request: ``Claim``,
+``Done``, the releases of a request D will not read (or whose P ranks no D rank reads), and
+the probe that tells a P that is gone from one that is slow.
+
+:class:`~.reader.PullReader` (the pull threads) and :class:`~.inline.InlineReads` (reads
+started on vLLM's thread) both go through its public methods; the fault and window tests
+hook :meth:`PeerRanks.claim`. The answers of the claims D's scheduler sent ahead stand in for
+D's own claims through :func:`accepted_ahead`.
+
+A P with a deployment key hands out its region addresses only with a claim's grant
+(:class:`~..protocol.ClaimGrant`), not in ``GetMeta``: D reads with the addresses of a
+grant. It keeps the last grant of each P rank, so later requests can still read before
+their claims are answered; a read under addresses the new grant does not confirm is read
+again (:func:`regions_moved`).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import time
 from collections.abc import Iterable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from vllm_ascend.distributed.kernels.heads import HeadSlice
 from vllm_ascend.distributed.kv_transfer.core.errors import KVTransferError, RemoteError
 
 from ..errors import RemoteKVUnavailable
-from ..protocol import Claim, ClaimGrant, ClaimOK, Done, DoneAck, worker_port
-from ..worker_base import P2PWorkerBase
-from .claims import Claimed
-from .contract import RecvMeta
+from ..protocol import (
+    AgentMeta,
+    Claim,
+    ClaimGrant,
+    ClaimOK,
+    Done,
+    DoneAck,
+    compatibility_problem,
+    worker_port,
+)
+from ..worker_base import P2PWorkerBase, head_partners, head_slices
+from .contract import EarlyClaim, RecvMeta
 from .loads import LoadTracker
+from .stages import expand_over_stages
+from .window import CLOCK_SKEW_S, same_instance
 
 logger = logging.getLogger(__name__)
 
@@ -29,24 +60,162 @@ logger = logging.getLogger(__name__)
 #: retry, whether P is still there.
 PROBE_TIMEOUT_S = 1.0
 
+#: keyed P ranks, ``(host, side-channel port)`` -> their metadata with the regions of their
+#: last grant
+Granted = dict[tuple[str, int], AgentMeta]
 
-class PeerCalls:
-    """The side-channel calls of :class:`~.pull.reader.PullReader` (its ``shared`` state,
-    its ``loads`` and its head plan)."""
 
-    shared: P2PWorkerBase
-    loads: LoadTracker
+@dataclass(frozen=True)
+class Claimed:
+    """P rank's answer to a claim D sent."""
 
-    def _head_plan(self, p_tp: int) -> tuple[tuple[HeadSlice, ...], Mapping[int, int]]:
-        raise NotImplementedError
+    #: P accepted the first ``Claim`` sent (no "unknown request" retry)
+    first_try: bool
+    #: ``time.monotonic()`` when the accepted ``Claim`` was sent; P renewed the lease to a
+    #: full ``lease_ttl_s`` when it answered, which is later
+    sent_at: float
+    #: where P's blocks are, from a keyed P's grant (``None``: an unkeyed P's ``ClaimOK``;
+    #: its ``AgentMeta`` has them)
+    grant: ClaimGrant | None = None
 
-    def _p_gone(self, remote: Any, p_ranks: Iterable[int]) -> bool:
+
+class PeerRanks:
+    """D's knowledge of P's ranks and its side-channel calls to them.
+
+    Args:
+        shared: the worker's identity, KV cache registration, peers and handshake.
+        loads: where each load's deadline is kept (a claim is retried only before it).
+    """
+
+    def __init__(self, shared: P2PWorkerBase, loads: LoadTracker) -> None:
+        self.shared = shared
+        self.loads = loads
+        # (P's TP size, MLA) -> this rank's head plan and the readers of each P rank
+        self._plans: dict[tuple[int, bool], tuple[tuple[HeadSlice, ...], Mapping[int, int]]] = {}
+        # keyed P ranks: (host, port) -> their AgentMeta with the regions of the last grant
+        self._granted: Granted = {}
+        # (P endpoint, engine start) whose metadata was fetched again for that start
+        self._refetched: set[tuple[tuple[str, int], str]] = set()
+
+    # ------------------------------------------------------------ where, which heads
+    def port_of(self, remote: Any, p_rank: int) -> int:
+        """P rank ``p_rank``'s side-channel port."""
+        return worker_port(remote.port, tp_rank=p_rank, tp_size=remote.tp_size)
+
+    def head_plan(self, p_tp: int) -> tuple[tuple[HeadSlice, ...], Mapping[int, int]]:
+        """This rank's head slices to read from a P instance of TP size ``p_tp``, and how
+        many D ranks read each P rank; computed once per P TP size (shared: never modify).
+
+        Raises:
+            HandshakeMismatchError: the KV heads do not split over one of the TP sizes.
+        """
+        s = self.shared
+        is_mla = bool(s.layout and s.layout.is_mla)
+        key = (p_tp, is_mla)
+        cached = self._plans.get(key)
+        if cached is None:
+            plan = tuple(head_slices(s.total_kv_heads, p_tp, s.tp_size, s.tp_rank,
+                                     is_mla=is_mla))
+            readers = head_partners(s.total_kv_heads, p_tp, s.tp_size, is_mla=is_mla)
+            cached = self._plans[key] = expand_over_stages(  # P ranks of every stage
+                plan, readers, tp_size=p_tp, pp_size=s.cfg.prefill.pp_size)
+        return cached
+
+    # ------------------------------------------------------------ metadata, regions
+    def remote_meta(self, host: str, port: int, *, expect_tp: int) -> AgentMeta:
+        """P rank's metadata, fetched once and checked against this instance."""
+        return self.shared.peer_meta(host, port, peer="P", problem_of=lambda m: (
+            self.compatibility_problem(m, expect_tp=expect_tp)))
+
+    def compatibility_problem(self, remote: AgentMeta, *, expect_tp: int) -> str:
+        """Why P's cache cannot be read into ours, naming both sides' values; '' if it can."""
+        assert self.shared.meta is not None
+        return compatibility_problem(self.shared.meta, remote, expect_tp=expect_tp,
+                                     configured_tp=self.shared.cfg.prefill.tp_size)
+
+    def metas(self, remote: Any, p_ranks: list[int]) -> dict[int, AgentMeta]:
+        """P ranks' metadata (cached), fetched again once when the request names another
+        engine start of P than the cached one (P restarted at the same address)."""
+        for again in (False, True):
+            metas = {r: self.remote_meta(remote.host_of(r), self.port_of(remote, r),
+                                         expect_tp=remote.tp_size) for r in p_ranks}
+            seen = (remote.endpoint_key(), remote.instance)
+            if again or not remote.instance or same_instance(remote, metas) or (
+                    seen in self._refetched):
+                break
+            self._refetched.add(seen)
+            self.forget_session(remote, p_ranks)
+        return metas
+
+    def cached_metas(self, remote: Any, p_ranks: Iterable[int]) -> dict[int, AgentMeta] | None:
+        """P ranks' metadata if D has every one already (no call: vLLM's thread), else
+        ``None``."""
+        out = {}
+        for r in p_ranks:
+            m = self.shared.cached_peer_meta(remote.host_of(r), self.port_of(remote, r))
+            if m is None:
+                return None
+            out[r] = m
+        return out
+
+    def forget_session(self, remote: Any, p_ranks: Iterable[int]) -> None:
+        """Drop what D cached of these P ranks (their ``AgentMeta`` and last grant), so a
+        retry fetches it again: a P rank that restarted its transfer engine has a new
+        session and new regions. (Mooncake's Python engine keeps its segment handle per
+        session name and offers no way to close it; the read itself goes out as a new
+        transfer on a new connection, the stalled one having been dropped.)"""
+        for r in p_ranks:
+            host, port = remote.host_of(r), self.port_of(remote, r)
+            self._granted.pop((host, port), None)
+            self.shared.forget_peer_meta(host, port)
+
+    def known_regions(self, remote: Any, metas: Mapping[int, AgentMeta]
+                      ) -> dict[int, AgentMeta] | None:
+        """P ranks' metadata with region addresses known before this request's claims (an
+        unkeyed P's ``GetMeta``, or a keyed P rank's last grant); ``None`` if a rank's are
+        not known yet."""
+        out: dict[int, AgentMeta] = {}
+        for r, m in metas.items():
+            known = m if m.region_addrs else self._granted.get(
+                (remote.host_of(r), self.port_of(remote, r)))
+            if known is None:
+                return None
+            out[r] = known
+        return out
+
+    def granted_metas(self, remote: Any, metas: Mapping[int, AgentMeta],
+                      claims: Mapping[int, Future[Claimed]], *,
+                      partial: bool = False) -> dict[int, AgentMeta]:
+        """P ranks' metadata with the regions of this request's grants (every claim has been
+        accepted; ``partial``: only the ranks in ``claims``); remembers each keyed rank's
+        grant (with its engine start) for later requests."""
+        out: dict[int, AgentMeta] = {}
+        for r, m in metas.items():
+            if partial and r not in claims:
+                out[r] = m
+                continue
+            grant = claims[r].result().grant
+            if grant is None:
+                if not m.region_addrs:
+                    raise RemoteKVUnavailable(
+                        f"P rank {r} accepted the claim without saying where its KV cache is "
+                        "(no region addresses in GetMeta nor in the grant)", code="no_regions")
+                out[r] = m
+                continue
+            out[r] = self._granted[(remote.host_of(r), self.port_of(remote, r))] = (
+                msgspec.structs.replace(m, region_addrs=list(grant.region_addrs),
+                                        region_strides=list(grant.region_strides),
+                                        instance=grant.instance))
+        return out
+
+    # ------------------------------------------------------------ calls
+    def p_gone(self, remote: Any, p_ranks: Iterable[int]) -> bool:
         """Whether a P rank's side-channel port refuses connections: the process is gone (a
         retry would only wait for timeouts). A P starved of CPU, or stopped, still has its
         connections accepted by the kernel; a cut network times out: both are retried."""
         for r in p_ranks:
             try:
-                with socket.create_connection((remote.host_of(r), self._port_of(remote, r)),
+                with socket.create_connection((remote.host_of(r), self.port_of(remote, r)),
                                               timeout=PROBE_TIMEOUT_S):
                     pass
             except ConnectionRefusedError:
@@ -57,26 +226,13 @@ class PeerCalls:
                 return False  # no answer (a cut network): the other ranks will not say more
         return False
 
-    def _done_quietly(self, meta: RecvMeta, p_ranks: list[int],
-                      readers: Mapping[int, int]) -> None:
-        """``Done`` to every P rank read from, after a load already reported loaded."""
-        for r in p_ranks:
-            try:
-                self._done(meta, r, readers[r], success=True)
-            except KVTransferError as exc:
-                logger.info("Done for request %s to P rank %d failed: %s (its lease will lapse)",
-                            meta.request_id, r, exc)
-
-    def _port_of(self, remote: Any, p_rank: int) -> int:
-        return worker_port(remote.port, tp_rank=p_rank, tp_size=remote.tp_size)
-
-    def _claim(self, meta: RecvMeta, p_rank: int, num_readers: int) -> Claimed:
-        """Claim the request's blocks on one P rank (claim thread); retries while P answers
-        "unknown request" (its metadata may not have arrived yet), as ``claim_retry`` says,
-        within the load's deadline."""
+    def claim(self, meta: RecvMeta, p_rank: int, num_readers: int) -> Claimed:
+        """Claim the request's blocks on one P rank; retries while P answers "unknown
+        request" (its metadata may not have arrived yet), as ``claim_retry`` says, within
+        the load's deadline."""
         remote = meta.remote
         assert remote is not None
-        client = self.shared._client(remote.host_of(p_rank), self._port_of(remote, p_rank))
+        client = self.shared.client(remote.host_of(p_rank), self.port_of(remote, p_rank))
         msg = Claim(request_id=remote.request_id, block_ids=meta.remote_block_ids,
                     reader=self.shared.agent_id, num_readers=num_readers, token=remote.token)
         policy = self.shared.cfg.claim_retry
@@ -102,38 +258,97 @@ class PeerCalls:
                 raise RemoteKVUnavailable(f"unexpected claim reply {type(reply).__name__}")
             return Claimed(first_try=retries == 0, sent_at=sent_at)
 
-    def _done(self, meta: RecvMeta, p_rank: int, num_readers: int, *, success: bool) -> bool:
+    def done(self, meta: RecvMeta, p_rank: int, num_readers: int, *, success: bool) -> bool:
+        """Tell P rank ``p_rank`` D is done with the request; whether P says its lease held."""
         remote = meta.remote
         assert remote is not None
-        client = self.shared._client(remote.host_of(p_rank), self._port_of(remote, p_rank))
+        client = self.shared.client(remote.host_of(p_rank), self.port_of(remote, p_rank))
         reply = client.call(Done(request_id=remote.request_id, reader=self.shared.agent_id,
                                  success=success, num_readers=num_readers, token=remote.token))
         return isinstance(reply, DoneAck) and reply.valid
 
-    def _release_remote(self, meta: RecvMeta) -> None:
+    def done_quietly(self, meta: RecvMeta, p_ranks: list[int],
+                     readers: Mapping[int, int]) -> None:
+        """``Done`` to every P rank read from, after a load already reported loaded."""
+        for r in p_ranks:
+            try:
+                self.done(meta, r, readers[r], success=True)
+            except KVTransferError as exc:
+                logger.info("Done for request %s to P rank %d failed: %s (its lease will lapse)",
+                            meta.request_id, r, exc)
+
+    def release_remote(self, meta: RecvMeta) -> None:
         """Tell every P rank it can free a request D will not read (best effort)."""
         remote = meta.remote
         assert remote is not None
-        plan, readers = self._head_plan(remote.tp_size)
+        plan, readers = self.head_plan(remote.tp_size)
         for r in sorted({s.remote_rank for s in plan}):
             try:
-                self._done(meta, r, readers[r], success=False)
+                self.done(meta, r, readers[r], success=False)
             except KVTransferError as exc:
                 logger.info("could not release request %s on P rank %d: %s (its lease will "
                             "lapse)", remote.request_id, r, exc)
-        self._release_unread(meta)
+        self.release_unread(meta)
 
-    def _release_unread(self, meta: RecvMeta) -> None:
+    def release_unread(self, meta: RecvMeta) -> None:
         """P ranks no D rank reads (MLA, replicated heads) still hold the request: the D rank
         ``p_rank % d_tp`` releases each of them."""
         remote = meta.remote
         assert remote is not None
-        _plan, readers = self._head_plan(remote.tp_size)
+        _plan, readers = self.head_plan(remote.tp_size)
         for r in range(remote.tp_size * self.shared.cfg.prefill.pp_size):
             if r in readers or r % self.shared.tp_size != self.shared.tp_rank:
                 continue
             try:
-                self._done(meta, r, 1, success=True)
+                self.done(meta, r, 1, success=True)
             except KVTransferError as exc:
                 logger.info("could not release request %s on unread P rank %d: %s",
                             remote.request_id, r, exc)
+
+
+def regions_moved(read: Mapping[int, AgentMeta] | None,
+                  granted: Mapping[int, AgentMeta]) -> bool:
+    """Whether the regions a read used differ from those of the request's grants."""
+    if read is None:
+        return True
+    return any((read[r].region_addrs, read[r].region_strides)
+               != (g.region_addrs, g.region_strides) for r, g in granted.items())
+
+
+def claim_sent_at(answer: EarlyClaim, *, now_mono: float | None = None,
+                  now_wall: float | None = None) -> float:
+    """When (this process's ``time.monotonic()``, at the earliest) an accepted answer's
+    claim was sent: :data:`~.window.CLOCK_SKEW_S` earlier than the clocks say, so a skew or
+    a small step of either clock shortens the time a read is trusted instead of stretching
+    it; ``-inf`` (never trusted) when the scheduler's clock seems further ahead of ours."""
+    now_mono = time.monotonic() if now_mono is None else now_mono
+    now_wall = time.time() if now_wall is None else now_wall
+    age = now_wall - answer.sent_wall
+    if age < -CLOCK_SKEW_S:
+        return -math.inf
+    return now_mono - max(0.0, age) - CLOCK_SKEW_S
+
+
+def refused_ahead(answers: Mapping[int, EarlyClaim] | None) -> bool:
+    """Whether a claim sent ahead was not accepted (the pull then claims as before)."""
+    return answers is not None and not all(a.ok for a in answers.values())
+
+
+def accepted_ahead(answers: Mapping[int, EarlyClaim] | None,
+                   p_ranks: Iterable[int]) -> dict[int, Future[Claimed]] | None:
+    """The accepted answers among ``p_ranks``, as the pull's own claims would be (``None``
+    while none is in)."""
+    if answers is None:
+        return None
+    out: dict[int, Future[Claimed]] = {}
+    for r in p_ranks:
+        a = answers.get(r)
+        if a is None or not a.ok:
+            continue
+        grant = (None if a.region_addrs is None else ClaimGrant(
+            lease_s=0.0, region_addrs=list(a.region_addrs),
+            region_strides=list(a.region_strides or []), instance=a.instance))
+        fut: Future[Claimed] = Future()
+        fut.set_result(Claimed(first_try=a.first_try, sent_at=claim_sent_at(a), grant=grant))
+        out[r] = fut
+    return out

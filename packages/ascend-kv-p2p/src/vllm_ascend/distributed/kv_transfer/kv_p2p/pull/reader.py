@@ -3,17 +3,13 @@
 
 D pulls each request on a thread pool: handshake with every P rank it needs
 (cached, with the compatibility check), ``Claim``, one batched read through the
-transfer engine (:mod:`.pull.transfer`), ``Done``. With enough CPUs the claims go
+transfer engine (:mod:`.transfer`), ``Done``. What D knows of P's ranks and the calls to
+their side channel are :class:`~.peers.PeerRanks`'. With enough CPUs the claims go
 out on claim threads while the pull thread reads; the read's data is then used
 only when every claim was accepted at its first try, otherwise it is read again
 under the accepted claims (see :meth:`PullReader._pull`). How each load ends is
-kept by :class:`~.pull.loads.LoadTracker`.
-
-A P with a deployment key hands out its region addresses only with a claim's grant
-(:class:`~.protocol.ClaimGrant`), not in ``GetMeta``: D reads with the addresses of a
-grant. It keeps the last grant of each P rank, so later requests can still overlap their
-claims with the read; a read under addresses the new grant does not confirm is read again.
-The very first request to a keyed P rank claims before it reads.
+kept by :class:`~.loads.LoadTracker`. A keyed P rank's very first request claims before it
+reads (its regions come with the grant only).
 
 A read that stalls or drops (Mooncake's TCP transport fails a transfer without progress
 for ``MC_TCP_PROGRESS_TIMEOUT_SEC``: rc=-1), or a side-channel call to a P starved of CPU
@@ -31,12 +27,10 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
 
 from vllm_ascend.distributed.kernels.heads import HeadSlice
-from vllm_ascend.distributed.kv_transfer.core.channel import tcp_endpoint
 from vllm_ascend.distributed.kv_transfer.core.device import usable_cpus
 from vllm_ascend.distributed.kv_transfer.core.errors import (
     KVTransferError,
@@ -45,23 +39,14 @@ from vllm_ascend.distributed.kv_transfer.core.errors import (
 )
 
 from ..errors import HandshakeMismatchError, RemoteKVUnavailable
-from ..protocol import AgentMeta, compatibility_problem
-from ..worker_base import P2PWorkerBase, head_partners, head_slices
-from .claims import Claimed, ClaimInbox, accepted_ahead, refused_ahead
-from .contract import RecvMeta
-from .inline import InlineReads
+from ..protocol import AgentMeta
+from ..worker_base import P2PWorkerBase
+from .contract import ClaimInbox, RecvMeta
+from .inline import POLL_SLEEP_S, InlineReads
 from .loads import LoadTracker
-from .peers import PeerCalls
-from .stages import expand_over_stages
+from .peers import Claimed, PeerRanks, accepted_ahead, refused_ahead, regions_moved
 from .transfer import AddressPlans, read_request
-from .window import (
-    Granted,
-    granted_metas,
-    known_regions,
-    regions_moved,
-    same_instance,
-    window_end,
-)
+from .window import same_instance, window_end
 
 logger = logging.getLogger(__name__)
 
@@ -78,12 +63,19 @@ OVERLAP_MIN_CPUS = 4
 AHEAD_WAIT_S = 0.05
 
 
-class PullReader(PeerCalls):
+class PullReader:
     """D's pulls: claims on P's ranks, reads, retries, and the ``Done`` that frees P.
 
     Args:
         shared: the worker's identity, KV cache registration, peers and handshake.
         loads: where each load's deadline and end are kept.
+
+    Attributes:
+        peers: what D knows of P's ranks, and the calls to them.
+        plans: where each P rank's slices go (kept per P rank's metadata and head plan).
+        inbox: the answers of the claims D's scheduler sent ahead.
+        inline: window reads started on the caller's thread (``inline_reads``; ``None``:
+            off).
     """
 
     def __init__(self, shared: P2PWorkerBase, loads: LoadTracker) -> None:
@@ -102,18 +94,15 @@ class PullReader(PeerCalls):
         # the claim threads (started on demand)
         self._claims = ThreadPoolExecutor(max_workers=4 * cfg.num_recv_workers,
                                           thread_name_prefix="p2p-claim")
-        # (P's TP size, MLA) -> this rank's head plan and the readers of each P rank
-        self._plans: dict[tuple[int, bool], tuple[tuple[HeadSlice, ...], Mapping[int, int]]] = {}
-        # keyed P ranks: (host, port) -> their AgentMeta with the regions of the last grant
-        self._granted: Granted = {}
-        # (P endpoint, engine start) whose metadata was fetched again for that start
-        self._refetched: set[tuple[tuple[str, int], str]] = set()
-        #: answers of the claims D's scheduler sent ahead (:mod:`.pull.claims`)
+        self.peers = PeerRanks(shared, loads)
         self.inbox = ClaimInbox(shared.engine_id)
-        # where each P rank's slices go (kept per P rank's metadata and head plan)
-        self._addresses = AddressPlans()
-        #: window reads started on the caller's thread (``inline_reads``; None: off)
-        self.inline: InlineReads | None = InlineReads(self) if cfg.inline_reads else None
+        self.plans = AddressPlans()
+        self.inline: InlineReads | None = self.new_inline_reads() if cfg.inline_reads else None
+
+    def new_inline_reads(self) -> InlineReads:
+        """Reads started on the caller's thread over this reader's P ranks and plans
+        (:mod:`.inline`; polled by :meth:`poll_inline`)."""
+        return InlineReads(self.shared, self.loads, self.peers, self.plans)
 
     def start(self, requests: Iterable[RecvMeta]) -> None:
         """Start the pulls (and the releases) of the scheduler's new requests."""
@@ -121,7 +110,7 @@ class PullReader(PeerCalls):
         for meta in requests:
             if meta.release_only:
                 if meta.remote is not None:
-                    self._pool.submit(self._release_remote, meta)
+                    self._pool.submit(self.peers.release_remote, meta)
                 continue
             self.loads.add(meta, now)
             if meta.error is not None or meta.remote is None:
@@ -135,8 +124,46 @@ class PullReader(PeerCalls):
 
     def pull_later(self, meta: RecvMeta) -> None:
         """Pull a load on the pull threads from the start (an inline read that failed or
-        ended after P's read window: :mod:`.pull.inline`)."""
+        ended after P's read window: :mod:`.inline`)."""
         self._pool.submit(self._pull, meta)
+
+    # ------------------------------------------------------------ inline reads
+    def poll_inline(self) -> int:
+        """End the reads started on the caller's thread that ended since the last call
+        (``inline_reads``: vLLM's thread, in ``get_finished``): a read within P's window
+        ends its load loaded (its ``Done`` owed), another goes to the pull threads; how
+        many ended."""
+        if self.inline is None or not len(self.inline):
+            return 0
+        ended = self.inline.poll()
+        for read in ended.loaded:
+            self.owe_done(read.meta, read.p_ranks, read.readers)
+            self.loads.finish(read.meta, ok=True)
+        for meta in ended.again:
+            self.pull_later(meta)
+        return ended.count
+
+    def wait_inline(self, timeout: float, stop: Callable[[], bool]) -> None:
+        """Poll the inline reads for up to ``timeout`` seconds, until ``stop()`` (checked
+        after each poll), sleeping :data:`~.inline.POLL_SLEEP_S` between polls (an idle
+        engine step's wait)."""
+        end = time.monotonic() + timeout
+        while self.inline is not None and len(self.inline):
+            self.poll_inline()
+            if stop() or time.monotonic() >= end:
+                return
+            time.sleep(POLL_SLEEP_S)
+
+    def _drain_inline(self, timeout: float) -> None:
+        """Wait for every inline read in flight to end (shutdown: the memory it reads into
+        stays registered until then); logs what is still in flight after ``timeout``."""
+        end = time.monotonic() + timeout
+        while self.inline is not None and len(self.inline) and time.monotonic() < end:
+            self.poll_inline()
+            time.sleep(POLL_SLEEP_S)
+        if self.inline is not None and len(self.inline):
+            logger.warning("%d reads still in flight at shutdown after %.1fs",
+                           len(self.inline), timeout)
 
     def owe_done(self, meta: RecvMeta, p_ranks: list[int], readers: Mapping[int, int]) -> None:
         """A load ended loaded: its ``Done`` goes out once vLLM collected it."""
@@ -153,7 +180,7 @@ class PullReader(PeerCalls):
 
     def _send_owed(self, batch: list[tuple[RecvMeta, list[int], Mapping[int, int]]]) -> None:
         for meta, p_ranks, readers in batch:
-            self._done_quietly(meta, p_ranks, readers)
+            self.peers.done_quietly(meta, p_ranks, readers)
 
     def done_sent(self, timeout: float = 10.0) -> None:
         """Send the ``Done`` still owed and wait until every one went out (benchmarks: the
@@ -165,42 +192,11 @@ class PullReader(PeerCalls):
         """Stop pulling (queued pulls are dropped); the ``Done`` still owed go out."""
         self.inbox.close()
         if self.inline is not None and self.shared.te is not None:
-            self.inline.drain(self.shared.te.stall_bound_s + 5.0)
+            self._drain_inline(self.shared.te.stall_bound_s + 5.0)
         self._pool.shutdown(wait=True, cancel_futures=True)
         self.send_owed()
         self._claims.shutdown(wait=True)
         self._notify.shutdown(wait=True)
-
-    # ------------------------------------------------------------ handshake
-    def remote_meta(self, host: str, port: int, *, expect_tp: int) -> AgentMeta:
-        """P rank's metadata, fetched once and checked against this instance."""
-        return self.shared._peer_meta(host, port, peer="P", problem_of=lambda m: (
-            self.compatibility_problem(m, expect_tp=expect_tp)))
-
-    def compatibility_problem(self, remote: AgentMeta, *, expect_tp: int) -> str:
-        """Why P's cache cannot be read into ours, naming both sides' values; '' if it can."""
-        assert self.shared.meta is not None
-        return compatibility_problem(self.shared.meta, remote, expect_tp=expect_tp,
-                                     configured_tp=self.shared.cfg.prefill.tp_size)
-
-    def _head_plan(self, p_tp: int) -> tuple[tuple[HeadSlice, ...], Mapping[int, int]]:
-        """This rank's head slices to read from a P instance of TP size ``p_tp``, and how
-        many D ranks read each P rank; computed once per P TP size (shared: never modify).
-
-        Raises:
-            HandshakeMismatchError: the KV heads do not split over one of the TP sizes.
-        """
-        s = self.shared
-        is_mla = bool(s.layout and s.layout.is_mla)
-        key = (p_tp, is_mla)
-        cached = self._plans.get(key)
-        if cached is None:
-            plan = tuple(head_slices(s.total_kv_heads, p_tp, s.tp_size, s.tp_rank,
-                                     is_mla=is_mla))
-            readers = head_partners(s.total_kv_heads, p_tp, s.tp_size, is_mla=is_mla)
-            cached = self._plans[key] = expand_over_stages(  # P ranks of every stage
-                plan, readers, tp_size=p_tp, pp_size=s.cfg.prefill.pp_size)
-        return cached
 
     def _pull(self, meta: RecvMeta) -> None:
         """Load one request (pool thread). Every path ends the load in :attr:`loads`.
@@ -235,11 +231,11 @@ class PullReader(PeerCalls):
         * The claims are always awaited before the request ends, so every rank that
           accepted one gets ``Done(success=False)`` on failure, and ``begin_read`` /
           ``end_read`` keep the blocks from vLLM while any read into them can land.
-        * A request D's scheduler claimed ahead (:mod:`.pull.claims`): its accepted answers
+        * A request D's scheduler claimed ahead (its ``ClaimAhead``): its accepted answers
           are these claims (sent earlier, so trusted for less of the read); ranks without
           one are claimed after the read, which proves as much (held at that answer and
           continuously since before the read); a refusal means claiming as before.
-        * Within P's read window (:mod:`.pull.window`): read at once; a read ending within
+        * Within P's read window (:mod:`.window`): read at once; a read ending within
           it needs no claim (P keeps the blocks), a later one is claimed after it, as above.
         * A pull that failed on a stalled or dropped read, or on a side-channel timeout,
           is tried again while the deadline leaves time (:meth:`_retry_delay`): claims
@@ -255,7 +251,7 @@ class PullReader(PeerCalls):
         p_ranks: list[int] = []
         loaded = False
         try:
-            plan, readers = self._head_plan(remote.tp_size)
+            plan, readers = self.peers.head_plan(remote.tp_size)
             p_ranks = sorted({s.remote_rank for s in plan})
             retries = 0
             while True:
@@ -265,7 +261,7 @@ class PullReader(PeerCalls):
                     break
                 except (TransferError, PeerTimeoutError) as exc:
                     delay = self._retry_delay(meta, retries, started)
-                    if delay is None or self._p_gone(remote, p_ranks):
+                    if delay is None or self.peers.p_gone(remote, p_ranks):
                         raise
                     retries += 1
                     reason = "transfer" if isinstance(exc, TransferError) else "peer_timeout"
@@ -277,7 +273,7 @@ class PullReader(PeerCalls):
                                    "-" if most is None else most, delay,
                                    self.loads.deadline(meta) - time.monotonic())
                     time.sleep(delay)
-                    self._forget_session(remote, p_ranks)
+                    self.peers.forget_session(remote, p_ranks)
         except HandshakeMismatchError as exc:
             self.loads.fail(meta, str(exc), cause="handshake_mismatch")
         except RemoteKVUnavailable as exc:
@@ -301,10 +297,10 @@ class PullReader(PeerCalls):
             self.inbox.drop(meta.request_id)
             for r in dict.fromkeys(claimed):  # give P its blocks back early after a failure
                 try:
-                    self._done(meta, r, readers.get(r, 1), success=False)
+                    self.peers.done(meta, r, readers.get(r, 1), success=False)
                 except KVTransferError:
                     pass
-            self._release_unread(meta)
+            self.peers.release_unread(meta)
 
     def _attempt(self, meta: RecvMeta, plan: Sequence[HeadSlice], readers: Mapping[int, int],
                  p_ranks: list[int], claimed: list[int], *, fresh: bool) -> tuple[int, bool]:
@@ -318,16 +314,17 @@ class PullReader(PeerCalls):
         """
         remote = meta.remote
         assert remote is not None
-        metas = self._metas(remote, p_ranks)
+        peers = self.peers
+        metas = peers.metas(remote, p_ranks)
         # where to read before the claims are answered (None: a keyed P rank not granted
         # before, whose addresses come only with this claim's grant)
-        early = known_regions(self._granted, remote, metas)
-        # within P's read window (pull.window): read at once, claim only a read ending after
+        early = peers.known_regions(remote, metas)
+        # within P's read window (.window): read at once, claim only a read ending after
         until = (window_end(remote) if not (fresh or meta.claimed_ahead) and early is not None
                  and same_instance(remote, early) else -math.inf)
         if time.time() >= until:  # over already: claimed as any other request
             until = -math.inf
-        # claimed by D's scheduler (pull.claims): read at once, claim only what it could not
+        # claimed by D's scheduler (ClaimAhead): read at once, claim only what it could not
         ahead = (meta.claimed_ahead or until > -math.inf) and not fresh
         if meta.claimed_ahead and ahead and not self.overlap_claims and self.inbox.local:
             # few CPUs: a claim answered during the read slows it down; the answer comes
@@ -336,8 +333,8 @@ class PullReader(PeerCalls):
         ahead = ahead and not refused_ahead(self.inbox.get(meta.request_id))
         if ahead and early is None:  # the grant of a keyed P rank is with the answer
             answers = accepted_ahead(self.inbox.get(meta.request_id, AHEAD_WAIT_S), p_ranks)
-            early = known_regions(self._granted, remote, granted_metas(
-                self._granted, remote, metas, answers or {}, partial=True))
+            early = peers.known_regions(remote, peers.granted_metas(
+                remote, metas, answers or {}, partial=True))
             ahead = early is not None
         overlapped = early is not None and not fresh and (ahead or self.overlap_claims)
         claims = ({} if ahead else
@@ -351,7 +348,7 @@ class PullReader(PeerCalls):
                     # not overlapped: every claim was answered, the grants are in
                     nbytes = self._read_all(
                         meta, early if overlapped and early is not None
-                        else granted_metas(self._granted, remote, metas, claims), plan)
+                        else peers.granted_metas(remote, metas, claims), plan)
                 except TransferError as exc:
                     if not overlapped:
                         raise
@@ -373,7 +370,7 @@ class PullReader(PeerCalls):
             first_try, claimed_at = self._await_claims(claims, claimed)
         if overlapped:
             # no claims: read within the window, under the regions it used
-            granted = (granted_metas(self._granted, remote, metas, claims) if claims
+            granted = (peers.granted_metas(remote, metas, claims) if claims
                        else early or {})
             moved = regions_moved(early, granted)
             if early_error is not None and not moved:
@@ -390,7 +387,7 @@ class PullReader(PeerCalls):
             claimed.clear()
             return nbytes, True
         # A slow read: only P can tell whether the lease outlived it.
-        valid = all(self._done(meta, r, readers[r], success=True) for r in p_ranks)
+        valid = all(peers.done(meta, r, readers[r], success=True) for r in p_ranks)
         claimed.clear()
         if not valid:
             raise RemoteKVUnavailable("P freed the blocks before the read finished (lease "
@@ -406,55 +403,29 @@ class PullReader(PeerCalls):
         return self.shared.cfg.read_retry.next_delay(
             retries, started=started, until=self.loads.deadline(meta), fit=True)
 
-    def _forget_session(self, remote: Any, p_ranks: Iterable[int]) -> None:
-        """Drop what D cached of these P ranks (their ``AgentMeta`` and last grant), so a
-        retry fetches it again: a P rank that restarted its transfer engine has a new
-        session and new regions. (Mooncake's Python engine keeps its segment handle per
-        session name and offers no way to close it; the read itself goes out as a new
-        transfer on a new connection, the stalled one having been dropped.)"""
-        shared = self.shared
-        for r in p_ranks:
-            port = self._port_of(remote, r)
-            self._granted.pop((remote.host_of(r), port), None)
-            with shared._meta_lock:
-                shared._remote_meta.pop(tcp_endpoint(remote.host_of(r), port), None)
-
     def _start_claims(self, meta: RecvMeta, p_ranks: list[int], readers: Mapping[int, int], *,
                       overlapped: bool) -> dict[int, Future[Claimed]]:
         """Claim the request on every P rank: on the claim threads (``overlapped``), or here,
         one after the other, stopping at the first that fails."""
         if overlapped:
-            return {r: self._claims.submit(self._claim, meta, r, readers[r]) for r in p_ranks}
+            return {r: self._claims.submit(self.peers.claim, meta, r, readers[r])
+                    for r in p_ranks}
         out: dict[int, Future[Claimed]] = {}
         for r in p_ranks:
             fut: Future[Claimed] = Future()
             out[r] = fut
             try:
-                fut.set_result(self._claim(meta, r, readers[r]))
+                fut.set_result(self.peers.claim(meta, r, readers[r]))
             except Exception as exc:  # raised by _await_claims
                 fut.set_exception(exc)
                 break
         return out
 
-    def _metas(self, remote: Any, p_ranks: list[int]) -> dict[int, AgentMeta]:
-        """P ranks' metadata (cached), fetched again once when the request names another
-        engine start of P than the cached one (P restarted at the same address)."""
-        for again in (False, True):
-            metas = {r: self.remote_meta(remote.host_of(r), self._port_of(remote, r),
-                                         expect_tp=remote.tp_size) for r in p_ranks}
-            seen = (remote.endpoint_key(), remote.instance)
-            if again or not remote.instance or same_instance(remote, metas) or (
-                    seen in self._refetched):
-                break
-            self._refetched.add(seen)
-            self._forget_session(remote, p_ranks)
-        return metas
-
     def _read_all(self, meta: RecvMeta, metas: dict[int, AgentMeta],
                   plan: Sequence[HeadSlice]) -> int:
         """Read every P rank's slices into the local blocks; returns bytes. The blocks are
         written by the transfer engine: they must not go back to vLLM while a read into them
-        can still land (see :meth:`~.pull.loads.LoadTracker.collect_finished`)."""
+        can still land (see :meth:`~.loads.LoadTracker.collect_finished`)."""
         if not self.loads.begin_read(meta):
             raise RemoteKVUnavailable("the load ended (deadline) before its read started",
                                       code="deadline")
@@ -493,5 +464,5 @@ class PullReader(PeerCalls):
         s = self.shared
         assert s.layout is not None and s.te is not None
         return read_request(s.te, s.layout, meta, remotes, plan,
-                            stages=getattr(s, "p_stages", None), plans=self._addresses)
+                            stages=getattr(s, "p_stages", None), plans=self.plans)
 

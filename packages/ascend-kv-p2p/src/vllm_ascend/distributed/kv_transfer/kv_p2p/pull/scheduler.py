@@ -13,7 +13,7 @@ through the asynchronous path so the worker can fail (or recompute) that one
 request through vLLM's ``kv_load_failure_policy``; the engine serves on.
 While a request waits in D's queue, a background thread renews P's lease on
 its blocks so a busy D is not mistaken for a dead one. D claims the request on P
-when it first sees it (:mod:`.pull.claims`), so the claim's round trip is off the
+when it first sees it (:class:`ClaimAhead`), so the claim's round trip is off the
 load's critical path.
 """
 
@@ -21,10 +21,19 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
+import time
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from vllm_ascend.distributed.kv_transfer.core.auth import capability_token
-from vllm_ascend.distributed.kv_transfer.core.errors import ConfigError
+from vllm_ascend.distributed.kv_transfer.core.channel import RpcClient, tcp_endpoint
+from vllm_ascend.distributed.kv_transfer.core.errors import (
+    ConfigError,
+    KVTransferError,
+    RemoteError,
+)
 from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig
 
 from ..errors import KVParamsError
@@ -36,10 +45,19 @@ from ..params import (
     wants_remote_decode,
     wants_remote_prefill,
 )
+from ..protocol import CODEC, Claim, ClaimGrant, ClaimOK, worker_port
 from ..renewer import LeaseRenewer
-from ..scheduler_base import SchedulerBase
-from .claims import ClaimAhead
-from .contract import MooncakeConnectorMetadata, RecvMeta, SendMeta, runs_no_token
+from ..scheduler_base import SchedulerBase, runs_no_token
+from .contract import (
+    Answers,
+    EarlyClaim,
+    MooncakeConnectorMetadata,
+    RecvMeta,
+    SendMeta,
+    local_inbox,
+    register_claimer,
+    unregister_claimer,
+)
 from .stages import expand_over_stages
 from .window import in_window, stamp
 
@@ -249,3 +267,157 @@ def _claim_ahead(vllm_config: VllmConfig, cfg: MooncakeP2PConfig,
         (), partners_per_remote_rank(heads, p_tp, d_tp, is_mla=is_mla), tp_size=p_tp,
         pp_size=pp)[1], cfg.handshake_timeout_s, reader=f"{engine_id}/scheduler",
         engine_id=engine_id)
+
+
+class ClaimAhead:
+    """D's scheduler: one ``Claim`` a request to every P rank read, sent when first seen.
+
+    Sent on its own thread from ``get_num_new_matched_tokens``, once a request (never twice,
+    however often vLLM asks again), to every P rank some D rank reads, with the request's
+    token and each rank's number of D readers: the claim the workers would send. The answers
+    go to the workers with the metadata (:class:`~.contract.EarlyClaim`), and at once to a
+    worker in this process (:func:`~.contract.local_inbox`). Safety is the worker's claim's:
+    P answers the same ``Claim`` the same way and renews the same lease. A request aborted
+    before allocation is released by the worker's ``Done(success=False)`` as before; a claim
+    still queued then is dropped, and one that reaches P after the release is refused (P
+    remembers released ids).
+
+    Args:
+        reader_counts: ``(P's TP size) -> {P rank: D ranks that read it}`` (raises when the
+            heads do not split; the request is then claimed by its workers as before).
+        timeout_s: the side-channel timeout of one claim.
+        reader: the name the claims carry (P does not act on it).
+    """
+
+    def __init__(self, reader_counts: Any, timeout_s: float, reader: str,
+                 engine_id: str = "") -> None:
+        self._reader_counts = reader_counts
+        self.engine_id = engine_id
+        self.timeout_s = timeout_s
+        self.reader = reader
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="p2p-claim-ahead")
+        self._lock = threading.Lock()
+        self._clients: dict[str, RpcClient[Any]] = {}
+        #: request id -> (block ids claimed, the answers by P rank)
+        self._sent: dict[str, tuple[list[int], Future[Answers]]] = {}
+        #: requests handed to the workers before their answers came
+        self._owed: dict[str, Future[Answers]] = {}
+        if engine_id:
+            register_claimer(engine_id, self)
+
+    def start(self, request_id: str, remote: RemotePrefill, block_ids: list[int]) -> bool:
+        """Claim ``block_ids`` of ``remote`` on its P ranks (once a request); False when
+        not sent (the heads do not split: the workers will say why)."""
+        with self._lock:
+            if request_id in self._sent:
+                return True
+        try:
+            counts = dict(self._reader_counts(remote.tp_size))
+        except Exception as exc:  # the worker's head plan reports it
+            logger.debug("request %s: no claim ahead (%s)", request_id, exc)
+            return False
+        fut = self._pool.submit(self._claim_all, remote, list(block_ids), counts)
+        with self._lock:
+            self._sent[request_id] = (list(block_ids), fut)
+        fut.add_done_callback(lambda f: self._deliver_locally(request_id, f))
+        return True
+
+    def _deliver_locally(self, request_id: str, fut: Future[Answers]) -> None:
+        inbox = local_inbox(self.engine_id)
+        if inbox is not None and not fut.cancelled():
+            inbox.deliver({request_id: _result(fut)}, keep=True)
+
+    def hand_over(self, request_id: str, block_ids: list[int]) -> tuple[bool, Answers | None]:
+        """The request's blocks were allocated: whether its workers may rely on the claim
+        sent ahead (it claimed exactly ``block_ids``), and its answers if they are in (else
+        they follow in :meth:`take_answers`)."""
+        with self._lock:
+            sent = self._sent.pop(request_id, None)
+            if sent is None:
+                return False, None
+            claimed, fut = sent
+            if claimed != list(block_ids):
+                return False, None  # vLLM's prefix hit changed since: the workers claim
+            if fut.done():
+                return True, _result(fut)
+            self._owed[request_id] = fut
+            return True, None
+
+    def take_answers(self) -> dict[str, Answers]:
+        """Answers that came since, of requests handed to the workers without them."""
+        with self._lock:
+            done = [rid for rid, fut in self._owed.items() if fut.done()]
+            return {rid: _result(self._owed.pop(rid)) for rid in done}
+
+    def forget(self, request_id: str) -> None:
+        """The request finished (or was aborted): drop its claim (unsent: never sent)."""
+        with self._lock:
+            sent = self._sent.pop(request_id, None)
+            self._owed.pop(request_id, None)
+        if sent is not None:
+            sent[1].cancel()
+
+    def stop(self) -> None:
+        """Drop the claims not sent yet; the claim thread closes its sockets after the one
+        in flight (a socket is never closed under a call on another thread)."""
+        unregister_claimer(self.engine_id, self)
+        with self._lock:
+            pending = [fut for _b, fut in self._sent.values()] + list(self._owed.values())
+            self._sent.clear()
+            self._owed.clear()
+        for fut in pending:
+            fut.cancel()
+        try:
+            self._pool.submit(self._close_clients)
+        except RuntimeError:  # stopped already
+            return
+        self._pool.shutdown(wait=False)
+
+    def _close_clients(self) -> None:
+        with self._lock:
+            clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            client.close()
+
+    def _client(self, endpoint: str) -> RpcClient[Any]:
+        with self._lock:
+            client = self._clients.get(endpoint)
+            if client is None:
+                client = self._clients[endpoint] = RpcClient(endpoint, CODEC,
+                                                             timeout_s=self.timeout_s)
+            return client
+
+    def _claim_all(self, remote: RemotePrefill, block_ids: list[int],
+                   counts: Mapping[int, int]) -> Answers:
+        """Claim thread: every P rank read, one after the other; never raises."""
+        out: Answers = {}
+        for rank in sorted(counts):
+            port = worker_port(remote.port, tp_rank=rank, tp_size=remote.tp_size)
+            msg = Claim(request_id=remote.request_id, block_ids=block_ids, reader=self.reader,
+                        num_readers=counts[rank], token=remote.token)
+            sent = time.time()
+            try:
+                reply = self._client(tcp_endpoint(remote.host_of(rank), port)).call(msg)
+            except RemoteError as exc:
+                out[rank] = EarlyClaim(ok=False, error=exc.code or "refused")
+                continue
+            except KVTransferError as exc:
+                out[rank] = EarlyClaim(ok=False, error=f"{type(exc).__name__}: {exc}")
+                continue
+            if isinstance(reply, ClaimGrant):
+                out[rank] = EarlyClaim(ok=True, first_try=True, sent_wall=sent,
+                                       region_addrs=list(reply.region_addrs),
+                                       region_strides=list(reply.region_strides),
+                                       instance=reply.instance)
+            elif isinstance(reply, ClaimOK):
+                out[rank] = EarlyClaim(ok=True, first_try=True, sent_wall=sent)
+            else:
+                out[rank] = EarlyClaim(ok=False, error=f"reply {type(reply).__name__}")
+        return out
+
+
+def _result(fut: Future[Answers]) -> Answers:
+    try:
+        return fut.result(timeout=0)
+    except Exception as exc:  # cancelled: the workers claim themselves
+        return {-1: EarlyClaim(ok=False, error=f"{type(exc).__name__}")}

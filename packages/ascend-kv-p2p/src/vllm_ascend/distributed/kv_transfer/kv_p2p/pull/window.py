@@ -1,6 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The read window: D reads a fresh request's blocks without claiming them first; and
-where D reads P's KV from (the regions of P's metadata or of a keyed P's last grant).
+"""The read window: D reads a fresh request's blocks without claiming them first.
 
 A claim costs D a side-channel round trip before a load may end; for a small request
 that is as long as the read itself. P therefore promises more than the lease:
@@ -11,15 +10,15 @@ that is as long as the read itself. P therefore promises more than the lease:
   tag over these, the request id, its block ids and its token (``remote_window_tag``,
   :func:`window_tag`), which stands for the claim's checks of them.
 * P's worker keeps the blocks at least that long from when it registers the hold (after
-  the stamp), even when D's ``Done`` comes sooner (:mod:`.pull.holder` defers the
+  the stamp), even when D's ``Done`` comes sooner (:mod:`.holder` defers the
   release; a ``Claim`` after a ``Done`` is still refused).
 
 So a read that ended before ``remote_held_at + remote_hold_s`` in P's clock read the
 request's KV, whoever read it and however often: P could not have freed the blocks yet.
-D checks that with its own clock at the end of the read, less :data:`~.pull.claims.
-CLOCK_SKEW_S` for the difference between the clocks (:func:`window_end`). A read that
-ends later is claimed after it, which proves as much (held at the answer, and
-continuously since before the read: see :meth:`~.pull.reader.PullReader._pull`).
+D checks that with its own clock at the end of the read, less :data:`CLOCK_SKEW_S` for the
+difference between the clocks (:func:`window_end`). A read that ends later is claimed
+after it, which proves as much (held at the answer, and continuously since before the
+read: see :meth:`~.reader.PullReader._pull`).
 
 D uses the window only with region addresses of the same P engine start
 (:func:`same_instance`): a P restarted at the same address is another instance, whose
@@ -35,21 +34,17 @@ import hmac
 import math
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future
 from typing import Any
-
-import msgspec
 
 from vllm_ascend.distributed.kv_transfer.core import auth
 
-from ..errors import RemoteKVUnavailable
 from ..params import RemotePrefill
-from ..protocol import AgentMeta, worker_port
-from .claims import CLOCK_SKEW_S, Claimed
+from ..protocol import AgentMeta
 
-#: keyed P ranks, ``(host, side-channel port)`` -> their metadata with the regions of their
-#: last grant (D's :class:`~.pull.reader.PullReader` keeps one)
-Granted = dict[tuple[str, int], AgentMeta]
+#: How far (seconds) one host's wall clock may seem ahead of another's before D distrusts
+#: a time it did not measure itself (P's stamp, its scheduler's claim sent ahead): the
+#: same host never; NTP-synced hosts, milliseconds.
+CLOCK_SKEW_S = 0.5
 
 #: How much of the window must be left for D's scheduler to leave a request unclaimed
 #: (the read and the hand-off to the worker must fit in it).
@@ -124,56 +119,3 @@ def same_instance(remote: RemotePrefill, metas: Mapping[int, AgentMeta]) -> bool
     request (both told; an unknown instance never matches)."""
     return bool(remote.instance) and all(m.instance == remote.instance
                                          for m in metas.values())
-
-
-def _endpoint(remote: RemotePrefill, p_rank: int) -> tuple[str, int]:
-    return (remote.host_of(p_rank),
-            worker_port(remote.port, tp_rank=p_rank, tp_size=remote.tp_size))
-
-
-def known_regions(granted: Granted, remote: RemotePrefill, metas: Mapping[int, AgentMeta]
-                  ) -> dict[int, AgentMeta] | None:
-    """P ranks' metadata with region addresses known before this request's claims (an
-    unkeyed P's ``GetMeta``, or a keyed P rank's last grant); ``None`` if a rank's are not
-    known yet."""
-    out: dict[int, AgentMeta] = {}
-    for r, m in metas.items():
-        known = m if m.region_addrs else granted.get(_endpoint(remote, r))
-        if known is None:
-            return None
-        out[r] = known
-    return out
-
-
-def granted_metas(granted: Granted, remote: RemotePrefill, metas: Mapping[int, AgentMeta],
-                  claims: Mapping[int, Future[Claimed]], *,
-                  partial: bool = False) -> dict[int, AgentMeta]:
-    """P ranks' metadata with the regions of this request's grants (every claim has been
-    accepted; ``partial``: only the ranks in ``claims``); remembers each keyed rank's grant
-    (with its engine start) in ``granted`` for later requests."""
-    out: dict[int, AgentMeta] = {}
-    for r, m in metas.items():
-        if partial and r not in claims:
-            out[r] = m
-            continue
-        grant = claims[r].result().grant
-        if grant is None:
-            if not m.region_addrs:
-                raise RemoteKVUnavailable(
-                    f"P rank {r} accepted the claim without saying where its KV cache is (no "
-                    "region addresses in GetMeta nor in the grant)", code="no_regions")
-            out[r] = m
-            continue
-        out[r] = granted[_endpoint(remote, r)] = msgspec.structs.replace(
-            m, region_addrs=list(grant.region_addrs),
-            region_strides=list(grant.region_strides), instance=grant.instance)
-    return out
-
-
-def regions_moved(read: Mapping[int, AgentMeta] | None,
-                  granted: Mapping[int, AgentMeta]) -> bool:
-    """Whether the regions a read used differ from those of the request's grants."""
-    if read is None:
-        return True
-    return any((read[r].region_addrs, read[r].region_strides)
-               != (g.region_addrs, g.region_strides) for r, g in granted.items())

@@ -8,7 +8,8 @@ handshake) and hands each role's work to its own object:
 * P (``kv_producer``): :class:`~.pull.holder.LeaseHolder`, the blocks P holds for
   D as leases, and the side channel D claims them through;
 * D (``kv_consumer``): :class:`~.pull.reader.PullReader`, the pulls (claims, reads,
-  retries, ``Done``), with :class:`~.pull.loads.LoadTracker`, the loads in flight
+  retries, ``Done``) over :class:`~.pull.peers.PeerRanks` (what D knows of P's ranks,
+  its calls to them), with :class:`~.pull.loads.LoadTracker`, the loads in flight
   and how each ends, and :mod:`.pull.transfer`, the bytes of one request.
 
 What the scheduler tells the worker is :mod:`.pull.contract`.
@@ -151,13 +152,13 @@ class PullWorker(P2PWorkerBase):
         ``idle``: the step ran no token; with loads in flight, wait up to ``idle_wait_s``
         for one to end first (vLLM steps again at once: without the wait D's engine loop
         spins on a core while the transfer runs)."""
-        inline = self.reader.inline if self.reader is not None else None
-        if inline is not None:
-            inline.poll()  # the reads started on vLLM's thread (inline_reads)
+        reader = self.reader
+        if reader is not None:
+            reader.poll_inline()  # the reads started on vLLM's thread (inline_reads)
         if idle and self.loads is not None and self.cfg.idle_wait_s > 0 and len(self.loads):
-            if inline is not None and len(inline):
+            if reader is not None and reader.inline is not None and len(reader.inline):
                 loads = self.loads
-                inline.wait(self.cfg.idle_wait_s, lambda: loads.wait_any(0))
+                reader.wait_inline(self.cfg.idle_wait_s, lambda: loads.wait_any(0))
             else:
                 self.loads.wait_any(self.cfg.idle_wait_s)
         sending = self.holder.collect_finished() if self.holder is not None else set()
@@ -176,8 +177,9 @@ class PullWorker(P2PWorkerBase):
         it. False on timeout. For benchmarks and tests; vLLM polls ``get_finished``."""
         if self.loads is None:
             return True
-        inline = self.reader.inline if self.reader is not None else None
-        if inline is None or not len(inline):
+        reader = self.reader
+        inline = reader.inline if reader is not None else None
+        if reader is None or inline is None or not len(inline):
             return self.loads.wait(request_ids, timeout)
         ids = list(request_ids)
         end = None if timeout is None else time.monotonic() + timeout
@@ -185,7 +187,7 @@ class PullWorker(P2PWorkerBase):
         # wait does; yielding the CPU to the transfer's threads on every poll measured a
         # one-block read's end seen about 100 us late on 2 CPUs)
         while len(inline):
-            inline.poll()
+            reader.poll_inline()
             if not self.loads.loading(ids):
                 return True
             if end is not None and time.monotonic() >= end:
