@@ -19,6 +19,7 @@ import concurrent.futures
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -37,9 +38,19 @@ from ascend_kv_testing.serving import (
     vllm_serve,
 )
 from ascend_kv_testing.serving import http_ok as http
+from vllm_ascend.distributed.kv_transfer.core.auth import Authenticator
+from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.routes import PURPOSE_ADMIN
 
 #: KV bytes of one block of the tiny model (float32)
 BLOCK_BYTES = tiny_llama_block_bytes(BS)
+KEY = "layerwise-proxy-e2e-deployment-key-0123"
+#: with a key, the proxy's /status wants the admin bearer token
+ADMIN = {"Authorization": "Bearer " + Authenticator([KEY.encode()]).bearer_token(PURPOSE_ADMIN)}
+
+
+def proxy_status(base: str) -> Any:
+    """The proxy's ``/status``, read as its operator (the admin bearer token)."""
+    return http(base + "/status", headers=ADMIN)
 
 
 def scrape(base: str, name: str) -> float:
@@ -57,7 +68,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
 def cluster(model: tuple[Path, int],
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Server]]:
     logs = tmp_path_factory.mktemp("lw-proxy-logs")
-    env = serve_env(VLLM_ASCEND_KV_AUTH_KEY="layerwise-proxy-e2e-deployment-key-0123")
+    env = serve_env(VLLM_ASCEND_KV_AUTH_KEY=KEY)
     env.pop("VLLM_ASCEND_KV_AUTH_KEY_FILE", None)
     kv = {"kv_connector": "MooncakeLayerwiseConnector", "kv_connector_extra_config":
           {"load_timeout_s": 60, "prefill": {"tp_size": 1}, "decode": {"tp_size": 1}}}
@@ -123,8 +134,9 @@ def test_proxy_layerwise_equals_single_instance(cluster: dict[str, Server],
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         got = list(pool.map(lambda x: complete(proxy.url, x), batch))
     assert got == want
-    status = http(proxy.url + "/status")
+    status = proxy_status(proxy.url)
     assert status["metaserver_posts"] == len(batch) and status["prefill_failures"] == 0
+    assert serving.http(proxy.url + "/status")[0] == 401  # not without the token
     assert wait_metric(d.url, "vllm:ascend_kv_p2p_requests_loaded_total",
                        loaded0 + len(batch)) == loaded0 + len(batch)
     # every block of every prompt went out once, though the prompts shared P's 64-token
@@ -141,13 +153,13 @@ def test_virtual_request_through_the_proxy(cluster: dict[str, Server],
     batch = prompts([80, 45, 100], seed=32, vocab=model[1])
     want = reference(d, batch)
     virtual0 = scrape(d.url, "vllm:ascend_kv_p2p_virtual_requests_total")
-    posts0 = http(proxy.url + "/status")["metaserver_posts"]
+    posts0 = proxy_status(proxy.url)["metaserver_posts"]
     moved0 = settled_bytes(p)
     tokens = complete(proxy.url, batch[0], headers={"X-KV-Virtual": "true"})
     assert len(tokens) == 8
     assert wait_metric(d.url, "vllm:ascend_kv_p2p_virtual_requests_total",
                        virtual0 + 1) == virtual0 + 1
-    status = http(proxy.url + "/status")
+    status = proxy_status(proxy.url)
     assert status["metaserver_posts"] == posts0  # D posted nothing, P saw nothing
     assert status["recent"][-1]["virtual"] is True
     assert status["recent"][-1]["metaserver_post"] is False
@@ -162,5 +174,5 @@ def test_virtual_request_through_the_proxy(cluster: dict[str, Server],
                    pool.submit(complete, proxy.url, batch[2])]
         got = [f.result() for f in futures]
     assert got[1:] == want[1:] and len(got[0]) == 8
-    assert http(proxy.url + "/status")["metaserver_posts"] == posts0 + 2
+    assert proxy_status(proxy.url)["metaserver_posts"] == posts0 + 2
     assert http(d.url + "/reset_prefix_cache", {})["success"] is True

@@ -26,9 +26,10 @@ from hypothesis import strategies as st
 from ascend_kv_testing.faults import evil_pickles, wait_for
 from ascend_kv_testing.fuzzing import json_bodies
 from ascend_kv_testing.procs import free_port
-from ascend_kv_testing.serving import MODEL_NAME, StubInstance, http, metrics, proxy, serve_env
+from ascend_kv_testing.serving import MODEL_NAME, StubInstance, http, proxy, serve_env
 from vllm_ascend.distributed.kv_transfer.core import auth
 from vllm_ascend.distributed.kv_transfer.core.auth import Authenticator
+from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.routes import PURPOSE_ADMIN
 
 KEY = "metaserver-fuzz-deployment-key-0123456789"
 BS = 32
@@ -52,8 +53,13 @@ OUTSIDER_HEADERS: list[dict[str, str]] = [
 ]
 
 
+def admin() -> dict[str, str]:
+    """The header of the proxy's operator: with a key, /status and /metrics want it."""
+    return {"Authorization": "Bearer " + bearer(KEY, purpose=PURPOSE_ADMIN)}
+
+
 def unauthorized(url: str) -> float:
-    status, text = http(url + "/metrics")
+    status, text = http(url + "/metrics", headers=admin())
     assert status == 200
     total = 0.0
     for line in str(text).splitlines():
@@ -134,8 +140,11 @@ def test_keyed_metaserver_refuses_every_outsider(keyed_proxy: dict[str, Any], tm
         answer_c = client.result(120)
     assert fault_report.check("survivor", answer_c[0] == 200, f"client got {answer_c[0]}")
     assert fault_report.check("zero", wait_for(
-        lambda: http(px.url + "/status")[1]["pending"] == 0, 10), "requests left pending")
-    assert metrics(px.url)  # the proxy still answers /metrics
+        lambda: http(px.url + "/status", headers=admin())[1]["pending"] == 0, 10),
+        "requests left pending")
+    # the proxy still answers /metrics, to its operator only
+    assert http(px.url + "/metrics", headers=admin())[0] == 200
+    assert http(px.url + "/metrics")[0] == 401
     fault_report(fault="posts to a keyed proxy's /v1/metaserver without the deployment's "
                        "bearer token (none, wrong, another key's, another purpose's, "
                        "malformed; fuzzed bodies and D's exact params; pickles)",

@@ -156,7 +156,11 @@ def test_nothing_reachable_is_a_clear_503(client_for: Any) -> None:
         client2 = client_for([p.url], [dead_d])
         r = client2.post("/v1/completions", json={"prompt": "x"})
         assert r.status_code == 503 and "no decode instance reachable" in r.text
-        assert client2.get("/health").status_code in (200, 503)
+        # P up, D dead: the health round marks D and /health says it cannot serve
+        deadline = time.monotonic() + 10
+        while client2.get("/health").status_code != 503 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client2.get("/health").json() == {"status": "unavailable"}
 
 
 def test_upstream_errors_and_bad_requests(client_for: Any) -> None:
@@ -202,10 +206,10 @@ def test_a_slow_health_answer_delays_no_other_instance(client_for: Any) -> None:
         try:
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline:
-                if client.get("/health").json()["prefill"][1]["healthy"] is False:
+                if client.get("/status").json()["prefill"][1]["healthy"] is False:
                     break
                 time.sleep(0.02)
-            h = client.get("/health").json()
+            h = client.get("/status").json()
             assert h["prefill"][1]["healthy"] is False, h
             assert slow.health_pending == 1  # marked while the slow probe still waits
         finally:
@@ -218,11 +222,12 @@ def test_health_loop_marks_instances(client_for: Any) -> None:
         client = client_for([p.url, dead], [d.url])  # the first health round runs at start
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            h = client.get("/health").json()
+            h = client.get("/status").json()
             if h["prefill"][1]["healthy"] is False:
                 break
             time.sleep(0.1)
-        assert h["status"] == "ok" and h["prefill"][0]["healthy"] is True
-        assert h["prefill"][1]["healthy"] is False
+        assert h["prefill"][0]["healthy"] is True and h["prefill"][1]["healthy"] is False
+        # /health says only whether the proxy can serve: nothing of its instances
+        assert client.get("/health").json() == {"status": "ok"}
         models = client.get("/v1/models")
         assert models.status_code == 200 and models.json()["data"][0]["id"] == "tiny"

@@ -4,7 +4,8 @@
 ``/v1/completions`` and ``/v1/chat/completions`` go to the running :class:`~.service.Proxy`,
 which sends each request through its mode's flow (:mod:`.pull_flow`, :mod:`.layerwise_flow`);
 ``/v1/metaserver`` takes D's block posts in layerwise mode (with the deployment's bearer
-token when a key is set); ``/health``, ``/status``, ``/metrics``, ``/v1/models`` and
+token when a key is set; without one from same-host clients only, ``core.protected``);
+``/health``, ``/status``, ``/metrics``, ``/v1/models`` and
 ``/admin/instances`` are in :mod:`.routes`. An error the proxy answers itself (no instance
 reachable, P failed, a bad body) is an OpenAI-style error object.
 """
@@ -19,10 +20,10 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from vllm_ascend.distributed.kv_transfer.core import auth
+from vllm_ascend.distributed.kv_transfer.core import auth, protected
 
 from .model import ProxyConfig, ProxyError, error_response
-from .routes import add_operator_routes
+from .routes import add_operator_routes, refuse_bearer, refuse_remote
 from .service import Proxy
 
 __all__ = ["ProxyConfig", "build_app"]
@@ -73,19 +74,17 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await serve("/v1/chat/completions", request)
 
+    metaserver_gate = protected.PeerGate("proxy-metaserver", keyed=proxy.auth is not None)
+
     @app.post("/v1/metaserver")
     async def metaserver(request: Request) -> Response:
-        if proxy.auth is not None and not proxy.auth.check_header(
-                request.headers.get("authorization"), auth.PURPOSE_METASERVER):
-            reason = "unauthenticated" if "authorization" not in request.headers else "bad_token"
-            auth.count_refusal("proxy-metaserver", reason)
-            proxy.metrics.requests.labels("metaserver", "unauthorized").inc()
-            logger.warning("/v1/metaserver: refused a POST without the deployment's bearer "
-                           "token (%s)", reason)
-            resp = error_response(401, "the metaserver needs the deployment's bearer token "
-                                  "(Authorization: Bearer ...)", "unauthorized")
-            resp.headers["WWW-Authenticate"] = "Bearer"
-            return resp
+        refused = (refuse_bearer(proxy, request, "/v1/metaserver", auth.PURPOSE_METASERVER,
+                                 "proxy-metaserver")
+                   or refuse_remote(metaserver_gate, request))
+        if refused is not None:
+            outcome = "unauthorized" if refused.status_code == 401 else protected.REFUSAL
+            proxy.metrics.requests.labels("metaserver", outcome).inc()
+            return refused
         try:
             params = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError, ValueError):

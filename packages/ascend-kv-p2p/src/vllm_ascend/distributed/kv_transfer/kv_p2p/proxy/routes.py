@@ -2,10 +2,14 @@
 """The proxy's operator surface: ``/health``, ``/status``, ``/metrics``, ``/v1/models`` and
 ``/admin/instances`` (add and remove P and D instances while it runs).
 
-``/admin/instances`` is authenticated like ``/v1/metaserver``: with a deployment key set
-(``VLLM_ASCEND_KV_AUTH_KEY`` / ``_FILE``) it wants ``Authorization: Bearer <token>``, the token
-of purpose ``proxy-admin`` (``vllm-ascend-pd-proxy --print-admin-token`` prints it); without
-a key it answers loopback clients only.
+``/status`` (instance URLs, recent request ids, P's errors), ``/metrics`` and
+``/admin/instances`` are the operator's: with a deployment key set
+(``VLLM_ASCEND_KV_AUTH_KEY`` / ``_FILE``) they want ``Authorization: Bearer <token>``, the
+token of purpose ``proxy-admin`` (``vllm-ascend-pd-proxy --print-admin-token`` prints it).
+Without a key ``/status`` and ``/metrics`` run in protected mode (``core.protected``: same-host
+clients only, unless ``VLLM_ASCEND_KV_ALLOW_UNAUTHENTICATED=1``) and ``/admin/instances``
+answers same-host clients only, opt-out or not. ``/health`` answers anyone, and says only
+whether the proxy can serve (at least one P and one D healthy).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from vllm_ascend.distributed.kv_transfer.core import auth
+from vllm_ascend.distributed.kv_transfer.core import auth, protected
 
 from .events import EventsEndpoint
 from .model import error_response
@@ -29,29 +33,66 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: The bearer-token purpose of ``/admin/instances``.
+#: The bearer-token purpose of ``/status``, ``/metrics`` and ``/admin/instances``.
 PURPOSE_ADMIN = "proxy-admin"
-_LOOPBACK = ("127.0.0.1", "::1", "localhost", "testclient")
+#: The client host Starlette's in-process ``TestClient`` reports (no socket: this process).
+_IN_PROCESS = "testclient"
+
+
+def client_host(request: Request) -> str | None:
+    """The address the HTTP client connects from (None: unknown)."""
+    host = request.client.host if request.client else None
+    return "127.0.0.1" if host == _IN_PROCESS else host
+
+
+def refuse_remote(gate: protected.PeerGate, request: Request) -> Response | None:
+    """Protected mode for one endpoint (no key): None if the client is served, else a 403
+    naming the two ways out (counted by ``gate``)."""
+    refused = gate.refusal(client_host(request))
+    return None if refused is None else error_response(403, refused, protected.REFUSAL)
+
+
+def refuse_bearer(proxy: Proxy, request: Request, what: str, purpose: str, socket: str
+                  ) -> Response | None:
+    """With a key: None if the request carries the bearer token of ``purpose``, else a 401
+    (counted under ``socket``). Without a key: None."""
+    if proxy.auth is None or proxy.auth.check_header(request.headers.get("authorization"),
+                                                     purpose):
+        return None
+    reason = "unauthenticated" if "authorization" not in request.headers else "bad_token"
+    auth.count_refusal(socket, reason)
+    logger.warning("%s: refused a request without the bearer token (%s)", what, reason)
+    resp = error_response(401, f"{what} needs the deployment's bearer token "
+                          "(Authorization: Bearer ...)", "unauthorized")
+    resp.headers["WWW-Authenticate"] = "Bearer"
+    return resp
 
 
 def _refuse_admin(proxy: Proxy, request: Request) -> Response | None:
     """None if the caller may change the instances, else the refusal."""
     if proxy.auth is None:
-        host = request.client.host if request.client else ""
-        if host in _LOOPBACK:
+        if protected.is_local(client_host(request)):
             return None
         return error_response(403, "without a deployment key /admin/instances answers "
-                              "loopback clients only", "forbidden")
-    if proxy.auth.check_header(request.headers.get("authorization"), PURPOSE_ADMIN):
-        return None
-    reason = "unauthenticated" if "authorization" not in request.headers else "bad_token"
-    auth.count_refusal("proxy-admin", reason)
-    logger.warning("/admin/instances: refused a request without the admin bearer token (%s)",
-                   reason)
-    resp = error_response(401, "/admin/instances needs the deployment's admin bearer token "
-                          "(Authorization: Bearer ...)", "unauthorized")
-    resp.headers["WWW-Authenticate"] = "Bearer"
-    return resp
+                              "clients on the proxy's host only", "forbidden")
+    return refuse_bearer(proxy, request, "/admin/instances", PURPOSE_ADMIN, "proxy-admin")
+
+
+class OperatorAccess:
+    """Who may read ``/status`` and ``/metrics``: with a key the admin bearer token, without
+    one same-host clients (protected mode)."""
+
+    def __init__(self, proxy: Proxy, path: str) -> None:
+        self.proxy = proxy
+        self.path = path
+        self.socket = "proxy" + path.replace("/", "-")
+        self.gate = protected.PeerGate(self.socket, keyed=proxy.auth is not None)
+
+    def refuse(self, request: Request) -> Response | None:
+        """None if ``request`` may read the endpoint, else the refusal."""
+        if self.proxy.auth is not None:
+            return refuse_bearer(self.proxy, request, self.path, PURPOSE_ADMIN, self.socket)
+        return refuse_remote(self.gate, request)
 
 
 def instance_status(proxy: Proxy, role: str) -> list[dict[str, Any]]:
@@ -97,6 +138,8 @@ def remove_instance(proxy: Proxy, role: str, url: str) -> Instance:
 def add_operator_routes(app: FastAPI, proxy: Proxy) -> None:
     """Register the operator endpoints of ``proxy`` on ``app``."""
     cfg = proxy.cfg
+    status_access = OperatorAccess(proxy, "/status")
+    metrics_access = OperatorAccess(proxy, "/metrics")
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -111,14 +154,15 @@ def add_operator_routes(app: FastAPI, proxy: Proxy) -> None:
 
     @app.get("/health")
     async def health() -> Response:
+        # anyone may ask: only whether it can serve (instances and errors are in /status)
         ok = proxy.prefill.any_healthy() and proxy.decode.any_healthy()
-        return JSONResponse(status_code=200 if ok else 503, content={
-            "status": "ok" if ok else "unavailable",
-            "prefill": [i.as_dict() for i in proxy.prefill.instances],
-            "decode": [i.as_dict() for i in proxy.decode.instances]})
+        return JSONResponse(status_code=200 if ok else 503,
+                            content={"status": "ok" if ok else "unavailable"})
 
     @app.get("/status")
-    async def status() -> Response:
+    async def status(request: Request) -> Response:
+        if (refused := status_access.refuse(request)) is not None:
+            return refused
         return JSONResponse({"mode": cfg.mode, "policy": cfg.policy, **proxy.records,
                              "pending": len(proxy.layerwise.pending),
                              "recent": list(proxy.layerwise.history),
@@ -126,7 +170,9 @@ def add_operator_routes(app: FastAPI, proxy: Proxy) -> None:
                              "decode": instance_status(proxy, "decode")})
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        if (refused := metrics_access.refuse(request)) is not None:
+            return refused
         proxy.policy.update_gauges(proxy.metrics, proxy.prefill.instances)
         return Response(generate_latest(proxy.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
