@@ -104,8 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"])
     parser.add_argument("--print-admin-token", action="store_true",
-                        help="print the bearer token of /admin/instances under the "
-                             "deployment key (VLLM_ASCEND_KV_AUTH_KEY[_FILE]) and exit")
+                        help="print the operator's bearer token (/status, /metrics, "
+                             "/admin/instances) under the deployment key "
+                             "(VLLM_ASCEND_KV_AUTH_KEY[_FILE]) and exit")
     return parser
 
 
