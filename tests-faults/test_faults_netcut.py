@@ -51,7 +51,9 @@ def pd(net: VethPair, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]
     model = make_tiny_llama(tmp_path_factory.mktemp("netcut-model"))
     # two namespaces of one host are one host to same-host reads, which need no network:
     # off, so that D reads over the network as between two hosts
-    env = {"MC_TCP_PROGRESS_TIMEOUT_SEC": str(PROGRESS_S), "VLLM_ASCEND_KV_LOCAL_READS": "0"}
+    # and two namespaces are two hosts to protected mode (no key): opted out, as before it
+    env = {"MC_TCP_PROGRESS_TIMEOUT_SEC": str(PROGRESS_S), "VLLM_ASCEND_KV_LOCAL_READS": "0",
+           "VLLM_ASCEND_KV_ALLOW_UNAUTHENTICATED": "1"}
     made = start_in_parallel({
         "p": lambda: NetnsEngineProcess(
             model, kv_config("kv_producer", "cut-p", lease_ttl_s=LEASE_S), netns=net.ns_a,
