@@ -8,6 +8,8 @@ Modules (import the one you need; this package imports nothing heavy):
 * :mod:`.device` - streams, events, synchronisation on NPU, CUDA and CPU;
 * :mod:`.transfer_engine` - the process's Mooncake transfer engine;
 * :mod:`.wire` and :mod:`.channel` - msgspec messages over ZeroMQ, never pickle;
+* :mod:`.auth` and :mod:`.protected` - the deployment key, and without one protected mode
+  (servers answer peers on their own host only);
 * :mod:`.leases` - owners and deadlines for everything held for a peer;
 * :mod:`.hashing` - block-hash keys equal across processes;
 * :mod:`.registration` - lazy, idempotent registration with vLLM;
