@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Environment of every vLLM CPU engine a tool or a test starts: loopback only, a small KV
-cache, the engine core in-process, nothing sent out.
+"""Environment of every vLLM CPU engine a tool or a test starts.
+
+Loopback only, a small KV cache, the engine core in-process, nothing sent out.
 
 This module imports nothing, so ``noxfile.py`` loads it by path (nox runs without the
 packages installed).

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Child processes of tools and tests: started in their own process group, waited for on
-their port, never left behind."""
+"""Child processes of tools and tests, never left behind.
+
+Each is started in its own process group and waited for on its port."""
 
 from __future__ import annotations
 

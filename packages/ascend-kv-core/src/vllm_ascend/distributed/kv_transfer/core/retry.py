@@ -1,6 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Retries: how a failed call is tried again (:class:`RetryPolicy`), and the guard that
-stops calling a peer for a while after a failure (:class:`RetryGuard`).
+"""Retries: how a failed call is tried again, and when to stop calling a failed peer.
+
+How a failed call is tried again is :class:`RetryPolicy`; the guard that stops calling a
+peer for a while after a failure is :class:`RetryGuard`.
 
 :class:`RetryPolicy` is the one description of a retry loop: how many tries, how long
 apart (a back-off that grows by a factor up to a cap) and until when. It is a config

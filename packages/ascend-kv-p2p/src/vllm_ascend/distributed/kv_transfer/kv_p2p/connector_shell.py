@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""What the two P/D connectors' thin shells share: the config, the role split and the hooks
-vLLM calls that only hand over to the scheduler or the worker.
+"""What the two P/D connectors' thin shells share: config, role split, hand-over hooks.
+
+The hooks are those vLLM calls that only hand over to the scheduler or the worker.
 
 :class:`P2PConnectorShell` builds the scheduler (scheduler role) or the worker (worker role)
 a connector names through :meth:`~P2PConnectorShell._make_scheduler` and

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Upstream-path re-export (no code here): ``MooncakeLayerwiseConnector`` lives in
-:mod:`.layerwise.connector`.
+"""Upstream-path re-export (no code): ``MooncakeLayerwiseConnector`` is in :mod:`.layerwise`.
+
+The class lives in :mod:`.layerwise.connector`.
 
 This module exists because upstream's configs and imports name this path
 (``kv_connector_module_path``, DESIGN.md); everything else of the connector is in

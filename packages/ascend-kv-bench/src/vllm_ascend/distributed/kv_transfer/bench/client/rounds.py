@@ -1,6 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``bench client --rounds N``: our P/D pull pair against vLLM's own ``MooncakeConnector``
-pair under vLLM's client, in alternating rounds.
+"""``bench client --rounds N``: our P/D pull pair against vLLM's own, alternating.
+
+Our pair and vLLM's own ``MooncakeConnector`` pair under vLLM's client, in alternating
+rounds.
 
 Both pairs stay up for the whole comparison (both P's on core 0, both D's on core 1; the
 pair not measured is idle). Each round runs vLLM's client against one pair, then the other

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Make vLLM's own ``MooncakeConnector`` start on a CPU engine (benchmarks only, never shipped).
+"""Make vLLM's own ``MooncakeConnector`` start on a CPU engine (benchmarks only).
 
 ``MooncakeConnectorWorker.__init__`` calls ``torch.accelerator.current_device_index()``,
 which raises ``RuntimeError: Cannot access accelerator device when none is

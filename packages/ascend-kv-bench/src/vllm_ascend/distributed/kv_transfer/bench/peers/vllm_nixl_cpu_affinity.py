@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Keep a NixlConnector engine on the cores it was bound to (benchmarks only, never shipped).
+"""Keep a NixlConnector engine on the cores it was bound to (benchmarks only).
 
 On a CPU engine, vLLM's ``NixlConnector`` worker moves the calling thread to the last
 core of each NUMA node (``os.sched_setaffinity(0, ...)`` with the cores of

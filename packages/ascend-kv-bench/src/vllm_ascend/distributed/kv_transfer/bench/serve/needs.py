@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""What a ``bench serve`` scenario needs (:attr:`~.spec.Scenario.needs`), and
-whether this machine has it: a distribution, Mooncake, the Store's binaries, the peers'
-harness modules, NIXL in the interpreter that runs its engines."""
+"""What a ``bench serve`` scenario needs, and whether this machine has it.
+
+Needs (:attr:`~.spec.Scenario.needs`): a distribution, Mooncake, the Store's binaries, the
+peers' harness modules, NIXL in the interpreter that runs its engines."""
 
 from __future__ import annotations
 

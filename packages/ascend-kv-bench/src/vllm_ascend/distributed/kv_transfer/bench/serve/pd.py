@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``bench serve``'s P/D flow: a P and a D engine, kept up across the rounds, and D's time
-to its first token with P's KV (:func:`pd_flow`, :func:`run_pd`).
+"""``bench serve``'s P/D flow: D's time to its first token with P's KV.
+
+A P and a D engine, kept up across the rounds (:func:`pd_flow`, :func:`run_pd`).
 
 A connector where P goes first hands :func:`pd_flow` the ``kv_transfer_params`` of each
 side; one where D gets the request first (the layerwise push) hands it a

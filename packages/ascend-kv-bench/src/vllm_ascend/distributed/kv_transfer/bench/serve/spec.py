@@ -1,7 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""What a ``bench serve`` run measures and what its scenarios declare: :class:`ServeConfig`,
-:class:`Scenario` (with what it ``needs``, see :mod:`.needs`), the :class:`Comparison` rows
-it wants reported and their :class:`Goal`; the P/D thread bindings and the families' order.
+"""What a ``bench serve`` run measures and what its scenarios declare.
+
+:class:`ServeConfig`, :class:`Scenario` (with what it ``needs``, see :mod:`.needs`), the
+:class:`Comparison` rows it wants reported and their :class:`Goal`; the P/D thread bindings
+and the families' order.
 
 Plain data, importing nothing of the harness: every other module of :mod:`..serve` reads it.
 """

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""What a value of ``VLLM_CPU_OMP_THREADS_BIND`` pins: the one home of that rule, for the
-p2p ``doctor``'s OpenMP check and for the engines ``bench serve`` (ascend-kv-bench) binds
-itself."""
+"""What a value of ``VLLM_CPU_OMP_THREADS_BIND`` pins: the one home of that rule.
+
+It serves the p2p ``doctor``'s OpenMP check and the engines ``bench serve`` (ascend-kv-bench)
+binds itself."""
 
 from __future__ import annotations
 

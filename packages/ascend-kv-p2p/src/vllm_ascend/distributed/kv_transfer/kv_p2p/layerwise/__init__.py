@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``MooncakeLayerwiseConnector``, the P/D connector where the prefill instance (P) pushes
-each layer's KV into the decode instance (D) as soon as it is computed, laid out as vLLM's
-``kv_connector/v1/nixl/``.
+"""``MooncakeLayerwiseConnector``: the P/D connector where prefill pushes each layer.
+
+The prefill instance (P) pushes each layer's KV into the decode instance (D) as soon as it
+is computed; the subpackage is laid out as vLLM's ``kv_connector/v1/nixl/``.
 
 In the order a push goes through them:
 

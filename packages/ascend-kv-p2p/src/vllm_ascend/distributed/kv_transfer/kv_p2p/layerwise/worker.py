@@ -1,6 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Worker side of ``MooncakeLayerwiseConnector`` (prefill pushes layer by layer): the
-roles, composed.
+"""Worker side of ``MooncakeLayerwiseConnector``: the P and D roles, composed.
 
 The worker keeps what both roles share (:class:`~.worker_base.P2PWorkerBase`:
 identity, the KV cache registered with the transfer engine, peers and handshake)

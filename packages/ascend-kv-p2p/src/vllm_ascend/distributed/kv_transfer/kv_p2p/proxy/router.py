@@ -1,6 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The ``kv_aware`` policy's scores (:class:`.policies.KvAware` asks them): the prefill
-instance with the longest cached prefix, traded against load.
+"""The ``kv_aware`` policy's scores: longest cached prefix on P, traded against load.
+
+:class:`.policies.KvAware` asks them: the prefill instance with the longest cached prefix,
+traded against load.
 
 For each request the router gets the prompt's token ids (given, or from a P instance's
 ``/tokenize``), computes vLLM's block hashes of its full blocks (:mod:`.prefix_index`) and

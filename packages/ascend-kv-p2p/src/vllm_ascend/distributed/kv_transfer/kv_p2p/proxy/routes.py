@@ -1,6 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The proxy's operator surface: ``/health``, ``/status``, ``/metrics``, ``/v1/models`` and
-``/admin/instances`` (add and remove P and D instances while it runs).
+"""The proxy's operator surface: health, status, metrics, models, instances.
+
+``/health``, ``/status``, ``/metrics``, ``/v1/models`` and ``/admin/instances`` (add and
+remove P and D instances while it runs).
 
 ``/status`` (instance URLs, recent request ids, P's errors), ``/metrics`` and
 ``/admin/instances`` are the operator's: with a deployment key set

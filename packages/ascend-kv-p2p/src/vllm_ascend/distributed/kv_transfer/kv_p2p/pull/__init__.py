@@ -1,6 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``MooncakeConnectorV1``, the P/D connector where the decode instance (D) pulls the KV
-of the prefill instance (P), laid out as vLLM's ``kv_connector/v1/nixl/``.
+"""``MooncakeConnectorV1``: the P/D connector where the decode instance pulls P's KV.
+
+D pulls the KV of the prefill instance (P); the subpackage is laid out as vLLM's
+``kv_connector/v1/nixl/``.
 
 In the order a pull goes through them:
 

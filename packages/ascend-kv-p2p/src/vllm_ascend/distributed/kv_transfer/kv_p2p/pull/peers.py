@@ -1,6 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""D side of ``MooncakeConnectorV1``: what D knows of the P ranks it reads, and its calls to
-their side channel.
+"""D side of ``MooncakeConnectorV1``: what D knows of P's ranks, and its calls to them.
 
 :class:`PeerRanks` owns that knowledge: where each P rank listens, which of its heads this D
 rank reads (the head plan, over P's pipeline stages), its ``AgentMeta`` (fetched once,

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Host memory of the embedded ``local`` backend: the slabs its objects live in, and the
-copies in and out of them.
+"""Host memory of the ``local`` backend: the slabs its objects live in, and their copies.
+
+The embedded backend's slabs, and the copies in and out of them.
 
 :class:`Slabs` hands out slots of one size carved from shared chunks (up to 64 MiB, so the
 kernel backs them with huge pages) and keeps freed slots for the next put of that size;
