@@ -234,13 +234,16 @@ def demo(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
     """ruff over every package, the tests, the tools and this file; then no import cycle in
-    packages/*/src (tools/import_cycles.py, after its own tests)."""
+    packages/*/src (tools/import_cycles.py) and docs/architecture.md's module tables as the
+    code has them (tools/gen_arch_docs.py --check), each after its own tests."""
     session.install("ruff>=0.6", "pytest>=8")
     session.run("ruff", "check", "packages", "tests-e2e", "tests-faults", "tests-soak", "testing",
                 "tools", "benchmarks", "demo", "noxfile.py")
     session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                str(ROOT / "tools" / "test_import_cycles.py"))
+                str(ROOT / "tools" / "test_import_cycles.py"),
+                str(ROOT / "tools" / "test_gen_arch_docs.py"))
     session.run("python", str(ROOT / "tools" / "import_cycles.py"))
+    session.run("python", str(ROOT / "tools" / "gen_arch_docs.py"), "--check")
 
 
 @nox.session(python=PYTHON)
@@ -295,12 +298,14 @@ def docs(session: nox.Session) -> None:
     """The documentation site (MkDocs + mkdocstrings) into site/, strict: a warning fails.
 
     The API reference is read statically from packages/*/src (no vLLM or torch installed);
-    the configuration and metrics references are rendered from the code at build time.
+    the configuration and metrics references are rendered from the code at build time;
+    architecture.md's module tables are committed and checked against the code (as in lint).
     """
     session.install(*DOCS_TOOLS, "pytest>=8")
     session.env["NO_MKDOCS_2_WARNING"] = "1"
     session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                str(ROOT / "tools" / "test_gen_config_docs.py"))
+                str(ROOT / "tools" / "test_gen_config_docs.py"),
+                str(ROOT / "tools" / "test_gen_arch_docs.py"))
     session.run("mkdocs", "build", "--strict", "--clean", "--config-file",
                 str(ROOT / "mkdocs.yml"), "--site-dir", str(ROOT / "site"), *session.posargs)
 
