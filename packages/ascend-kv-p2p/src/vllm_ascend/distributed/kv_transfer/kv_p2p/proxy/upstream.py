@@ -23,6 +23,13 @@ if TYPE_CHECKING:
     from .routing import RoutingPolicy
 
 
+#: How long an idle connection to an instance is kept for reuse (seconds). Below the
+#: instances' own keep-alive timeout (``vllm serve``'s uvicorn closes an idle connection
+#: after 5 s, ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``): at httpx's default, also 5 s, a request
+#: sent on a connection the instance was closing just then failed with ``ReadError``
+#: (seen through the layerwise proxy, a request 7 s after the last on its connection).
+KEEPALIVE_EXPIRY_S = 2.0
+
 class Upstream:
     """The HTTP client (open while the proxy runs) and the calls made with it.
 
@@ -37,7 +44,8 @@ class Upstream:
         self._client: httpx.AsyncClient | None = None
 
     def open(self) -> None:
-        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256,
+                              keepalive_expiry=KEEPALIVE_EXPIRY_S)
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s, connect=5.0),
                                          limits=limits)
 
