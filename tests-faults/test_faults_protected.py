@@ -92,7 +92,7 @@ class SideChannel:
                          session=f"{host}:1", tp_rank=0, tp_size=1, pp_rank=0,
                          total_num_kv_heads=2, layout=layout, region_addrs=list(REGIONS),
                          region_strides=[1024, 1024])
-        cfg = types.SimpleNamespace(lease_ttl_s=600.0, hold_window_s=0.0)
+        cfg = types.SimpleNamespace(lease_ttl_s=600.0, hold_window_s=0.0, max_hold_s=600.0)
         # port 0: the server binds a free one (in the namespace; this one has no such address)
         shared: Any = types.SimpleNamespace(cfg=cfg, meta=meta, host=host, port=0,
                                             recorder=MetricsRecorder(P2P_METRICS))

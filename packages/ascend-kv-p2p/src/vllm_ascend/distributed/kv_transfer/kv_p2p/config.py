@@ -97,13 +97,22 @@ class MooncakeP2PConfig(ConfigSection):
         doc="How long P holds a request's blocks for D without hearing from it; D (once its "
             "scheduler looks at the request) and the P/D proxy (while D has the request) "
             "renew the lease, a lapsed lease frees the blocks.")
+    max_hold_s: float = option(
+        600.0, minimum=0.1,
+        doc="The longest P (MooncakeConnectorV1) holds one request's blocks for D, counted "
+            "from when it began holding them: renewals and claims extend the lease up to it "
+            "and no further, so no peer (with the deployment key or not) keeps blocks held "
+            "indefinitely. Past it the lease lapses and a claim is refused (D fails or "
+            "recomputes the request). Keep it above the longest a request waits in D's queue "
+            "plus load_timeout_s.")
     read_window_s: float = option(
         1.0, minimum=0.0,
         doc="How long (seconds) P keeps a finished request's blocks at least, counted from "
             "its hold, even after D's Done. D trusts a read that ends within this window "
             "(minus 0.5 s for the clocks of P and D) without claiming the request first, "
             "which takes the claim's round trip off the load; later reads are claimed as "
-            "before. Capped at lease_ttl_s / 2; 0 turns it off (every read is claimed).")
+            "before. Capped at lease_ttl_s / 2 and max_hold_s / 2; 0 turns it off (every "
+            "read is claimed).")
     load_timeout_s: float = option(
         120.0, minimum=0.1,
         doc="Deadline for D to receive a request's KV; afterwards the request fails or is "
@@ -145,8 +154,9 @@ class MooncakeP2PConfig(ConfigSection):
 
     @property
     def hold_window_s(self) -> float:
-        """``read_window_s`` as P applies it (at most half the lease)."""
-        return min(self.read_window_s, self.lease_ttl_s / 2)
+        """``read_window_s`` as P applies it (at most half the lease, and half the hold
+        limit: a lease that lapses frees the blocks at once)."""
+        return min(self.read_window_s, self.lease_ttl_s / 2, self.max_hold_s / 2)
 
     def validate(self, source: str) -> None:
         if self.decode.pp_size != 1:

@@ -12,7 +12,9 @@ One ZeroMQ REQ/ROUTER channel per P worker rank, msgspec on the wire
   carries the region addresses D reads the request's blocks from: a keyed P's
   ``AgentMeta`` leaves them out (``region_addrs`` empty), so P's memory map goes
   only to a D that holds a request's capability, with that request's grant.
-* ``Renew`` -> ``RenewReply``: D keeps P's leases alive while it waits.
+* ``Renew`` -> ``RenewReply``: D (and the proxy) keep P's leases alive while D waits,
+  presenting each request's capability; P renews only up to the request's hold limit
+  (``max_hold_s``), so no peer keeps blocks held indefinitely.
 * ``Done`` -> ``DoneAck``: D has read (or gives up); P frees the blocks once
   every expected reader is done. ``valid`` says whether the lease was still
   held when the read finished, i.e. whether the bytes D read are the request's.
@@ -101,6 +103,9 @@ class Renew(Message):
     """Keep the leases of these requests alive."""
 
     request_ids: list[str]
+    #: the capability of each request (``remote_claim_token``), in the order of
+    #: ``request_ids`` (a missing one is ``""``; required with a deployment key)
+    tokens: list[str] = []
 
 
 class RenewReply(Message):
@@ -193,10 +198,19 @@ class PushGrant(Message):
 
 
 class PushRenew(Message):
-    """Keep ``sender``'s write leases of these requests alive."""
+    """Keep ``sender``'s write leases of these requests alive (D renews none past the
+    request's load deadline)."""
 
     request_ids: list[str]
     sender: str
+    #: the capability of each request (``remote_push_token``), in the order of
+    #: ``request_ids`` (a missing one is ``""``; required with a deployment key)
+    tokens: list[str] = []
+
+
+def token_of(tokens: list[str], index: int) -> str:
+    """The token presented for the ``index``-th request of a renewal (``""``: none)."""
+    return tokens[index] if index < len(tokens) else ""
 
 
 class PushRenewReply(Message):

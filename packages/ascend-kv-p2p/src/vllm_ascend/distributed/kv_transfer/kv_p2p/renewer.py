@@ -147,25 +147,27 @@ class LeaseRenewer:
         """Send a ``Renew`` to every P worker with tracked requests and no call in flight;
         returns the calls sent (without waiting for them)."""
         with self._lock:
-            by_endpoint: dict[str, list[str]] = {}
+            by_endpoint: dict[str, list[tuple[str, str]]] = {}
             for remote in self._tracked.values():
                 for rank in range(remote.tp_size):
                     port = worker_port(remote.port, tp_rank=rank, tp_size=remote.tp_size)
                     by_endpoint.setdefault(tcp_endpoint(remote.host_of(rank), port), []).append(
-                        remote.request_id)
+                        (remote.request_id, remote.token))
             if self._stop.is_set():
                 return []
-        return self._calls.send({endpoint: functools.partial(self._renew, endpoint, ids)
-                                 for endpoint, ids in by_endpoint.items()})
+        return self._calls.send({endpoint: functools.partial(self._renew, endpoint, held)
+                                 for endpoint, held in by_endpoint.items()})
 
-    def _renew(self, endpoint: str, ids: list[str]) -> None:
+    def _renew(self, endpoint: str, held: list[tuple[str, str]]) -> None:
+        """Renew ``held`` (request id, its capability token) at ``endpoint``."""
         with self._lock:
             client = self._clients.get(endpoint)
             if client is None:
                 client = self._clients.setdefault(
                     endpoint, RpcClient(endpoint, CODEC, timeout_s=self.timeout_s))
         try:
-            client.call(Renew(request_ids=ids))
+            client.call(Renew(request_ids=[rid for rid, _ in held],
+                              tokens=[token for _, token in held]))
         except KVTransferError as exc:
             logger.debug("lease renewal to %s failed: %s", endpoint, exc)
         finally:

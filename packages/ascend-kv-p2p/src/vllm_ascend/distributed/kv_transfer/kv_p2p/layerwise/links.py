@@ -258,7 +258,8 @@ class PushLinks:
         client = self.shared.client(session.target.host_of(link.d_rank), link.port)
         sent = time.monotonic()
         reply = client.call(PushRenew(request_ids=[session.target.request_id],
-                                      sender=self.shared.agent_id))
+                                      sender=self.shared.agent_id,
+                                      tokens=[session.target.token]))
         if not (isinstance(reply, PushRenewReply) and session.target.request_id in reply.granted):
             raise RemoteKVUnavailable("D no longer grants the write lease (request ended or "
                                       "failing on D)", code="revoked")
@@ -406,7 +407,7 @@ class PushLinks:
             try:
                 reply = self.shared.client(host, port).call(PushRenew(
                     request_ids=[s.target.request_id for s, _ in pairs],
-                    sender=self.shared.agent_id))
+                    sender=self.shared.agent_id, tokens=[s.target.token for s, _ in pairs]))
             except KVTransferError as exc:
                 logger.debug("lease renewal to %s:%d failed: %s", host, port, exc)
                 return  # writes stop by themselves when the lease runs out

@@ -17,10 +17,12 @@ reported finished at once, with no transfer.
 
 Capabilities: D's scheduler issues an unguessable token for each request it posts
 to the metaserver (``remote_push_token``, which the proxy hands to P with the rest
-of the params). ``PushBegin`` and ``PushDone`` must present it (constant-time
-compare; refused as ``bad_token`` and counted otherwise), so a peer that holds the
-deployment key but not the request's params can neither write into its blocks nor
-fail it. With a key the token is required, and ``GetMeta`` leaves out D's region
+of the params). ``PushBegin``, ``PushRenew`` and ``PushDone`` must present it
+(constant-time compare; refused as ``bad_token`` and counted otherwise: a renewal then
+renews nothing for that request), so a peer that holds the deployment key but not the
+request's params can neither write into its blocks, nor keep them, nor fail it. No write
+lease is renewed at or past the request's deadline (``load_timeout_s``), so a lease ends
+at most one ``lease_ttl_s`` after it. With a key the token is required, and ``GetMeta`` leaves out D's region
 addresses: they travel with each ``PushGrant``. Without a key a message without a
 token is served as before (older P instances), a wrong one is still refused.
 """
@@ -53,6 +55,7 @@ from ..protocol import (
     PushGrant,
     PushRenew,
     PushRenewReply,
+    token_of,
 )
 from ..worker_base import P2PWorkerBase, head_slices
 from .contract import RecvReq
@@ -244,13 +247,17 @@ class PushReceiver:
                 region_strides=list(meta.region_strides) if keyed else [])
 
     def _on_renew(self, msg: PushRenew) -> Message:
+        """Renew ``msg.sender``'s leases of the requests whose token matches, none at or past
+        its request's deadline; the reply lists those renewed."""
         granted = []
         now = time.monotonic()
         with self._cv:
-            for rid in msg.request_ids:
+            for i, rid in enumerate(msg.request_ids):
                 inc = self.incoming.get(rid)
                 sender = inc.senders.get(msg.sender) if inc is not None else None
                 if inc is None or sender is None or sender.done or inc.failure is not None:
+                    continue
+                if not self._token_ok(inc, token_of(msg.tokens, i)) or now >= inc.deadline:
                     continue
                 sender.lease_until = now + self.cfg.lease_ttl_s
                 granted.append(rid)

@@ -3,19 +3,21 @@
 
 P serves a side channel (one ZeroMQ socket a worker rank). Every request the
 scheduler holds for D (a :class:`~.pull.contract.SendMeta`) is a lease: D's
-``Claim`` and ``Renew`` extend it, D's ``Done`` (from every expected reader)
-releases it, and a lease that lapses frees the blocks anyway, reported exactly
-once through ``get_finished``. P only answers a ``Claim`` for blocks it holds for
-that very request.
+``Claim`` and ``Renew`` (D's and the proxy's) extend it, D's ``Done`` (from every
+expected reader) releases it, and a lease that lapses frees the blocks anyway, reported
+exactly once through ``get_finished``. P only answers a ``Claim`` for blocks it holds for
+that very request. No lease outlives ``max_hold_s`` from when P began holding the request:
+a renewal extends it up to there and no further, and a claim after it is refused
+(``expired``), so nobody keeps blocks held indefinitely.
 
 Capabilities: the scheduler issues an unguessable token for each held request
-(``remote_claim_token`` in the ``kv_transfer_params`` P returns). A ``Claim`` or
-``Done`` whose token does not match (constant-time compare) is refused and
-changes nothing. With a deployment key configured (:mod:`~vllm_ascend.distributed.
-kv_transfer.core.auth`) the token is required; without one, a message without a
-token is served as before (old D instances, old params), while a wrong token is
-still refused: without a key anyone who reaches the side channel can read P's
-memory map anyway, so a mandatory token would buy no security there, only break
+(``remote_claim_token`` in the ``kv_transfer_params`` P returns). A ``Claim``, ``Done``
+or ``Renew`` whose token does not match (constant-time compare) is refused (a renewal:
+that request is not renewed) and changes nothing. With a deployment key configured
+(:mod:`~vllm_ascend.distributed.kv_transfer.core.auth`) the token is required; without
+one, a message without a token is served as before (old D instances, old params), while a
+wrong token is still refused: without a key anyone who reaches the side channel can read
+P's memory map anyway, so a mandatory token would buy no security there, only break
 compatibility; it still catches misrouted or stale params.
 
 Regions travel with the grant: with a key, ``GetMeta`` (answered only to a keyed peer)
@@ -60,6 +62,7 @@ from ..protocol import (
     GetMeta,
     Renew,
     RenewReply,
+    token_of,
 )
 from ..worker_base import P2PWorkerBase
 from .contract import SendMeta
@@ -84,6 +87,9 @@ class Held:
     #: ``time.monotonic()`` before which P does not free the blocks, D's ``Done`` or not
     #: (the read window, ``read_window_s``, from when this worker began holding them)
     keep_until: float = 0.0
+    #: ``time.monotonic()`` past which no renewal or claim extends the lease
+    #: (``max_hold_s`` from when this worker began holding them)
+    hold_until: float = float("inf")
 
 
 class LeaseHolder:
@@ -127,16 +133,20 @@ class LeaseHolder:
     def hold(self, requests: Iterable[SendMeta]) -> None:
         """Hold the blocks of the scheduler's newly finished requests until D is done."""
         added = False
-        window = self.shared.cfg.hold_window_s
+        cfg = self.shared.cfg
+        window = cfg.hold_window_s
         for req in requests:
             added = True
-            keep = time.monotonic() + window if window > 0 else 0.0
+            now = time.monotonic()
+            keep = now + window if window > 0 else 0.0
             try:
                 # held for the D instance(s) the request goes to; which D is known only
                 # once it claims, so the owner names the request's readers
                 self.held.add(req.request_id, Held(list(req.block_ids), token=req.token,
-                                                   keep_until=keep),
-                              owner=f"readers of {req.request_id}")
+                                                   keep_until=keep,
+                                                   hold_until=now + cfg.max_hold_s),
+                              owner=f"readers of {req.request_id}",
+                              ttl=min(cfg.lease_ttl_s, cfg.max_hold_s))
             except KeyError:
                 logger.warning("request %s is already held; ignoring a duplicate",
                                req.request_id)
@@ -157,7 +167,7 @@ class LeaseHolder:
         if isinstance(msg, Claim):
             return self._on_claim(msg)
         if isinstance(msg, Renew):
-            return RenewReply(held=[r for r in msg.request_ids if self.held.renew(r)])
+            return self._on_renew(msg)
         if isinstance(msg, Done):
             return self._on_done(msg)
         return ErrorReply(code="unsupported", message=f"{type(msg).__name__} is not a request")
@@ -183,6 +193,26 @@ class LeaseHolder:
         if not ok:
             count_refusal(self.server.name if self.server else "p2p-side-channel", "bad_token")
         return ok
+
+    def _extend(self, request_id: str, held: Held) -> float:
+        """Renew ``request_id``'s lease up to its hold limit; the seconds it now runs (0.0:
+        past the limit, or no longer held: not renewed)."""
+        lease_s = min(self.shared.cfg.lease_ttl_s, held.hold_until - time.monotonic())
+        if lease_s <= 0 or not self.held.renew(request_id, ttl=lease_s):
+            return 0.0
+        return lease_s
+
+    def _on_renew(self, msg: Renew) -> Message:
+        """Renew each request whose token matches, up to its hold limit; the reply lists
+        those renewed."""
+        renewed = []
+        for i, rid in enumerate(msg.request_ids):
+            held = self.held.get(rid)
+            if held is None or not self._token_ok(held, token_of(msg.tokens, i)):
+                continue
+            if self._extend(rid, held) > 0:
+                renewed.append(rid)
+        return RenewReply(held=renewed)
 
     def _on_claim(self, msg: Claim) -> Message:
         held = self.held.get(msg.request_id)
@@ -219,9 +249,12 @@ class LeaseHolder:
                 message=f"request {msg.request_id!r}: the block ids asked for are not the last "
                         f"{n} of the {len(held.block_ids)} it holds, in order (they must be "
                         "the remote_block_ids P returned, minus D's cached prefix)")
+        lease_s = self._extend(msg.request_id, held)
+        if lease_s <= 0:
+            return ErrorReply(code="expired", message=f"request {msg.request_id!r} was held "
+                              f"for its {self.shared.cfg.max_hold_s:g}s limit (max_hold_s): "
+                              "no more claims")
         held.readers_expected = max(1, msg.num_readers)
-        self.held.renew(msg.request_id)
-        lease_s = self.shared.cfg.lease_ttl_s
         if not self._keyed:
             return ClaimOK(lease_s=lease_s)
         meta = self.shared.meta
