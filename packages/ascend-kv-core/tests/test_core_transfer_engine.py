@@ -19,6 +19,28 @@ from vllm_ascend.distributed.kv_transfer.core.transfer_engine import coalesce, g
 SIZE = 64 << 20
 
 
+def test_coalesce_of_many_ranges_merges_as_the_python_loop_does() -> None:
+    """From VECTOR_MIN_RANGES ranges coalesce merges with numpy: the same ranges as the
+    loop (runs adjacent on both sides merged, empty ranges dropped, sorted by local)."""
+    import random
+
+    transfer_engine = te_mod
+    rng = random.Random(7)
+    for _ in range(200):
+        n = rng.randint(transfer_engine.VECTOR_MIN_RANGES, 200)
+        loc = [rng.randrange(0, 64 * 64, 64) for _ in range(n)]
+        rem = [a + rng.choice([0, 0, 0, 4096]) for a in loc]
+        lens = [rng.choice([64, 64, 64, 0]) for _ in range(n)]
+        fast = coalesce(loc, rem, lens)
+        transfer_engine.VECTOR_MIN_RANGES, saved = 1 << 30, transfer_engine.VECTOR_MIN_RANGES
+        try:
+            assert coalesce(loc, rem, lens) == fast
+        finally:
+            transfer_engine.VECTOR_MIN_RANGES = saved
+    with pytest.raises(ValueError):
+        coalesce([0] * 40, [0] * 40, [-1] * 40)
+
+
 def test_coalesce_merges_only_ranges_adjacent_on_both_sides() -> None:
     loc, rem, n = coalesce([0, 16, 48, 32], [100, 116, 200, 132], [16, 16, 8, 16])
     assert (loc, rem, n) == ([0, 48], [100, 200], [48, 8])

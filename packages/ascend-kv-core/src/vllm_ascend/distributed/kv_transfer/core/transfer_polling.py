@@ -9,6 +9,19 @@ are each a batch can be polled range by range: :func:`wait_yielding` does so wit
 :data:`~.transfer_engine.WAIT_ENV`), :class:`PendingTransfer` for a caller that polls
 on its own (:meth:`~.transfer_engine.MooncakeTransferEngine.submit_read`).
 
+Why not one batch of all ranges, polled (issue 50 asked; Mooncake 0.3.13's Python binding,
+``transfer_engine_py.cpp``): ``transfer_check_status`` reads the status of task 0 of a
+batch only and frees the whole batch once that task ended, while the batch's other ranges
+may still be in flight (the TCP transport moves each slice on its own connection, in no
+set order); the only call that looks at every task, ``get_batch_transfer_status``, waits
+in a loop that never yields (the ``spin`` wait). So a batch of several ranges can be
+waited for by Mooncake only, and a read polled from Python goes out a range a batch. Both
+are measured by ``vllm-ascend-kv bench p2p``: its raw read is one synchronous batch of all
+ranges, the connector's read a batch per range polled with ``yield`` (2026-12-06, 2 CPUs
+shared with other work, 8 and 64 layers: at 16 and 128 blocks the whole connector load took
+0.60-0.65 of the one batch's time). At one block Mooncake's own calls took 26-28 us for 8
+batches of a range against 17-20 us for one batch of the 8 (2026-12-05 trace).
+
 This module sits below :mod:`.transfer_engine` and never imports it: a
 :class:`PendingTransfer` needs only what :class:`PolledEngine` names of the wrapper.
 """
