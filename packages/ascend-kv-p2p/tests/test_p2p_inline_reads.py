@@ -189,6 +189,30 @@ def test_a_read_seen_after_the_window_is_claimed_and_read_again_on_a_pull_thread
     assert pd.d.recorder.total("p2p_window_reads") == (0 if pd.keyed else 1)  # the warm-up's
 
 
+def test_the_worker_reads_on_the_scheduler_s_verdict_and_claims_when_the_clock_passed_it(
+        pd: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With D's scheduler's verdict on P's window in the request (RecvMeta.window_until)
+    the worker does not check P's tag again, inline or on a pull thread; a verdict the clock
+    has passed (the request waited) is not trusted: the load is claimed on a pull thread."""
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.pull import window as pull_window
+
+    warm_up(pd)
+    fresh, stale = hold(pd, "v", [3]), hold(pd, "s", [4])
+    until = window_end(fresh)
+    checked: list[str] = []
+    monkeypatch.setattr(pull_window, "tag_ok", lambda r: checked.append(r.request_id))
+    pd.d.start_load_kv(MooncakeConnectorMetadata(requests={"v": RecvMeta(
+        "v", [1], fresh, remote_block_ids=fresh.block_ids, window_until=until)}))
+    assert len(pd.d.reader.inline) == 1
+    finish(pd, "v", fresh, [1])
+    pd.d.start_load_kv(MooncakeConnectorMetadata(requests={"s": RecvMeta(
+        "s", [2], stale, remote_block_ids=stale.block_ids, window_until=time.time() - 0.01)}))
+    assert len(pd.d.reader.inline) == 0
+    finish(pd, "s", stale, [2])
+    assert checked == []
+    assert pd.pulls == ["warm", "s"] and pd.claims == ["s"]
+
+
 def misplace_p_regions(pd: Any) -> None:
     """Make D's knowledge of P's regions wrong (as after P re-registered its cache)."""
     d = pd.d

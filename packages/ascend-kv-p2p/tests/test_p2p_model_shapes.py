@@ -64,7 +64,8 @@ class RecordingEngine:
     def __init__(self) -> None:
         self.ranges: list[tuple[int, int, int]] = []
 
-    def read(self, peer: str, local: list[int], remote: list[int], lengths: list[int]) -> int:
+    def read(self, peer: str, local: list[int], remote: list[int], lengths: list[int], *,
+             merged: bool = False) -> int:
         self.ranges += list(zip(local, remote, lengths, strict=True))
         return sum(lengths)
 

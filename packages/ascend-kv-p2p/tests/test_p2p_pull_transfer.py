@@ -26,7 +26,7 @@ class MemcpyEngine:
     """Reads by ``memmove`` within this process (every "session" is this process)."""
 
     def read(self, peer: str, local: Sequence[int], remote: Sequence[int],
-             lengths: Sequence[int]) -> int:
+             lengths: Sequence[int], *, merged: bool = False) -> int:
         for dst, src, n in zip(local, remote, lengths, strict=True):
             ctypes.memmove(dst, src, n)
         return sum(lengths)
@@ -111,3 +111,43 @@ def test_a_kept_read_plan_serves_later_requests_and_a_new_p_meta_gets_its_own(
     assert len(made) == 2
     assert bool((k[0, :, 1] == 7).all())
     del first
+
+
+def test_a_load_s_ranges_are_its_blocks_merged_where_consecutive_on_both_sides(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """DirectPlan.ranges (Python below VECTOR_MIN_RANGES, numpy from it) reads exactly the
+    bytes of every block of every segment, in as many ranges as merging the per-block
+    ranges adjacent on both sides gives."""
+    import random
+
+    from vllm_ascend.distributed.kv_transfer.core.transfer_engine import coalesce
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.pull import transfer as pull_transfer
+
+    def per_block(segments: list[Any], local: list[int], far: list[int]) -> Any:
+        ranges = [(lb + b * ls + ol, rb + f * rs + orr, n)
+                  for lb, ls, ol, rb, rs, orr, n in segments
+                  for b, f in zip(local, far, strict=True)]
+        return coalesce(*zip(*ranges, strict=True))
+
+    def pieces(loc: list[int], rem: list[int], lens: list[int]) -> set[tuple[int, int]]:
+        return {(a + k, b + k) for a, b, n in zip(loc, rem, lens, strict=True)
+                for k in range(0, n, 16)}
+
+    rng = random.Random(3)
+    for _ in range(150):
+        segments = []
+        for i in range(rng.randint(1, 6)):
+            whole = rng.random() < 0.6
+            stride, length = (64, 64) if whole else (128, rng.choice([32, 64]))
+            off = 0 if whole else rng.choice([0, 64])
+            segments.append(((i + 1) << 20, stride, off, (i + 1) << 30, stride, off, length))
+        n = rng.randint(1, 40)
+        local = sorted(rng.sample(range(100), n))
+        first = rng.randint(0, 50)
+        far = [first + k if rng.random() < 0.8 else 200 + k for k in range(n)]
+        want = per_block(segments, local, far)
+        for threshold in (1 << 30, 1):
+            monkeypatch.setattr(pull_transfer, "VECTOR_MIN_RANGES", threshold)
+            got = pull_transfer.DirectPlan(segments).ranges(pull_transfer.LoadBlocks(local, far))
+            assert pieces(*got) == pieces(*want)
+            assert len(got[0]) == len(want[0]) and sum(got[2]) == sum(want[2])

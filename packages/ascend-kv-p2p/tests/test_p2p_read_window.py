@@ -361,6 +361,36 @@ def test_the_scheduler_claims_ahead_only_outside_the_window(pd: Any) -> None:
         sched.shutdown()
 
 
+def test_the_scheduler_checks_the_tag_once_and_sends_its_verdict(
+        pd: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """P's window tag is checked once a request, however often vLLM asks, and the verdict
+    (the window's end) goes to the worker in RecvMeta.window_until; params P did not tag
+    send -inf (claimed as without a window)."""
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.pull import window as pull_window
+
+    sched = PullScheduler(_config("kv_consumer", free_port(), "3004"),
+                          MooncakeP2PConfig.from_dict({"handshake_timeout_s": 2.0}), "D-s2")
+    checked: list[str] = []
+    real = pull_window.tag_ok
+    monkeypatch.setattr(pull_window, "tag_ok",
+                        lambda r: checked.append(r.request_id) or real(r))
+    try:
+        fresh, _t = hold(pd, "v1", [2, 3])
+        forged = dataclasses.replace(fresh, request_id="v2", block_ids=[4, 5])
+        for rid, remote in (("v1", fresh), ("v2", forged)):
+            req = _request(rid, remote)
+            for _ in range(3):  # vLLM asks every step while the request waits
+                sched.get_num_new_matched_tokens(req, 0)
+            blocks = SimpleNamespace(get_unhashed_block_ids=lambda: [6, 7])
+            sched.update_state_after_alloc(req, blocks, 2 * BS)  # type: ignore[arg-type]
+        meta = sched.build_connector_meta(None)  # type: ignore[arg-type]
+        assert checked == ["v1", "v2"]
+        assert meta.requests["v1"].window_until == fresh.held_at + fresh.hold_s - CLOCK_SKEW_S
+        assert meta.requests["v2"].window_until == -math.inf
+    finally:
+        sched.shutdown()
+
+
 # ------------------------------------------------------------ params and config
 
 

@@ -87,6 +87,13 @@ class RecvMeta:
     #: the answers of the claims sent ahead, by P rank, when they came before allocation
     #: (else they follow in ``MooncakeConnectorMetadata.claim_answers``)
     early_claims: dict[int, EarlyClaim] | None = None
+    #: D's scheduler's verdict on P's read window (:mod:`.window`), so the worker does not
+    #: check P's tag again: the ``time.time()`` by which a read must end to need no claim
+    #: (:func:`~.window.window_end`; ``-inf``: no window, or params P did not tag); ``None``:
+    #: not judged (the worker checks the tag itself). It depends on the params alone, so it
+    #: can only go stale by time: the worker compares it with its clock before the read
+    #: and at its end, and claims a read that ended after it
+    window_until: float | None = None
 
 
 @dataclass

@@ -38,22 +38,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_ascend.distributed.kv_transfer.core.errors import TransferError
-from vllm_ascend.distributed.kv_transfer.core.transfer_engine import PendingTransfer, coalesce
+from vllm_ascend.distributed.kv_transfer.core.transfer_engine import PendingTransfer
 
 from ..worker_base import P2PWorkerBase
 from .contract import RecvMeta
 from .loads import LoadTracker
 from .peers import PeerRanks
-from .transfer import AddressPlans, check_remote_blocks, direct_ranges
-from .window import same_instance, window_end
+from .transfer import AddressPlans, LoadBlocks, check_remote_blocks
+from .window import read_until, same_instance
 
 logger = logging.getLogger(__name__)
 
 #: a read of more byte ranges goes to the pull threads: each range is a transfer-engine
-#: batch of its own, which costs vLLM's thread about 5 us to submit (8 ranges: 42-49 us on
-#: 2 CPUs), and from a few blocks on the transfer dominates the load anyway (with 1,024
-#: ranges, 128 blocks of 8 layers, the load measured 0.95-0.96 of the raw read inline
-#: against 0.97-0.98 on the pull threads)
+#: batch of its own (:mod:`~vllm_ascend.distributed.kv_transfer.core.transfer_polling` says
+#: why), which costs vLLM's thread about 5 us to submit (8 ranges: 42-49 us on 2 CPUs), and
+#: from a few blocks on the transfer dominates the load anyway (with 1,024 ranges, 128
+#: blocks of 8 layers, the load measured 0.95-0.96 of the raw read inline against 0.97-0.98
+#: on the pull threads)
 INLINE_MAX_RANGES = 64
 #: how long :meth:`~.reader.PullReader.wait_inline` sleeps between two polls (seconds). The kernel
 #: adds the thread's timer slack (50 us by default) and a virtual machine its timer's cost:
@@ -132,7 +133,7 @@ class InlineReads:
         why = ""
         for session, loc, rem, lens in ranges:
             try:
-                part = te.submit_read(session, loc, rem, lens)
+                part = te.submit_read(session, loc, rem, lens, merged=True)
             except Exception as exc:  # nothing of this range went out
                 part, why = None, f"{type(exc).__name__}: {exc}"
             if part is None:
@@ -152,16 +153,25 @@ class InlineReads:
     def _plan(self, meta: RecvMeta) -> tuple[float, list[int], Mapping[int, int], list[
             tuple[str, list[int], list[int], list[int]]]] | None:
         """The window's end, the P ranks, their readers and the ranges (session, local,
-        remote, lengths) of each P rank, if the load takes this path; ``None`` otherwise.
-        Raises on what the pull thread reports (a head plan that does not fit, block ids
-        outside a cache)."""
+        remote, lengths; merged) of each P rank, if the load takes this path; ``None``
+        otherwise. Raises on what the pull thread reports (a head plan that does not fit,
+        block ids outside a cache).
+
+        P's window tag is not checked here: D's scheduler checked it when it parsed the
+        params and its verdict, the window's end, comes in ``meta.window_until``
+        (:func:`~.window.read_until`; checked here only for a load the scheduler did not
+        judge). A verdict can only be stale by time, never by params (it depends on the
+        params alone): the window's end is compared with the clock here, before the read
+        goes out, and again when it ended (:meth:`_end`); a read that ends after it is
+        claimed and read again on the pull threads, as before.
+        """
         s = self.shared
         remote = meta.remote
         if (remote is None or meta.claimed_ahead or s.te is None or s.layout is None
                 or getattr(s, "p_stages", None)
                 or len(meta.local_block_ids) != len(meta.remote_block_ids)):
             return None
-        until = window_end(remote)
+        until = read_until(remote, meta.window_until)
         if time.time() >= until:
             return None
         plan, readers = self.peers.head_plan(remote.tp_size)
@@ -174,29 +184,23 @@ class InlineReads:
         early = self.peers.known_regions(remote, metas)
         if early is None or not same_instance(remote, early):
             return None
-        per_block = len(s.layout.regions) * len(early)
-        # blocks consecutive on both sides coalesce (a range a run of them) where a range is
-        # a whole block: count runs first, then the ranges themselves
-        whole_blocks = len(meta.local_block_ids) * per_block > INLINE_MAX_RANGES
-        if whole_blocks and block_runs(meta) * per_block > INLINE_MAX_RANGES:
+        blocks = LoadBlocks(meta.local_block_ids, meta.remote_block_ids)
+        # blocks consecutive on both sides make one range a region where a range is a whole
+        # block: a cheap count of runs first (a bound from below), the ranges after
+        if len(blocks.runs) * len(s.layout.regions) * len(early) > INLINE_MAX_RANGES:
             return None
         s.layout.check_block_ids(meta.local_block_ids, what="local block ids")
         ranges: list[tuple[str, list[int], list[int], list[int]]] = []
+        count = 0
         for rank, m in early.items():
             if s.te.is_local_peer(m.session):
                 return None
             check_remote_blocks(meta, m)  # raises: the pull thread reports it
-            segments, staged = self.plans.get(s.layout, m, rank, plan, None)
-            if staged or (whole_blocks and any(
-                    length != l_stride or length != r_stride
-                    for _lb, l_stride, _lo, _rb, r_stride, _ro, length in segments)):
+            rank_plan = self.plans.get(s.layout, m, rank, plan, None)
+            count += rank_plan.direct.count(blocks)
+            if rank_plan.staged or count > INLINE_MAX_RANGES:
                 return None
-            loc, rem, lens = direct_ranges(meta, segments)
-            if whole_blocks:  # submit_read merges adjacent ranges itself: here to count them
-                loc, rem, lens = coalesce(loc, rem, lens)
-            ranges.append((m.session, loc, rem, lens))
-        if whole_blocks and sum(len(lens) for _s, _l, _r, lens in ranges) > INLINE_MAX_RANGES:
-            return None
+            ranges.append((m.session, *rank_plan.direct.ranges(blocks)))
         return until, p_ranks, readers, ranges
 
     # ------------------------------------------------------------ poll
@@ -260,9 +264,7 @@ def block_runs(meta: RecvMeta) -> int:
     """How many runs of blocks consecutive on both sides (local and P's ids each one more
     than the last, in local order) the load's blocks make: its ranges a region once
     coalesced, where a range is a whole block."""
-    pairs = sorted(zip(meta.local_block_ids, meta.remote_block_ids, strict=True))
-    return sum(1 for i, (lb, rb) in enumerate(pairs)
-               if i == 0 or (lb, rb) != (pairs[i - 1][0] + 1, pairs[i - 1][1] + 1))
+    return len(LoadBlocks(meta.local_block_ids, meta.remote_block_ids).runs)
 
 
 def _failed(te: Any, why: str) -> PendingTransfer:

@@ -46,7 +46,7 @@ from .inline import POLL_SLEEP_S, InlineReads
 from .loads import LoadTracker
 from .peers import Claimed, PeerRanks, accepted_ahead, refused_ahead, regions_moved
 from .transfer import AddressPlans, read_request
-from .window import same_instance, window_end
+from .window import read_until, same_instance
 
 logger = logging.getLogger(__name__)
 
@@ -320,7 +320,9 @@ class PullReader:
         # before, whose addresses come only with this claim's grant)
         early = peers.known_regions(remote, metas)
         # within P's read window (.window): read at once, claim only a read ending after
-        until = (window_end(remote) if not (fresh or meta.claimed_ahead) and early is not None
+        # (P's tag checked once, by D's scheduler: its verdict comes in meta.window_until)
+        until = (read_until(remote, meta.window_until)
+                 if not (fresh or meta.claimed_ahead) and early is not None
                  and same_instance(remote, early) else -math.inf)
         if time.time() >= until:  # over already: claimed as any other request
             until = -math.inf

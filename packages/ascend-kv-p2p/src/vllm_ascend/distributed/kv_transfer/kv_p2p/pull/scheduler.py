@@ -59,7 +59,7 @@ from .contract import (
     unregister_claimer,
 )
 from .stages import expand_over_stages
-from .window import in_window, stamp
+from .window import in_window, stamp, window_end
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -80,6 +80,9 @@ class PullScheduler(SchedulerBase):
         self._to_pull: dict[str, RecvMeta] = {}
         self._to_hold: dict[str, SendMeta] = {}
         self._parsed: dict[str, RemotePrefill | KVParamsError] = {}
+        # request id -> P's read window's end (its tag checked once a request; sent to the
+        # workers in RecvMeta.window_until, which do not check it again)
+        self._until: dict[str, float] = {}
         self.renewer = (LeaseRenewer(cfg.lease_ttl_s / 3, cfg.handshake_timeout_s)
                         if self.is_consumer else None)
         #: claims sent when a request is first seen (``None``: the workers claim)
@@ -128,6 +131,14 @@ class PullScheduler(SchedulerBase):
         except KVParamsError as exc:
             return exc
 
+    def _window_until(self, request_id: str, parsed: RemotePrefill) -> float:
+        """The request's read window's end (:func:`~.window.window_end`), P's tag checked
+        the first time only, however often vLLM asks."""
+        until = self._until.get(request_id)
+        if until is None:
+            until = self._until[request_id] = window_end(parsed)
+        return until
+
     # ------------------------------------------------------------ vLLM hooks
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int, bool]:
@@ -144,7 +155,8 @@ class PullScheduler(SchedulerBase):
         if count <= 0:
             return 0, False
         if (isinstance(parsed, RemotePrefill) and self.claims is not None
-                and not in_window(parsed)):
+                and not in_window(parsed, until=self._window_until(request.request_id,
+                                                                   parsed))):
             # the blocks the worker will read (vLLM's prefix hit is num_computed_tokens);
             # a request well within P's read window is read unclaimed (pull.window), one
             # still waiting here once it is not is claimed then (vLLM asks every step)
@@ -159,6 +171,7 @@ class PullScheduler(SchedulerBase):
             return
         rid = request.request_id
         parsed = self._parsed.pop(rid, None) or self._parse(request)
+        until = self._until.pop(rid, None)
         if self.renewer is not None:
             self.renewer.untrack(rid)
         assert isinstance(params, dict)
@@ -185,8 +198,10 @@ class PullScheduler(SchedulerBase):
             return
         ahead, answers = (self.claims.hand_over(rid, remote_ids) if self.claims is not None
                           else (False, None))
-        self._to_pull[rid] = RecvMeta(rid, local, parsed, remote_block_ids=remote_ids,
-                                      claimed_ahead=ahead, early_claims=answers)
+        # the window's verdict goes with the request: the worker does not check P's tag again
+        self._to_pull[rid] = RecvMeta(
+            rid, local, parsed, remote_block_ids=remote_ids, claimed_ahead=ahead,
+            early_claims=answers, window_until=window_end(parsed) if until is None else until)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> MooncakeConnectorMetadata:
         meta = MooncakeConnectorMetadata(
@@ -206,6 +221,7 @@ class PullScheduler(SchedulerBase):
 
         rid = request.request_id
         parsed = self._parsed.pop(rid, None)
+        self._until.pop(rid, None)
         if self.renewer is not None:
             self.renewer.untrack(rid)
         self._forget_claim(rid)

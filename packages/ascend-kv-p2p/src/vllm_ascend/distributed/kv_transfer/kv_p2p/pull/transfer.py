@@ -5,7 +5,11 @@ What D holds of each block is given by its head plan
 (:func:`~.worker_base.head_slices`): which heads of which P rank go where. A region
 whose heads are contiguous in a block (vLLM's CPU layout, MLA, or a whole block)
 is read straight into the local blocks, one batched transfer-engine read per P
-rank. Heads that are not contiguous in a block (the NPU layout under
+rank. Its address arithmetic is done once per P rank's metadata and head plan
+(:class:`DirectPlan`, kept by :class:`AddressPlans`): a load only multiplies each segment
+by its runs of blocks (:class:`LoadBlocks`: blocks consecutive on both sides make one
+range where a segment is a whole block), with numpy from :data:`VECTOR_MIN_RANGES` ranges
+on, so no per-block Python loop and no sort of the ranges. Heads that are not contiguous in a block (the NPU layout under
 heterogeneous TP) are staged: P's whole blocks are read into a buffer, then
 :mod:`ascend-kernels' head ops <vllm_ascend.distributed.kernels.heads>` select
 each P rank's part, merge the parts in head order, and the merged blocks are
@@ -18,6 +22,7 @@ import logging
 import threading
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 
 from vllm_ascend.distributed.kernels import scatter_blocks
@@ -37,10 +42,134 @@ logger = logging.getLogger(__name__)
 #: ``(local base, local block stride, local offset, P base, P block stride, P offset,
 #: length)``.
 Segment = tuple[int, int, int, int, int, int, int]
-#: What D reads of one P rank, computed once per P rank's metadata and head plan
-#: (:class:`AddressPlans`): its direct segments, and the staged regions
-#: (local region -> (P's region index, slices)).
-RankPlan = tuple[tuple[Segment, ...], dict[int, tuple[int, list[HeadSlice]]]]
+#: From this many ranges (segments times runs of blocks) a load's ranges are computed with
+#: numpy; below, numpy's fixed cost is more than the Python loop's
+VECTOR_MIN_RANGES = 128
+
+
+class LoadBlocks:
+    """A load's blocks as the address arithmetic wants them: ``(local, P)`` id pairs sorted
+    by local id, and their runs of blocks consecutive on both sides (``(local, P, count)``).
+
+    Args:
+        local_ids: the local block ids.
+        remote_ids: P's block ids, one for each local id.
+    """
+
+    __slots__ = ("pairs", "runs", "_arrays")
+
+    def __init__(self, local_ids: Sequence[int], remote_ids: Sequence[int]) -> None:
+        if len(local_ids) == 1:  # the common small load: no sort
+            self.pairs = [(local_ids[0], remote_ids[0])]
+            self.runs = [(local_ids[0], remote_ids[0], 1)]
+        else:
+            self.pairs = sorted(zip(local_ids, remote_ids, strict=True))
+            runs: list[tuple[int, int, int]] = []
+            for lb, rb in self.pairs:
+                if runs:
+                    l0, r0, c = runs[-1]
+                    if lb == l0 + c and rb == r0 + c:
+                        runs[-1] = (l0, r0, c + 1)
+                        continue
+                runs.append((lb, rb, 1))
+            self.runs = runs
+        self._arrays: tuple[np.ndarray, ...] | None = None
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        """The runs and the pairs as int64 arrays: run local ids, run P ids, run counts,
+        pair local ids, pair P ids."""
+        if self._arrays is None:
+            runs = np.asarray(self.runs, dtype=np.int64).reshape(-1, 3)
+            pairs = np.asarray(self.pairs, dtype=np.int64).reshape(-1, 2)
+            self._arrays = (runs[:, 0], runs[:, 1], runs[:, 2], pairs[:, 0], pairs[:, 1])
+        return self._arrays
+
+
+class DirectPlan:
+    """A P rank's direct segments, ready to be multiplied by a load's blocks: each segment's
+    first byte on both sides, its strides and length (computed once per P rank's metadata
+    and head plan, kept by :class:`AddressPlans`).
+
+    A segment that is a whole block on both sides (its length both strides) reads a run of
+    blocks consecutive on both sides as one range; any other reads a range per block.
+    Ranges of different segments are not merged (regions are separate tensors: adjacent only
+    by chance of the allocator, when merging would save a range, not bytes).
+
+    Attributes:
+        segments: the segments it was made of.
+        whole_blocks: every segment is a whole block on both sides.
+    """
+
+    def __init__(self, segments: Sequence[Segment]) -> None:
+        self.segments = tuple(segments)
+        rows = [(lb + ol, ls, rb + orr, rs, n, n == ls == rs)
+                for lb, ls, ol, rb, rs, orr, n in self.segments]
+        self._rows = rows
+        self.whole_blocks = all(row[5] for row in rows)
+        cols = np.asarray([row[:5] for row in rows], dtype=np.int64).reshape(-1, 5)
+        whole = np.asarray([row[5] for row in rows], dtype=bool)
+        # (local first, local stride, P first, P stride, length) of the whole-block segments
+        # and of the others, as columns
+        self._whole = tuple(cols[whole].T.copy())
+        self._part = tuple(cols[~whole].T.copy())
+        self._n_whole = int(whole.sum())
+
+    def count(self, blocks: LoadBlocks) -> int:
+        """How many ranges :meth:`ranges` makes of ``blocks``."""
+        return (self._n_whole * len(blocks.runs)
+                + (len(self._rows) - self._n_whole) * len(blocks.pairs))
+
+    def ranges(self, blocks: LoadBlocks) -> tuple[list[int], list[int], list[int]]:
+        """The load's byte ranges (local addresses, P addresses, lengths), none adjacent to
+        another of the same segment on both sides."""
+        if self.count(blocks) >= VECTOR_MIN_RANGES:
+            return self._vector(blocks)
+        loc: list[int] = []
+        rem: list[int] = []
+        lens: list[int] = []
+        runs = blocks.runs
+        singles = [(lb, rb, 1) for lb, rb in blocks.pairs] if not self.whole_blocks else runs
+        for lf, ls, rf, rs, n, whole in self._rows:
+            for lb, rb, c in (runs if whole else singles):
+                loc.append(lf + ls * lb)
+                rem.append(rf + rs * rb)
+                lens.append(n * c)
+        return loc, rem, lens
+
+    def _vector(self, blocks: LoadBlocks) -> tuple[list[int], list[int], list[int]]:
+        run_l, run_r, run_c, pair_l, pair_r = blocks.arrays()
+        parts = []
+        for (lf, ls, rf, rs, n), (bl, br, bc) in (
+                (self._whole, (run_l, run_r, run_c)),
+                (self._part, (pair_l, pair_r, None))):
+            if not lf.size:
+                continue
+            parts.append(((lf[:, None] + ls[:, None] * bl).ravel(),
+                          (rf[:, None] + rs[:, None] * br).ravel(),
+                          (n[:, None] * (bc if bc is not None else 1)
+                           + np.zeros((1, bl.size), dtype=np.int64)).ravel()))
+        if len(parts) == 1:
+            loc, rem, lens = parts[0]
+        else:
+            loc, rem, lens = (np.concatenate(col) for col in zip(*parts, strict=True))
+        return loc.tolist(), rem.tolist(), lens.tolist()
+
+
+class RankPlan:
+    """What D reads of one P rank, computed once per P rank's metadata and head plan
+    (:class:`AddressPlans`).
+
+    Attributes:
+        direct: its direct segments (read straight into the local blocks).
+        staged: the staged regions (local region -> (P's region index, slices)).
+    """
+
+    __slots__ = ("direct", "staged")
+
+    def __init__(self, segments: Sequence[Segment],
+                 staged: dict[int, tuple[int, list[HeadSlice]]]) -> None:
+        self.direct = DirectPlan(segments)
+        self.staged = staged
 
 
 class AddressPlans:
@@ -101,12 +230,12 @@ def read_request(te: MooncakeTransferEngine, layout: KVCacheLayout, meta: RecvMe
     layout.check_block_ids(meta.local_block_ids, what="local block ids")
     staged: dict[int, tuple[int, list[HeadSlice]]] = {}
     moved = 0
+    blocks = LoadBlocks(meta.local_block_ids, meta.remote_block_ids)
     for p_rank, remote in remotes.items():
-        segments, rank_staged = (plans.get(layout, remote, p_rank, plan, stages)
-                                 if plans is not None
-                                 else _rank_plan(layout, remote, p_rank, plan, stages))
-        moved += _read_direct(te, meta, remote, segments)
-        for i, (j, slices) in rank_staged.items():
+        rank_plan = (plans.get(layout, remote, p_rank, plan, stages) if plans is not None
+                     else _rank_plan(layout, remote, p_rank, plan, stages))
+        moved += _read_direct(te, meta, remote, rank_plan.direct, blocks)
+        for i, (j, slices) in rank_plan.staged.items():
             staged.setdefault(i, (j, []))[1].extend(slices)
     for i, (j, slices) in staged.items():
         moved += _read_staged(te, layout.regions[i], j, meta, remotes, slices)
@@ -188,43 +317,36 @@ def _rank_plan(layout: KVCacheLayout, remote: AgentMeta, p_rank: int,
                 continue
             segments.append((region.base_addr, region.block_stride, off_l, r_base, r_stride,
                              off_r, length))
-    return tuple(segments), staged
+    return RankPlan(segments, staged)
 
 
 def _read_direct(te: MooncakeTransferEngine, meta: RecvMeta, remote: AgentMeta,
-                 segments: Sequence[Segment]) -> int:
-    """Read the request's blocks of P rank ``remote``'s direct ``segments`` (one batched
-    read); returns bytes."""
+                 direct: DirectPlan, blocks: LoadBlocks) -> int:
+    """Read the request's blocks of P rank ``remote``'s direct segments (one batched read);
+    returns bytes."""
     check_remote_blocks(meta, remote)
-    if not segments:
+    if not direct.segments:
         return 0
-    return te.read(remote.session, *direct_ranges(meta, segments))
+    return te.read(remote.session, *direct.ranges(blocks), merged=True)
 
 
 def check_remote_blocks(meta: RecvMeta, remote: AgentMeta) -> None:
     """Raise :class:`RemoteKVUnavailable` (``bad_blocks``) for a remote block id outside P
     rank ``remote``'s cache."""
+    ids = meta.remote_block_ids
     p_blocks = remote.layout.num_blocks
-    for b in meta.remote_block_ids:
-        if not 0 <= b < p_blocks:
-            raise RemoteKVUnavailable(f"remote block id {b} is outside P's cache "
-                                      f"[0, {p_blocks})", code="bad_blocks")
+    if ids and not (min(ids) >= 0 and max(ids) < p_blocks):
+        bad = next(b for b in ids if not 0 <= b < p_blocks)
+        raise RemoteKVUnavailable(f"remote block id {bad} is outside P's cache "
+                                  f"[0, {p_blocks})", code="bad_blocks")
 
 
 def direct_ranges(meta: RecvMeta, segments: Sequence[Segment]
                   ) -> tuple[list[int], list[int], list[int]]:
     """The byte ranges (local addresses, remote addresses, lengths) of the request's blocks
-    in a P rank's direct ``segments``."""
-    local_addrs: list[int] = []
-    remote_addrs: list[int] = []
-    lengths: list[int] = []
-    blocks = list(zip(meta.local_block_ids, meta.remote_block_ids, strict=True))
-    for l_base, l_stride, off_l, r_base, r_stride, off_r, length in segments:
-        for lb, rb in blocks:
-            local_addrs.append(l_base + lb * l_stride + off_l)
-            remote_addrs.append(r_base + rb * r_stride + off_r)
-            lengths.append(length)
-    return local_addrs, remote_addrs, lengths
+    in a P rank's direct ``segments`` (:meth:`DirectPlan.ranges`, for a caller without a
+    kept plan)."""
+    return DirectPlan(segments).ranges(LoadBlocks(meta.local_block_ids, meta.remote_block_ids))
 
 
 def _read_staged(te: MooncakeTransferEngine, region: KVRegion, index: int, meta: RecvMeta,

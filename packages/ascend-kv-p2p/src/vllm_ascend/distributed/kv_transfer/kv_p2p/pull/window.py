@@ -20,6 +20,13 @@ difference between the clocks (:func:`window_end`). A read that ends later is cl
 after it, which proves as much (held at the answer, and continuously since before the
 read: see :meth:`~.reader.PullReader._pull`).
 
+The tag is checked once a request, by D's scheduler when it parses the params; its
+verdict, the window's end, goes to the worker with the request
+(:attr:`~.contract.RecvMeta.window_until`, read through :func:`read_until`), which does not
+check the tag again. The verdict depends on the params alone, so it goes stale only by
+time: the worker compares it with its clock before the read goes out and when it ended, as
+above.
+
 D uses the window only with region addresses of the same P engine start
 (:func:`same_instance`): a P restarted at the same address is another instance, whose
 memory D's cached metadata does not describe. D's scheduler does not claim ahead a
@@ -108,10 +115,19 @@ def window_end(remote: RemotePrefill) -> float:
     return remote.held_at + remote.hold_s - CLOCK_SKEW_S
 
 
+def read_until(remote: RemotePrefill, verdict: float | None) -> float:
+    """:func:`window_end` of ``remote``, or the ``verdict`` D's scheduler sent with the
+    request (:attr:`~.contract.RecvMeta.window_until`: it checked the tag when it parsed the
+    params, so the worker does not check it again); ``None``: not judged, checked here."""
+    return window_end(remote) if verdict is None else verdict
+
+
 def in_window(remote: RemotePrefill, *, margin_s: float = AHEAD_MARGIN_S,
-              now: float | None = None) -> bool:
-    """Whether more than ``margin_s`` of the request's read window is left."""
-    return (time.time() if now is None else now) + margin_s < window_end(remote)
+              now: float | None = None, until: float | None = None) -> bool:
+    """Whether more than ``margin_s`` of the request's read window is left (``until``: its
+    :func:`window_end` if known already, not computed again)."""
+    end = window_end(remote) if until is None else until
+    return (time.time() if now is None else now) + margin_s < end
 
 
 def same_instance(remote: RemotePrefill, metas: Mapping[int, AgentMeta]) -> bool:
