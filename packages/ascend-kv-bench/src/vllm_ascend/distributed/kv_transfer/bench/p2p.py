@@ -60,7 +60,8 @@ from typing import Any
 
 from vllm_ascend.distributed.kv_transfer.core.local_reads import LOCAL_READS_ENV
 
-#: KV cache shape of the benchmark: 8 layers, CPU layout, 128 KiB per layer and block.
+#: KV cache shape of the benchmark: CPU layout, 128 KiB per layer and block, 8 layers unless
+#: ``--layers`` says otherwise (real models have 32-80: each layer is a byte range of a block).
 LAYERS = 8
 HEADS = 2
 BLOCK_TOKENS = 32
@@ -80,11 +81,11 @@ def _vllm_config(role: str, kv_port: int) -> Any:
         instance_id=f"{os.getpid()}-{time.time_ns()}")
 
 
-def _caches(fill: bool) -> dict[str, Any]:
+def _caches(fill: bool, layers: int = LAYERS) -> dict[str, Any]:
     import torch
 
     out = {}
-    for layer in range(LAYERS):
+    for layer in range(layers):
         t = torch.empty(NUM_BLOCKS, HEADS, BLOCK_TOKENS, 2 * HEAD_SIZE, dtype=torch.float16)
         t.fill_(layer + 1 if fill else 0)
         out[f"model.layers.{layer}.self_attn.attn"] = t
@@ -101,7 +102,7 @@ def _worker(role: str, kv_port: int) -> Any:
                       MetricsRecorder(P2P_METRICS), tp_rank=0, pp_rank=0)
 
 
-def prefill_process(kv_port: int, q_in: Any, q_out: Any) -> None:
+def prefill_process(kv_port: int, q_in: Any, q_out: Any, layers: int = LAYERS) -> None:
     """The P side: hold requests on command, serve the side channel, release on Done."""
     from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.contract import (
         MooncakeConnectorMetadata,
@@ -109,7 +110,7 @@ def prefill_process(kv_port: int, q_in: Any, q_out: Any) -> None:
     )
 
     worker = _worker("kv_producer", kv_port)
-    caches = _caches(fill=True)
+    caches = _caches(fill=True, layers=layers)
     worker.register_kv_caches(caches)
     assert worker.meta is not None
     q_out.put((worker.meta.session, worker.meta.region_addrs, worker.meta.region_strides,
@@ -180,7 +181,11 @@ def _connector_load(d: Any, q_in: Any, q_out: Any, rid: str, p_port: int,
         MooncakeConnectorMetadata,
         RecvMeta,
     )
-    from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.window import in_window, window_tag
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.window import (
+        in_window,
+        window_end,
+        window_tag,
+    )
 
     token = capability_token()  # P's capability for the request, as P's scheduler issues it
     held_at = time.time()  # P's scheduler stamps the params before its worker holds
@@ -199,14 +204,16 @@ def _connector_load(d: Any, q_in: Any, q_out: Any, rid: str, p_port: int,
     t0 = time.perf_counter()
     early = None
     sent = False
-    if ahead is not None and not in_window(remote):
+    # D's scheduler checks P's window tag once and sends its verdict with the request
+    until = window_end(remote)
+    if ahead is not None and not in_window(remote, until=until):
         # D's scheduler: get_num_new_matched_tokens sends the claim, update_state_after_alloc
         # hands the request over (with the answers if they are in already)
         ahead.start(rid, remote, p_blocks)
         sent, early = ahead.hand_over(rid, p_blocks)
     d.start_load_kv(MooncakeConnectorMetadata(requests={rid: RecvMeta(
         rid, d_blocks, remote, remote_block_ids=p_blocks, claimed_ahead=sent,
-        early_claims=early)}))
+        early_claims=early, window_until=until)}))
     deadline = t0 + 60
     while not d.wait_loads([rid], timeout=ENGINE_STEP_S):
         if time.perf_counter() > deadline:
@@ -275,17 +282,19 @@ class _Pair:
     """A P process holding requests on command and the D worker in this process that
     loads from it, both with the deployment key ``key`` (``None``: none)."""
 
-    def __init__(self, key: str | None) -> None:
+    def __init__(self, key: str | None, layers: int = LAYERS) -> None:
         from vllm_ascend.distributed.kv_transfer.core.net import free_port
         from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.scheduler import ClaimAhead
 
         self.key = key
+        self.layers = layers
         self.p_port = free_port()
         ctx = mp.get_context("spawn")
         self.q_in, self.q_out = ctx.Queue(), ctx.Queue()
         with _deployment_key(key):
             self.proc = ctx.Process(target=prefill_process,
-                                    args=(self.p_port, self.q_in, self.q_out), daemon=True)
+                                    args=(self.p_port, self.q_in, self.q_out, layers),
+                                    daemon=True)
             self.proc.start()
             self.d = _worker("kv_consumer", free_port())
             self.d.claim_ahead = ClaimAhead(lambda p_tp: {0: 1}, 10.0, reader="bench-scheduler",
@@ -295,7 +304,7 @@ class _Pair:
         """Wait for P's caches; register D's."""
         self.session, self.p_addrs, self.p_strides, self.instance = self.q_out.get(timeout=120)
         with _deployment_key(self.key):
-            self.d.register_kv_caches(_caches(fill=False))
+            self.d.register_kv_caches(_caches(fill=False, layers=self.layers))
         assert self.d.layout is not None and self.d.te is not None
 
     def raw(self, d_blocks: list[int], p_blocks: list[int], nbytes: int) -> float:
@@ -329,8 +338,8 @@ class _Pair:
         self.d.shutdown()
 
 
-def _measure(sizes: list[int], rounds: int, pairs: int, *,
-             keyed: bool = False) -> list[dict[str, Any]]:
+def _measure(sizes: list[int], rounds: int, pairs: int, *, keyed: bool = False,
+             layers: int = LAYERS) -> list[dict[str, Any]]:
     """``rounds`` rounds of alternating raw reads and connector loads per size, between a
     P process and a D worker without a deployment key; with ``keyed``, loads of a second
     pair with a fresh key (sealed frames, claim tokens, regions with the grant) alternate
@@ -338,8 +347,8 @@ def _measure(sizes: list[int], rounds: int, pairs: int, *,
     import random
     import secrets
 
-    plain = _Pair(None)
-    sealed = _Pair(secrets.token_hex(32)) if keyed else None
+    plain = _Pair(None, layers)
+    sealed = _Pair(secrets.token_hex(32), layers) if keyed else None
     rows: list[dict[str, Any]] = []
     try:
         plain.connect()
@@ -490,7 +499,7 @@ def run(args: argparse.Namespace) -> int:
     # the connector is measured over the transport of the raw read it is compared with: P
     # (spawned, with this environment) advertises no same-host reads, D makes none
     with _environ({LOCAL_READS_ENV: "0"}):
-        rows = _measure(sizes, rounds, pairs, keyed=args.auth)
+        rows = _measure(sizes, rounds, pairs, keyed=args.auth, layers=args.layers)
     cols = ["blocks", "bytes", "raw_GBps", "connector_GBps", "ratio", "ratio_min", "ratio_max",
             "raw_ms", "connector_ms", *(f"ratio_{m}" for m in MODES), "window_reads"]
     if args.auth:
@@ -530,7 +539,7 @@ def run(args: argparse.Namespace) -> int:
         "pairs": pairs,
         "goal": "ratio >= 0.9 (the 95% bootstrap interval over the rounds at or above 0.9 to "
                 "count as met)",
-        "layout": {"layers": LAYERS, "block_bytes_per_layer": HEADS * BLOCK_TOKENS * 2 *
+        "layout": {"layers": args.layers, "block_bytes_per_layer": HEADS * BLOCK_TOKENS * 2 *
                    HEAD_SIZE * 2},
         "keyed": bool(args.auth),
         "results": rows}, args.out)
@@ -548,6 +557,9 @@ def add_parser(subparsers: Any) -> None:
                    help="rounds per size (each gives one ratio; median and min-max reported)")
     p.add_argument("--pairs", type=int, default=3,
                    help="alternating loads of the raw engine and each claim mode per round")
+    p.add_argument("--layers", type=int, default=LAYERS,
+                   help="KV cache layers of both workers (each a byte range of every block "
+                        "read; real models have 32-80; default: %(default)s)")
     p.add_argument("--auth", action="store_true",
                    help="a second pair with a deployment key, its loads alternating with the "
                         "others (keyed_* in each result)")
