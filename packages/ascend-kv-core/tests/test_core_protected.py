@@ -116,6 +116,27 @@ def test_the_gate_refuses_counts_and_names_both_ways_out(
     assert protected.PeerGate("g", keyed=False).refusal(FOREIGN) is None
 
 
+def test_the_gate_remembers_local_peers_for_a_while_only(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check runs on every message: a peer found local is remembered (no lookup per
+    message), and forgotten after REMEMBER_S (an address may leave this host)."""
+    local = {"10.77.0.9"}
+    calls: list[str | None] = []
+
+    def lookup(address: str | None) -> bool:
+        calls.append(address)
+        return address in local
+
+    monkeypatch.setattr(protected, "is_local", lookup)
+    gate = protected.PeerGate("gate-memory", keyed=False, endpoint="tcp://10.77.0.1:1")
+    assert gate.refusal("10.77.0.9") is None and gate.refusal("10.77.0.9") is None
+    assert calls == ["10.77.0.9"]
+    local.clear()  # the address left this host
+    monkeypatch.setattr(protected, "REMEMBER_S", 0.0)
+    assert gate.refusal("10.77.0.9") is not None
+    assert calls == ["10.77.0.9", "10.77.0.9"]
+
+
 # ---------------------------------------------------------------- ZeroMQ's peer address
 def _peer_address(host: str) -> str:
     ctx = zmq.Context.instance()

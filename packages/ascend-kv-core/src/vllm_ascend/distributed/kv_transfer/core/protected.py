@@ -47,6 +47,10 @@ REFUSAL = auth.REASON_PROTECTED_MODE
 REFRESH_S = 5.0
 #: Peers whose first refusal was logged at WARNING (later ones at DEBUG), at most.
 _MAX_LOGGED = 256
+#: Peer addresses a gate remembers as local (at most), and for how long (seconds): the
+#: check runs on every message, a remembered address skips it.
+_MAX_REMEMBERED = 1024
+REMEMBER_S = 60.0
 
 
 class _SockAddr(ctypes.Structure):
@@ -181,11 +185,25 @@ class PeerGate:
         self.active = (not keyed and not local_transport(endpoint)
                        and not auth.allow_unauthenticated(env))
         self._logged: set[str] = set()
+        #: peers found local lately (forgotten every REMEMBER_S: an address may leave)
+        self._local: set[str] = set()
+        self._local_since = time.monotonic()
+
+    def _is_local(self, peer: str | None) -> bool:
+        if peer in self._local:
+            if time.monotonic() - self._local_since < REMEMBER_S:
+                return True
+            self._local, self._local_since = set(), time.monotonic()
+        if not is_local(peer):
+            return False
+        if peer and len(self._local) < _MAX_REMEMBERED:
+            self._local.add(peer)
+        return True
 
     def refusal(self, peer: str | None) -> str | None:
         """None when a peer connecting from ``peer`` is served; else the refusal text (the
         refusal is counted and logged: the first of each peer at WARNING)."""
-        if not self.active or is_local(peer):
+        if not self.active or self._is_local(peer):
             return None
         auth.count_refusal(self.socket, REFUSAL)
         key = peer or "?"
