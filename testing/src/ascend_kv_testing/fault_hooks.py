@@ -140,7 +140,8 @@ def slow_read(llm: Any, flag_dir: str, pieces: int = 64, pause_s: float = 0.03) 
     original = te.read
     flags = Path(flag_dir)
 
-    def sliced(peer: str, local: Any, remote: Any, lengths: Any) -> int:
+    def sliced(peer: str, local: Any, remote: Any, lengths: Any, **kwargs: Any) -> int:
+        # kwargs: the read's own options (``merged``, ``wait``), kept for every piece
         te.read = original
         ranges: list[tuple[int, int, int]] = []
         total = sum(lengths)
@@ -154,7 +155,7 @@ def slow_read(llm: Any, flag_dir: str, pieces: int = 64, pause_s: float = 0.03) 
             for i in range(0, len(ranges), per):
                 part = ranges[i:i + per]
                 moved += original(peer, [r[0] for r in part], [r[1] for r in part],
-                                  [r[2] for r in part])
+                                  [r[2] for r in part], **kwargs)
                 landed += 1
                 if landed == 1:
                     (flags / "reading").touch()
