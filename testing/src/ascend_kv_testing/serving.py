@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``vllm serve`` instances and the P/D proxy as real processes, for fault and soak tests.
+"""``vllm serve`` instances, the P/D proxy and vLLM's router as real processes, for end-to-end,
+fault and soak tests.
 
 Every process runs in its own process group with its output in a log file; the log tail
 goes into every error so a failed start says why.
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .procs import free_port, spawn, stop
+from .requires import require_binary
 
 HOST = "127.0.0.1"
 MODEL_NAME = "tiny"
@@ -153,6 +155,41 @@ def proxy(name: str, logs: Path, prefill: list[str], decode: list[str], *extra: 
     for url in decode:
         cmd += ["--decode", url]
     return Server(name, [*cmd, *extra], port, logs, env or serve_env())
+
+
+#: vLLM's Rust router on the package index, the version the e2e sessions install (noxfile.py).
+VLLM_ROUTER = "vllm-router==0.1.17"
+
+
+class RouterServer(Server):
+    """``vllm-router`` (:func:`vllm_router`): its HTTP port and its Prometheus port."""
+
+    def __init__(self, name: str, cmd: list[str], port: int, prometheus_port: int,
+                 logs: Path, env: dict[str, str]) -> None:
+        super().__init__(name, cmd, port, logs, env)
+        self.prometheus_port = prometheus_port
+
+    @property
+    def prometheus_url(self) -> str:
+        return f"http://{HOST}:{self.prometheus_port}"
+
+
+def vllm_router(name: str, logs: Path, prefill: list[str], decode: list[str], *extra: str,
+                policy: str = "round_robin", env: dict[str, str] | None = None) -> RouterServer:
+    """Start vLLM's router (``vllm-router --vllm-pd-disaggregation``, the executable beside
+    this interpreter) in front of the given P and D instances, its HTTP and Prometheus ports
+    both on ``HOST`` (free ports); it checks the instances' health every second at start (its
+    default waits 30 s between checks)."""
+    exe = require_binary("vllm-router", VLLM_ROUTER)
+    port, prometheus = free_port(), free_port()
+    cmd = [exe, "--vllm-pd-disaggregation", "--host", HOST, "--port", str(port),
+           "--prometheus-host", HOST, "--prometheus-port", str(prometheus),
+           "--policy", policy, "--worker-startup-check-interval", "1"]
+    for url in prefill:
+        cmd += ["--prefill", url]
+    for url in decode:
+        cmd += ["--decode", url]
+    return RouterServer(name, [*cmd, *extra], port, prometheus, logs, env or serve_env())
 
 
 def http(url: str, body: Any = None, *, raw: bytes | None = None, timeout: float = 120.0,
