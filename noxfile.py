@@ -184,7 +184,8 @@ for _dist in PACKAGES:
 E2E_TP = ("test_uneven_tp_e2e.py", "test_mla_tp_e2e.py", "test_p2p_hetero_tp_e2e.py",
           "test_p2p_pp_e2e.py")
 #: 2 P + 2 D ``vllm serve`` behind the proxy, layerwise, failover and vLLM's benchmark client
-#: at concurrency 8 and 16 (several minutes): ``nox -s e2e-fleet``, outside the default set.
+#: at concurrency 8 and 16, and behind vLLM's router (several minutes): ``nox -s e2e-fleet``,
+#: outside the default set.
 E2E_FLEET = ("test_p2p_fleet_e2e.py",)
 
 
@@ -213,7 +214,8 @@ def e2e_fleet(session: nox.Session) -> None:
     """2 P + 2 D real ``vllm serve`` behind the proxy (tests-e2e/test_p2p_fleet_e2e.py):
     layerwise and pull, the load spread over all four, a P and a D SIGKILLed under load and
     taken back after restart, vLLM's benchmark client at concurrency 8 and 16 (random and
-    prefix_repetition): nothing fails, no block stays held."""
+    prefix_repetition): nothing fails, no block stays held; the same behind vLLM's router
+    (``vllm-router``, concurrency 8 and 16)."""
     install_everything(session, VLLM_ROUTER)
     run_pytest(session, *[str(ROOT / "tests-e2e" / f) for f in E2E_FLEET], timeout=1800)
 

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""2 P and 2 D ``vllm serve`` instances behind ``vllm-ascend-pd-proxy``, all real: the fleet
-runs of issue 18, outside the default e2e session (``nox -s e2e-fleet``, several minutes).
+"""2 P and 2 D ``vllm serve`` instances behind ``vllm-ascend-pd-proxy`` and vLLM's router, all
+real: the fleet runs of issues 18 and 53, outside the default e2e session (``nox -s e2e-fleet``,
+several minutes).
 
 * Layerwise (``--mode layerwise``): completions equal a single instance's and the load
   spreads over all four instances.
@@ -14,8 +15,12 @@ runs of issue 18, outside the default e2e session (``nox -s e2e-fleet``, several
     no block afterwards: the proxy re-sends what D had to the other D, whose Done frees P's
     blocks, and two requests handed to the dead D directly (no proxy renewing, none
     re-sending) are freed by P's lease lapsing.
+* Behind vLLM's router (``vllm-router==0.1.17 --vllm-pd-disaggregation --policy
+  round_robin``), pull mode, P's lease the default: completions equal a single instance's,
+  and vLLM's benchmark client at concurrency 8 and 16 fails nothing; every request D
+  finished had its KV loaded from a P, every engine took a share, no block is left held.
 
-The two fleets run one after the other (class-scoped fixtures), four engines at most.
+The three fleets run one after the other (class-scoped fixtures), four engines at most.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from ascend_kv_testing.serving import (
     proxy,
     start_all,
     started,
+    vllm_router,
     vllm_serve,
     wait_metric,
 )
@@ -205,6 +211,60 @@ def pull_fleet(model: Path, tmp_path_factory: pytest.TempPathFactory
                      ("--policy", "least_loaded", "--lease-renew-interval", "1"))
 
 
+@pytest.fixture(scope="class")
+def router_fleet(model: Path, tmp_path_factory: pytest.TempPathFactory
+                 ) -> Iterator[dict[str, Server]]:
+    """2P+2D pull mode, P's lease the default (30 s), and vLLM's router (``vllm-router
+    --vllm-pd-disaggregation --policy round_robin``) in front of them beside our proxy (idle
+    here). Not the pull fleet: nothing renews P's leases behind vLLM's router until D's
+    scheduler looks at a request, and with that fleet's 3 s lease requests queued on D under
+    load lost their blocks (2 of 32 failed at concurrency 16)."""
+    logs = tmp_path_factory.mktemp("fleet-vllm-router-logs")
+    engines = fleet(model, logs, lambda role, engine_id: kv_config(role, engine_id), ())
+    servers = next(engines)
+    try:
+        servers["vllm-router"] = started(lambda: vllm_router(
+            "vllm-router", logs, [servers["p0"].url, servers["p1"].url],
+            [servers["d0"].url, servers["d1"].url]))
+        yield servers
+    finally:
+        engines.close()  # stops every server of the dict, the router too
+
+
+def engine_counts(servers: dict[str, Server]) -> dict[str, float]:
+    """Each D's finished and loaded requests, each P's requests served to D."""
+    out: dict[str, float] = {}
+    for k in ENGINES:
+        m = metrics(servers[k].url)
+        if k[0] == "d":
+            out[f"{k}.done"], out[f"{k}.loaded"] = m.get(REQUESTS_DONE, 0.0), m.get(LOADED, 0.0)
+        else:
+            out[f"{k}.served"] = m.get("vllm:ascend_kv_p2p_requests_served_total", 0.0)
+    return out
+
+
+def moved_through(servers: dict[str, Server], before: dict[str, float], n: int) -> None:
+    """``n`` requests since ``before``: each D finished and loaded the same requests (every
+    one's KV from a P), the P's served them, every engine took a share, no P holds a block."""
+    nothing_held(servers)
+    deadline = time.monotonic() + 30  # vLLM publishes a step's stats a little late
+    while True:
+        delta = {k: v - before[k] for k, v in engine_counts(servers).items()}
+        if delta["d0.done"] + delta["d1.done"] >= n or time.monotonic() > deadline:
+            break
+        time.sleep(0.25)
+    for k in ("d0", "d1"):
+        delta[f"{k}.loaded"] = wait_metric(
+            servers[k].url, LOADED,
+            lambda v, k=k: v >= before[f"{k}.loaded"] + delta[f"{k}.done"],  # type: ignore[misc]
+        ) - before[f"{k}.loaded"]
+    assert delta["d0.done"] + delta["d1.done"] == n, delta
+    assert delta["d0.loaded"] == delta["d0.done"] and delta["d1.loaded"] == delta["d1.done"], \
+        delta
+    assert delta["p0.served"] + delta["p1.served"] == n, delta
+    assert min(delta.values()) >= 1, delta
+
+
 class TestLayerwise:
     @pytest.fixture
     def servers(self, layerwise_fleet: dict[str, Server]) -> dict[str, Server]:
@@ -350,3 +410,34 @@ class TestPull:
         after = served_counts(router.url)
         assert after["d1"] > before["d1"], after
         nothing_held(servers)
+
+
+class TestVllmRouter:
+    """The pull fleet's checks behind vLLM's router instead of our proxy."""
+
+    @pytest.fixture
+    def servers(self, router_fleet: dict[str, Server]) -> dict[str, Server]:
+        return router_fleet
+
+    def test_vllm_router_equals_single_instance(self, servers: dict[str, Server]) -> None:
+        """Behind vLLM's router: 8 prompts (4 at a time) give a single instance's tokens."""
+        texts = [prompt(900 + i) for i in range(8)]
+        want = reference(servers["d0"], texts)
+        before = engine_counts(servers)
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda t: tokens(servers["vllm-router"].url, t), texts))
+        assert got == want
+        moved_through(servers, before, len(texts))
+
+    @pytest.mark.parametrize("concurrency", [8, 16])
+    def test_vllm_router_bench_client(self, servers: dict[str, Server], model: Path,
+                                      tmp_path: Path, concurrency: int) -> None:
+        """vLLM's benchmark client through vLLM's router: nothing fails, every request's KV
+        was loaded by a D from a P, nothing is left held."""
+        n = 2 * concurrency
+        before = engine_counts(servers)
+        row = bench_client(servers["vllm-router"].url, model, tmp_path, num_prompts=n,
+                           concurrency=concurrency, input_len=64, output_len=8, seed=9)
+        assert row["failed"] == 0 and row["completed"] == n, row
+        moved_through(servers, before, n)
+        print(f"vllm-router, 2P+2D, {n} prompts at concurrency {concurrency}: {row}")
