@@ -259,8 +259,7 @@ def test_without_a_key_a_token_is_optional_but_a_wrong_one_is_refused(
 
 
 def test_metaserver_wants_the_bearer_token_and_d_sends_it(keyed: None) -> None:
-    from fastapi.testclient import TestClient
-
+    from ascend_kv_testing.serving import local_test_client
     from vllm_ascend.distributed.kv_transfer.core.retry import RetryPolicy
     from vllm_ascend.distributed.kv_transfer.kv_p2p.config import TLSConfig
     from vllm_ascend.distributed.kv_transfer.kv_p2p.layerwise.metaserver import MetaserverClient
@@ -275,7 +274,7 @@ def test_metaserver_wants_the_bearer_token_and_d_sends_it(keyed: None) -> None:
     assert headers["Authorization"] == "Bearer " + Authenticator(
         [KEY.encode()]).bearer_token(auth.PURPOSE_METASERVER)
     before = {r: refused("proxy-metaserver", r) for r in ("unauthenticated", "bad_token")}
-    with TestClient(app) as client:
+    with local_test_client(app) as client:
         r = client.post("/v1/metaserver", json={"request_id": "x"})
         assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
         wrong = Authenticator([b"an-outsiders-guess-at-the-key"]).bearer_token("metaserver")
@@ -291,8 +290,7 @@ def test_metaserver_wants_the_bearer_token_and_d_sends_it(keyed: None) -> None:
 
 def test_without_a_key_the_metaserver_and_its_client_are_as_before(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from fastapi.testclient import TestClient
-
+    from ascend_kv_testing.serving import local_test_client
     from vllm_ascend.distributed.kv_transfer.core.retry import RetryPolicy
     from vllm_ascend.distributed.kv_transfer.kv_p2p.config import TLSConfig
     from vllm_ascend.distributed.kv_transfer.kv_p2p.layerwise.metaserver import MetaserverClient
@@ -307,5 +305,5 @@ def test_without_a_key_the_metaserver_and_its_client_are_as_before(
     app = build_app(ProxyConfig(prefill=["http://127.0.0.1:9"], decode=["http://127.0.0.1:9"],
                                 health_interval_s=60, mode="layerwise",
                                 metaserver_url="http://127.0.0.1:1/v1/metaserver"))
-    with TestClient(app) as client:
+    with local_test_client(app) as client:
         assert client.post("/v1/metaserver", json={"request_id": "x"}).status_code == 404

@@ -225,9 +225,9 @@ def test_metaserver_rejects_bad_and_unknown_posts(proxy_for: Any) -> None:
 
 
 def test_pull_mode_has_no_metaserver() -> None:
-    from fastapi.testclient import TestClient
+    from ascend_kv_testing.serving import local_test_client
 
-    with TestClient(build_app(ProxyConfig(prefill=["http://a"], decode=["http://b"],
+    with local_test_client(build_app(ProxyConfig(prefill=["http://a"], decode=["http://b"],
                                           health_interval_s=60))) as client:
         assert client.post("/v1/metaserver", json={"request_id": "x"}).status_code == 404
 

@@ -87,12 +87,12 @@ class FakeVLLM:
 
 @pytest.fixture
 def client_for() -> Iterator[Any]:
-    from fastapi.testclient import TestClient
+    from ascend_kv_testing.serving import local_test_client
 
     clients = []
 
-    def make(prefill: list[str], decode: list[str], **kw: Any) -> TestClient:
-        c = TestClient(build_app(ProxyConfig(prefill=prefill, decode=decode,
+    def make(prefill: list[str], decode: list[str], **kw: Any) -> Any:
+        c = local_test_client(build_app(ProxyConfig(prefill=prefill, decode=decode,
                                              health_interval_s=60, **kw)))
         c.__enter__()
         clients.append(c)

@@ -16,9 +16,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from fastapi.testclient import TestClient
 
 from ascend_kv_testing.keys import set_deployment_key
+from ascend_kv_testing.serving import local_test_client
 from vllm_ascend.distributed.kv_transfer.core import auth, protected
 from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.app import ProxyConfig, build_app
 from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.routes import PURPOSE_ADMIN
@@ -43,13 +43,13 @@ def no_key(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def clients() -> Iterator[Any]:
-    opened: list[TestClient] = []
+    opened: list[Any] = []
 
-    def make(client: tuple[str, int] | None = None, mode: str = "pull") -> TestClient:
+    def make(client: tuple[str, int] | None = None, mode: str = "pull") -> Any:
         metaserver = "http://127.0.0.1:3/v1/metaserver" if mode == "layerwise" else None
         app = build_app(ProxyConfig(prefill=[P_URL], decode=[D_URL], health_interval_s=60,
                                     mode=mode, metaserver_url=metaserver))
-        c = TestClient(app, client=client) if client else TestClient(app)
+        c = local_test_client(app, client=client) if client else local_test_client(app)
         c.__enter__()
         opened.append(c)
         return c
@@ -86,6 +86,15 @@ def test_without_a_key_status_and_metrics_serve_this_host_only(clients: Any) -> 
     for client in (clients(), clients(("127.0.0.1", 40000)), clients(("::1", 40000))):
         assert client.get("/status").json()["prefill"][0]["url"] == P_URL
         assert client.get("/metrics").status_code == 200
+
+
+def test_without_a_key_a_client_host_that_is_no_address_is_refused(clients: Any) -> None:
+    """Only an address is placed on this host: a name (Starlette's in-process client says
+    "testclient"; uvicorn takes X-Forwarded-For from senders FORWARDED_ALLOW_IPS trusts) is
+    refused like any peer elsewhere."""
+    for name in ("testclient", "localhost"):
+        r = clients((name, 40000)).get("/status")
+        assert r.status_code == 403 and r.json()["error"]["type"] == "protected_mode", name
 
 
 def test_without_a_key_this_hosts_own_address_is_served(clients: Any) -> None:

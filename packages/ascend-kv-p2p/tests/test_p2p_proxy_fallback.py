@@ -101,12 +101,12 @@ class Stub:
 
 @pytest.fixture
 def client_for() -> Iterator[Any]:
-    from fastapi.testclient import TestClient
+    from ascend_kv_testing.serving import local_test_client
 
     clients = []
 
-    def make(prefill: list[str], decode: list[str], **kw: Any) -> TestClient:
-        c = TestClient(build_app(ProxyConfig(prefill=prefill, decode=decode,
+    def make(prefill: list[str], decode: list[str], **kw: Any) -> Any:
+        c = local_test_client(build_app(ProxyConfig(prefill=prefill, decode=decode,
                                              health_interval_s=60, lease_renew_interval_s=0,
                                              **kw)))
         c.__enter__()

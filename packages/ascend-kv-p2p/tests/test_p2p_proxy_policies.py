@@ -174,7 +174,7 @@ def two_p_one_d() -> Iterator[tuple[list[str], str]]:
 
 def test_a_registered_policy_is_selectable_by_name(
         registry: None, two_p_one_d: tuple[list[str], str]) -> None:
-    from fastapi.testclient import TestClient
+    from ascend_kv_testing.serving import local_test_client
 
     assert "last_first" not in policy_names()
     register_policy(LastFirst)
@@ -187,7 +187,7 @@ def test_a_registered_policy_is_selectable_by_name(
     prefill, decode = two_p_one_d
     cfg = ProxyConfig(prefill=prefill, decode=[decode], policy="last_first",
                       health_interval_s=60, lease_renew_interval_s=0)
-    with TestClient(build_app(cfg)) as client:
+    with local_test_client(build_app(cfg)) as client:
         for _ in range(2):
             assert client.post("/v1/completions", json={"prompt": "x"}).status_code == 200
         served = {p["url"]: p["served"] for p in client.get("/status").json()["prefill"]}

@@ -258,12 +258,12 @@ def test_shared_prefix_lands_on_the_instance_that_cached_it(
 
 
 def test_instances_added_and_removed_under_load(cluster: tuple[list[StubP], StubD]) -> None:
-    from fastapi.testclient import TestClient
+    from ascend_kv_testing.serving import local_test_client
 
     ps, d = cluster
     cfg = ProxyConfig(prefill=[ps[0].url], decode=[d.url], policy="kv_aware",
                       health_interval_s=60, kv=KvAwareSettings(events={ps[0].url: ps[0].events}))
-    with TestClient(build_app(cfg)) as client:
+    with local_test_client(build_app(cfg)) as client:
         stop = threading.Event()
         codes: list[int] = []
 
@@ -311,8 +311,7 @@ def change_instances_while_loaded(client: Any, ps: list[StubP], d: StubD) -> Non
 
 def test_admin_wants_the_bearer_token_with_a_key(monkeypatch: pytest.MonkeyPatch,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
-    from fastapi.testclient import TestClient
-
+    from ascend_kv_testing.serving import local_test_client
     from vllm_ascend.distributed.kv_transfer.core import auth
 
     monkeypatch.setenv(auth.ENV_KEY, "k" * 64)
@@ -320,7 +319,7 @@ def test_admin_wants_the_bearer_token_with_a_key(monkeypatch: pytest.MonkeyPatch
     token = capsys.readouterr().out.strip()
     cfg = ProxyConfig(prefill=["http://127.0.0.1:1"], decode=["http://127.0.0.1:2"],
                       health_interval_s=60)
-    with TestClient(build_app(cfg)) as client:
+    with local_test_client(build_app(cfg)) as client:
         body = {"role": "decode", "url": "http://127.0.0.1:3"}
         assert client.post("/admin/instances", json=body).status_code == 401
         assert client.post("/admin/instances", json=body,
@@ -334,11 +333,11 @@ def test_admin_wants_the_bearer_token_with_a_key(monkeypatch: pytest.MonkeyPatch
 
 
 def test_admin_without_a_key_answers_loopback_only() -> None:
-    from fastapi.testclient import TestClient
+    from ascend_kv_testing.serving import local_test_client
 
     cfg = ProxyConfig(prefill=["http://127.0.0.1:1"], decode=["http://127.0.0.1:2"],
                       health_interval_s=60)
-    with TestClient(build_app(cfg), client=("10.1.2.3", 5000)) as client:
+    with local_test_client(build_app(cfg), client=("10.1.2.3", 5000)) as client:
         assert client.get("/admin/instances").status_code == 403
 
 

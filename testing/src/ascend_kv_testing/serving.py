@@ -86,6 +86,21 @@ class Server:
         stop(self.proc, timeout=20)
 
 
+#: Where :func:`local_test_client` says its requests come from: this host.
+LOOPBACK_CLIENT = ("127.0.0.1", 50000)
+
+
+def local_test_client(app: Any, **kwargs: Any) -> Any:
+    """Starlette's in-process ``TestClient`` over ``app``, its requests coming from this host
+    (127.0.0.1) unless ``client=`` says otherwise. Its own default client host,
+    ``"testclient"``, is no address: the proxy's protected mode refuses it, as it refuses any
+    peer it cannot place on this host."""
+    from fastapi.testclient import TestClient
+
+    kwargs.setdefault("client", LOOPBACK_CLIENT)
+    return TestClient(app, **kwargs)
+
+
 def serve_env(**extra: str) -> dict[str, str]:
     """Environment of ``vllm serve`` children (loopback, small KV cache, engine core in its
     own process as in production). ``ENGINE_ENV`` is ascend-kv-bench's, imported here: the

@@ -37,14 +37,13 @@ logger = logging.getLogger(__name__)
 
 #: The bearer-token purpose of ``/status``, ``/metrics`` and ``/admin/instances``.
 PURPOSE_ADMIN = "proxy-admin"
-#: The client host Starlette's in-process ``TestClient`` reports (no socket: this process).
-_IN_PROCESS = "testclient"
 
 
 def client_host(request: Request) -> str | None:
-    """The address the HTTP client connects from (None: unknown)."""
-    host = request.client.host if request.client else None
-    return "127.0.0.1" if host == _IN_PROCESS else host
+    """The address the HTTP client connects from (None: unknown). Nothing but an address is
+    taken for a local one (a name that uvicorn could take from ``X-Forwarded-For``, where
+    ``FORWARDED_ALLOW_IPS`` trusts the sender, is refused by protected mode as unknown)."""
+    return request.client.host if request.client else None
 
 
 def refuse_remote(gate: protected.PeerGate, request: Request) -> Response | None:
