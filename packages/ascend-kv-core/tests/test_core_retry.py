@@ -138,3 +138,49 @@ def test_retry_policy_parses_from_config() -> None:
     assert policy == RetryPolicy(attempts=4, delay_s=0.05, max_delay_s=1.0)
     assert [policy.next_delay(n, started=0.0, now=0.0) for n in range(4)] == [
         0.05, 0.1, 0.2, None]
+
+
+class _Refused(Exception):
+    def __init__(self, retryable: bool) -> None:
+        super().__init__("retryable" if retryable else "final")
+        self.retryable = retryable
+
+
+def _calls(outcomes: list[object]) -> tuple[list[float], object]:
+    """A call that raises or returns the next of ``outcomes``; the times it was made."""
+    made: list[float] = []
+
+    def fn() -> object:
+        import time
+
+        made.append(time.monotonic())
+        out = outcomes.pop(0)
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    return made, fn
+
+
+def test_retry_policy_call_retries_what_it_is_told_then_returns_the_result() -> None:
+    policy = RetryPolicy(attempts=5, delay_s=0.001, backoff=1.0, max_delay_s=0.001)
+    made, fn = _calls([_Refused(True), _Refused(True), "ok"])
+    got = policy.call(fn, retry_if=lambda e: getattr(e, "retryable", False))  # type: ignore[arg-type]
+    assert (got.result, got.retries, len(made)) == ("ok", 2, 3)
+    assert made[-2] < got.sent_at <= made[-1]  # taken as the try that answered began
+
+
+def test_retry_policy_call_raises_at_once_what_it_must_not_retry() -> None:
+    policy = RetryPolicy(attempts=5, delay_s=0.001, backoff=1.0, max_delay_s=0.001)
+    made, fn = _calls([_Refused(True), _Refused(False), "never"])
+    with pytest.raises(_Refused, match="final"):
+        policy.call(fn, retry_if=lambda e: getattr(e, "retryable", False))  # type: ignore[arg-type]
+    assert len(made) == 2
+
+
+def test_retry_policy_call_raises_the_last_error_when_attempts_run_out() -> None:
+    policy = RetryPolicy(attempts=3, delay_s=0.001, backoff=1.0, max_delay_s=0.001)
+    made, fn = _calls([_Refused(True)] * 4)
+    with pytest.raises(_Refused, match="retryable"):
+        policy.call(fn, retry_if=lambda e: True)  # type: ignore[arg-type]
+    assert len(made) == 3

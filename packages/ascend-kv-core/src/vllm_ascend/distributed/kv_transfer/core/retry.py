@@ -30,13 +30,26 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from .config.base import ConfigSection, option
 from .errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RetryGuard", "RetryPolicy"]
+__all__ = ["Attempted", "RetryGuard", "RetryPolicy"]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Attempted(Generic[T]):
+    """What :meth:`RetryPolicy.call` got: the call's result, the ``time.monotonic()`` at
+    which the try that gave it started, and the retries made before it."""
+
+    result: T
+    sent_at: float
+    retries: int
 
 
 @dataclass(frozen=True)
@@ -115,6 +128,25 @@ class RetryPolicy(ConfigSection):
             return None if end - now <= delay + self.delay_s else delay
         return None if now >= end else delay
 
+
+    def call(self, fn: Callable[[], T], *, retry_if: Callable[[Exception], bool],
+             until: float = math.inf) -> Attempted[T]:
+        """``fn()``, tried again after an exception ``retry_if`` accepts, as
+        :meth:`next_delay` says (``until``: the caller's deadline); the last exception is
+        raised when no retry is made, any other at once."""
+        started = time.monotonic()
+        retries = 0
+        while True:
+            sent_at = time.monotonic()
+            try:
+                return Attempted(fn(), sent_at, retries)
+            except Exception as exc:
+                delay = (self.next_delay(retries, started=started, until=until)
+                         if retry_if(exc) else None)
+                if delay is None:
+                    raise
+            time.sleep(delay)
+            retries += 1
 
 class RetryGuard:
     """Open (the peer may be called) or tripped until a deadline.

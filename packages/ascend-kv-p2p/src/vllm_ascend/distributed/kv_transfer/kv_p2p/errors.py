@@ -3,9 +3,13 @@
 
 from __future__ import annotations
 
-from vllm_ascend.distributed.kv_transfer.core.errors import HandshakeMismatchError, KVTransferError
+from vllm_ascend.distributed.kv_transfer.core.errors import (
+    HandshakeMismatchError,
+    KVTransferError,
+    RemoteError,
+)
 
-__all__ = ["HandshakeMismatchError", "KVParamsError", "RemoteKVUnavailable"]
+__all__ = ["HandshakeMismatchError", "KVParamsError", "RemoteKVUnavailable", "unknown_request"]
 
 
 class KVParamsError(KVTransferError, ValueError):
@@ -18,3 +22,9 @@ class RemoteKVUnavailable(KVTransferError, RuntimeError):
     def __init__(self, message: str, *, code: str = "unavailable") -> None:
         super().__init__(message)
         self.code = code
+
+
+def unknown_request(exc: Exception) -> bool:
+    """A peer answered "unknown request": it has not heard of the request yet (D's ``Claim``
+    before P's metadata, P's ``PushBegin`` before D's worker saw it), which is retried."""
+    return isinstance(exc, RemoteError) and exc.code == "unknown_request"

@@ -27,7 +27,7 @@ from vllm_ascend.distributed.kv_transfer.core.errors import KVTransferError, Rem
 from vllm_ascend.distributed.kv_transfer.core.transfer_engine import MooncakeTransferEngine
 from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeLayerwiseConfig
 
-from ..errors import HandshakeMismatchError, RemoteKVUnavailable
+from ..errors import HandshakeMismatchError, RemoteKVUnavailable, unknown_request
 from ..params import PushTarget
 from ..protocol import (
     AgentMeta,
@@ -216,23 +216,12 @@ class PushLinks:
         client = shared.client(host, link.port)
         # D's worker learns of the request with the step after its scheduler posted it to
         # the metaserver: "unknown request" is retried as push_retry says
-        policy = self.cfg.push_retry
-        started = time.monotonic()
-        retries = 0
-        while True:
-            sent = time.monotonic()
-            try:
-                reply = client.call(msg)
-            except RemoteError as exc:
-                delay = (policy.next_delay(retries, started=started)
-                         if exc.code == "unknown_request" else None)
-                if delay is not None:
-                    time.sleep(delay)
-                    retries += 1
-                    continue
-                raise RemoteKVUnavailable(f"D rank {link.d_rank} refused the push: {exc}",
-                                          code=exc.code) from exc
-            break
+        try:
+            got = self.cfg.push_retry.call(lambda: client.call(msg), retry_if=unknown_request)
+        except RemoteError as exc:
+            raise RemoteKVUnavailable(f"D rank {link.d_rank} refused the push: {exc}",
+                                      code=exc.code) from exc
+        reply, sent = got.result, got.sent_at
         if not isinstance(reply, PushGrant):
             raise RemoteKVUnavailable(f"unexpected PushBegin reply {type(reply).__name__}")
         with self.lock:

@@ -36,7 +36,7 @@ import msgspec
 from vllm_ascend.distributed.kernels.heads import HeadSlice
 from vllm_ascend.distributed.kv_transfer.core.errors import KVTransferError, RemoteError
 
-from ..errors import RemoteKVUnavailable
+from ..errors import RemoteKVUnavailable, unknown_request
 from ..protocol import (
     AgentMeta,
     Claim,
@@ -234,28 +234,19 @@ class PeerRanks:
         client = self.shared.client(remote.host_of(p_rank), self.port_of(remote, p_rank))
         msg = Claim(request_id=remote.request_id, block_ids=meta.remote_block_ids,
                     reader=self.shared.agent_id, num_readers=num_readers, token=remote.token)
-        policy = self.shared.cfg.claim_retry
-        started = time.monotonic()
-        retries = 0
-        while True:
-            sent_at = time.monotonic()
-            try:
-                reply = client.call(msg)
-            except RemoteError as exc:
-                delay = (policy.next_delay(retries, started=started,
-                                           until=self.loads.deadline(meta))
-                         if exc.code == "unknown_request" else None)
-                if delay is not None:
-                    time.sleep(delay)
-                    retries += 1
-                    continue
-                raise RemoteKVUnavailable(f"P rank {p_rank} refused the claim: {exc}",
-                                          code=exc.code) from exc
-            if isinstance(reply, ClaimGrant):
-                return Claimed(first_try=retries == 0, sent_at=sent_at, grant=reply)
-            if not isinstance(reply, ClaimOK):
-                raise RemoteKVUnavailable(f"unexpected claim reply {type(reply).__name__}")
-            return Claimed(first_try=retries == 0, sent_at=sent_at)
+        try:
+            got = self.shared.cfg.claim_retry.call(lambda: client.call(msg),
+                                                   retry_if=unknown_request,
+                                                   until=self.loads.deadline(meta))
+        except RemoteError as exc:
+            raise RemoteKVUnavailable(f"P rank {p_rank} refused the claim: {exc}",
+                                      code=exc.code) from exc
+        reply, first_try = got.result, got.retries == 0
+        if isinstance(reply, ClaimGrant):
+            return Claimed(first_try=first_try, sent_at=got.sent_at, grant=reply)
+        if not isinstance(reply, ClaimOK):
+            raise RemoteKVUnavailable(f"unexpected claim reply {type(reply).__name__}")
+        return Claimed(first_try=first_try, sent_at=got.sent_at)
 
     def done(self, meta: RecvMeta, p_rank: int, num_readers: int, *, success: bool) -> bool:
         """Tell P rank ``p_rank`` D is done with the request; whether P says its lease held."""
