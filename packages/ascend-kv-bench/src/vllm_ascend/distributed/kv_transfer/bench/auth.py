@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(rows, ["mode", "msgs_per_s", "p50_us", "p99_us", "samples"]))
     print(f"\nkeyed / unkeyed messages per second: {payload['ratio']:.3f}; "
           f"p50 +{payload['added_p50_us']:.1f} us; seal + open of one frame: {env_us:.1f} us")
-    path = write_results("auth", payload, args.out)
+    path = write_results("auth", payload, args.out, args=args)
     print(f"results: {path}")
     return 0
 

@@ -3,8 +3,9 @@
 
 A benchmark measures a path and its raw baseline in the same run and reports
 ratios; absolute numbers are recorded with the machine they came from. Every
-benchmark writes one JSON file (``bench-results/<name>.json`` by default) and
-prints a table; none ever fails on a number.
+benchmark writes one JSON file (``bench-results/<name>.json`` by default), appends
+its run to the results ledger (:mod:`.ledger`, ``--ledger``) and prints a table;
+none ever fails on a number.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from .ledger import add_ledger_arg, record
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -31,11 +34,13 @@ DEFAULT_OUT_DIR = "bench-results"
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
-    """``--quick`` (smoke size) and ``--out`` (results directory)."""
+    """``--quick`` (smoke size), ``--out`` (results directory) and ``--ledger`` (where the
+    run's ledger entry goes)."""
     parser.add_argument("--quick", action="store_true",
                         help="smallest configuration (a smoke run for CI, seconds)")
     parser.add_argument("--out", default=os.environ.get("VLLM_ASCEND_KV_BENCH_DIR", DEFAULT_OUT_DIR),
                         help="directory of the JSON results (default: %(default)s)")
+    add_ledger_arg(parser)
 
 
 def machine_info() -> dict[str, Any]:
@@ -112,12 +117,20 @@ def _dynamic_loader() -> str | None:
     return None
 
 
-def write_results(name: str, payload: dict[str, Any], out_dir: str | os.PathLike[str]) -> Path:
-    """Write ``<out_dir>/<name>.json`` with the machine info added; returns the path."""
+def write_results(name: str, payload: dict[str, Any], out_dir: str | os.PathLike[str], *,
+                  args: argparse.Namespace | None = None,
+                  samples: Sequence[dict[str, Any]] | None = None) -> Path:
+    """Write ``<out_dir>/<name>.json`` with the machine info added; returns the path.
+
+    With the command's ``args``, the run is also appended to the ledger they name
+    (:func:`.ledger.record`), with its raw ``samples`` (:func:`.ledger.series`).
+    """
     path = Path(out_dir) / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {"benchmark": name, "machine": machine_info(), **payload}
     path.write_text(json.dumps(doc, indent=2, default=float) + "\n")
+    if args is not None:
+        record(args, name, json.loads(json.dumps(doc, default=float)), samples)
     return path
 
 

@@ -322,7 +322,7 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(payload["rows"], cols))
     print("\nceiling per block size (best point)")
     print(format_table(payload["best"], cols))
-    path = write_results("engine", payload, args.out)
+    path = write_results("engine", payload, args.out, args=args)
     print(f"results: {path}")
     return 0
 

@@ -13,7 +13,8 @@ same threads, and the round's ratio divides their median call times. A row
 reports the median ratio of the rounds (at least 5 in a full run) with its
 min-max; the goal (>= 0.8 from 64 KiB blocks) is judged on the median at
 each point, the worst over block sizes and the four forms. It writes
-``<out>/kernels.json`` and prints a table, and never fails on a number.
+``<out>/kernels.json``, appends its run with every call time to the results ledger
+(``--ledger``, :mod:`.ledger`) and prints a table, and never fails on a number.
 
 Registered under the ``vllm_ascend_kv.bench`` entry-point group (core's CLI
 adds it as ``vllm-ascend-kv bench kernels``); ``python -m
@@ -45,6 +46,8 @@ from vllm_ascend.distributed.kernels.ops import (
     scatter_blocks_all_layers,
 )
 
+from .ledger import add_ledger_arg, record, series
+
 logger = logging.getLogger(__name__)
 
 NAME = "kernels"
@@ -72,6 +75,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="three block sizes, 16 MiB moved, fewer samples (a smoke run, seconds)")
     p.add_argument("--out", default=os.environ.get("VLLM_ASCEND_KV_BENCH_DIR", DEFAULT_OUT_DIR),
                    help="directory of kernels.json (default: %(default)s)")
+    add_ledger_arg(p)
     p.add_argument("--total-mib", type=int, default=None,
                    help="bytes moved per operation, MiB (default: 64, quick: 16)")
     p.add_argument("--device", default="cpu", help="device of the tensors (default: %(default)s)")
@@ -104,13 +108,17 @@ def _timed(fn: Callable[[], object], device: torch.device) -> float:
 
 
 def round_ratio(fn: Callable[[], object], nbytes: int, baseline: Callable[[], object],
-                base_bytes: int, device: torch.device, *, pairs: int) -> tuple[float, float]:
+                base_bytes: int, device: torch.device, *, pairs: int,
+                times: list[tuple[list[float], list[float]]] | None = None
+                ) -> tuple[float, float]:
     """One round: ``pairs`` calls of the kernel and of the baseline, alternating, each timed.
 
     The order within a pair alternates too (baseline first, then kernel first),
     so that neither always runs on the other's cache leftovers. Each side's
     rate is its bytes over its *median* call time: a call that lost its core
     to another process is an outlier the median ignores, on either side.
+
+    Every call time goes to ``times`` (``(kernel's, baseline's)``) when given.
 
     Returns:
         ``(kernel rate / baseline rate, baseline bytes/s)``.
@@ -123,6 +131,8 @@ def round_ratio(fn: Callable[[], object], nbytes: int, baseline: Callable[[], ob
         else:
             base_s.append(_timed(baseline, device))
             kernel_s.append(_timed(fn, device))
+    if times is not None:
+        times.append((kernel_s, base_s))
     base_rate = base_bytes / statistics.median(base_s)
     return nbytes / statistics.median(kernel_s) / base_rate, base_rate
 
@@ -133,7 +143,8 @@ def summarize(ratios: Sequence[float]) -> dict[str, float]:
 
 
 def measure(block_bytes: int, total_bytes: int, device: torch.device, *, layers: int,
-            rounds: int, pairs: int, reference: bool, seed: int = 0) -> dict[str, Any]:
+            rounds: int, pairs: int, reference: bool, seed: int = 0,
+            samples: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """One row of results: the memcpy rate and each kernel's ratio to it, over ``rounds`` rounds.
 
     A round visits every kernel in turn, and for each runs ``pairs`` alternating
@@ -142,7 +153,8 @@ def measure(block_bytes: int, total_bytes: int, device: torch.device, *, layers:
     size, so a burst of load on a shared machine hits one round of each kernel
     rather than every round of one. The row holds, per kernel, the median of
     its rounds (``row[name]``), their min and max (``row["spread"][name]``)
-    and every round's ratio (``row["ratios"][name]``).
+    and every round's ratio (``row["ratios"][name]``); every call time goes to ``samples``,
+    a series per kernel and one for its baseline (``ledger.series``).
     """
     dtype = torch.bfloat16
     heads = max(1, block_bytes // (TOKENS_PER_BLOCK * ROW * dtype.itemsize))
@@ -189,11 +201,13 @@ def measure(block_bytes: int, total_bytes: int, device: torch.device, *, layers:
         base()
     _sync(device)
     ratios: dict[str, list[float]] = {name: [] for name in kernels}
+    calls: dict[str, list[tuple[list[float], list[float]]]] = {name: [] for name in kernels}
     base_rates: list[float] = []
     for _ in range(rounds):
         for name, (fn, moved, base) in kernels.items():
             base_bytes = nbytes if base is memcpy else layer_bytes
-            ratio, base_rate = round_ratio(fn, moved, base, base_bytes, device, pairs=pairs)
+            ratio, base_rate = round_ratio(fn, moved, base, base_bytes, device, pairs=pairs,
+                                           times=calls[name])
             ratios[name].append(ratio)
             if base is memcpy:
                 base_rates.append(base_rate)
@@ -203,6 +217,14 @@ def measure(block_bytes: int, total_bytes: int, device: torch.device, *, layers:
     row.update({name: st["median"] for name, st in stats.items()})
     row["spread"] = {name: [st["min"], st["max"]] for name, st in stats.items()}
     row["ratios"] = ratios
+    if samples is not None:
+        for name, (_fn, moved, base) in kernels.items():
+            tags = {"block_kib": real_block // KIB, "kernel": name}
+            samples.append(series({**tags, "role": "kernel", "bytes": moved},
+                                  [k for k, _b in calls[name]]))
+            samples.append(series({**tags, "role": "baseline",
+                                   "bytes": nbytes if base is memcpy else layer_bytes},
+                                  [b for _k, b in calls[name]]))
     return row
 
 
@@ -265,11 +287,12 @@ def run(args: argparse.Namespace) -> int:
     rounds, pairs = (QUICK_ROUNDS, QUICK_PAIRS) if quick else (FULL_ROUNDS, FULL_PAIRS)
     rounds = int(getattr(args, "rounds", None) or rounds)
     rows = []
+    samples: list[dict[str, Any]] = []
     for i, size in enumerate(sizes, 1):
         print(f"\rkernels: block size {size // KIB} KiB ({i}/{len(sizes)})", end="",
               file=sys.stderr, flush=True)
         rows.append(measure(size, total, device, layers=args.layers, rounds=rounds,
-                            pairs=pairs, reference=args.reference))
+                            pairs=pairs, reference=args.reference, samples=samples))
     print(file=sys.stderr)
     worst = worst_point(rows)
     doc = {
@@ -298,6 +321,7 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{NAME}.json"
     path.write_text(json.dumps(doc, indent=2) + "\n")
+    record(args, NAME, doc, samples)
     print(format_table(display_rows(rows)))
     print(f"ratio: median [min-max] of {rounds} rounds, {pairs} alternating call pairs each")
     if worst is not None:

@@ -292,7 +292,7 @@ def run(args: argparse.Namespace) -> int:
         "samples_s": res["samples"],
         "vs_raw": _vs_raw(res["bulk"], res["request_bytes"]),
     }
-    path = write_results(NAME, payload, args.out)
+    path = write_results(NAME, payload, args.out, args=args)
     print(format_table(rows))
     print(f"KV per request: {res['request_bytes'] / 2**20:.1f} MiB; KV ready after the forward "
           f"pass: pull / layerwise = {ratio:.2f}x; forward pass with pushes / without = "

@@ -375,7 +375,7 @@ def run(args: argparse.Namespace) -> int:
                   f"{ttft['baseline_cached_tokens']}")
     else:
         payload["ttft"] = {"skipped": "--quick (pass --ttft to run it)"}
-    path = write_results("offload", payload, args.out)
+    path = write_results("offload", payload, args.out, args=args)
     print(f"\nresults: {path}")
     return 0
 

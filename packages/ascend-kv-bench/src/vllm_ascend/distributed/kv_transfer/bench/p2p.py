@@ -339,13 +339,17 @@ class _Pair:
 
 
 def _measure(sizes: list[int], rounds: int, pairs: int, *, keyed: bool = False,
-             layers: int = LAYERS) -> list[dict[str, Any]]:
+             layers: int = LAYERS, samples: list[dict[str, Any]] | None = None
+             ) -> list[dict[str, Any]]:
     """``rounds`` rounds of alternating raw reads and connector loads per size, between a
     P process and a D worker without a deployment key; with ``keyed``, loads of a second
     pair with a fresh key (sealed frames, claim tokens, regions with the grant) alternate
-    with them in the same rounds."""
+    with them in the same rounds. Every time of the measured rounds (not of round 0, the
+    warm-up) goes to ``samples``, a series per size and path (``ledger.series``)."""
     import random
     import secrets
+
+    from .ledger import series
 
     plain = _Pair(None, layers)
     sealed = _Pair(secrets.token_hex(32), layers) if keyed else None
@@ -369,6 +373,8 @@ def _measure(sizes: list[int], rounds: int, pairs: int, *, keyed: bool = False,
         # per size and path: each round's median time (the unit of the bootstrap)
         medians: dict[int, dict[str, list[float]]] = {n: {k: [] for k in paths} for n in sizes}
         unclaimed: dict[int, list[bool]] = {n: [] for n in sizes}
+        per_round: dict[int, dict[str, list[list[float]]]] = {
+            n: {k: [] for k in paths} for n in sizes}
         for rnd in range(rounds + 1):  # round 0 warms connections up
             for n in sizes:
                 nbytes = n * d.layout.block_bytes
@@ -417,12 +423,17 @@ def _measure(sizes: list[int], rounds: int, pairs: int, *, keyed: bool = False,
                         / _in_raw_units(got["keyed"], got["raw_keyed"]))
                 for kind in paths:
                     times[n][kind].extend(got[kind])
+                    per_round[n][kind].append(list(got[kind]))
                     medians[n][kind].append(statistics.median(got[kind]))
         for n in sizes:
             rows.append(_row(n, n * d.layout.block_bytes, times[n], ratios[n], medians[n],
                              rounds))
             # how many of the window loads read unclaimed (the others ended after it)
             rows[-1]["window_reads"] = sum(unclaimed[n]) / max(1, len(unclaimed[n]))
+            if samples is not None:
+                samples.extend(series({"blocks": n, "bytes": n * d.layout.block_bytes,
+                                       "layers": layers, "path": kind}, per_round[n][kind])
+                               for kind in paths)
         # a comparison counts only if the keyed pair sealed every frame and the plain did not
         if plain.sealing() != {False} or (sealed is not None and sealed.sealing() != {True}):
             raise RuntimeError(f"the pairs did not run as set up: plain clients sealed "
@@ -498,8 +509,10 @@ def run(args: argparse.Namespace) -> int:
     cpus = usable_cpus()
     # the connector is measured over the transport of the raw read it is compared with: P
     # (spawned, with this environment) advertises no same-host reads, D makes none
+    samples: list[dict[str, Any]] = []
     with _environ({LOCAL_READS_ENV: "0"}):
-        rows = _measure(sizes, rounds, pairs, keyed=args.auth, layers=args.layers)
+        rows = _measure(sizes, rounds, pairs, keyed=args.auth, layers=args.layers,
+                        samples=samples)
     cols = ["blocks", "bytes", "raw_GBps", "connector_GBps", "ratio", "ratio_min", "ratio_max",
             "raw_ms", "connector_ms", *(f"ratio_{m}" for m in MODES), "window_reads"]
     if args.auth:
@@ -542,7 +555,7 @@ def run(args: argparse.Namespace) -> int:
         "layout": {"layers": args.layers, "block_bytes_per_layer": HEADS * BLOCK_TOKENS * 2 *
                    HEAD_SIZE * 2},
         "keyed": bool(args.auth),
-        "results": rows}, args.out)
+        "results": rows}, args.out, args=args, samples=samples)
     print(f"results: {path}")
     return 0
 

@@ -350,7 +350,7 @@ def _lookup_rates(backend: Any, quick: bool, label: str = "local") -> list[dict[
 def _run(name: str, fn: Callable[[argparse.Namespace], dict[str, Any]],
          args: argparse.Namespace) -> int:
     result = fn(args)
-    path = write_results(name, result, args.out)
+    path = write_results(name, result, args.out, args=args)
     table = result.get("table", result["rows"])
     columns = list(dict.fromkeys(k for row in table for k in row))
     print(format_table(table, columns))

@@ -539,7 +539,7 @@ def run(args: argparse.Namespace) -> int:
         "status": "ok" if rows and not reason else "not run" if args.no_engines else "failed",
         "reason": reason, "runs": rows,
         "failed_requests": sum(int(r.get("failed") or 0) for r in rows),
-    }, cfg.out)
+    }, cfg.out, args=args)
     print(f"results: {path}")
     return 0
 

@@ -260,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
         "targets": results, "rows": rows, "rounds": rounds,
         "failed_requests": sum(int(r.get("failed") or 0) for e in results.values()
                                for r in e.get("runs", [])),
-    }, cfg.out)
+    }, cfg.out, args=args)
     print(f"results: {path}")
     return 0
 

@@ -205,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
                    "engine_malloc": engine_malloc_env(),
                    "nixl_python": cfg.nixl_python or sys.executable},
         "scenarios": results, "summary": summary, "rounds": rounds, "comparisons": comps,
-        "rows": rows}, cfg.out)
+        "rows": rows}, cfg.out, args=args)
     print(f"results: {path}")
     return 0
 
