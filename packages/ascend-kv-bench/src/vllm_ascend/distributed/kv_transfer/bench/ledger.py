@@ -120,8 +120,7 @@ def record(args: argparse.Namespace, section: str, result: Mapping[str, Any],
     where = ledger_dir(args)
     if where is None:
         return None
-    root = repo_root(where) or repo_root()
-    entry = make_entry(section, result, samples or [], config_of(args), root=root)
+    entry = make_entry(section, result, samples or [], config_of(args), root=source_root())
     path = append(where, entry)
     print(f"ledger: {path}")
     return path
@@ -247,6 +246,12 @@ def repo_root(start: Path | None = None) -> Path | None:
         if (folder / "benchmarks" / "render.py").is_file() and (folder / "packages").is_dir():
             return folder
     return None
+
+
+def source_root() -> Path | None:
+    """The checkout whose sources this process runs: the one this module is in (run from
+    source trees), else the working directory's (packages installed from it)."""
+    return repo_root(Path(__file__).parent) or repo_root()
 
 
 def _git(root: Path, *args: str, env: Mapping[str, str] | None = None) -> str | None:
