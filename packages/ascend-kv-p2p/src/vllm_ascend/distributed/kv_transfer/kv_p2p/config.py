@@ -120,6 +120,17 @@ class MooncakeP2PConfig(ConfigSection):
     handshake_timeout_s: float = option(
         10.0, minimum=0.1, doc="Timeout of one side-channel request to the peer.")
     num_recv_workers: int = option(4, minimum=1, doc="Threads on D that pull KV from P instances.")
+    allowed_peer_hosts: list[str] = option(
+        default_factory=list,
+        doc="The hosts this instance dials because a request's kv_transfer_params name "
+            "them (P's side channels on D, the metaserver's host on a layerwise D): "
+            "addresses, networks in CIDR notation (10.20.0.0/24) or host names, compared as "
+            "written. Params that name any other host are refused before anything is "
+            "dialed (the load fails as with invalid params; counted in "
+            "auth_refused{socket=\"kv-params\",reason=\"not_allowed\"}). Empty (the "
+            "default): any host, which without a deployment key lets whoever writes a "
+            "request's params choose the host D dials (with a key, params carry P's MAC, "
+            "see docs/security.md).")
     inline_reads: bool = option(
         False,
         doc="D starts a small read that P's read window covers (at most 64 byte ranges, "
@@ -172,6 +183,12 @@ class MooncakeLayerwiseConfig(MooncakeP2PConfig):
 
     tls_config: TLSConfig = option(default_factory=TLSConfig,
                                    doc="TLS for the HTTP call to the proxy's metaserver.")
+    metaserver_urls: list[str] = option(
+        default_factory=list,
+        doc="The proxies' metaserver URLs D may post a request's blocks to (with the "
+            "deployment key's bearer token): a request whose params name another "
+            "'metaserver' is refused before anything is posted. Empty (the default): the "
+            "params' URL, which with a deployment key the proxy MACs with the params.")
     metaserver_timeout_s: float = option(5.0, minimum=0.1,
                                          doc="Timeout of one POST to the metaserver.")
     metaserver_retry: RetryPolicy = option(

@@ -52,6 +52,7 @@ from ..params import (
 )
 from ..rank_hosts import parse_rank_hosts
 from ..scheduler_base import SchedulerBase, runs_no_token
+from ..signed_params import verify as verify_params
 from .contract import MooncakeLayerwiseConnectorMetadata, PushReq, RecvReq
 from .metaserver import MetaserverClient
 
@@ -161,6 +162,7 @@ class LayerwiseScheduler(SchedulerBase):
                             num_external_tokens: int) -> None:
         params = request.kv_transfer_params
         assert isinstance(params, dict)
+        issued = dict(params)  # as the proxy signed them (the next line changes them)
         params["do_remote_prefill"] = False  # never load twice (e.g. after a preemption)
         if num_external_tokens <= 0:
             return
@@ -171,6 +173,9 @@ class LayerwiseScheduler(SchedulerBase):
         local = list(blocks.get_block_ids()[0][:n_blocks])
         meta = RecvReq(rid, local, cached)
         try:
+            # a key holder's params only, an allowed metaserver: before anything is posted
+            verify_params(issued, allowed_hosts=self.cfg.allowed_peer_hosts,
+                          metaserver_urls=self.cfg.metaserver_urls)
             meta.do_virtual = wants_virtual(params)
             if meta.do_virtual:
                 isolate_from_prefix_cache(request, first_block=cached // self.block_size)

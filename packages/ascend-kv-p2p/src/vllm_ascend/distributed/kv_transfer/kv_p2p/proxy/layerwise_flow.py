@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from .. import signed_params
 from .model import ProxyError, error_response, prefill_body, truthy
 from .routing import RouteRequest
 
@@ -105,6 +106,8 @@ class LayerwiseFlow:
         if virtual:
             kv["do_virtual"] = True
             self.records["virtual"] += 1
+        # with a deployment key D posts (its bearer token) only where params we MACed say
+        signed_params.sign(kv, ttl_s=signed_params.PROXY_TTL_S)
         d_body = {**body, "kv_transfer_params": kv}
         loop = asyncio.get_running_loop()
         entry = LayerwiseRequest(request_id, RouteRequest(path, body, self.upstream.client),

@@ -23,7 +23,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +34,7 @@ from vllm_ascend.distributed.kv_transfer.core.errors import (
     KVTransferError,
     RemoteError,
 )
+from vllm_ascend.distributed.kv_transfer.core.kv_groups import NULL_BLOCK, KVGroups
 from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig
 
 from ..errors import KVParamsError
@@ -48,6 +49,8 @@ from ..params import (
 from ..protocol import CODEC, Claim, ClaimGrant, ClaimOK, worker_port
 from ..renewer import LeaseRenewer
 from ..scheduler_base import SchedulerBase, runs_no_token
+from ..signed_params import sign as sign_params
+from ..signed_params import verify as verify_params
 from .contract import (
     Answers,
     EarlyClaim,
@@ -58,6 +61,7 @@ from .contract import (
     register_claimer,
     unregister_claimer,
 )
+from .groups import hold_runs, pair_blocks, predicted_claim
 from .stages import expand_over_stages
 from .window import in_window, stamp, window_end
 
@@ -73,9 +77,16 @@ logger = logging.getLogger(__name__)
 class PullScheduler(SchedulerBase):
     """Scheduler-side logic of the pull connector."""
 
-    def __init__(self, vllm_config: VllmConfig, cfg: MooncakeP2PConfig, engine_id: str) -> None:
+    def __init__(self, vllm_config: VllmConfig, cfg: MooncakeP2PConfig, engine_id: str, *,
+                 kv_groups: KVGroups | None = None) -> None:
         super().__init__(vllm_config, engine_id)
         self.cfg = cfg
+        #: the KV cache groups (several under vLLM's hybrid KV cache manager: .groups)
+        self.groups = kv_groups or KVGroups.from_config(None)
+        #: D leaves the prompt's last token to compute: with a sliding window, vLLM frees the
+        #: blocks of the window of the token after the prompt, and recomputing the last one
+        #: (vLLM's way after a whole-prompt load) would need one it freed
+        self._leave_last = self.groups.hybrid and self.groups.has_window
         self._rank_hosts: dict[int, str] = {}
         self._to_pull: dict[str, RecvMeta] = {}
         self._to_hold: dict[str, SendMeta] = {}
@@ -125,6 +136,8 @@ class PullScheduler(SchedulerBase):
     # ------------------------------------------------------------ helpers
     def _parse(self, request: Request) -> RemotePrefill | KVParamsError:
         try:
+            # a key holder's params only, or an allowed host: before anything is dialed
+            verify_params(request.kv_transfer_params, allowed_hosts=self.cfg.allowed_peer_hosts)
             return parse_remote_prefill(request.kv_transfer_params,
                                         prompt_len=len(request.prompt_token_ids or ()),
                                         block_size=self.block_size)
@@ -145,7 +158,7 @@ class PullScheduler(SchedulerBase):
         params = request.kv_transfer_params
         if not (self.is_consumer and wants_remote_prefill(params)):
             return 0, False
-        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        count = len(request.prompt_token_ids or ()) - num_computed_tokens - self._leave_last
         parsed = self._parse(request)
         self._parsed[request.request_id] = parsed
         if isinstance(parsed, KVParamsError):
@@ -161,8 +174,17 @@ class PullScheduler(SchedulerBase):
             # a request well within P's read window is read unclaimed (pull.window), one
             # still waiting here once it is not is claimed then (vLLM asks every step)
             self.claims.start(request.request_id, parsed,
-                              parsed.block_ids[num_computed_tokens // self.block_size:])
+                              self._claim_of(parsed, num_computed_tokens, count))
         return count, True
+
+    def _claim_of(self, parsed: RemotePrefill, num_computed_tokens: int, count: int
+                  ) -> list[int]:
+        """P's blocks D will read: past D's prefix hit (of every group D will keep)."""
+        start = num_computed_tokens // self.block_size
+        if not parsed.block_groups:
+            return parsed.block_ids[start:]
+        return predicted_claim(self.groups, parsed.block_groups, parsed.block_ids, start=start,
+                               num_computed_tokens=num_computed_tokens + count)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -181,27 +203,62 @@ class PullScheduler(SchedulerBase):
             if isinstance(parsed, RemotePrefill):
                 self._to_pull[rid] = RecvMeta(rid, [], parsed, release_only=True)
             return
-        local = list(blocks.get_unhashed_block_ids())
-        if isinstance(parsed, KVParamsError):
-            self._to_pull[rid] = RecvMeta(rid, local, None, error=str(parsed))
-            return
-        prompt_len = len(request.prompt_token_ids or ())
-        computed_blocks = (prompt_len - num_external_tokens) // self.block_size
-        remote_ids = parsed.block_ids[computed_blocks:]
-        # vLLM may allocate room beyond the prompt; only the prompt's blocks are pulled.
-        local = local[: len(remote_ids)]
-        if len(remote_ids) != len(local):
-            self._forget_claim(rid)
-            msg = (f"remote_block_ids cover {len(remote_ids)} blocks beyond the local prefix "
-                   f"but {len(local)} blocks were allocated")
-            self._to_pull[rid] = RecvMeta(rid, local, parsed, error=msg)
-            return
+        if self.groups.hybrid or (isinstance(parsed, RemotePrefill) and parsed.block_groups):
+            paired = self._pair_groups(request, blocks, num_external_tokens, parsed)
+            if paired is None or isinstance(parsed, KVParamsError):
+                return
+            local, remote_ids = paired
+        else:
+            local = list(blocks.get_unhashed_block_ids())
+            if isinstance(parsed, KVParamsError):
+                self._to_pull[rid] = RecvMeta(rid, local, None, error=str(parsed))
+                return
+            prompt_len = len(request.prompt_token_ids or ())
+            computed_blocks = (prompt_len - num_external_tokens) // self.block_size
+            remote_ids = parsed.block_ids[computed_blocks:]
+            # vLLM may allocate room beyond the prompt; only the prompt's blocks are pulled.
+            local = local[: len(remote_ids)]
+            if len(remote_ids) != len(local):
+                self._forget_claim(rid)
+                msg = (f"remote_block_ids cover {len(remote_ids)} blocks beyond the local "
+                       f"prefix but {len(local)} blocks were allocated")
+                self._to_pull[rid] = RecvMeta(rid, local, parsed, error=msg)
+                return
         ahead, answers = (self.claims.hand_over(rid, remote_ids) if self.claims is not None
                           else (False, None))
         # the window's verdict goes with the request: the worker does not check P's tag again
         self._to_pull[rid] = RecvMeta(
             rid, local, parsed, remote_block_ids=remote_ids, claimed_ahead=ahead,
             early_claims=answers, window_until=window_end(parsed) if until is None else until)
+
+    def _pair_groups(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int,
+                     parsed: RemotePrefill | KVParamsError
+                     ) -> tuple[list[int], list[int]] | None:
+        """D's blocks and P's, pair by pair, over every KV cache group (:mod:`.groups`);
+        ``None`` (the load failed, recorded) when P's groups are not D's."""
+        rid = request.request_id
+        local_groups = [[b.block_id for b in group] for group in blocks.blocks]
+        mine = [b for group in local_groups for b in group if b != NULL_BLOCK]
+        if isinstance(parsed, KVParamsError):
+            self._to_pull[rid] = RecvMeta(rid, mine, None, error=str(parsed))
+            return None
+        prompt_len = len(request.prompt_token_ids or ())
+        computed = prompt_len - num_external_tokens - self._leave_last
+        start = computed // self.block_size
+        end = -(-(computed + num_external_tokens) // self.block_size)
+        try:
+            if len(parsed.block_groups) != len(self.groups.groups):
+                raise ValueError(
+                    f"P sent the blocks of {max(1, len(parsed.block_groups))} KV cache "
+                    f"group(s) and D has {len(self.groups.groups)} ({self.groups.describe()}): "
+                    "run P and D with the same model and the hybrid KV cache manager both on "
+                    "or both off")
+            return pair_blocks(self.groups, parsed.block_groups, parsed.block_ids,
+                               local_groups, start=start, end=end)
+        except ValueError as exc:
+            self._forget_claim(rid)
+            self._to_pull[rid] = RecvMeta(rid, mine, parsed, error=str(exc))
+            return None
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> MooncakeConnectorMetadata:
         meta = MooncakeConnectorMetadata(
@@ -215,8 +272,17 @@ class PullScheduler(SchedulerBase):
         if self.claims is not None:
             self.claims.forget(request_id)
 
-    def request_finished(self, request: Request,
-                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished_groups(self, request: Request, block_ids: Sequence[list[int]]
+                                ) -> tuple[bool, dict[str, Any] | None]:
+        """``request_finished`` with the hybrid KV cache manager on: one list of blocks per
+        KV cache group (one group: as :meth:`request_finished`)."""
+        if len(block_ids) == 1 and not self.groups.hybrid:
+            return self.request_finished(request, block_ids[0])
+        return self.request_finished(request, [], groups=block_ids)
+
+    def request_finished(self, request: Request, block_ids: list[int], *,
+                         groups: Sequence[list[int]] | None = None
+                         ) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
         rid = request.request_id
@@ -240,7 +306,11 @@ class PullScheduler(SchedulerBase):
         if request.status != RequestStatus.FINISHED_LENGTH_CAPPED:
             return False, None
         prompt_len = request.num_prompt_tokens
-        held = list(block_ids[: math.ceil(prompt_len / self.block_size)])
+        runs: list[tuple[int, int]] = []
+        if groups is not None:
+            held, runs = hold_runs(self.groups, groups, prompt_len)
+        else:
+            held = list(block_ids[: math.ceil(prompt_len / self.block_size)])
         if not held:
             return False, None
         token = capability_token()
@@ -248,13 +318,14 @@ class PullScheduler(SchedulerBase):
         # this moment): D trusts a read within that window of the stamp (pull.window)
         window = stamp(instance=self.instance, request_id=rid, block_ids=held, token=token,
                        hold_s=self.cfg.hold_window_s)
-        self._to_hold[rid] = SendMeta(rid, held, token)
+        self._to_hold[rid] = SendMeta(rid, held, token, in_order=bool(runs))
         out = request.output_token_ids
-        return True, params_for_decode(
+        return True, sign_params(params_for_decode(
             block_ids=held, engine_id=self.engine_id, host=self.host, port=self.side_port,
             request_id=rid, tp_size=self.tp_size,
             last_token_id=int(out[-1]) if len(out) else None, num_prompt_blocks=len(held),
-            claim_token=token, rank_hosts=self.rank_hosts, window=window)
+            claim_token=token, rank_hosts=self.rank_hosts, window=window, block_groups=runs),
+            ttl_s=self.cfg.max_hold_s)
 
     def shutdown(self) -> None:
         if self.renewer is not None:
