@@ -1,18 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Render ``docs/benchmarks.md`` and its plots from the JSON of ``vllm-ascend-kv bench``.
+"""Render ``docs/benchmarks.md`` and its plots from the results ledger (``benchmarks/results``).
 
-    python benchmarks/render.py [--results bench-results] [--docs docs]
+    python benchmarks/render.py [--ledger benchmarks/results] [--docs docs] [--check]
 
-Reads ``<results>/<name>.json`` (engine, kernels, p2p, layerwise, pool, trace,
-offload, serve, auth, and any other benchmark that has a section module; any may be
-missing), writes ``<docs>/benchmarks.md`` and small PNG plots in ``<docs>/img/``
-(matplotlib, Agg backend). The page leads with the goals of the issues and whether this run
-met each; then one section per benchmark with the ratios measured in the run (the figures to
-quote) and the absolute numbers with the machine they came from.
+Every figure, ratio and verdict of the page comes from the ledger's entries (one per run of a
+``vllm-ascend-kv bench`` section, ``bench/ledger.py`` of ascend-kv-bench): nothing is typed by
+hand. The page states the one rule of the goal rows once, then the goal table (each row
+judged on the raw samples of the latest run of its section, by :func:`judge`), the plots, and
+one part per section (its runs' facts and tables). ``--check`` renders into memory, draws no
+plot, and fails when the committed page differs (``nox -s lint``); ``nox -s bench-report``
+writes it. The page depends on the ledger and on HEAD (a run whose measured packages'
+sources differ from HEAD's is stale), on nothing else: no clock, no machine.
 
-Each benchmark's section text and goal rows live in ``sections/<name>.py`` (its ``SECTION``,
-see ``sections/_common.py``); this module loads the JSON, finds the section modules, draws
-the plots that span benchmarks and puts the page together.
+Each section's text and goal rows live in ``sections/<name>.py`` (its ``SECTION``, see
+``sections/_common.py``); explanations that do not come from a run live in
+``docs/benchmarks-notes.md``.
 """
 
 from __future__ import annotations
@@ -21,18 +23,24 @@ import argparse
 import dataclasses
 import importlib
 import importlib.util
-import json
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
+ROOT = Path(__file__).resolve().parents[1]
 SECTIONS_DIR = Path(__file__).resolve().parent / "sections"
+DEFAULT_LEDGER = ROOT / "benchmarks" / "results"
 _PACKAGE = "bench_sections"
+# the ledger reader and the bootstrap, from this checkout's ascend-kv-bench sources
+_BENCH_SRC = ROOT / "packages" / "ascend-kv-bench" / "src"
+if str(_BENCH_SRC) not in sys.path:
+    sys.path.insert(0, str(_BENCH_SRC))
+from vllm_ascend.distributed.kv_transfer.bench import ledger  # noqa: E402
 
 
 def _load_common() -> ModuleType:
@@ -48,28 +56,37 @@ def _load_common() -> ModuleType:
 
 
 _common = _load_common()
-# the table helpers and the goal record, for the section modules' callers and the tests
 fmt = _common.fmt
 md_table = _common.md_table
 verdict = _common.verdict
 num = _common.num
-Goal = _common.Goal
+GoalSpec = _common.GoalSpec
+Measured = _common.Measured
 Section = _common.Section
+MIN_ROUNDS = _common.MIN_ROUNDS
 
-#: The benchmarks of ``nox -s bench``, in the order the page lists what is missing; a JSON
-#: of another name is read too when ``sections/<name>.py`` exists.
+#: The sections of ``nox -s bench``, in the order the page lists them when they have no
+#: module; a section module of another name is rendered too.
 CORE_BENCHMARKS = ("engine", "kernels", "p2p", "layerwise", "pool", "trace", "offload",
                    "serve", "auth")
-SHARED_VM_NOTE = ("a shared 2-core VM (other work ran beside the benchmarks): absolute times "
-                  "vary by tens of percent between runs; ratios measured in one run are the "
-                  "figures to quote")
+
+RULE = (
+    "**The rule of every goal row.** A row reads the **latest run of its section** in the "
+    "ledger made with the options the row names (never a run chosen by its result), and "
+    "judges it on that run's raw samples: at least **{rounds} alternating rounds**, the "
+    "**median** ratio (or difference) of the rounds' medians with its **95% paired "
+    "bootstrap interval** over the rounds (rounds resampled together), **met only when the "
+    "whole interval is on the right side** of the bound; over several points (sizes, "
+    "kernels) every point must be, and the point nearest to failing is shown. A run whose "
+    "measured packages' sources differ from HEAD's is **stale** and counts as not met; a "
+    "section with no run is **no run recorded**, not met. Against a peer, each side is "
+    "taken at its own best binding; how each engine was bound is in its section.")
 
 
 def load_sections() -> dict[str, Any]:
     """``SECTION`` of every module in ``sections/``, by benchmark name.
 
-    A module that fails to import, or defines no ``SECTION``, is reported and left out:
-    its benchmark's JSON is then listed without a section.
+    A module that fails to import, or defines no ``SECTION``, is reported and left out.
     """
     out: dict[str, Any] = {}
     for path in sorted(SECTIONS_DIR.glob("*.py")):
@@ -99,44 +116,89 @@ def benchmark_names(sections: dict[str, Any] | None = None) -> tuple[str, ...]:
     return CORE_BENCHMARKS + tuple(sorted(n for n in sections if n not in CORE_BENCHMARKS))
 
 
-BENCHMARKS = benchmark_names()
-
-
-# ---------------------------------------------------------------------- loading
-def load_results(results_dir: Path) -> dict[str, dict[str, Any]]:
-    """Every ``<name>.json`` of the known benchmarks found in ``results_dir``.
-
-    A file that is not valid JSON is reported and left out (the page says so).
-    """
-    out: dict[str, dict[str, Any]] = {}
-    for name in benchmark_names():
-        path = results_dir / f"{name}.json"
-        if not path.exists():
-            continue
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            logger.warning("%s is not valid JSON (%s): left out", path, exc)
-            out[name] = {"_error": f"{path.name} is not valid JSON: {exc}"}
-            continue
-        if not isinstance(data, dict):
-            out[name] = {"_error": f"{path.name} does not hold a JSON object"}
-            continue
-        out[name] = data
-    return out
-
-
 # ---------------------------------------------------------------------- goals
-def evaluate_goals(res: dict[str, dict[str, Any]]) -> list[Any]:
-    """The goals of the issues (every section module's rows, ordered by rank), each with what
-    this run measured and whether it was met."""
-    goals: list[Any] = []
-    for name, section in load_sections().items():
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One goal row as judged: its spec, the run it read, and the verdict of the rule."""
+
+    spec: Any
+    entry: Mapping[str, Any] | None
+    stale: bool
+    measured: Any
+    met: bool
+    why: str
+
+
+def _matches(entry: Mapping[str, Any], config: Mapping[str, Any]) -> bool:
+    have = entry.get("config") or {}
+    return all(have.get(k) == v for k, v in config.items())
+
+
+def judge(spec: Any, entries: Sequence[Mapping[str, Any]],
+          head: Mapping[str, str | None]) -> Row:
+    """Apply the rule to one goal row: the latest run of its section with its options."""
+    entry = ledger.latest(entries, spec.section, lambda e: _matches(e, spec.config))
+    if entry is None:
+        return Row(spec, None, False, None, False, "no run recorded")
+    stale = ledger.is_stale(entry, head)
+    measured = None
+    if spec.measure is not None:
         try:
-            goals.extend(section.goals(res))
-        except (AttributeError, KeyError, TypeError, ValueError) as exc:  # changed format
-            logger.warning("goals of %s skipped: %s: %s", name, type(exc).__name__, exc)
-    return sorted(goals, key=lambda g: g.rank)
+            measured = spec.measure(entry)
+        except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
+            logger.warning("goal %r: %s: %s", spec.goal, type(exc).__name__, exc)
+    if measured is None or measured.value is None:
+        why = ("its section records no raw samples for it yet" if spec.measure is None
+               else "not measured by this run")
+        return Row(spec, entry, stale, None, False, why)
+    if measured.rounds < MIN_ROUNDS:
+        return Row(spec, entry, stale, measured, False,
+                   f"{measured.rounds} rounds, fewer than {MIN_ROUNDS}")
+    if stale:
+        return Row(spec, entry, stale, measured, False, "stale")
+    return Row(spec, entry, stale, measured, bool(measured.met), "")
+
+
+def evaluate_goals(entries: Sequence[Mapping[str, Any]], head: Mapping[str, str | None],
+                   sections: Mapping[str, Any] | None = None) -> list[Row]:
+    """Every section module's goal rows, judged and ordered by rank."""
+    sections = load_sections() if sections is None else sections
+    specs = sorted((g for s in sections.values() for g in s.goals), key=lambda g: g.rank)
+    return [judge(g, entries, head) for g in specs]
+
+
+def value_cell(m: Any) -> str:
+    """``0.93 (95%: 0.91–0.95), 16 blocks``."""
+    if m is None:
+        return "–"
+    out = f"{fmt(m.value)}{m.unit} ({fmt(m.low)}–{fmt(m.high)}{m.unit})"
+    return out + (f", {m.where}" if m.where else "")
+
+
+def run_cell(entry: Mapping[str, Any] | None, stale: bool = False) -> str:
+    """``2026-12-06 13:45, 1a2b3c4`` (the run's end and commit), ``stale`` where it is."""
+    if entry is None:
+        return "–"
+    when = str(entry.get("ended") or "?").replace("T", " ")[:16]
+    src = entry.get("source") or {}
+    commit = str(src.get("commit") or "no commit")[:7] + ("+dirty" if src.get("dirty") else "")
+    return f"[{when}, `{commit}`](#{_anchor(entry)})" + (" (stale)" if stale else "")
+
+
+def _anchor(entry: Mapping[str, Any]) -> str:
+    return "run-" + str(entry.get("id", "")).replace("/", "-").lower()
+
+
+def goal_table(rows: Sequence[Row]) -> str:
+    """The table on top of the page."""
+    cells = []
+    for r in rows:
+        v = verdict(r.met) + (f" ({r.why})" if r.why else "")
+        cells.append({"goal": r.spec.goal, "value": value_cell(r.measured) if r.measured
+                      else ("no run recorded" if r.entry is None else "–"),
+                      "peer": r.spec.peer, "verdict": v, "run": run_cell(r.entry, r.stale)})
+    return md_table(cells, ["goal", "value", "peer", "verdict", "run"],
+                    ["goal", "value (95% interval)", "against", "verdict", "run"])
 
 
 # ---------------------------------------------------------------------- plots
@@ -152,12 +214,13 @@ def _plt() -> Any:
 def _save(fig: Any, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    fig.savefig(path, dpi=80, metadata={"Software": None})
     _plt().close(fig)
     return path
 
 
-def plot_throughput(res: dict[str, dict[str, Any]], path: Path) -> Path | None:
+def plot_throughput(res: dict[str, dict[str, Any]], path: Path, draw: bool = True
+                    ) -> Path | None:
     """GB/s against block size: raw transfer engine (read/write ceiling), memcpy, offload."""
     series: dict[str, list[tuple[float, float]]] = {}
     for r in res.get("engine", {}).get("best") or []:
@@ -177,6 +240,8 @@ def plot_throughput(res: dict[str, dict[str, Any]], path: Path) -> Path | None:
                 (r["block_kib"], r["memcpy_gbps"] * r["gather"]))
     if not series:
         return None
+    if not draw:
+        return path
     plt = _plt()
     fig, ax = plt.subplots(figsize=(8.5, 4))
     for label, pts in series.items():
@@ -200,7 +265,8 @@ def _block_axis(ax: Any, series: dict[str, list[tuple[float, float]]]) -> None:
     ax.set_xlabel("block size (KiB)")
 
 
-def plot_ratios(res: dict[str, dict[str, Any]], path: Path) -> Path | None:
+def plot_ratios(res: dict[str, dict[str, Any]], path: Path, draw: bool = True
+                ) -> Path | None:
     """Ratio to memcpy against block size (kernels, offload), with the 0.8 goal line."""
     series: dict[str, list[tuple[float, float]]] = {}
     for r in res.get("kernels", {}).get("results") or []:
@@ -212,6 +278,8 @@ def plot_ratios(res: dict[str, dict[str, Any]], path: Path) -> Path | None:
         series.setdefault("offload load", []).append((r["block_kib"], r["load_ratio"]))
     if not series:
         return None
+    if not draw:
+        return path
     plt = _plt()
     fig, ax = plt.subplots(figsize=(8.5, 3.5))
     for label, pts in series.items():
@@ -226,11 +294,14 @@ def plot_ratios(res: dict[str, dict[str, Any]], path: Path) -> Path | None:
     return _save(fig, path)
 
 
-def plot_hit_rate(res: dict[str, dict[str, Any]], path: Path) -> Path | None:
+def plot_hit_rate(res: dict[str, dict[str, Any]], path: Path, draw: bool = True
+                  ) -> Path | None:
     """Trace replay: hit rate against pool capacity, with the unbounded pool's."""
     rows = res.get("trace", {}).get("rows") or []
     if not rows:
         return None
+    if not draw:
+        return path
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 3.5))
     xs = [r["capacity_fraction"] for r in rows]
@@ -248,7 +319,8 @@ def plot_hit_rate(res: dict[str, dict[str, Any]], path: Path) -> Path | None:
     return _save(fig, path)
 
 
-def plot_serve(res: dict[str, dict[str, Any]], path: Path) -> Path | None:
+def plot_serve(res: dict[str, dict[str, Any]], path: Path, draw: bool = True
+               ) -> Path | None:
     """Serve: TTFT of each scenario (hit / D side) against recompute."""
     summary = res.get("serve", {}).get("summary") or {}
     items = []
@@ -260,6 +332,8 @@ def plot_serve(res: dict[str, dict[str, Any]], path: Path) -> Path | None:
             items.append((name, v))
     if not items:
         return None
+    if not draw:
+        return path
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 0.5 + 0.4 * len(items)))
     names = [i[0] for i in items]
@@ -275,109 +349,128 @@ def plot_serve(res: dict[str, dict[str, Any]], path: Path) -> Path | None:
 
 
 # ---------------------------------------------------------------------- page
-def _machine(res: dict[str, dict[str, Any]]) -> str:
-    machines: dict[tuple[Any, Any, Any], list[tuple[str, Any]]] = {}
-    for name, data in res.items():
-        m = data.get("machine") or {}
-        key = (m.get("platform"), m.get("cpus"), m.get("torch"))
-        machines.setdefault(key, []).append((name, m.get("time", "?")))
-    lines = []
-    for (plat, cpus, torch), runs in machines.items():
-        when = sorted(t for _n, t in runs)
-        lines.append(f"- {plat}, {cpus} CPUs, torch {torch}; runs {when[0]} to {when[-1]} "
-                     f"({', '.join(n for n, _t in runs)})")
-    return "\n".join(lines)
+def run_facts(entry: Mapping[str, Any], stale: bool) -> str:
+    """What a run measured, where, and with what: from its ledger entry."""
+    src = entry.get("source") or {}
+    m = entry.get("machine") or {}
+    v = entry.get("versions") or {}
+    mem = num(m.get("mem_total_kib"))
+    aff = m.get("affinity")
+    cfg = entry.get("config") or {}
+    opts = " ".join(f"{k}={cfg[k]}" for k in sorted(cfg) if k not in ("bench", "command",
+                                                                       "verbose"))
+    ours = ", ".join(f"{k} {x}" for k, x in sorted(v.items())
+                     if k.startswith("ascend") and x is not None)
+    return (f"- **{entry.get('id')}**: {entry.get('started')} to {entry.get('ended')}, commit "
+            f"`{str(src.get('commit'))[:12]}`" + (" (tree dirty)" if src.get("dirty") else "")
+            + (", **stale**: the measured packages' sources differ from HEAD's" if stale
+               else ", the measured packages' sources as at HEAD")
+            + f" ({', '.join(sorted(src.get('packages') or {})) or 'none recorded'})\n"
+            f"- machine: {m.get('cpu_model')}, {m.get('cpus')} CPUs, "
+            f"{fmt(mem / 2**20 if mem else None)} GiB memory, bound to CPUs {aff}; load "
+            f"average {m.get('loadavg_start')} at the start, {m.get('loadavg_end')} at the "
+            f"end; {m.get('platform')}\n"
+            f"- versions: {ours}; vLLM {v.get('vllm')}, Mooncake {v.get('mooncake')}, torch "
+            f"{v.get('torch')}\n"
+            f"- options: `{opts}`; {len(entry.get('samples') or [])} series of raw samples\n")
 
 
-def render(res: dict[str, dict[str, Any]], docs: Path) -> str:
-    """The Markdown page (plots written to ``docs/img``)."""
+def _runs_shown(name: str, section: Any, rows: Sequence[Row],
+                entries: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The runs a section's part shows: those its goal rows read, and its latest run."""
+    shown = {id(r.entry): r.entry for r in rows if r.spec.section == name and r.entry}
+    last = ledger.latest(entries, name)
+    if last is not None:
+        shown.setdefault(id(last), last)
+    return sorted(shown.values(), key=lambda e: (str(e.get("ended")), str(e.get("id"))))
+
+
+def render(entries: Sequence[Mapping[str, Any]], head: Mapping[str, str | None], docs: Path,
+           *, draw: bool = True) -> str:
+    """The Markdown page; plots written to ``docs/img`` when ``draw``."""
+    sections = load_sections()
+    rows = evaluate_goals(entries, head, sections)
+    latest = {n: ledger.latest(entries, n) for n in benchmark_names(sections)}
+    res = {n: dict(e.get("result") or {}) for n, e in latest.items() if e is not None}
     img_dir = docs / "img"
 
-    def plot(fn: Callable[[dict[str, dict[str, Any]], Path], Path | None],
-             name: str) -> Path | None:
+    def plot(fn: Callable[..., Path | None], name: str) -> str | None:
         try:
-            return fn(res, img_dir / name)
+            path = fn(res, img_dir / name, draw=draw)
         except (AttributeError, KeyError, TypeError, ValueError) as exc:  # changed format
             logger.warning("plot %s skipped: %s: %s", name, type(exc).__name__, exc)
             return None
+        return f"img/{path.name}" if path else None
 
-    plots = {
-        "throughput": plot(plot_throughput, "bench-throughput-vs-block.png"),
-        "ratios": plot(plot_ratios, "bench-ratio-vs-memcpy.png"),
-        "hit_rate": plot(plot_hit_rate, "bench-hit-rate-vs-capacity.png"),
-        "serve": plot(plot_serve, "bench-serve-ttft.png"),
-    }
-
-    def rel(p: Path | None) -> str | None:
-        return f"img/{p.name}" if p else None
-
-    parts = ["<!-- Generated by benchmarks/render.py from bench-results/*.json: do not edit. "
-             "Regenerate with `nox -s bench`. -->\n",
+    met = sum(r.met for r in rows)
+    parts = ["<!-- Generated by benchmarks/render.py from the ledger benchmarks/results/: do "
+             "not edit. Regenerate with `nox -s bench-report`. -->\n",
              "# Benchmarks\n\n",
-             "Every benchmark measures a path and its baseline in the same run and reports the "
-             "ratio; the absolute numbers are those of the machine below, "
-             f"{SHARED_VM_NOTE}. Run them yourself with `vllm-ascend-kv bench <name>` "
-             "(`--quick` for a smoke run) or all of them with `nox -s bench`.\n\n",
-             "Machine of this run:\n\n", _machine(res) or "- (no results)", "\n\n",
-             "## Goals\n\n"]
-    try:
-        parts.append(md_table([{"goal": g.goal, "source": g.source, "measured": g.measured,
-                                "met": verdict(g.met)} for g in evaluate_goals(res)],
-                              ["goal", "source", "measured", "met"]))
-    except (AttributeError, KeyError, TypeError, ValueError) as exc:  # changed format
-        parts.append(f"(could not check the goals: {type(exc).__name__}: {exc})\n")
-    parts.append("\n")
-    sections = load_sections()
-    names = benchmark_names(sections)
-    missing = [n for n in names if n not in res]
-    broken = [n for n in names if "_error" in res.get(n, {})]
-    if missing:
-        parts.append(f"Not in this run: {', '.join(missing)}.\n\n")
-    for n in broken:
-        parts.append(f"Unreadable: {res[n]['_error']}.\n\n")
-    if any(rel(p) for k, p in plots.items() if k != "serve"):
-        parts.append("## Plots\n\n")
-        for key, title in (("throughput", "Throughput against block size"),
-                           ("ratios", "Ratio to memcpy against block size"),
-                           ("hit_rate", "Hit rate against capacity")):
-            if plots[key]:
-                parts.append(f"![{title}]({rel(plots[key])})\n\n")
-    images = {k: rel(p) for k, p in plots.items()}
-    for name, section in sections.items():  # a section's own plot, shown in the section
-        if section.plot is not None and name in res and "_error" not in res[name] \
-                and name not in images:
-            images[name] = rel(plot(section.plot, f"bench-{name}.png"))
+             "Every figure on this page is computed from the results ledger "
+             "(`benchmarks/results/`, one entry per run of a `vllm-ascend-kv bench` section, "
+             "with every raw sample; see `benchmarks/README.md`). Run a section with "
+             "`vllm-ascend-kv bench <section>` from a checkout (it appends its entry), then "
+             "`nox -s bench-report`. What the results mean, and the investigations behind "
+             "them: [benchmarks-notes.md](benchmarks-notes.md).\n\n",
+             RULE.format(rounds=MIN_ROUNDS), "\n\n",
+             f"## Goals\n\n{met} of {len(rows)} met.\n\n", goal_table(rows), "\n"]
+    plots = [(title, plot(fn, f)) for title, fn, f in (
+        ("Throughput against block size", plot_throughput, "bench-throughput-vs-block.png"),
+        ("Ratio to memcpy against block size", plot_ratios, "bench-ratio-vs-memcpy.png"),
+        ("Hit rate against capacity", plot_hit_rate, "bench-hit-rate-vs-capacity.png"))]
+    if any(p for _t, p in plots):
+        parts.append("## Plots\n\nFrom the latest run of each section.\n\n")
+        parts += [f"![{t}]({p})\n\n" for t, p in plots if p]
+    images: dict[str, str | None] = {"serve": plot(plot_serve, "bench-serve-ttft.png")}
     for name, section in sorted(sections.items(), key=lambda kv: kv[1].order):
-        if name in res and "_error" not in res[name]:
-            parts.append(f"## {section.title}\n\n")
-            if section.source is not None:
-                parts.append(f"_{section.source}_. ")
+        parts.append(f"## {section.title}\n\n")
+        if section.source is not None:
+            parts.append(f"_{section.source}_.\n\n")
+        runs = _runs_shown(name, section, rows, entries)
+        if not runs:
+            parts.append("No run recorded in the ledger.\n\n")
+            continue
+        if section.plot is not None:
+            images[name] = plot(section.plot, f"bench-{name}.png")
+        for entry in runs:
+            stale = ledger.is_stale(entry, head)
+            parts.append(f'<a id="{_anchor(entry)}"></a>\n\n' + run_facts(entry, stale) + "\n")
             try:
-                parts.append(section.render(res[name], images))
+                parts.append(section.render(dict(entry.get("result") or {}), images))
             except (AttributeError, KeyError, TypeError, ValueError) as exc:  # changed format
-                parts.append(f"\n(could not render {name}.json: {type(exc).__name__}: {exc})\n")
+                parts.append(f"\n(could not render {entry.get('id')}: "
+                             f"{type(exc).__name__}: {exc})\n")
             parts.append("\n")
-    for name in names:
-        if name in res and "_error" not in res[name] and name not in sections:
-            parts.append(f"## `bench {name}`\n\n(no section module `sections/{name}.py`: "
-                         f"{name}.json is not rendered)\n\n")
+    counts = {n: len([e for e in entries if e.get("section") == n]) for n in sections}
+    parts.append("## The ledger\n\n" + ", ".join(
+        f"{n}: {c} run{'s' if c != 1 else ''}" for n, c in sorted(counts.items())) + ".\n")
     return "".join(parts)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Command line of the renderer."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--results", default="bench-results", help="directory of the JSON results")
-    ap.add_argument("--docs", default="docs", help="docs directory (page and img/)")
+    ap.add_argument("--ledger", default=str(DEFAULT_LEDGER), help="the results ledger")
+    ap.add_argument("--docs", default=str(ROOT / "docs"), help="docs directory (page, img/)")
+    ap.add_argument("--check", action="store_true",
+                    help="render without plots and fail when <docs>/benchmarks.md differs")
     args = ap.parse_args(argv)
-    res = load_results(Path(args.results))
-    if not res:
-        print(f"no benchmark results in {args.results}", file=sys.stderr)
-        return 1
+    entries = ledger.read_entries(Path(args.ledger)) if Path(args.ledger).is_dir() else []
+    packages = sorted({p for e in entries for p in (e.get("source") or {}).get("packages") or {}})
+    head = ledger.head_trees(ROOT, packages)
     docs = Path(args.docs)
-    page = render(res, docs)
-    (docs / "benchmarks.md").write_text(page)
-    print(f"wrote {docs / 'benchmarks.md'} from {', '.join(sorted(res))}")
+    page = render(entries, head, docs, draw=not args.check)
+    target = docs / "benchmarks.md"
+    if args.check:
+        if not target.exists() or target.read_text() != page:
+            print(f"{target} is not what the ledger renders (a new run, or a commit that "
+                  "changed a measured package: its rows are stale now): run "
+                  "`nox -s bench-report` and commit the page", file=sys.stderr)
+            return 1
+        print(f"{target} is what the ledger renders ({len(entries)} runs)")
+        return 0
+    target.write_text(page)
+    print(f"wrote {target} from {len(entries)} runs of the ledger")
     return 0
 
 

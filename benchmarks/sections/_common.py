@@ -1,10 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """What every section module of the report shares: table cells, goal rows, the section record.
 
-A section module (``sections/<bench>.py``, named after the benchmark whose
-``<bench>.json`` it renders) defines ``SECTION = Section(...)``: its heading, where its goals
-come from, its place on the page, the function that renders its body and the function that
-returns its goal rows. ``render.py`` finds the modules, so a new benchmark needs only its
+A section module (``sections/<bench>.py``, named after the bench section whose ledger
+entries it renders) defines ``SECTION = Section(...)``: its heading, where its goals come
+from, its place on the page, the function that renders its body and its goal rows
+(:class:`GoalSpec`, each reading its figures from the raw samples of a run). ``render.py``
+finds the modules and applies the one rule to every row, so a new benchmark needs only its
 module.
 """
 
@@ -12,7 +13,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterable, Sequence
+import statistics
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,7 +53,7 @@ def md_table(rows: Sequence[dict[str, Any]], columns: Sequence[str],
 
 
 def verdict(met: bool | None) -> str:
-    """Cell text of a goal check."""
+    """Cell text of a goal's verdict."""
     return {True: "**met**", False: "**not met**", None: "not measured"}[met]
 
 
@@ -73,39 +75,110 @@ def max_of(values: Iterable[Any]) -> float | None:
 
 
 # ---------------------------------------------------------------------- goals
-@dataclass
-class Goal:
-    """One goal of the issues, checked against this run.
+#: The one rule of every goal row: rounds a run needs, and the interval's confidence.
+MIN_ROUNDS = 9
 
-    ``rank`` orders the goal table across section modules (lower first; equal ranks keep
-    the order of the modules, then of each module's list).
+
+@dataclass(frozen=True)
+class Measured:
+    """What a goal row reads from its run's raw samples.
+
+    Attributes:
+        value: the median figure (a ratio of medians, or a difference in ``unit``).
+        low: low end of its 95% paired bootstrap interval over the rounds.
+        high: high end of it.
+        rounds: rounds both sides were measured in (the fewest over the row's points).
+        met: whether the whole interval is on the goal's side.
+        where: the point that decided the row (``16 blocks``), when it judges several.
+        unit: printed after the figures (``" µs"``), empty for a ratio.
+    """
+
+    value: float | None
+    low: float | None
+    high: float | None
+    rounds: int
+    met: bool
+    where: str = ""
+    unit: str = ""
+
+
+@dataclass(frozen=True)
+class GoalSpec:
+    """One goal row: what is judged, on which section's latest run, against whom.
+
+    Attributes:
+        goal: the goal as the table prints it.
+        section: the bench section whose latest run the row reads.
+        peer: what ours is compared with.
+        measure: reads the row's figures from a ledger entry's raw samples; None where the
+            section records no samples for it yet (the row then says so, not met).
+        config: options the run must have been made with (``{"layers": 64}``): the row
+            reads the latest run of its section with these options, whatever its result.
+        rank: place in the table (lower first).
     """
 
     goal: str
-    source: str
-    measured: str
-    met: bool | None
-    rank: float = field(default=100.0, compare=False)
+    section: str
+    peer: str
+    measure: Callable[[Mapping[str, Any]], Measured | None] | None = None
+    config: Mapping[str, Any] = field(default_factory=dict)
+    rank: float = 100.0
 
 
-def check(value: float | None, *, at_least: float | None = None,
-          at_most: float | None = None) -> bool | None:
-    """Whether ``value`` meets a bound (None when not measured)."""
-    if value is None:
+def medians_by_round(s: Mapping[str, Any]) -> list[float]:
+    """Each round's median of a series of raw samples (``ledger.series``)."""
+    return [statistics.median(r) for r in s.get("rounds") or [] if r]
+
+
+def rates_by_round(s: Mapping[str, Any]) -> list[float]:
+    """Each round's bytes / median time of a timed series whose tags hold its ``bytes``."""
+    nbytes = float((s.get("tags") or {}).get("bytes") or 0)
+    return [nbytes / m for m in medians_by_round(s) if m > 0]
+
+
+def judged_ratio(ours: Sequence[float], peer: Sequence[float], *,
+                 at_least: float | None = None, at_most: float | None = None,
+                 where: str = "") -> Measured:
+    """``median(ours) / median(peer)`` over paired rounds, its bootstrap interval, and the
+    verdict of the rule (whole interval on the right side)."""
+    from vllm_ascend.distributed.kv_transfer.bench.stats import compare, verdict
+
+    st = compare(list(ours), list(peer))
+    met = verdict(st, at_least=at_least, at_most=at_most)
+    return Measured(st.ratio, st.low, st.high, st.rounds, bool(met), where)
+
+
+def judged_difference(ours: Sequence[float], peer: Sequence[float], *, at_most: float,
+                      scale: float = 1.0, unit: str = "", where: str = "") -> Measured:
+    """``median(ours) - median(peer)`` (times ``scale``) over paired rounds, its bootstrap
+    interval; met when the interval's high end is at most ``at_most``."""
+    from vllm_ascend.distributed.kv_transfer.bench.stats import compare_difference
+
+    st = compare_difference(list(ours), list(peer))
+    k = scale
+    value, low, high = (None if v is None else v * k for v in (st.ratio, st.low, st.high))
+    met = high is not None and low is not None and high <= at_most
+    return Measured(value, low, high, st.rounds, met, where, unit)
+
+
+def worst(points: Iterable[Measured], *, at_least: bool) -> Measured | None:
+    """The point that decides a row over several (sizes, kernels): a point not met first,
+    then the one whose interval end lies nearest the bound's side (lowest low end for an
+    at-least goal, highest high end for an at-most goal)."""
+    pts = [p for p in points if p.value is not None]
+    if not pts:
         return None
-    if at_least is not None:
-        return value >= at_least
-    assert at_most is not None
-    return value <= at_most
+
+    def key(p: Measured) -> tuple[int, float]:
+        end = (p.low if at_least else -(p.high or 0.0)) or 0.0
+        return (int(p.met), end)
+
+    out = min(pts, key=key)
+    return Measured(out.value, out.low, out.high, min(p.rounds for p in pts), out.met,
+                    out.where, out.unit)
 
 
 # ---------------------------------------------------------------------- sections
-def no_goals(res: dict[str, dict[str, Any]]) -> list[Goal]:
-    """The goal rows of a section that has none."""
-    del res
-    return []
-
-
 @dataclass(frozen=True)
 class Section:
     """One benchmark's part of the page.
@@ -114,9 +187,9 @@ class Section:
         title: the ``##`` heading.
         source: the issue(s) it answers, printed in italics first; None prints nothing.
         order: its place on the page (lower first).
-        render: the body, from the benchmark's JSON and the images the renderer drew.
-        goals: its rows of the goal table, from every benchmark's JSON (a goal may read
-            another benchmark's figures).
+        render: the body, from the result JSON of the section's run (a ledger entry's
+            ``result``) and the images the renderer drew.
+        goals: its rows of the goal table (judged on its runs' raw samples).
         plot: draws the section's own plot, ``(results, path) -> path or None``; the
             renderer hands it to ``render`` as ``images[<benchmark>]``. Without one, a
             module function ``plot_<benchmark>`` is used when there is one.
@@ -126,5 +199,5 @@ class Section:
     source: str | None
     order: float
     render: Callable[[dict[str, Any], Images], str]
-    goals: Callable[[dict[str, dict[str, Any]]], list[Goal]] = no_goals
+    goals: tuple[GoalSpec, ...] = ()
     plot: Callable[[dict[str, dict[str, Any]], Path], Path | None] | None = None

