@@ -11,7 +11,7 @@ its protocol, and messages aimed at the held request (``Claim``, ``Renew``, ``Do
 its id and token), each in one of the ways an outsider has: unsigned, signed with another
 key, signed with the right key but a stale timestamp, or a validly signed frame replayed
 (its first delivery went to another socket of the process, whose codec does not know the
-type, so it did nothing there). Every one is answered ``auth_refused`` and counted in
+type, so it did nothing there), or one sealed for another socket (misdirected). Every one is answered ``auth_refused`` and counted in
 ``auth_refused`` under its reason; the server serves on; the held request stays held,
 with no reader done; and a keyed client then frees it with the token, as D would.
 """
@@ -44,7 +44,7 @@ KEY = "the-deployment-key-of-the-fault-tests-0123456789"
 EXAMPLES = int(os.environ.get("VLLM_ASCEND_KV_FUZZ_AUTH_EXAMPLES", "60"))
 #: how each outsider's frame fails the check -> the refusal reason it is counted under
 MODES = {"unsigned": "unauthenticated", "other_key": "bad_mac", "stale": "stale",
-         "replayed": "replay"}
+         "replayed": "replay", "misdirected": "misdirected"}
 
 
 CODECS = listening_codecs()
@@ -111,20 +111,24 @@ def test_unauthenticated_frames_are_refused_counted_and_change_nothing(
 
     @settings(max_examples=EXAMPLES, deadline=None, database=None,
               suppress_health_check=list(HealthCheck))
-    @given(msg=messages, mode=st.sampled_from(sorted(MODES)))
+    @given(msg=messages, mode=st.sampled_from(sorted(set(MODES) - {"misdirected"})))
     def fuzz(msg: Message, mode: str) -> None:
         payload = codec.encode(msg)
         if mode == "unsigned":
             frame = payload
         elif mode == "replayed":
-            frame, _nonce = signer.seal(payload)
-            # its first delivery: a socket of the same process that cannot decode the type
-            # (the replay cache is the process's), so it acts nowhere
+            # sealed for, and first delivered to, a socket of the same process that cannot
+            # decode the type (the replay cache is the process's), so it acts nowhere; here
+            # it is a replay where the binding names both sockets alike (ipc), else
+            # misdirected (sealed for another receiver)
             sink = next((r for r in sinks if type(msg) not in CODECS[r].types), None)
             if sink is None:  # a type every protocol has (Ping, Ack, ...): harmless anywhere
                 sink = next(iter(sinks))
+            frame, _nonce = signer.seal(payload, audience=auth.audience_of(endpoints[sink]))
             first = sinks[sink].ask([frame])
             assert first is not None, f"{sink} did not answer the first delivery"
+            if auth.audience_of(endpoints[sink]) != auth.audience_of(endpoints[role]):
+                mode = "misdirected"
         else:
             frame, _nonce = outsiders[mode].seal(payload)
         reply = probe.ask([frame])
@@ -158,7 +162,7 @@ def test_unauthenticated_frames_are_refused_counted_and_change_nothing(
                        f"P holds {held_after} requests (before: {held_before})")
     assert held_after == held_before == 1
     fault_report(fault=f"outsider without the key on the {role.replace('_', ' ')} "
-                       "(unsigned, other key, stale, replayed frames)",
+                       "(unsigned, other key, stale, replayed and misdirected frames)",
                  happened=f"{sum(sent.values())} frames of {len(set(answered))} message types "
                           "refused and counted (" + ", ".join(
                               f"{r} {sent[r]}" for r in MODES.values()) + "); the held "

@@ -270,7 +270,8 @@ def test_keyed_client_is_served_others_are_refused_and_counted(
 
 def test_a_captured_frame_replayed_on_a_raw_socket_is_refused(
         keyed_server: RpcServer[Message]) -> None:
-    sealed, _ = Authenticator([NEW]).seal(CODEC.encode(Echo(text="once")))
+    sealed, _ = Authenticator([NEW]).seal(CODEC.encode(Echo(text="once")),
+                                          audience=keyed_server.audience)
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -285,6 +286,74 @@ def test_a_captured_frame_replayed_on_a_raw_socket_is_refused(
     assert replies[0].startswith(AUTH_MAGIC)  # served once, signed
     assert b"auth_refused" in replies[1] and not replies[1].startswith(AUTH_MAGIC)
     assert refused("auth-test", "replay") == before + 1
+
+
+def test_a_frame_for_one_rank_is_refused_by_another_with_the_same_key() -> None:
+    """The issue's case: a second authenticator (another process: its own replay cache)
+    with the same key, for another rank, refuses a frame captured for the first."""
+    rank0, rank1 = Authenticator([NEW]), Authenticator([NEW])
+    assert auth.audience_of("tcp://10.0.0.5:17000") == "port:17000"
+    sealed, _ = Authenticator([NEW]).seal(CODEC.encode(Echo(text="claim")),
+                                          audience="port:17000")
+    with pytest.raises(AuthError) as err:
+        rank1.open(sealed, audience="port:17001")
+    assert err.value.reason == "misdirected"
+    rank0.open(sealed, audience="port:17000")  # its receiver takes it, once
+    with pytest.raises(AuthError) as err:
+        rank0.open(sealed, audience="port:17000")
+    assert err.value.reason == "replay"
+    # the tag in the header is only a hint: the MAC covers the receiver itself
+    forged = bytearray(sealed)
+    tag_at = HEADER_BYTES - 32 - auth.AUDIENCE_TAG_BYTES
+    forged[tag_at:tag_at + auth.AUDIENCE_TAG_BYTES] = auth.audience_tag("port:17001")
+    with pytest.raises(AuthError) as err:
+        rank1.open(bytes(forged), audience="port:17001")
+    assert err.value.reason == "bad_mac"
+
+
+def test_a_frame_captured_for_one_server_is_refused_by_another() -> None:
+    """Two keyed servers, each with its own authenticator (two processes, two replay
+    caches): a client's frame to the first, captured and sent to the second within the
+    window, is refused there as misdirected and counted; its handler never runs."""
+    seen: list[str] = []
+
+    def record(msg: Message) -> Message:
+        assert isinstance(msg, Echo)
+        seen.append(msg.text)
+        return Echo(text=msg.text.upper())
+
+    first = RpcServer(tcp_endpoint("127.0.0.1", 0), CODEC, record, name="rank-0",
+                      auth=Authenticator([NEW])).start()
+    second = RpcServer(tcp_endpoint("127.0.0.1", 0), CODEC, record, name="rank-1",
+                       auth=Authenticator([NEW])).start()
+    try:
+        client = RpcClient(first.endpoint, CODEC, timeout_s=5, auth=Authenticator([NEW]))
+        assert client.audience == first.audience != second.audience
+        client.close()
+        # what the client puts on the wire to the first server, as an eavesdropper has it
+        captured, _ = Authenticator([NEW]).seal(CODEC.encode(Echo(text="done r1")),
+                                                audience=first.audience)
+        before = refused("rank-1", "misdirected")
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(second.endpoint)
+        sock.send_multipart([b"", captured])
+        assert sock.poll(5000)
+        reply = sock.recv_multipart()[-1]
+        sock.close(0)
+        assert b"auth_refused" in reply and b"misdirected" in reply
+        assert refused("rank-1", "misdirected") == before + 1 and seen == []
+        # the frame still works where it was going (it was never accepted elsewhere)
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(first.endpoint)
+        sock.send_multipart([b"", captured])
+        assert sock.poll(5000) and sock.recv_multipart()[-1].startswith(AUTH_MAGIC)
+        sock.close(0)
+        assert seen == ["done r1"]
+    finally:
+        first.stop()
+        second.stop()
 
 
 def test_unsigned_success_reply_is_refused_by_a_keyed_client() -> None:

@@ -135,7 +135,7 @@ def test_pull_side_channel_refuses_outsiders_and_serves_the_keyed_d(keyed: None)
             client.close()
         # a captured frame of a keyed peer, replayed: refused, and it renews nothing
         frame, _ = Authenticator([KEY.encode()]).seal(CODEC.encode(
-            Renew(request_ids=["r"])))
+            Renew(request_ids=["r"])), audience=auth.audience_of(endpoint))
         assert replay(endpoint, frame).startswith(AUTH_MAGIC)
         assert b"auth_refused" in replay(endpoint, frame)
         assert refused(server, "replay") == before["replay"] + 1

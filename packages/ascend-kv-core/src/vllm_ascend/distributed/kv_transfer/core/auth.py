@@ -4,18 +4,24 @@
 Every instance of one deployment shares a key. With a key configured, every
 control-plane frame (:mod:`.channel`, both directions) travels in an envelope::
 
-    b"VAKA" | version (1) | timestamp ms (8) | nonce (16) | HMAC-SHA256 (32) | wire frame
+    b"VAKA" | version (1) | timestamp ms (8) | nonce (16) | receiver tag (8) | HMAC-SHA256 (32)
+    | wire frame
 
 The MAC covers the envelope's header fields, a direction tag (a reply is bound
-to the nonce of the request it answers) and the :mod:`.wire` frame itself. A
-receiver refuses, with an :class:`AuthError` naming the reason, and counts in
-the ``auth_refused`` metric (``vllm:ascend_kv_auth_refused_total{socket,reason}``):
+to the nonce of the request it answers), a request's **receiver** (its *audience*: the
+socket it is sent to, e.g. ``port:17000``; the header carries a short tag of it) and the
+:mod:`.wire` frame itself. A receiver refuses, with an :class:`AuthError` naming the
+reason, and counts in the ``auth_refused`` metric
+(``vllm:ascend_kv_auth_refused_total{socket,reason}``):
 
 * ``unauthenticated``: a plain wire frame (no envelope) where a key is configured;
 * ``bad_mac``: the MAC matches none of the active keys;
 * ``stale``: the timestamp is further than the window (default 30 s) from the clock;
 * ``replay``: a nonce already seen within the window (or too old to tell, once the
   bounded replay cache overflowed);
+* ``misdirected``: a request sealed for another receiver (a frame captured on its way to
+  one rank or instance and sent to another: each process keeps its own replay cache, the
+  binding is what refuses it there);
 * ``malformed``: an envelope too short to hold its header.
 
 Configuration (environment, read once per process):
@@ -60,21 +66,23 @@ ENV_WINDOW = "VLLM_ASCEND_KV_AUTH_WINDOW_S"
 ENV_ALLOW_UNAUTHENTICATED = "VLLM_ASCEND_KV_ALLOW_UNAUTHENTICATED"
 
 AUTH_MAGIC = b"VAKA"
-AUTH_VERSION = 1
+#: 2: the receiver (audience) in the MAC and its tag in the header (1 had neither)
+AUTH_VERSION = 2
 NONCE_BYTES = 16
+AUDIENCE_TAG_BYTES = 8
 MAC_BYTES = 32
-#: magic, version, timestamp (ms since the epoch), nonce, MAC
-_HEADER = struct.Struct(f">4sBQ{NONCE_BYTES}s{MAC_BYTES}s")
+#: magic, version, timestamp (ms since the epoch), nonce, receiver tag, MAC
+_HEADER = struct.Struct(f">4sBQ{NONCE_BYTES}s{AUDIENCE_TAG_BYTES}s{MAC_BYTES}s")
 HEADER_BYTES = _HEADER.size
 #: The part of the header the MAC covers (all but the MAC).
-_SIGNED = struct.Struct(f">4sBQ{NONCE_BYTES}s")
+_SIGNED = struct.Struct(f">4sBQ{NONCE_BYTES}s{AUDIENCE_TAG_BYTES}s")
 MIN_KEY_BYTES = 16
 DEFAULT_WINDOW_S = 30.0
 DEFAULT_MAX_NONCES = 1 << 17
 
 #: Refusal reasons of frames (the ``reason`` label of ``auth_refused``); bearer tokens and
 #: per-request capabilities add ``bad_token``, protected mode :data:`REASON_PROTECTED_MODE`.
-REASONS = ("unauthenticated", "bad_mac", "stale", "replay", "malformed")
+REASONS = ("unauthenticated", "bad_mac", "stale", "replay", "misdirected", "malformed")
 #: A peer on another host refused by a server without a key (:mod:`.protected`).
 REASON_PROTECTED_MODE = "protected_mode"
 #: The control plane's modes (:func:`mode`).
@@ -265,10 +273,12 @@ class Authenticator:
 
     # ------------------------------------------------------------ frames
     @staticmethod
-    def _context(reply_to: bytes | None) -> bytes:
+    def _context(reply_to: bytes | None, audience: str = "") -> bytes:
         # a request and a reply never verify as each other; a reply verifies only
-        # against the request it answers
-        return b"Q" if reply_to is None else b"R" + reply_to
+        # against the request it answers, a request only at the receiver it was sealed for
+        if reply_to is not None:
+            return b"R" + reply_to
+        return b"Q" + audience.encode()
 
     def _mac(self, key: bytes, signed: bytes, context: bytes, payload: bytes | memoryview
              ) -> bytes:
@@ -277,27 +287,31 @@ class Authenticator:
         h.update(payload)
         return h.digest()
 
-    def seal(self, payload: bytes, *, reply_to: bytes | None = None) -> tuple[bytes, bytes]:
+    def seal(self, payload: bytes, *, reply_to: bytes | None = None,
+             audience: str = "") -> tuple[bytes, bytes]:
         """Wrap a wire frame in a signed envelope.
 
         Args:
             payload: the encoded :mod:`.wire` frame.
             reply_to: the nonce of the request this frame answers (replies only).
+            audience: the receiver a request is for (:func:`audience_of`); only a receiver
+                that opens it with the same audience accepts it.
 
         Returns:
             The envelope and its nonce (a client checks the reply against it).
         """
         nonce = secrets.token_bytes(NONCE_BYTES)
-        signed = _SIGNED.pack(AUTH_MAGIC, AUTH_VERSION, int(self.clock() * 1000), nonce)
-        mac = self._mac(self.keys[0], signed, self._context(reply_to), payload)
+        tag = audience_tag(audience if reply_to is None else "")
+        signed = _SIGNED.pack(AUTH_MAGIC, AUTH_VERSION, int(self.clock() * 1000), nonce, tag)
+        mac = self._mac(self.keys[0], signed, self._context(reply_to, audience), payload)
         return signed + mac + payload, nonce
 
-    def open(self, frame: bytes | memoryview, *, reply_to: bytes | None = None
-             ) -> tuple[memoryview, bytes]:
+    def open(self, frame: bytes | memoryview, *, reply_to: bytes | None = None,
+             audience: str = "") -> tuple[memoryview, bytes]:
         """Check an envelope; returns the wire frame inside and the envelope's nonce.
 
-        Requests (``reply_to`` None) go through the replay cache; a reply is bound to
-        its request's nonce instead.
+        Requests (``reply_to`` None) must be sealed for ``audience`` (this receiver) and go
+        through the replay cache; a reply is bound to its request's nonce instead.
 
         Raises:
             AuthError: the frame is refused (``reason`` says why).
@@ -309,13 +323,18 @@ class Authenticator:
         if len(view) < HEADER_BYTES:
             raise AuthError(f"authenticated frame of {len(view)} bytes is shorter than its "
                             f"{HEADER_BYTES}-byte header", reason="malformed")
-        _magic, version, ts_ms, nonce, mac = _HEADER.unpack_from(view)
+        _magic, version, ts_ms, nonce, tag, mac = _HEADER.unpack_from(view)
         if version != AUTH_VERSION:
             raise AuthError(f"envelope version {version} is not supported (this side speaks "
-                            f"{AUTH_VERSION})", reason="malformed")
+                            f"{AUTH_VERSION}): every instance of a deployment must run a "
+                            "release with the same envelope", reason="malformed")
+        if reply_to is None and not hmac.compare_digest(tag, audience_tag(audience)):
+            raise AuthError(f"frame was sealed for another receiver, not this one "
+                            f"({audience or 'no audience'}): a frame captured on its way to "
+                            "another rank or instance", reason="misdirected")
         signed = bytes(view[:_SIGNED.size])
         payload = view[HEADER_BYTES:]
-        context = self._context(reply_to)
+        context = self._context(reply_to, audience)
         if not any(hmac.compare_digest(self._mac(k, signed, context, payload), mac)
                    for k in self.keys):
             raise AuthError("frame MAC matches none of the configured keys",
@@ -351,6 +370,25 @@ class Authenticator:
             return False
         scheme, _, token = header.partition(" ")
         return scheme.lower() == "bearer" and self.check_bearer(token.strip(), purpose)
+
+
+def audience_tag(audience: str) -> bytes:
+    """The header's short tag of a receiver (the MAC covers the receiver itself)."""
+    return hashlib.sha256(b"vllm-ascend-kv audience " + audience.encode()).digest()[
+        :AUDIENCE_TAG_BYTES]
+
+
+def audience_of(endpoint: str) -> str:
+    """The receiver a frame sent to ``endpoint`` is bound to: ``port:N`` of a
+    ``tcp://host:N`` endpoint (each rank of each instance on a host listens on its own
+    port, and a client and its server name the port alike, whatever address or name the
+    client dials); the transport alone otherwise (``ipc``, ``inproc``: a file or an object
+    of one process, whose path a client and its server may spell differently)."""
+    transport, _, rest = endpoint.partition("://")
+    port = rest.rsplit(":", 1)[-1]
+    if transport == "tcp" and port.isdigit():
+        return f"port:{int(port)}"
+    return transport
 
 
 def _token(key: bytes, purpose: str) -> str:

@@ -11,11 +11,13 @@ with a timeout and survives a peer that never answers.
 With a deployment key configured (:mod:`.auth`), both ends seal every frame in
 a signed envelope and open the peer's: a request that fails the check never
 reaches the handler (it is answered ``ErrorReply(code="auth_refused")`` and
-counted), and a reply is accepted only if it is signed for the very request it
-answers. Without a key the bytes on the wire are exactly the plain
-:mod:`.wire` frames, and a TCP server runs in protected mode (:mod:`.protected`): a
-request from a peer on another host (ZeroMQ's ``Peer-Address`` of the frame) never
-reaches the handler; it is answered ``ErrorReply(code="protected_mode")`` and counted.
+counted), a reply is accepted only if it is signed for the very request it answers, and a
+request only by the server it was sealed for (its port: a frame captured on its way to one
+rank is refused by another as ``misdirected``). Without a key the bytes on the wire are
+exactly the plain :mod:`.wire` frames, and a TCP server runs in protected mode
+(:mod:`.protected`): a request from a peer on another host (ZeroMQ's ``Peer-Address`` of
+the frame) never reaches the handler; it is answered ``ErrorReply(code="protected_mode")``
+and counted.
 """
 
 from __future__ import annotations
@@ -121,11 +123,15 @@ class RpcServer(Generic[M]):
         auth: the deployment key check (default: from the environment; ``None``: none).
             Without one, a ``tcp://`` server serves only peers on this host unless
             ``VLLM_ASCEND_KV_ALLOW_UNAUTHENTICATED=1`` (:mod:`.protected`, read here).
+        audience: with a key, the receiver requests must be sealed for (default: this
+            server's port, :func:`.auth.audience_of`); another one is refused as
+            ``misdirected``.
     """
 
     def __init__(self, endpoint: str, codec: Codec[M], handler: Handler, *, name: str = "rpc",
                  context: zmq.Context[Any] | None = None, poll_interval_ms: int = 100,
-                 auth: _auth.Authenticator | None = FROM_ENV) -> None:
+                 auth: _auth.Authenticator | None = FROM_ENV,
+                 audience: str | None = None) -> None:
         self.auth = _resolve(auth)
         self.codec = codec
         self.handler = handler
@@ -143,6 +149,8 @@ class RpcServer(Generic[M]):
         except BaseException:
             self._sock.close(0)
             raise
+        #: what requests must be sealed for (a frame captured for another rank is refused)
+        self.audience = _auth.audience_of(self.endpoint) if audience is None else audience
         #: protected mode: without a key, only peers on this host are served
         self.gate = protected.PeerGate(name, keyed=self.auth is not None,
                                        endpoint=self.endpoint)
@@ -279,7 +287,7 @@ class RpcServer(Generic[M]):
         nonce: bytes | None = None
         if self.auth is not None:
             try:
-                payload, nonce = self.auth.open(payload)
+                payload, nonce = self.auth.open(payload, audience=self.audience)
             except _auth.AuthError as exc:
                 self.stats["auth_refused"] += 1
                 _auth.count_refusal(self.name, exc.reason)
@@ -311,12 +319,17 @@ class RpcClient(Generic[M]):
     Thread-safe (one request at a time). A request that times out does not
     wedge the socket: it uses ``REQ_RELAXED`` and ``REQ_CORRELATE``, so the
     next request goes out and a late reply to the old one is discarded.
+
+    With a key, each request is sealed for its receiver (``audience``, default the
+    endpoint's port: :func:`.auth.audience_of`), so no other server accepts it.
     """
 
     def __init__(self, endpoint: str, codec: Codec[M], *, timeout_s: float = 10.0,
                  context: zmq.Context[Any] | None = None,
-                 auth: _auth.Authenticator | None = FROM_ENV) -> None:
+                 auth: _auth.Authenticator | None = FROM_ENV,
+                 audience: str | None = None) -> None:
         self.auth = _resolve(auth)
+        self.audience = _auth.audience_of(endpoint) if audience is None else audience
         self.endpoint = endpoint
         self.codec = codec
         self.timeout_s = timeout_s
@@ -346,7 +359,7 @@ class RpcClient(Generic[M]):
         payload = self.codec.encode(request)
         nonce: bytes | None = None
         if self.auth is not None:
-            payload, nonce = self.auth.seal(payload)
+            payload, nonce = self.auth.seal(payload, audience=self.audience)
         with self._lock:
             try:
                 self._sock.send(payload, copy=False)
