@@ -241,7 +241,8 @@ def demo(session: nox.Session) -> None:
 def lint(session: nox.Session) -> None:
     """ruff over every package, the tests, the tools and this file; then no import cycle in
     packages/*/src (tools/import_cycles.py) and docs/architecture.md's module tables as the
-    code has them (tools/gen_arch_docs.py --check), each after its own tests."""
+    code has them (tools/gen_arch_docs.py --check), each after its own tests; and
+    docs/benchmarks.md as the results ledger renders it (benchmarks/render.py --check)."""
     session.install("ruff>=0.6", "pytest>=8")
     session.run("ruff", "check", "packages", "tests-e2e", "tests-faults", "tests-soak", "testing",
                 "tools", "benchmarks", "demo", "noxfile.py")
@@ -250,6 +251,8 @@ def lint(session: nox.Session) -> None:
                 str(ROOT / "tools" / "test_gen_arch_docs.py"))
     session.run("python", str(ROOT / "tools" / "import_cycles.py"))
     session.run("python", str(ROOT / "tools" / "gen_arch_docs.py"), "--check")
+    # docs/benchmarks.md as the ledger renders it at HEAD (no plot drawn, standard library)
+    session.run("python", str(ROOT / "benchmarks" / "render.py"), "--check")
 
 
 @nox.session(python=PYTHON)
@@ -329,6 +332,8 @@ nox.options.sessions = [
 
 # ---------------------------------------------------------------------- benchmarks
 BENCH_DIR = ROOT / "bench-results"
+#: The results ledger: every run of `nox -s bench` appends its entries here (committed).
+LEDGER_DIR = ROOT / "benchmarks" / "results"
 BENCHMARKS = ("engine", "kernels", "p2p", "layerwise", "pool", "trace", "offload", "serve",
               "auth", "client", "router")
 BENCH_TOOLS = ("matplotlib>=3.7",)
@@ -340,11 +345,11 @@ BENCH_ARGS: dict[str, tuple[str, ...]] = {
     # a keyed pair alternating with the plain one (issue 19: what the key costs); 15 rounds,
     # as one-block loads take about 2 ms and a round's median still moves with the machine
     "p2p": ("--auth", "--rounds", "15"),
-    # 5 alternating rounds (engines kept up), one sample of each hit a round
-    "serve": ("--rounds", "5", "--repeats", "1"),
-    # then 5 alternating rounds of our P/D pull pair and vLLM's MooncakeConnector pair
-    # (about 12 minutes more)
-    "client": ("--rounds", "5"),
+    # 9 alternating rounds (engines kept up: the report's rule needs 9), one sample of each
+    # hit a round
+    "serve": ("--rounds", "9", "--repeats", "1"),
+    # then 9 alternating rounds of our P/D pull pair and vLLM's MooncakeConnector pair
+    "client": ("--rounds", "9"),
     # the quick model on all 200 requests, 2 rounds (about 6 minutes; the 8-layer model takes
     # about 21): fewer requests share too little of the trace to tell the policies apart
     "router": ("--quick", "--num-requests", "200", "--rounds", "2"),
@@ -409,13 +414,16 @@ def _nixl_python(session: nox.Session) -> str | None:
 
 
 def _run_benchmarks(session: nox.Session, out: Path, *, quick: bool,
-                    extra: dict[str, tuple[str, ...]]) -> list[str]:
-    """Run every benchmark into ``out``; return those that crashed or wrote no JSON."""
+                    extra: dict[str, tuple[str, ...]], ledger: Path) -> list[str]:
+    """Run every benchmark into ``out``, each appending its run to ``ledger``; return those
+    that crashed or wrote no JSON."""
     import json
 
     bad = []
     for name in BENCHMARKS:
-        args = ["vllm-ascend-kv", "bench", name, "--out", str(out), *extra.get(name, ())]
+        args = ["vllm-ascend-kv", "bench", name, "--out", str(out), "--ledger", str(ledger),
+                *extra.get(name, ())]
+        before = len(list((ledger / name).glob("*.json.gz")))
         if quick:
             args.append("--quick")
         try:
@@ -431,13 +439,16 @@ def _run_benchmarks(session: nox.Session, out: Path, *, quick: bool,
                 bad.append(f"{name} (JSON names {doc.get('benchmark')!r})")
         except (OSError, ValueError) as exc:
             bad.append(f"{name} (no valid {name}.json: {exc})")
+        if len(list((ledger / name).glob("*.json.gz"))) <= before:
+            bad.append(f"{name} (no ledger entry in {ledger / name})")
     return bad
 
 
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
-    """Every benchmark in a small fixed configuration (minutes); writes bench-results/*.json
-    and renders docs/benchmarks.md with its plots. Never fails on a number."""
+    """Every benchmark in a small fixed configuration; writes bench-results/*.json, appends
+    each run to the ledger (benchmarks/results/) and renders docs/benchmarks.md with its
+    plots from it. Never fails on a number."""
     _bench_env(session)
     extra = dict(BENCH_ARGS)
     extra["trace"] = (_trace_file(Path(session.create_tmp())),)
@@ -445,8 +456,11 @@ def bench(session: nox.Session) -> None:
     if nixl:
         extra["serve"] = (*extra["serve"], "--nixl-python", nixl)
     BENCH_DIR.mkdir(exist_ok=True)
-    bad = _run_benchmarks(session, BENCH_DIR, quick=False, extra=extra)
-    session.run("python", str(ROOT / "benchmarks" / "render.py"), "--results", str(BENCH_DIR),
+    bad = _run_benchmarks(session, BENCH_DIR, quick=False, extra=extra, ledger=LEDGER_DIR)
+    # the pull's goals at 64 layers too (real models have 32-80)
+    session.run("vllm-ascend-kv", "bench", "p2p", "--rounds", "9", "--layers", "64", "--out",
+                str(Path(session.create_tmp()) / "p2p-64"), "--ledger", str(LEDGER_DIR))
+    session.run("python", str(ROOT / "benchmarks" / "render.py"), "--ledger", str(LEDGER_DIR),
                 "--docs", str(ROOT / "docs"))
     if bad:
         session.error(f"benchmarks that did not complete: {', '.join(bad)}")
@@ -454,22 +468,36 @@ def bench(session: nox.Session) -> None:
 
 @nox.session(name="bench-smoke", python=PYTHON)
 def bench_smoke(session: nox.Session) -> None:
-    """Every benchmark with --quick: each must write its JSON (numbers never fail it);
-    the report renderer runs on the results and passes its tests."""
+    """Every benchmark with --quick: each must write its JSON and its ledger entry, into a
+    temporary ledger (numbers never fail it); the report renderer runs on that ledger and
+    passes its tests."""
     _bench_env(session)
     tmp = Path(session.create_tmp())
     out = tmp / "bench-results"
     shutil.rmtree(out, ignore_errors=True)
+    ledger = tmp / "ledger"
+    shutil.rmtree(ledger, ignore_errors=True)
     bad = _run_benchmarks(session, out, quick=True,
-                          extra={"trace": (_trace_file(tmp),), **SMOKE_ARGS})
+                          extra={"trace": (_trace_file(tmp),), **SMOKE_ARGS}, ledger=ledger)
     if bad:
         session.error(f"benchmarks that did not complete: {', '.join(bad)}")
-    session.run("python", str(ROOT / "benchmarks" / "render.py"), "--results", str(out),
+    (tmp / "docs").mkdir(exist_ok=True)
+    session.run("python", str(ROOT / "benchmarks" / "render.py"), "--ledger", str(ledger),
                 "--docs", str(tmp / "docs"))
     run_pytest(session, str(ROOT / "benchmarks" / "tests"))
 
 
 nox.options.sessions.append("bench-smoke")
+
+
+@nox.session(name="bench-report", python=PYTHON)
+def bench_report(session: nox.Session) -> None:
+    """docs/benchmarks.md and its plots rendered again from the ledger (benchmarks/results/):
+    no engine, seconds. Run it after a bench run or a commit that changes a measured
+    package (its rows turn stale); `nox -s lint` fails while the page differs."""
+    session.install(*BENCH_TOOLS)
+    session.run("python", str(ROOT / "benchmarks" / "render.py"), "--ledger", str(LEDGER_DIR),
+                "--docs", str(ROOT / "docs"))
 
 # ---------------------------------------------------------------------- reliability
 @nox.session(python=PYTHON)
