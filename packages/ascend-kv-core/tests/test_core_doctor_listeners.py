@@ -61,6 +61,9 @@ class _Report:
     def warn(self, what: str, detail: str, fix: str = "") -> None:
         self.checks.append(("warn", what, detail))
 
+    def fail(self, what: str, detail: str, fix: str = "") -> None:
+        self.checks.append(("fail", what, detail))
+
 
 def test_the_probe_of_a_real_engine_reports_its_ports(monkeypatch: pytest.MonkeyPatch) -> None:
     require("mooncake.engine", why="the probe starts a real Mooncake transfer engine")
@@ -71,6 +74,28 @@ def test_the_probe_of_a_real_engine_reports_its_ports(monkeypatch: pytest.Monkey
     assert "listens on" in detail, detail
     # Mooncake listens on every interface: with another interface here, the probe says so
     assert status == ("warn" if non_loopback() else "ok"), detail
+    assert "not the running instance's" in detail  # says what it checked
+    keyed = _Report()
+    doctor_listeners.check(keyed, "127.0.0.1", keyed=True)
+    [(status, _what, detail)] = keyed.checks
+    assert status == ("fail" if non_loopback() else "ok"), detail
+
+
+@pytest.mark.parametrize(("keyed", "status"), [(True, "fail"), (False, "warn")])
+def test_an_exposed_port_fails_under_a_key_and_warns_without(
+        monkeypatch: pytest.MonkeyPatch, keyed: bool, status: str) -> None:
+    import json
+    import subprocess
+
+    probe = {"host": "10.20.0.11", "rpc_port": 15001, "listeners": [["0.0.0.0", 15001]],
+             "exposed": {"15001": ["192.0.2.4"]}, "bind_env": "10.20.0.11"}
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
+        a, 0, stdout=json.dumps(probe) + "\n", stderr=""))
+    report = _Report()
+    doctor_listeners.check(report, "10.20.0.11", keyed=keyed)
+    [(got, what, detail)] = report.checks
+    assert (got, what) == (status, "Mooncake ports reachable")
+    assert "port 15001 on 192.0.2.4" in detail and ("key or no key" in detail) == keyed
 
 
 def test_doctor_runs_the_probe_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -92,4 +92,6 @@ def check(doctor: Any, env: dict[str, str] | None = None) -> None:
                     "set MC_TCP_BIND_ADDRESS and MOONCAKE_REQUESTER_LOCAL_HOSTNAME to an "
                     "address on a private interface, firewall the rest, see docs/security.md")
     else:
-        doctor.ok("Mooncake bind address", bind)
+        doctor.ok("Mooncake bind address",
+                  f"{bind} (the address Mooncake advertises; its ports still listen on every "
+                  "interface: the listener probe says where they answer)")

@@ -12,7 +12,17 @@ other non-loopback address of this host. A port that answers there is reported.
 On the machines of this project (``mooncake-transfer-engine`` 0.3.x, Linux) the engine
 given ``127.0.0.1`` still listened with its RPC port on ``0.0.0.0`` and its TCP transport
 on ``::`` (every interface), whatever ``MC_TCP_BIND_ADDRESS`` said: a firewall is what
-keeps those ports private.
+keeps those ports private. Mooncake's source says why: its handshake listener and the port
+search of its RPC port bind ``INADDR_ANY``/``IN6ADDR_ANY``, its TCP transport a dual-stack
+``tcp::v6()`` acceptor, and no variable changes that (``MC_TCP_BIND_ADDRESS`` only sets the
+address it *advertises*, ``MC_LEGACY_RPC_PORT_BINDING`` which port it takes).
+
+With a deployment key a port that answers on another interface **fails** the check: the
+key protects the control plane only, and such a port hands the KV to anyone who reaches
+it (``docs/security.md``); without one it warns. ``doctor`` cannot see the transfer engine
+of a running ``vllm serve``: what it checks is an engine of its own, started the way a
+connector starts one (same Mooncake build, same ``MC_*`` environment, same address), which
+listens where the instance's engine would.
 
 The probe runs in a child process (``python -m ...doctor_listeners HOST``), so that an
 engine that hangs or crashes cannot take ``doctor`` with it, and its ports close with it.
@@ -31,6 +41,8 @@ import struct
 import subprocess
 import sys
 from typing import Any
+
+from .. import auth
 
 logger = logging.getLogger(__name__)
 
@@ -119,9 +131,13 @@ def probe(host: str) -> dict[str, Any]:
             "bind_env": os.environ.get("MC_TCP_BIND_ADDRESS", "")}
 
 
-def check(doctor: Any, host: str, *, timeout_s: float = 30.0) -> None:
-    """Run :func:`probe` in a child and report through ``doctor.ok`` / ``warn``."""
+def check(doctor: Any, host: str, *, timeout_s: float = 30.0,
+          keyed: bool | None = None) -> None:
+    """Run :func:`probe` in a child and report through ``doctor.ok`` / ``warn`` / ``fail``
+    (``fail`` for an exposed port when a deployment key is set: ``keyed``, default from the
+    environment)."""
     what = "Mooncake ports reachable"
+    keyed = auth.configured() if keyed is None else keyed
     try:
         proc = subprocess.run([sys.executable, "-m", __name__, host], capture_output=True,
                               text=True, timeout=timeout_s, check=False)
@@ -139,17 +155,24 @@ def check(doctor: Any, host: str, *, timeout_s: float = 30.0) -> None:
     report = json.loads(lines[-1])
     exposed = report["exposed"]
     listening = ", ".join(f"{a}:{p}" for a, p in report["listeners"]) or "nothing"
+    checked = ("(checked: a probe engine doctor started on the advertised address as a "
+               "connector does, not the running instance's)")
     if exposed:
         where = "; ".join(f"port {p} on {', '.join(addrs)}" for p, addrs in exposed.items())
-        doctor.warn(what, f"an engine started on {host} listens on {listening} and accepts "
-                          f"connections on other interfaces: {where}. Anyone who reaches "
-                          "them can read or write registered KV memory",
-                    "firewall the transfer engine's ports to the deployment's private "
-                    "network (Mooncake binds them on every interface whatever "
-                    "MC_TCP_BIND_ADDRESS says); see docs/security.md")
+        detail = (f"an engine started on {host} listens on {listening} and accepts "
+                  f"connections on other interfaces: {where}. Anyone who reaches them can "
+                  f"read or write registered KV memory{', key or no key' if keyed else ''} "
+                  f"{checked}")
+        fix = ("firewall the transfer engine's ports to the deployment's private network, "
+               "or run the instance in its own network namespace (Mooncake binds them on "
+               "every interface whatever MC_TCP_BIND_ADDRESS says); see docs/security.md")
+        if keyed:
+            doctor.fail(what, detail, fix)
+        else:
+            doctor.warn(what, detail, fix)
     else:
         doctor.ok(what, f"an engine started on {host} listens on {listening}; reachable "
-                        "through no other interface of this host")
+                        f"through no other interface of this host {checked}")
 
 
 def main(argv: list[str] | None = None) -> int:
