@@ -148,3 +148,12 @@ def test_the_difference_bootstrap() -> None:
     one = compare_difference([2.0], [1.0])
     assert (one.ratio, one.low, one.high) == (1.0, 1.0, 1.0)
     assert compare_difference([], []).ratio is None
+
+
+def test_a_test_run_lands_in_no_ledger(tmp_path: Path) -> None:
+    # conftest.py sets the default of --ledger to "none" for every test of this package
+    parser = argparse.ArgumentParser()
+    ledger.add_ledger_arg(parser)
+    args = parser.parse_args([])
+    assert args.ledger == ledger.OFF and ledger.ledger_dir(args) is None
+    assert ledger.ledger_dir(parser.parse_args(["--ledger", str(tmp_path)])) == tmp_path

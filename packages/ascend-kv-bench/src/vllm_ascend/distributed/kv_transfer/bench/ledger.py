@@ -42,6 +42,9 @@ FORMAT = 1
 LEDGER_SUBDIR = Path("benchmarks") / "results"
 #: ``--ledger`` value that turns the ledger off.
 OFF = "none"
+#: Environment variable holding the default of ``--ledger`` (the test suites set it to
+#: :data:`OFF`: a test's run must not land in the checkout's ledger).
+LEDGER_ENV = "VLLM_ASCEND_KV_BENCH_LEDGER"
 
 _CORE, _P2P, _POOL = "ascend-kv-core", "ascend-kv-p2p", "ascend-kv-pool"
 _OFFLOAD, _KERNELS = "ascend-cpu-offload", "ascend-kernels"
@@ -84,10 +87,10 @@ def add_ledger_arg(parser: argparse.ArgumentParser) -> None:
     started (:func:`note_start`)."""
     note_start()
     parser.add_argument(
-        "--ledger", default=None,
-        help="append this run to the results ledger in DIR (default: benchmarks/results of "
-             f"the checkout the command runs in, none outside one or with --quick; "
-             f"'{OFF}': no entry)")
+        "--ledger", default=os.environ.get(LEDGER_ENV) or None,
+        help="append this run to the results ledger in DIR (default: $"
+             f"{LEDGER_ENV}, else benchmarks/results of the checkout the command runs in, "
+             f"none outside one or with --quick; '{OFF}': no entry)")
 
 
 def note_start() -> dict[str, Any]:
