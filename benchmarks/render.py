@@ -469,6 +469,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(f"{target} is what the ledger renders ({len(entries)} runs)")
         return 0
+    docs.mkdir(parents=True, exist_ok=True)
     target.write_text(page)
     print(f"wrote {target} from {len(entries)} runs of the ledger")
     return 0
