@@ -13,6 +13,7 @@ ascend-kv-bench``.
   :mod:`.trace_replay`), :mod:`.offload`, :mod:`.kernels`, :mod:`.router`;
 * :mod:`.client` - ``bench client``, vLLM's benchmark client against real servers;
 * :mod:`.serve` - ``bench serve``, real vLLM CPU engines with and without each connector;
+* :mod:`.fleet` - ``bench fleet``, routers in front of a simulated fleet of instances;
 * what they share: :mod:`.benchutil` (results, tables, ratios, progress), :mod:`.stats`
   (ratios of alternating rounds), and the launchers the tests use too: :mod:`.engine_env`
   (the environment of every CPU engine), :mod:`.procs` (child processes),

@@ -144,8 +144,9 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     logs = out / "fleet-logs"
     logs.mkdir(parents=True, exist_ok=True)
-    total = len(sizes) * (len(traces) * len(routers) * len(rates)
-                          + (len(routers) if args.churn else 0))
+    matrix = args.churn != "only"
+    total = len(sizes) * (len(traces) * len(routers) * len(rates) * matrix
+                          + (len(routers) if args.churn != "no" else 0))
     steps = Steps(total, NAME)
     runs: list[dict[str, Any]] = []
     workloads: dict[str, Any] = {}
@@ -153,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
         n_p, n_d = n // 2, n - n // 2
         fleet = FleetProc(n_p, n_d, args, logs)
         try:
-            for trace in traces:
+            for trace in traces if matrix else ():
                 for rate in rates:
                     count = max(1, int(rate * args.duration))
                     prompts, hashes, source = trace_prompts(trace, count, args.max_blocks,
@@ -168,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
                                          logs)}
                         runs.append(row)
                         steps.note(_line(row))
-            if args.churn:
+            if args.churn != "no":
                 rate, trace = max(rates), traces[0]
                 count = max(1, int(rate * args.duration))
                 prompts, hashes, _ = trace_prompts(trace, count, args.max_blocks, args.seed)
@@ -248,8 +249,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "engine's prefill of 1,000 tokens, about 1 s, becomes 20 ms)")
     p.add_argument("--cost-model", default=None,
                    help="a costfit JSON (default: the committed fit, fleet/costmodel.json)")
-    p.add_argument("--churn", action="store_true",
-                   help="one more run per router with 10%% of P added, drained, killed")
+    p.add_argument("--churn", choices=("no", "also", "only"), default="no",
+                   help="also (or only) one run per router at the highest rate on the first "
+                        "trace with 10%% of P added, drained and killed (default: no)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--startup-timeout", type=float, default=120.0)
     p.set_defaults(func=run)

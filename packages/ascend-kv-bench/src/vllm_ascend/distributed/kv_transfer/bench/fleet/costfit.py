@@ -90,11 +90,12 @@ def fit(samples: dict[str, Any]) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from vllm_ascend.distributed.kv_transfer.core.net import free_port
+
     from ..client.deploy import engine_env, server_cmd
     from ..client.model import make_served_model
     from ..client.procs import Server
     from ..serve.spec import BENCH_MODEL
-    from vllm_ascend.distributed.kv_transfer.core.net import free_port
 
     p = argparse.ArgumentParser(prog="python -m ...bench.fleet.costfit", description=__doc__)
     p.add_argument("--out", required=True, help="the JSON file written")
