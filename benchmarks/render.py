@@ -443,9 +443,14 @@ def render(entries: Sequence[Mapping[str, Any]], head: Mapping[str, str | None],
                 parts.append(f"\n(could not render {entry.get('id')}: "
                              f"{type(exc).__name__}: {exc})\n")
             parts.append("\n")
-    counts = {n: len([e for e in entries if e.get("section") == n]) for n in sections}
+    names = set(sections) | {str(e.get("section")) for e in entries}
+    counts = {n: len([e for e in entries if e.get("section") == n]) for n in names}
     parts.append("## The ledger\n\n" + ", ".join(
         f"{n}: {c} run{'s' if c != 1 else ''}" for n, c in sorted(counts.items())) + ".\n")
+    unshown = sorted(n for n in names if n not in sections)
+    if unshown:
+        parts.append(f"\nRuns of sections without a module in `benchmarks/sections/` (not "
+                     f"rendered): {', '.join(unshown)}.\n")
     return "".join(parts)
 
 

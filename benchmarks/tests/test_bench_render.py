@@ -386,3 +386,10 @@ def test_the_page_is_the_same_from_the_same_ledger_and_check_fails_on_a_differen
     assert "| goal | value (95% interval) | against | verdict | run |" in page
     assert "1 of " in page and "| 1 (1–1), gather, 64 KiB |" in page
     assert "bound to CPUs [0, 1]; load average [0.1, 0.2, 0.3] at the start" in page
+
+
+def test_a_run_of_a_section_without_a_module_is_listed(tmp_path: Path) -> None:
+    entries = _stored(tmp_path, [_entry("fleet", {"x": 1})])
+    page = render.render(entries, HEAD, tmp_path, draw=False)
+    assert "fleet: 1 run" in page
+    assert "without a module in `benchmarks/sections/` (not rendered): fleet." in page
