@@ -63,6 +63,8 @@ def test_the_mac_covers_every_key_and_survives_json() -> None:
     assert isinstance(params[MAC_KEY], str) and params[EXPIRES_KEY] > 1e9
     verify(params, authn=A)
     verify(json.loads(json.dumps(params)), authn=A)  # as the proxy and vLLM hand them on
+    # vLLM's scheduler adds P's cache hits after the connector returned the params
+    verify({**params, "remote_prefill_cached_tokens": 32}, authn=A)
     before = refused("bad_mac")
     for key, value in [("remote_host", "10.66.6.6"), ("remote_port", 20001),
                        ("remote_engine_id", "p1"), ("remote_request_id", "req-b"),

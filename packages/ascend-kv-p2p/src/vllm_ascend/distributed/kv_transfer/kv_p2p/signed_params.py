@@ -10,7 +10,8 @@ its metaserver post to a host of the sender's choosing.
   one who issues params MACs them (:func:`sign`): P the params it returns for D (pull), the
   layerwise proxy what it posts to D. The MAC (``kv_params_mac``) is an HMAC-SHA256, under a
   key derived from the deployment key for :data:`PURPOSE`, over the canonical serialization
-  (sorted-key JSON, :func:`canonical`) of **every** key of the params but the MAC itself:
+  (sorted-key JSON, :func:`canonical`) of **every** key of the params but the MAC itself
+  (and the statistics vLLM adds on the way, :data:`VLLM_ADDED_KEYS`):
   the engine id, host, port, request id, block ids (also keys added later, e.g. per-group
   block ids), the capability token and the expiry (``kv_params_expires``, wall time). D
   checks it (:func:`verify`) before it dials anything: params without a MAC, with a MAC
@@ -45,11 +46,15 @@ from vllm_ascend.distributed.kv_transfer.core import auth
 from .errors import KVParamsError
 from .rank_hosts import MULTI_NODES_KEY
 
-__all__ = ["EXPIRES_KEY", "MAC_KEY", "PURPOSE", "SOCKET", "ParamsRefused", "canonical",
-           "host_allowed", "hosts_named", "sign", "verify"]
+__all__ = ["EXPIRES_KEY", "MAC_KEY", "PURPOSE", "SOCKET", "VLLM_ADDED_KEYS", "ParamsRefused",
+           "canonical", "host_allowed", "hosts_named", "sign", "verify"]
 
 #: The params key of the MAC.
 MAC_KEY = "kv_params_mac"
+#: Keys vLLM itself adds to the params after the connector returned them, which the MAC
+#: therefore cannot cover: P's prefix-cache hit count (``Scheduler`` adds it when the request
+#: finishes; D only reports it in its usage statistics, it moves no KV and names no host).
+VLLM_ADDED_KEYS = frozenset({"remote_prefill_cached_tokens"})
 #: The params key of the expiry (``time.time()`` of the issuer).
 EXPIRES_KEY = "kv_params_expires"
 #: What the MAC's key is derived for (from each active deployment key).
@@ -78,13 +83,15 @@ class ParamsRefused(KVParamsError):
 
 
 def canonical(params: Mapping[str, Any]) -> bytes:
-    """The bytes the MAC covers: every key but :data:`MAC_KEY`, as sorted-key JSON.
+    """The bytes the MAC covers: every key but :data:`MAC_KEY` and :data:`VLLM_ADDED_KEYS`,
+    as sorted-key JSON.
 
     Raises:
         ParamsRefused: a value JSON cannot hold (NaN, a non-string key, an object).
     """
     try:
-        text = json.dumps({k: v for k, v in params.items() if k != MAC_KEY}, sort_keys=True,
+        text = json.dumps({k: v for k, v in params.items()
+                           if k != MAC_KEY and k not in VLLM_ADDED_KEYS}, sort_keys=True,
                           separators=(",", ":"), ensure_ascii=True, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise ParamsRefused(f"kv_transfer_params cannot be serialized canonically: {exc}",
