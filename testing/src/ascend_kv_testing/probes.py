@@ -30,6 +30,14 @@ def scheduler_state(llm: Any) -> dict[str, int]:
     }
 
 
+def kv_cache_groups(llm: Any) -> list[str]:
+    """The engine's KV cache groups, ``"<spec class>/<sliding window or 0>"`` each (several
+    when vLLM's hybrid KV cache manager is on for a hybrid model)."""
+    cfg = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
+    return [f"{type(g.kv_cache_spec).__name__}/{getattr(g.kv_cache_spec, 'sliding_window', 0) or 0}"
+            for g in cfg.kv_cache_groups]
+
+
 def step_for(llm: Any, seconds: float) -> dict[str, int]:
     """Keep stepping the engine for ``seconds`` (lets leases lapse), then report its state."""
     import time

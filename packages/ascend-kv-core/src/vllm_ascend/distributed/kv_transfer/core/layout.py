@@ -111,6 +111,9 @@ class KVCacheLayout:
     is_mla: bool
     num_kv_heads: int
     head_size: int
+    #: a layer whose tensor is an earlier layer's (vLLM's hybrid KV cache manager gives a
+    #: layer of each KV cache group one tensor) -> that layer: its bytes are moved with it
+    aliases: dict[str, str] = field(default_factory=dict)
 
     # ------------------------------------------------------------ building
     @classmethod
@@ -132,6 +135,11 @@ class KVCacheLayout:
             num_kv_heads: KV heads on this rank, when known.
             head_size: head dimension, when known.
 
+        A layer whose tensor is an earlier layer's (the same memory, blocks and strides: vLLM's
+        hybrid KV cache manager shares one tensor between a layer of each KV cache group) is
+        not a layer of its own: it is in :attr:`aliases`, and its bytes go with the layer that
+        owns the memory, block id by block id (a block id belongs to one group at a time).
+
         Raises:
             LayoutError: an empty dict, a layer in an unknown layout, or layers that disagree.
         """
@@ -139,11 +147,19 @@ class KVCacheLayout:
             raise LayoutError("kv_caches is empty: nothing to register")
         layers: list[LayerLayout] = []
         kinds: set[str] = set()
+        owners: dict[tuple[tuple[int, int, int, int], ...], str] = {}
+        aliases: dict[str, str] = {}
         for name, value in sorted(kv_caches.items(), key=lambda kv: (layer_index(kv[0]), kv[0])):
             kind, regions, mla, heads, hsize = _describe_layer(
                 name, value, block_size=block_size, num_blocks=num_blocks,
                 num_kv_heads=num_kv_heads, head_size=head_size)
             kinds.add(kind)
+            memory = tuple((r.base_addr, r.num_blocks, r.block_len, r.block_stride)
+                           for r in regions)
+            if memory in owners:
+                aliases[name] = owners[memory]
+                continue
+            owners[memory] = name
             layers.append(LayerLayout(name, layer_index(name), tuple(regions), mla))
             num_blocks = regions[0].num_blocks if num_blocks is None else num_blocks
             num_kv_heads = heads if num_kv_heads is None else num_kv_heads
@@ -159,7 +175,7 @@ class KVCacheLayout:
         return cls(layers=layers, kind=kinds.pop(), num_blocks=num_blocks, block_size=block_size,
                    dtype=first.tensor.dtype if len(dtypes) == 1 else torch.uint8,
                    is_mla=layers[0].is_mla, num_kv_heads=int(num_kv_heads or 1),
-                   head_size=int(head_size or 0))
+                   head_size=int(head_size or 0), aliases=aliases)
 
     # ------------------------------------------------------------ queries
     @property

@@ -21,8 +21,10 @@ require_vllm("the P/D connectors")
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorBase_V1,
     KVConnectorRole,
+    SupportsHMA,
 )
 
+from vllm_ascend.distributed.kv_transfer.core.kv_groups import KVGroups  # noqa: E402
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder  # noqa: E402
 from vllm_ascend.distributed.kv_transfer.core.vllm_metrics import ConnectorStatsMixin  # noqa: E402
 from vllm_ascend.distributed.kv_transfer.core.vllm_roles import (  # noqa: E402
@@ -85,8 +87,11 @@ class P2PConnectorShell(ConnectorStatsMixin, SchedulerHooksMixin, KVConnectorBas
         self.cfg: CfgT = self.config_class.from_dict(
             kvc.kv_connector_extra_config,
             source=f"kv_connector_extra_config of {type(self).__name__}")
-        refuse_unsupported_shapes(vllm_config, kv_cache_config, type(self).__name__)
+        refuse_unsupported_shapes(vllm_config, kv_cache_config, type(self).__name__,
+                                  groups_ok=isinstance(self, SupportsHMA))
         self.engine_id = str(kvc.engine_id)
+        #: the engine's KV cache groups (one unless vLLM's hybrid KV cache manager is on)
+        self.kv_groups = KVGroups.from_config(kv_cache_config)
         self.recorder = MetricsRecorder(P2P_METRICS)
         self.connector_scheduler: SchedT | None = None
         self.connector_worker: WorkerT | None = None

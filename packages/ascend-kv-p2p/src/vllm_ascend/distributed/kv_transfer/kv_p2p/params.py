@@ -10,7 +10,7 @@ the key and the value, and fails that one request only.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +50,10 @@ class RemotePrefill:
     #: P's MAC over the request's identity and window (``remote_window_tag``,
     #: :func:`~.pull.window.window_tag`): params changed on the way are claimed
     window_tag: str = ""
+    #: under vLLM's hybrid KV cache manager, each KV cache group's run in ``block_ids``:
+    #: ``(first position held, blocks held)`` (``remote_block_groups``, :mod:`.pull.groups`);
+    #: empty: one group, ``block_ids`` is the whole prompt's
+    block_groups: tuple[tuple[int, int], ...] = ()
 
     def endpoint_key(self) -> tuple[str, int]:
         """``(host, base side-channel port)`` of the P instance."""
@@ -111,8 +115,10 @@ def engine_instance(vllm_config: Any, engine_id: str) -> str:
     return f"{engine_id}/{instance}" if isinstance(instance, str) and instance else ""
 
 
-def _prompt_blocks(params: Mapping[str, Any], prompt_len: int, block_size: int) -> list[int]:
-    """``remote_block_ids``: distinct non-negative ints, exactly the prompt's blocks.
+def _prompt_blocks(params: Mapping[str, Any], prompt_len: int, block_size: int
+                   ) -> tuple[list[int], tuple[tuple[int, int], ...]]:
+    """``remote_block_ids``: distinct non-negative ints, exactly the prompt's blocks; or, with
+    ``remote_block_groups`` (several KV cache groups), every group's run of them.
 
     Raises:
         KVParamsError: naming the key and what is wrong with it.
@@ -126,13 +132,54 @@ def _prompt_blocks(params: Mapping[str, Any], prompt_len: int, block_size: int) 
             raise KVParamsError(f"kv_transfer_params: 'remote_block_ids' holds {b!r}; block ids "
                                 "are non-negative integers")
     needed = math.ceil(prompt_len / block_size)
-    if len(blocks) != needed:
+    # a P with a sliding window computes all but the prompt's last token (D computes it)
+    groups = _block_groups(params, num_blocks=len(blocks),
+                           prompt_blocks={needed, math.ceil((prompt_len - 1) / block_size)})
+    if not groups and len(blocks) != needed:
         raise KVParamsError(
             f"kv_transfer_params: 'remote_block_ids' has {len(blocks)} blocks but the "
             f"{prompt_len}-token prompt needs {needed} (block size {block_size})")
     if len(set(blocks)) != len(blocks):
         raise KVParamsError("kv_transfer_params: 'remote_block_ids' repeats a block id")
-    return blocks
+    return blocks, groups
+
+
+def check_runs(runs: Sequence[tuple[int, int]], *, num_blocks: int,
+               prompt_blocks: set[int]) -> None:
+    """D's check of P's ``remote_block_groups``: every run ends at the prompt's last block and
+    the runs add up to ``remote_block_ids``.
+
+    Raises:
+        ValueError: naming what does not add up.
+    """
+    total = 0
+    for g, (first, count) in enumerate(runs):
+        if first < 0 or count < 0 or first + count not in prompt_blocks:
+            raise ValueError(f"group {g}'s run [{first}, {count}] does not end at the prompt's "
+                             f"last block ({' or '.join(map(str, sorted(prompt_blocks)))} "
+                             "blocks)")
+        total += count
+    if total != num_blocks:
+        raise ValueError(f"the groups' runs cover {total} blocks but remote_block_ids has "
+                         f"{num_blocks}")
+
+
+def _block_groups(params: Mapping[str, Any], *, num_blocks: int, prompt_blocks: set[int]
+                  ) -> tuple[tuple[int, int], ...]:
+    raw = params.get("remote_block_groups")
+    if raw is None:
+        return ()
+    if (not isinstance(raw, list) or not 1 < len(raw) <= 64
+            or not all(isinstance(r, list) and len(r) == 2 for r in raw)
+            or not all(isinstance(v, int) and not isinstance(v, bool) for r in raw for v in r)):
+        raise KVParamsError("kv_transfer_params: 'remote_block_groups' must be a list of 2 to "
+                            f"64 [first position, count] pairs, got {raw!r}"[:300])
+    runs = tuple((int(r[0]), int(r[1])) for r in raw)
+    try:
+        check_runs(runs, num_blocks=num_blocks, prompt_blocks=prompt_blocks)
+    except ValueError as exc:
+        raise KVParamsError(f"kv_transfer_params: 'remote_block_groups': {exc}") from None
+    return runs
 
 
 def parse_remote_prefill(params: Any, *, prompt_len: int, block_size: int) -> RemotePrefill:
@@ -149,7 +196,7 @@ def parse_remote_prefill(params: Any, *, prompt_len: int, block_size: int) -> Re
     """
     if not isinstance(params, Mapping):
         raise KVParamsError(f"kv_transfer_params must be an object, got {type(params).__name__}")
-    blocks = _prompt_blocks(params, prompt_len, block_size)
+    blocks, groups = _prompt_blocks(params, prompt_len, block_size)
     tp = params.get("remote_tp_size", params.get("remote_ptp_size", 1))
     token = params.get("remote_claim_token", "")
     if not isinstance(token, str) or len(token) > 256:
@@ -176,6 +223,7 @@ def parse_remote_prefill(params: Any, *, prompt_len: int, block_size: int) -> Re
         held_at=_float(params, "remote_held_at", maximum=1e11),
         hold_s=_float(params, "remote_hold_s", maximum=3600.0),
         window_tag=tag,
+        block_groups=groups,
     )
 
 
@@ -183,13 +231,16 @@ def params_for_decode(*, block_ids: list[int], engine_id: str, host: str, port: 
                       request_id: str, tp_size: int, last_token_id: int | None,
                       num_prompt_blocks: int, claim_token: str = "",
                       rank_hosts: Mapping[int, str] | None = None,
-                      window: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                      window: Mapping[str, Any] | None = None,
+                      block_groups: Sequence[tuple[int, int]] = ()) -> dict[str, Any]:
     """The ``kv_transfer_params`` P returns for D (upstream keys, plus ``remote_tp_size`` and
     ``remote_claim_token``, the request's capability, when P issued one, and the keys of
     its read window, ``window``: :func:`~.pull.window.stamp`).
 
     ``remote_multi_nodes_meta_mapping`` names every rank's host (``rank_hosts``, as the
-    workers published them); without them, rank 0 at ``host`` (upstream's one entry)."""
+    workers published them); without them, rank 0 at ``host`` (upstream's one entry).
+    ``remote_block_groups`` (several KV cache groups only): each group's run in
+    ``remote_block_ids`` (:mod:`.pull.groups`)."""
     out: dict[str, Any] = {
         "do_remote_prefill": True,
         "do_remote_decode": False,
@@ -208,6 +259,8 @@ def params_for_decode(*, block_ids: list[int], engine_id: str, host: str, port: 
     }
     if claim_token:
         out["remote_claim_token"] = claim_token
+    if len(block_groups) > 1:
+        out["remote_block_groups"] = [[int(a), int(b)] for a, b in block_groups]
     out.update(window or {})
     return out
 
@@ -327,7 +380,10 @@ def parse_push_target(params: Any, *, prompt_len: int, block_size: int) -> PushT
             below the prompt length.
     """
     host, port, request_id, tp_size = parse_push_endpoint(params)
-    blocks = _prompt_blocks(params, prompt_len, block_size)
+    blocks, groups = _prompt_blocks(params, prompt_len, block_size)
+    if groups:
+        raise KVParamsError("kv_transfer_params: 'remote_block_groups' (several KV cache "
+                            "groups) is not supported by the layerwise connector")
     remote_bs = params.get("remote_block_size", block_size)
     if remote_bs != block_size:
         raise KVParamsError(f"kv_transfer_params: 'remote_block_size' is {remote_bs!r} but this "

@@ -22,6 +22,8 @@ One ZeroMQ REQ/ROUTER channel per P worker rank, msgspec on the wire
 
 from __future__ import annotations
 
+import msgspec
+
 from vllm_ascend.distributed.kv_transfer.core.layout import LayoutDescriptor
 from vllm_ascend.distributed.kv_transfer.core.wire import Codec, Message
 
@@ -66,6 +68,10 @@ class AgentMeta(Message):
     #: host copies from it directly (``""``/0: device memory, or not offered)
     local_host: str = ""
     pid: int = 0
+    #: the KV cache groups under vLLM's hybrid KV cache manager
+    #: (:meth:`~vllm_ascend.distributed.kv_transfer.core.kv_groups.KVGroups.signature`:
+    #: kind, block size, window and layers of each; empty: one group)
+    kv_groups: list[str] = msgspec.field(default_factory=list)
 
 
 class Claim(Message):
@@ -269,6 +275,8 @@ def compatibility_problem(mine: AgentMeta, theirs: AgentMeta, *, expect_tp: int,
         ("MLA", a.is_mla, b.is_mla),
         ("total KV heads", mine.total_num_kv_heads, theirs.total_num_kv_heads),
         (f"{them} tensor-parallel size", expect_tp, theirs.tp_size),
+        ("KV cache groups (hybrid KV cache manager)", mine.kv_groups or "one group",
+         theirs.kv_groups or "one group"),
     ]
     if configured_tp is not None:
         side = "prefill" if them == "P" else "decode"

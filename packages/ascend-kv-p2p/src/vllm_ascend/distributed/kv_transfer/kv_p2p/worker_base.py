@@ -31,6 +31,7 @@ from vllm_ascend.distributed.kernels.heads import (
 from vllm_ascend.distributed.kv_transfer.core import local_reads
 from vllm_ascend.distributed.kv_transfer.core.channel import RpcClient, tcp_endpoint
 from vllm_ascend.distributed.kv_transfer.core.errors import ConfigError
+from vllm_ascend.distributed.kv_transfer.core.kv_groups import KVGroups
 from vllm_ascend.distributed.kv_transfer.core.layout import (
     KVCacheLayout,
     KVRegion,
@@ -75,13 +76,15 @@ class P2PWorkerBase:
 
     def __init__(self, vllm_config: VllmConfig, cfg: MooncakeP2PConfig, engine_id: str,
                  recorder: MetricsRecorder, *, codec: Codec[Message], tp_rank: int | None = None,
-                 pp_rank: int | None = None) -> None:
+                 pp_rank: int | None = None, kv_groups: KVGroups | None = None) -> None:
         kvc = vllm_config.kv_transfer_config
         assert kvc is not None
         par = vllm_config.parallel_config
         self.cfg = cfg
         self.engine_id = engine_id
         self.recorder = recorder
+        #: the KV cache groups (one unless vLLM's hybrid KV cache manager is on)
+        self.kv_groups = kv_groups or KVGroups.from_config(None)
         self.codec = codec
         self.is_producer = bool(kvc.is_kv_producer)
         self.is_consumer = bool(kvc.is_kv_consumer)
@@ -155,7 +158,8 @@ class P2PWorkerBase:
             region_addrs=[r.base_addr for r in self.layout.regions],
             region_strides=[r.block_stride for r in self.layout.regions],
             vllm_version=_vllm_version(), instance=self.instance,
-            local_host=local_host, pid=os.getpid() if local_host else 0)
+            local_host=local_host, pid=os.getpid() if local_host else 0,
+            kv_groups=self.kv_groups.signature())
         return self.layout
 
     def _release_resources(self) -> None:
@@ -217,19 +221,23 @@ class P2PWorkerBase:
         return meta
 
 
-def refuse_unsupported_shapes(vllm_config: Any, kv_cache_config: Any, who: str) -> None:
+def refuse_unsupported_shapes(vllm_config: Any, kv_cache_config: Any, who: str, *,
+                              groups_ok: bool = False) -> None:
     """Refuse at start-up what the P/D connectors would serve wrong.
 
     * Decode or prefill context parallelism: P's params always say ``remote_dcp_size`` and
       ``remote_pcp_size`` 1 and D reads whole blocks from one rank, so a DCP/PCP instance
       would move a part of each request's KV as if it were all of it.
     * More than one KV cache group (a hybrid model, e.g. sliding window and full attention,
-      under vLLM's hybrid KV cache manager): the connectors move one group's blocks.
+      under vLLM's hybrid KV cache manager): refused unless ``groups_ok`` (a connector that
+      moves every group, ``SupportsHMA``), and then kinds it cannot move
+      (:meth:`~vllm_ascend.distributed.kv_transfer.core.kv_groups.KVGroups.refuse_unsupported`).
 
     Args:
         vllm_config: the engine's config.
         kv_cache_config: the engine's ``KVCacheConfig`` (``None`` where not known yet).
         who: the connector or worker, named in the error.
+        groups_ok: the connector moves the blocks of several KV cache groups.
 
     Raises:
         ConfigError: naming the key and its value, or the model's KV cache groups.
@@ -242,7 +250,10 @@ def refuse_unsupported_shapes(vllm_config: Any, kv_cache_config: Any, who: str) 
                 f"{who}: {key}={value} is not supported (P/D moves whole blocks of one rank "
                 f"and tells D a context-parallel size of 1); run P/D instances with {key} 1",
                 key=key, value=value, source="parallel_config")
-    refuse_kv_cache_groups(kv_cache_config, who)
+    if groups_ok:
+        KVGroups.from_config(kv_cache_config).refuse_unsupported(who)
+    else:
+        refuse_kv_cache_groups(kv_cache_config, who)
 
 
 def head_slices(total_heads: int, remote_tp: int, local_tp: int, local_rank: int, *,

@@ -34,6 +34,11 @@ from vllm_ascend.distributed.kv_transfer.core.vllm_compat import require_vllm
 
 require_vllm("MooncakeConnectorV1")
 
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+
 from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig  # noqa: E402
 
 from ..connector_shell import P2PConnectorShell  # noqa: E402
@@ -45,6 +50,7 @@ from .worker import PullWorker  # noqa: E402
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
+    from vllm.v1.request import Request
 
 __all__ = ["MooncakeConnector", "MooncakeConnectorMetadata", "RecvMeta", "ReqMeta", "SendMeta"]
 
@@ -53,16 +59,42 @@ __all__ = ["MooncakeConnector", "MooncakeConnectorMetadata", "RecvMeta", "ReqMet
 ReqMeta = RecvMeta
 
 
-class MooncakeConnector(P2PConnectorShell[MooncakeP2PConfig, PullScheduler, PullWorker]):
-    """P/D connector: the decode instance pulls the prefill instance's KV blocks."""
+class MooncakeConnector(P2PConnectorShell[MooncakeP2PConfig, PullScheduler, PullWorker],
+                        SupportsHMA):
+    """P/D connector: the decode instance pulls the prefill instance's KV blocks.
+
+    It serves vLLM's hybrid KV cache manager (``SupportsHMA``): with full-attention and
+    sliding-window groups, P returns every group's blocks and D reads, group by group, the
+    blocks its own manager keeps (a window's, not the whole prompt's); see
+    :mod:`.pull.groups`."""
 
     config_class = MooncakeP2PConfig
 
+    # ============================== Scheduler-side methods (hybrid KV cache manager)
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hook with the hybrid KV cache manager on: the request's blocks, one list
+        per KV cache group."""
+        assert self.connector_scheduler is not None
+        return self.connector_scheduler.request_finished_groups(request, block_ids)
+
+    def on_new_request(self, request: Request) -> None:
+        """vLLM's hook for a request just added (P leaves a window model's last prompt token
+        to D: :meth:`~.pull.scheduler.PullScheduler.on_new_request`)."""
+        if self.connector_scheduler is not None:
+            self.connector_scheduler.on_new_request(request)
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        """A pull loads the request's own blocks of every group (vLLM's default, the
+        prefix-cacheable groups, is a hash-addressed store's)."""
+        return tuple(g.index for g in self.kv_groups.groups)
+
     def _make_scheduler(self, vllm_config: VllmConfig) -> PullScheduler:
-        return PullScheduler(vllm_config, self.cfg, self.engine_id)
+        return PullScheduler(vllm_config, self.cfg, self.engine_id, kv_groups=self.kv_groups)
 
     def _make_worker(self, vllm_config: VllmConfig) -> PullWorker:
-        return PullWorker(vllm_config, self.cfg, self.engine_id, self.recorder)
+        return PullWorker(vllm_config, self.cfg, self.engine_id, self.recorder,
+                          kv_groups=self.kv_groups)
 
     # ============================== Scheduler-side methods
     def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]
@@ -100,3 +132,15 @@ class MooncakeConnector(P2PConnectorShell[MooncakeP2PConfig, PullScheduler, Pull
         meta = self._connector_metadata  # bound while vLLM asks (None in a bare call)
         return self.connector_worker.get_finished(
             idle=isinstance(meta, MooncakeConnectorMetadata) and meta.idle)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """:meth:`get_finished`, and the loads that failed: by request with several KV cache
+        groups (vLLM refuses block ids there), by block otherwise
+        (:meth:`get_block_ids_with_load_errors`)."""
+        assert self.connector_worker is not None
+        meta = self._connector_metadata
+        sending, recving, failed = self.connector_worker.transfer_results(
+            idle=isinstance(meta, MooncakeConnectorMetadata) and meta.idle)
+        return KVConnectorTransferResults(
+            finished_sending=sending, finished_recving=recving,
+            failed_recving=failed if self.kv_groups.hybrid else set())

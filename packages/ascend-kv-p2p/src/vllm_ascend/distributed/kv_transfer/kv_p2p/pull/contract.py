@@ -68,7 +68,7 @@ class EarlyClaim:
 
 @dataclass
 class RecvMeta:
-    """D: pull ``remote.block_ids[-len(local_block_ids):]`` into ``local_block_ids``.
+    """D: pull ``remote_block_ids`` into ``local_block_ids`` (pair by pair).
 
     Upstream calls this record ``ReqMeta`` (an alias in :mod:`.mooncake_connector`).
     """
@@ -81,6 +81,9 @@ class RecvMeta:
     error: str | None = None
     #: nothing to read (local prefix hit or aborted before allocation): just release P's blocks
     release_only: bool = False
+    #: with ``error``: the params are P's as P sent them but this D cannot load them (P's
+    #: KV cache groups are not D's): tell P to free the blocks now, not at its lease's end
+    release_on_error: bool = False
     #: D's scheduler claimed the request ahead (see the module); the worker does not
     #: claim it unless that claim failed or its answer is late
     claimed_ahead: bool = False
@@ -106,6 +109,9 @@ class SendMeta:
     #: the request's capability: P serves only a ``Claim`` presenting it (see
     #: :class:`~.pull.holder.LeaseHolder`); ``""`` from callers that issue none
     token: str = ""
+    #: the blocks of several KV cache groups, one group's run after another (vLLM's hybrid
+    #: KV cache manager, :mod:`.pull.groups`): D claims any of them in order, not a suffix
+    in_order: bool = False
 
 
 @dataclass

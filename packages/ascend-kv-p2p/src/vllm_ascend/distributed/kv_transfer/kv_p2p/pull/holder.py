@@ -90,6 +90,8 @@ class Held:
     #: ``time.monotonic()`` past which no renewal or claim extends the lease
     #: (``max_hold_s`` from when this worker began holding them)
     hold_until: float = float("inf")
+    #: several KV cache groups' runs (:attr:`~.pull.contract.SendMeta.in_order`)
+    in_order: bool = False
 
 
 class LeaseHolder:
@@ -144,7 +146,8 @@ class LeaseHolder:
                 # once it claims, so the owner names the request's readers
                 self.held.add(req.request_id, Held(list(req.block_ids), token=req.token,
                                                    keep_until=keep,
-                                                   hold_until=now + cfg.max_hold_s),
+                                                   hold_until=now + cfg.max_hold_s,
+                                                   in_order=req.in_order),
                               owner=f"readers of {req.request_id}",
                               ttl=min(cfg.lease_ttl_s, cfg.max_hold_s))
             except KeyError:
@@ -243,7 +246,15 @@ class LeaseHolder:
         # hit: a suffix of that list, in its order. Anything else (the request's own blocks
         # reordered, repeated, or a middle slice) would put KV at the wrong token positions.
         n = len(msg.block_ids)
-        if n > len(held.block_ids) or (n and list(msg.block_ids) != held.block_ids[-n:]):
+        if held.in_order:
+            # several KV cache groups: D reads, of each group's run, the blocks its manager
+            # keeps (a window's tail) past its prefix hit; still P's own order
+            if len(set(msg.block_ids)) != n or not _in_order(msg.block_ids, held.block_ids):
+                return ErrorReply(
+                    code="bad_blocks",
+                    message=f"request {msg.request_id!r}: the block ids asked for repeat or "
+                            f"are not in the order of the {len(held.block_ids)} it holds")
+        elif n > len(held.block_ids) or (n and list(msg.block_ids) != held.block_ids[-n:]):
             return ErrorReply(
                 code="bad_blocks",
                 message=f"request {msg.request_id!r}: the block ids asked for are not the last "
@@ -352,3 +363,9 @@ class LeaseHolder:
             waiting = len(self._deferred)  # released, their blocks kept for the window
         recorder.set("p2p_held_requests", len(self.held) + waiting)
         return out
+
+
+def _in_order(wanted: list[int], held: list[int]) -> bool:
+    """Whether ``wanted`` is ``held`` with some blocks left out (same order)."""
+    it = iter(held)
+    return all(any(b == h for h in it) for b in wanted)

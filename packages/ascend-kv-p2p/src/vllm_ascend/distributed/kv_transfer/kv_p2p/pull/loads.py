@@ -49,6 +49,7 @@ class LoadTracker:
         self.load_timeout_s = load_timeout_s
         self._pending: dict[str, Pending] = {}
         self._ended: set[str] = set()
+        self._failed: set[str] = set()
         self._failed_blocks: set[int] = set()
         self._lock = threading.Lock()
         # notified (under _lock) whenever a load ends: see wait
@@ -77,6 +78,7 @@ class LoadTracker:
             return False  # already ended (deadline passed, or a duplicate): ignore
         self._ended.add(meta.request_id)
         if not ok:
+            self._failed.add(meta.request_id)
             self._failed_blocks.update(meta.local_block_ids)
         self._cv.notify_all()
         return True
@@ -149,6 +151,11 @@ class LoadTracker:
     # ------------------------------------------------------------ vLLM hooks
     def collect_finished(self) -> set[str]:
         """Fail the loads past their deadline; the requests that ended since the last call."""
+        return self.collect_results()[0]
+
+    def collect_results(self) -> tuple[set[str], set[str]]:
+        """Fail the loads past their deadline; the requests that ended since the last call,
+        and those of them that failed (vLLM's ``failed_recving``)."""
         now = time.monotonic()
         ended: list[Pending] = []
         reading: list[Pending] = []
@@ -177,8 +184,9 @@ class LoadTracker:
                            self.load_timeout_s)
         with self._lock:
             out, self._ended = self._ended, set()
+            failed, self._failed = self._failed & out, self._failed - out
             self.recorder.set("p2p_pending_loads", len(self._pending))
-        return out
+        return out, failed
 
     def take_load_errors(self) -> set[int]:
         """Blocks of failed loads since the last call."""

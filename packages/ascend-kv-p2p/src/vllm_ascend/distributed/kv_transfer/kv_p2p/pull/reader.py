@@ -115,6 +115,8 @@ class PullReader:
             self.loads.add(meta, now)
             if meta.error is not None or meta.remote is None:
                 self.loads.fail(meta, f"bad kv_transfer_params: {meta.error}", cause="bad_params")
+                if meta.release_on_error and meta.remote is not None:
+                    self._pool.submit(self.peers.release_remote, meta)
                 continue
             if self.inline is not None and self.inline.start(meta):
                 continue

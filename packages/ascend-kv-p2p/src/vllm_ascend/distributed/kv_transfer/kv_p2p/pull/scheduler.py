@@ -73,6 +73,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+#: marks a request whose last prompt token P left to D (:meth:`PullScheduler.on_new_request`)
+_LEFT_LAST = "_ascend_prefill_leaves_last"
+
 
 class PullScheduler(SchedulerBase):
     """Scheduler-side logic of the pull connector."""
@@ -153,6 +156,25 @@ class PullScheduler(SchedulerBase):
         return until
 
     # ------------------------------------------------------------ vLLM hooks
+    def on_new_request(self, request: Request) -> None:
+        """P, with a sliding window among the KV cache groups: prefill all but the prompt's
+        last token, which D computes (:attr:`_leave_last`). vLLM frees a window's blocks as
+        the tokens computed move on, and may schedule the request's next step before it
+        sees it finish: P then keeps the blocks of the window of the token after what it
+        computed, and that is the window D needs for the prompt's last token."""
+        params = request.kv_transfer_params
+        if not (self._leave_last and self.is_producer and wants_remote_decode(params)):
+            return
+        assert isinstance(params, dict)
+        tokens = request.prompt_token_ids
+        if params.get(_LEFT_LAST) or tokens is None or request.num_prompt_tokens < 2:
+            return
+        tokens.pop()
+        # vLLM's Request keeps the prompt and the output in one list besides the prompt's
+        request._all_token_ids.pop()  # as vLLM's own P/D connector does
+        request.num_prompt_tokens -= 1
+        params[_LEFT_LAST] = True
+
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
@@ -257,7 +279,8 @@ class PullScheduler(SchedulerBase):
                                local_groups, start=start, end=end)
         except ValueError as exc:
             self._forget_claim(rid)
-            self._to_pull[rid] = RecvMeta(rid, mine, parsed, error=str(exc))
+            self._to_pull[rid] = RecvMeta(rid, mine, parsed, error=str(exc),
+                                          release_on_error=True)
             return None
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> MooncakeConnectorMetadata:

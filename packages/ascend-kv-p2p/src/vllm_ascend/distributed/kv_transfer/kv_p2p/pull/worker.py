@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from vllm_ascend.distributed.kv_transfer.core.errors import ConfigError
+from vllm_ascend.distributed.kv_transfer.core.kv_groups import KVGroups
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
 from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig
 
@@ -62,9 +63,9 @@ class PullWorker(P2PWorkerBase):
 
     def __init__(self, vllm_config: VllmConfig, cfg: MooncakeP2PConfig, engine_id: str,
                  recorder: MetricsRecorder, *, tp_rank: int | None = None,
-                 pp_rank: int | None = None) -> None:
+                 pp_rank: int | None = None, kv_groups: KVGroups | None = None) -> None:
         super().__init__(vllm_config, cfg, engine_id, recorder, codec=CODEC, tp_rank=tp_rank,
-                         pp_rank=pp_rank)
+                         pp_rank=pp_rank, kv_groups=kv_groups)
         self.holder = LeaseHolder(self) if self.is_producer else None
         self.loads = LoadTracker(recorder, cfg.load_timeout_s) if self.is_consumer else None
         self.reader = PullReader(self, self.loads) if self.loads is not None else None
@@ -85,6 +86,12 @@ class PullWorker(P2PWorkerBase):
         self._register_kv_memory(kv_caches)
         assert self.layout is not None and self.meta is not None
         spec = self.cfg.prefill
+        if spec.pp_size > 1 and self.kv_groups.hybrid:
+            raise ConfigError(
+                "PullWorker: a pipeline-parallel P with the hybrid KV cache manager on "
+                f"({self.kv_groups.describe()}) is not supported; run P with "
+                "pipeline_parallel_size 1 or --disable-hybrid-kv-cache-manager",
+                key="prefill.pp_size", value=spec.pp_size, source="kv_connector_extra_config")
         if self.is_consumer and spec.pp_size > 1:
             self.p_stages = stage_layers(self.layout.num_layers, spec.pp_size,
                                          spec.pp_layer_partition)
@@ -152,6 +159,13 @@ class PullWorker(P2PWorkerBase):
         ``idle``: the step ran no token; with loads in flight, wait up to ``idle_wait_s``
         for one to end first (vLLM steps again at once: without the wait D's engine loop
         spins on a core while the transfer runs)."""
+        sending, recving, _ = self.transfer_results(idle=idle)
+        return sending or None, recving or None
+
+    def transfer_results(self, *, idle: bool = False) -> tuple[set[str], set[str], set[str]]:
+        """As :meth:`get_finished`, and the requests of ``recving`` whose load failed (with
+        several KV cache groups vLLM takes failures by request, not by block: their blocks
+        are not in :meth:`get_block_ids_with_load_errors`)."""
         reader = self.reader
         if reader is not None:
             reader.poll_inline()  # the reads started on vLLM's thread (inline_reads)
@@ -162,14 +176,17 @@ class PullWorker(P2PWorkerBase):
             else:
                 self.loads.wait_any(self.cfg.idle_wait_s)
         sending = self.holder.collect_finished() if self.holder is not None else set()
-        recving = self.loads.collect_finished() if self.loads is not None else set()
+        recving, failed = (self.loads.collect_results() if self.loads is not None
+                           else (set(), set()))
         if self.reader is not None:
             self.reader.send_owed()  # P frees what D loaded, now that vLLM knows
-        return sending or None, recving or None
+        return sending, recving, failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Blocks of D's failed loads since the last call."""
-        return self.loads.take_load_errors() if self.loads is not None else set()
+        """Blocks of D's failed loads since the last call (none with several KV cache
+        groups: vLLM takes those failures by request, :meth:`transfer_results`)."""
+        blocks = self.loads.take_load_errors() if self.loads is not None else set()
+        return set() if self.kv_groups.hybrid else blocks
 
     def wait_loads(self, request_ids: Iterable[str], timeout: float | None = None) -> bool:
         """Block until none of ``request_ids`` (already passed to :meth:`start_load_kv`) is

@@ -1,0 +1,114 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Which blocks of each KV cache group a pull moves, under vLLM's hybrid KV cache manager.
+
+With several groups (full attention and sliding window,
+:mod:`~vllm_ascend.distributed.kv_transfer.core.kv_groups`), a request has one list of block
+ids per group, by position. P holds, of every group, the blocks from the first one its manager
+still keeps to the end of the prompt (a window's group has vLLM's null block before that), and
+says where each group's run starts (``remote_block_groups``: ``[first position, count]`` per
+group) beside the runs themselves, one after another (``remote_block_ids``). D reads, of every
+group, the positions its own manager keeps (a window's, not the whole prompt's), each into the
+block it allocated at that position.
+
+Everything past this module sees two lists of equal length, D's blocks and P's: the layout
+moves a block of each tensor per pair, and a tensor vLLM shares between a layer of each group
+holds the KV of the group that owns the block id
+(:attr:`~vllm_ascend.distributed.kv_transfer.core.layout.KVCacheLayout.aliases`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from vllm_ascend.distributed.kv_transfer.core.kv_groups import NULL_BLOCK, KVGroups
+
+#: a group's run in P's list: (first position held, blocks held)
+Run = tuple[int, int]
+
+
+def hold_runs(groups: KVGroups, block_ids: Sequence[Sequence[int]], prompt_len: int
+              ) -> tuple[list[int], list[Run]]:
+    """P's side: the blocks to hold of each group, one run after another, and the runs.
+
+    Args:
+        groups: P's KV cache groups.
+        block_ids: the request's block ids, one list per group, by position.
+        prompt_len: tokens of the prompt (positions past it are not held).
+
+    Returns:
+        ``(held, runs)``: the block ids held, and ``[first position, count]`` of each group.
+
+    Raises:
+        ValueError: a group's list has a null block after a real one (a shape this pull
+            cannot describe), or not as many lists as groups.
+    """
+    if len(block_ids) != len(groups.groups):
+        raise ValueError(f"{len(block_ids)} lists of block ids for {len(groups.groups)} "
+                         "KV cache groups")
+    held: list[int] = []
+    runs: list[Run] = []
+    for group, ids in zip(groups.groups, block_ids, strict=True):
+        bs = group.block_size or 1
+        prompt = list(ids[: math.ceil(prompt_len / bs)])
+        first = next((i for i, b in enumerate(prompt) if b != NULL_BLOCK), len(prompt))
+        run = prompt[first:]
+        if NULL_BLOCK in run:
+            raise ValueError(f"group {group.index} ({group.describe()}) has a freed block "
+                             f"after position {first}: {prompt}")
+        held.extend(run)
+        runs.append((first, len(run)))
+    return held, runs
+
+
+def pair_blocks(groups: KVGroups, runs: Sequence[Run], remote_ids: Sequence[int],
+                local: Sequence[Sequence[int]], *, start: int, end: int
+                ) -> tuple[list[int], list[int]]:
+    """D's side: D's blocks and P's, pair by pair, for positions ``[start, end)`` of every
+    group that D keeps (not null in ``local``).
+
+    Args:
+        groups: D's KV cache groups (the handshake checks P's are the same).
+        runs: P's runs (:func:`hold_runs`).
+        remote_ids: P's held block ids (``remote_block_ids``).
+        local: D's block ids, one list per group, by position (null where D keeps none).
+        start: first position to load (D's own prefix hit ends before it).
+        end: one past the last position to load.
+
+    Raises:
+        ValueError: D keeps a position P no longer holds (windows that differ), or the lists
+            do not match the groups.
+    """
+    if len(runs) != len(groups.groups) or len(local) != len(groups.groups):
+        raise ValueError(f"P describes {len(runs)} KV cache groups and D has "
+                         f"{len(groups.groups)} ({len(local)} block lists)")
+    mine: list[int] = []
+    theirs: list[int] = []
+    offset = 0
+    for group, (first, count), ids in zip(groups.groups, runs, local, strict=True):
+        for pos in range(start, min(end, len(ids))):
+            if ids[pos] == NULL_BLOCK:
+                continue
+            if not first <= pos < first + count:
+                raise ValueError(
+                    f"D keeps block {pos} of group {group.index} ({group.describe()}) but P "
+                    f"holds positions {first} to {first + count - 1}: their windows differ")
+            mine.append(int(ids[pos]))
+            theirs.append(int(remote_ids[offset + pos - first]))
+        offset += count
+    return mine, theirs
+
+
+def predicted_claim(groups: KVGroups, runs: Sequence[Run], remote_ids: Sequence[int], *,
+                    start: int, num_computed_tokens: int) -> list[int]:
+    """P's blocks D will read, before D allocates (the claim sent ahead): the positions from
+    ``start`` that D's manager will keep once ``num_computed_tokens`` are computed."""
+    out: list[int] = []
+    offset = 0
+    for group, (first, count) in zip(groups.groups, runs, strict=False):
+        end = first + count
+        kept = max(start, group.first_kept(num_computed_tokens), first)
+        last = min(end, math.ceil(num_computed_tokens / (group.block_size or 1)))
+        out.extend(int(b) for b in remote_ids[offset + kept - first: offset + max(kept, last) - first])
+        offset += count
+    return out
