@@ -133,6 +133,10 @@ def one_run(fleet: FleetProc, kind: str, policy: str, prompts: list[list[int]],
 def run(args: argparse.Namespace) -> int:
     """Entry of ``vllm-ascend-kv bench fleet``."""
     logging.basicConfig(level=logging.INFO)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line a request otherwise
+    if args.quick:  # a smoke run: 4 instances, one short trace, no vllm-router needed
+        args.instances, args.rates, args.traces = "4", "20", "deep-prefix-tree"
+        args.routers, args.duration = "none:round_robin,ours:round_robin", 2.0
     routers = [tuple(r.split(":", 1)) for r in args.routers.split(",")]
     for kind, policy in routers:
         if kind not in POLICIES or policy not in POLICIES[kind]:
