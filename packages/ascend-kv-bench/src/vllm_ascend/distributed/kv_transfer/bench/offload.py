@@ -63,6 +63,7 @@ from .benchutil import (
     format_table,
     write_results,
 )
+from .ledger import series
 from .serve.spec import BENCH_MODEL
 
 logger = logging.getLogger(__name__)
@@ -104,9 +105,11 @@ def _bench_worker(block_bytes: int, num_layers: int, num_device_blocks: int,
     return worker, caches
 
 
-def alternating_rounds(fns: Mapping[str, Callable[[], object]], rounds: int,
-                       pairs: int) -> list[dict[str, float]]:
-    """Per round, the median call time of each of ``fns``, called in turn ``pairs`` times.
+def alternating_rounds(fns: Mapping[str, Callable[[], object]], rounds: int, pairs: int,
+                       calls: dict[str, list[list[float]]] | None = None
+                       ) -> list[dict[str, float]]:
+    """Per round, the median call time of each of ``fns``, called in turn ``pairs`` times
+    (every call time, round by round, into ``calls`` when given).
 
     The candidates are called one after another, each call timed alone, and
     the order rotates from one pass to the next, so a noisy neighbour hurts
@@ -124,17 +127,23 @@ def alternating_rounds(fns: Mapping[str, Callable[[], object]], rounds: int,
                 fns[name]()
                 times[name].append(time.perf_counter() - start)
         out.append({name: statistics.median(t) for name, t in times.items()})
+        if calls is not None:
+            for name, t in times.items():
+                calls.setdefault(name, []).append(t)
     return out
 
 
 def _bandwidth_row(block_bytes: int, n: int, num_layers: int, rounds: int, pairs: int,
-                   rng: random.Random) -> dict[str, Any]:
+                   rng: random.Random, samples: list[dict[str, Any]] | None = None
+                   ) -> dict[str, Any]:
     """Save and load against memcpy for one block size: ratios per round, their median and range.
 
     Each round times ``pairs`` calls of every candidate (torch ``copy_``, libc
     ``memmove``, save, load), alternating (:func:`alternating_rounds`); the
-    round's ratio is the faster memcpy's median call time over the copy's.
+    round's ratio is the faster memcpy's median call time over the copy's. Every call time
+    goes to ``samples``, a series per candidate (``ledger.series``, ``role`` its name).
     """
+    calls: dict[str, list[list[float]]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-offload-") as tmp:
         saved_env = os.environ.get(SHM_DIR_ENV)
         os.environ[SHM_DIR_ENV] = tmp
@@ -171,7 +180,10 @@ def _bandwidth_row(block_bytes: int, n: int, num_layers: int, rounds: int, pairs
                 return nbytes
 
             fns = {"torch": torch_copy, "libc": libc_memcpy, "save": save, "load": load}
-            rounds_out = alternating_rounds(fns, rounds, pairs)
+            rounds_out = alternating_rounds(fns, rounds, pairs, calls)
+            if samples is not None:
+                samples.extend(series({"block_kib": block_bytes >> 10, "role": name,
+                                       "bytes": nbytes}, calls[name]) for name in fns)
         finally:
             worker.shutdown()
     # a round's baseline is the faster of torch's copy_ and libc's memmove in that round
@@ -195,14 +207,16 @@ def _bandwidth_row(block_bytes: int, n: int, num_layers: int, rounds: int, pairs
             "rounds": {"save_ratio": save_ratios, "load_ratio": load_ratios}}
 
 
-def run_bandwidth(quick: bool) -> list[dict[str, Any]]:
-    """Save and load rates of the worker's copy path against memcpy, per block size."""
+def run_bandwidth(quick: bool, samples: list[dict[str, Any]] | None = None
+                  ) -> list[dict[str, Any]]:
+    """Save and load rates of the worker's copy path against memcpy, per block size (every
+    call time into ``samples``)."""
     total = (32 << 20) if quick else (128 << 20)
     num_layers = 2
     rng = random.Random(0)
     rounds, pairs = (QUICK_ROUNDS, QUICK_PAIRS) if quick else (FULL_ROUNDS, FULL_PAIRS)
     return [_bandwidth_row(bb, max(4, total // (bb * num_layers)), num_layers, rounds, pairs,
-                           rng)
+                           rng, samples)
             for bb in (QUICK_BLOCK_SIZES if quick else BLOCK_SIZES)]
 
 
@@ -330,7 +344,8 @@ def run_ttft(model: str, prompt_tokens: int, repeats: int, timeout: float,
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark described by ``args``; print and write the results."""
     payload: dict[str, Any] = {"goals": {"bandwidth_ratio_min": 0.8, "ttft_ratio_max": 0.1}}
-    rows = run_bandwidth(args.quick)
+    samples: list[dict[str, Any]] = []
+    rows = run_bandwidth(args.quick, samples)
     payload["bandwidth"] = rows
     rounds = len(rows[0]["rounds"]["save_ratio"]) if rows else 0
     payload["bandwidth_method"] = (
@@ -375,7 +390,7 @@ def run(args: argparse.Namespace) -> int:
                   f"{ttft['baseline_cached_tokens']}")
     else:
         payload["ttft"] = {"skipped": "--quick (pass --ttft to run it)"}
-    path = write_results("offload", payload, args.out, args=args)
+    path = write_results("offload", payload, args.out, args=args, samples=samples)
     print(f"\nresults: {path}")
     return 0
 
