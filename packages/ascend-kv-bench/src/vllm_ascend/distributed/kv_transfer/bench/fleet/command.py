@@ -115,15 +115,20 @@ def one_run(fleet: FleetProc, kind: str, policy: str, prompts: list[list[int]],
         router.start(args.startup_timeout)
     except Exception as exc:  # recorded, never fatal
         return {**row, "status": "failed", "reason": str(exc)[-800:]}
+    cpu_before = router.cpu_seconds()
     try:
         samples, t0, wall = asyncio.run(drive(
             router, prompts, rate, fleet_url=fleet.control, prefill=fleet.prefill,
             decode=fleet.decode, output_len=args.output_len, seed=args.seed, churn=churn))
         stats = asyncio.run(fleet_stats(fleet.control)) if churn is not None else {}
+        cpu_after = router.cpu_seconds()
     finally:
         router.stop()
     row.update(status="ok", wall_s=wall,
                **summarize(samples, best_achievable(hashes, BLOCK), wall))
+    if cpu_before is not None and cpu_after is not None and row["completed"]:
+        # the router process's CPU time a completed request (ms), health checks included
+        row["router_cpu_ms_per_request"] = (cpu_after - cpu_before) * 1000 / row["completed"]
     if churn is not None:
         row["churn_figures"] = churn_figures(churn, stats)
     row["samples"] = [s.row(t0) for s in samples]

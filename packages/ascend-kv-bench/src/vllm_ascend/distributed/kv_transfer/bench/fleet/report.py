@@ -26,8 +26,9 @@ def _f(v: Any, digits: int = 3) -> str:
 def runs_table(runs: Sequence[dict[str, Any]]) -> str:
     """Every run without churn, a row each."""
     head = ("| N | trace | router | policy | rate/s | done/s | failed | router p50 ms | "
-            "router p99 ms | hit rate | best | hit/best | TTFT p50 ms | TTFT p99 ms |")
-    rows = [head, "|" + "---|" * 14]
+            "router p99 ms | router CPU ms/req | hit rate | best | hit/best | TTFT p50 ms | "
+            "TTFT p99 ms |")
+    rows = [head, "|" + "---|" * 15]
     for r in runs:
         if r.get("churn"):
             continue
@@ -38,7 +39,8 @@ def runs_table(runs: Sequence[dict[str, Any]]) -> str:
         rows.append(" | ".join([
             f"| {r['instances']}", r["trace"], r["router"], r["policy"], _f(r["rate"]),
             _f(r["achieved_rps"]), str(r["failed"]), _f(r["router_p50_ms"]),
-            _f(r["router_p99_ms"]), _f(r["hit_rate"]), _f(r["best_hit_rate"]),
+            _f(r["router_p99_ms"]), _f(r.get("router_cpu_ms_per_request")),
+            _f(r["hit_rate"]), _f(r["best_hit_rate"]),
             _f(r["hit_vs_best"]), _f(r["ttft_model_p50_ms"]),
             _f(r["ttft_model_p99_ms"])]) + " |")
     return "\n".join(rows)

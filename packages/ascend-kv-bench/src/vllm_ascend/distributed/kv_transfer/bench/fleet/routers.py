@@ -179,6 +179,17 @@ class Router:
             return True, ""
         return 200 <= status < 300, text[:300]
 
+    def cpu_seconds(self) -> float | None:
+        """CPU seconds (user and system) the router process has used so far (Linux's
+        ``/proc``; None: no process or not readable)."""
+        if self.proc is None:
+            return None
+        try:
+            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def stop(self) -> None:
         if self.proc is not None:
             stop(self.proc, timeout=10)
