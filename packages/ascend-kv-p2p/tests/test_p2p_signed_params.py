@@ -251,3 +251,39 @@ def test_layerwise_d_posts_only_to_the_proxys_signed_metaserver(model_dir: Path,
         assert [p["remote_request_id"] for p in posts] == ["ok"]
     finally:
         server.close()
+
+
+def test_layerwise_p_pushes_only_to_what_d_signed(model_dir: Path, keyed: None) -> None:
+    """The other direction: D MACs what it posts to the metaserver (P's params), and P checks
+    them before it dials D; refused params name a host that is told nothing."""
+    from test_p2p_layerwise_scheduler import Metaserver, p_params
+    from test_p2p_layerwise_scheduler import make_scheduler as make_lw
+    from test_p2p_layerwise_scheduler import request as lw_request
+    from test_p2p_layerwise_scheduler import step as lw_step
+
+    server = Metaserver()
+    try:
+        d = make_lw(model_dir, "kv_consumer")
+        d.add_request(lw_request("d1", 70, sign({"do_remote_prefill": True,
+                                                "metaserver": server.url,
+                                                "request_id": "proxy-1"}, ttl_s=60)))
+        lw_step(d)
+        (posted,) = server.wait_posts(1)
+        verify(posted)  # what P gets through the proxy, signed by D
+    finally:
+        server.close()
+    p = make_lw(model_dir, "kv_producer")
+    before = refused("bad_mac") + refused("unsigned")
+    p.add_request(lw_request("good", 70, sign(p_params(70), ttl_s=60), max_tokens=1))
+    p.add_request(lw_request("forged", 70, {**sign(p_params(70, remote_request_id="d-2"),
+                                                   ttl_s=60), "remote_host": "203.0.113.9"},
+                             max_tokens=1, first=600))
+    p.add_request(lw_request("plain", 70, p_params(70, remote_request_id="d-3"),
+                             max_tokens=1, first=900))
+    out, _ = lw_step(p)
+    pushes = out.kv_connector_metadata.pushes
+    assert pushes["good"].target is not None and pushes["good"].target.host == "127.0.0.1"
+    for rid in ("forged", "plain"):
+        assert pushes[rid].target is None and "refused" in (pushes[rid].abort or "")
+        assert pushes[rid].endpoint is None  # the host the params name hears nothing
+    assert refused("bad_mac") + refused("unsigned") == before + 2

@@ -8,7 +8,8 @@ its metaserver post to a host of the sender's choosing.
 
 * **With a deployment key** (:mod:`~vllm_ascend.distributed.kv_transfer.core.auth`), the
   one who issues params MACs them (:func:`sign`): P the params it returns for D (pull), the
-  layerwise proxy what it posts to D. The MAC (``kv_params_mac``) is an HMAC-SHA256, under a
+  layerwise proxy what it posts to D, and a layerwise D what it posts to the metaserver
+  (P's params: P dials D from them, and checks them as D does). The MAC (``kv_params_mac``) is an HMAC-SHA256, under a
   key derived from the deployment key for :data:`PURPOSE`, over the canonical serialization
   (sorted-key JSON, :func:`canonical`) of **every** key of the params but the MAC itself
   (and the statistics vLLM adds on the way, :data:`VLLM_ADDED_KEYS`):

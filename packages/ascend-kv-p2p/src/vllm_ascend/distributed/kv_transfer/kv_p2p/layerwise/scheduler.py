@@ -52,6 +52,8 @@ from ..params import (
 )
 from ..rank_hosts import parse_rank_hosts
 from ..scheduler_base import SchedulerBase, runs_no_token
+from ..signed_params import ParamsRefused
+from ..signed_params import sign as sign_params
 from ..signed_params import verify as verify_params
 from .contract import MooncakeLayerwiseConnectorMetadata, PushReq, RecvReq
 from .metaserver import MetaserverClient
@@ -193,11 +195,12 @@ class LayerwiseScheduler(SchedulerBase):
         meta.push_token = capability_token()
         self._recv[rid] = meta
         proxy_id = params.get("request_id")
-        payload = params_for_prefill(
+        payload = sign_params(params_for_prefill(
             proxy_request_id=proxy_id if isinstance(proxy_id, str) and proxy_id else rid,
             block_ids=local, block_size=self.block_size, engine_id=self.engine_id,
             host=self.host, port=self.side_port, request_id=rid, tp_size=self.tp_size,
-            cached_tokens=cached, push_token=meta.push_token, rank_hosts=self.rank_hosts)
+            cached_tokens=cached, push_token=meta.push_token, rank_hosts=self.rank_hosts),
+            ttl_s=self.cfg.load_timeout_s)  # P checks it before it dials D
         assert self.metaserver is not None
 
         def failed(reason: str) -> None:
@@ -215,12 +218,16 @@ class LayerwiseScheduler(SchedulerBase):
         error = None
         token = ""
         try:
+            # a key holder's params only, or an allowed host: before anything is dialed
+            verify_params(params, allowed_hosts=self.cfg.allowed_peer_hosts)
             target = parse_push_target(params, prompt_len=request.num_prompt_tokens,
                                        block_size=self.block_size)
         except KVParamsError as exc:
             error = str(exc)
             logger.error("request %s: bad kv_transfer_params for a layerwise push: %s", rid, exc)
             try:
+                if isinstance(exc, ParamsRefused):
+                    raise exc  # not D's params: the host they name is told nothing
                 endpoint = parse_push_endpoint(params)
                 token = push_token(params)
             except KVParamsError:
@@ -307,6 +314,7 @@ class LayerwiseScheduler(SchedulerBase):
             elif self.is_producer and wants_remote_decode(params):
                 # Ended on P before it was ever scheduled: D must not wait for it.
                 try:
+                    verify_params(params, allowed_hosts=self.cfg.allowed_peer_hosts)
                     endpoint = parse_push_endpoint(params)
                     token = push_token(params)
                 except KVParamsError:
