@@ -148,6 +148,18 @@ def judged_ratio(ours: Sequence[float], peer: Sequence[float], *,
     return Measured(st.ratio, st.low, st.high, st.rounds, bool(met), where)
 
 
+def judged_noninferior(ours: Sequence[float], peer: Sequence[float], *, ratio: float = 0.97,
+                       low: float = 0.95, where: str = "") -> Measured:
+    """Non-inferiority where ours and the peer do the same work through the same code:
+    ``median(ours) / median(peer)`` (higher is better) at least ``ratio``, and its interval's
+    low end at least ``low``."""
+    from vllm_ascend.distributed.kv_transfer.bench.stats import compare
+
+    st = compare(list(ours), list(peer))
+    met = st.ratio is not None and st.low is not None and st.ratio >= ratio and st.low >= low
+    return Measured(st.ratio, st.low, st.high, st.rounds, met, where)
+
+
 def judged_difference(ours: Sequence[float], peer: Sequence[float], *, at_most: float,
                       scale: float = 1.0, unit: str = "", where: str = "") -> Measured:
     """``median(ours) - median(peer)`` (times ``scale``) over paired rounds, its bootstrap

@@ -410,3 +410,16 @@ def test_offload_copies_against_the_faster_memcpy_of_each_round(tmp_path: Path) 
         s("torch", 2.0), s("libc", 1.0), s("save", 1 / 0.9), s("load", 1.0)])])
     row = _row(entries, goal)
     assert row.met is True and row.measured.where == "save, 64 KiB"
+
+
+def test_non_inferiority_needs_the_median_and_the_low_end() -> None:
+    common = render._common
+    peer = [1.0, 1.1, 0.9, 1.0, 1.05, 0.95, 1.0, 1.02, 0.98]
+    level = common.judged_noninferior(peer, peer)
+    assert level.value == 1.0 and level.low == 1.0 and level.met is True
+    slower = common.judged_noninferior([p * 0.96 for p in peer], peer)
+    assert slower.low is not None and slower.low >= 0.95 and slower.met is False  # median 0.96
+    noisy = common.judged_noninferior([p * f for p, f in zip(
+        peer, (1.0, 0.8, 1.2, 0.99, 1.0, 0.85, 1.1, 0.98, 1.0), strict=True)], peer)
+    assert noisy.value is not None and noisy.value >= 0.97
+    assert noisy.low is not None and noisy.low < 0.95 and noisy.met is False
