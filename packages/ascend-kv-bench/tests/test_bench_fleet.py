@@ -189,6 +189,9 @@ def test_churn_behind_our_proxy_loses_nothing(tmp_path: Path) -> None:
     assert [e["what"] for e in figures["events"]] == ["add", "drain", "kill"]
     take_in = figures["take_in_s"][0]
     assert take_in is not None and take_in < 2.0  # the added P served within 2 s of its add
-    # the killed P is tried at most until the proxy's health check (1 s) marks it down
-    assert figures["stop_routing_s"][0] < 3.0
+    # a request routed to the killed P finds it down (the proxy then tries the next P and
+    # marks it unhealthy; its health check, every second, too): none routed there after 2 s
+    assert figures["stop_routing_s"][0] < 2.0
+    kill = figures["events"][2]
+    assert kill["probes_after_death"] >= 1  # health probes are told apart from requests
     assert time.monotonic() - start < 60

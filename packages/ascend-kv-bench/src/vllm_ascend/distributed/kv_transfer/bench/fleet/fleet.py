@@ -13,7 +13,7 @@ event loop. Control (JSON):
 * ``POST /fleet/drain`` ``{"name": ...}``: ``/health`` answers 503, requests still served;
 * ``POST /fleet/kill`` ``{"name": ...}``: dead (connections reset, events stop);
 * ``GET /fleet/stats``: each instance's counters, first and last request time, death time
-  and the connect attempts after it (``time.monotonic`` of this host).
+  and the requests after it (health probes counted apart) (``time.monotonic`` of this host).
 """
 
 from __future__ import annotations
@@ -92,6 +92,7 @@ class Fleet:
         return {name: {**self.describe(name), **inst.counts,
                        "first_request": inst.first_request, "last_request": inst.last_request,
                        "died": inst.died, "attempts_after_death": inst.attempts_after_death,
+                       "probes_after_death": len(inst.probes_after_death),
                        "running": inst.running, "cached_blocks": len(inst.cache)}
                 for name, inst in self.instances.items()}
 

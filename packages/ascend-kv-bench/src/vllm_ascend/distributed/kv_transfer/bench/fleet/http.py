@@ -147,11 +147,12 @@ class Server:
             self._conns.discard(writer)
             writer.close()
 
-    async def close(self, on_attempt: Callable[[], None] | None = None) -> None:
+    async def close(self, on_attempt: Callable[[str], None] | None = None) -> None:
         """Stop serving and reset every connection. With ``on_attempt``, the port keeps a
-        listener that resets each new connection at once and calls ``on_attempt``: a dead
-        instance's connect attempts are counted (a dead process's port refuses them; a
-        router sees a reset instead, an error of the same kind)."""
+        listener that reads each new connection's request line, resets the connection and
+        calls ``on_attempt`` with the request's path (a health probe is told from a request
+        routed here): a dead instance's attempts are counted (a dead process's port refuses
+        the connection; a router sees a reset instead, an error of the same kind)."""
         if self._server is not None:
             self._server.close()
             self._server = None
@@ -159,8 +160,14 @@ class Server:
             w.transport.abort()
         self._conns.clear()
         if on_attempt is not None:
-            def reset(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-                on_attempt()
+            async def reset(reader: asyncio.StreamReader,
+                            writer: asyncio.StreamWriter) -> None:
+                try:
+                    line = await asyncio.wait_for(reader.readline(), 1.0)
+                except (TimeoutError, ConnectionError, ValueError):
+                    line = b""
+                parts = line.decode("latin-1").split(" ")
+                on_attempt(parts[1].split("?", 1)[0] if len(parts) > 1 else "")
                 writer.transport.abort()
 
             self._server = await asyncio.start_server(reset, self.host, self.port)

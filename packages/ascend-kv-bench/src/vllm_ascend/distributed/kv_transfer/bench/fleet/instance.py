@@ -166,6 +166,7 @@ class SimInstance:
         self.last_request: float | None = None
         self.died: float | None = None
         self.attempts_after_death: list[float] = []
+        self.probes_after_death: list[float] = []
 
     async def start(self) -> SimInstance:
         await self.server.start()
@@ -315,12 +316,17 @@ class SimInstance:
         self.first_request = self.last_request = None
 
     async def kill(self) -> None:
-        """Dead: connections reset, events stop; each later connect attempt is reset at once
-        and its time kept in ``attempts_after_death``."""
+        """Dead: connections reset, events stop; each later request is reset at once, its
+        time kept in ``attempts_after_death`` (those of ``/health`` probes apart, in
+        ``probes_after_death``: a router probes a dead instance to see it come back)."""
         self.state = "dead"
         self.died = self.clock()
-        await self.server.close(on_attempt=lambda: self.attempts_after_death.append(
-            self.clock()))
+
+        def attempt(path: str) -> None:
+            into = self.probes_after_death if path == "/health" else self.attempts_after_death
+            into.append(self.clock())
+
+        await self.server.close(on_attempt=attempt)
         if self.publisher is not None:
             self.publisher.close()
 

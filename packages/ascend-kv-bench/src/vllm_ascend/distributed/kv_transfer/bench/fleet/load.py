@@ -19,8 +19,8 @@ step); from them:
 Churn (:class:`Churn`) runs beside the load: at set shares of the run it adds P instances
 (fleet, then router), drains some (router removes them, their requests finish, then they
 die) and kills others (the router is not told). The fleet's stats then give the time from
-the router's add to a new P's first request, and from a death to the last connect
-attempt on the dead P.
+the router's add to a new P's first request, and from a death to the last request routed
+to the dead P (its health probes are counted apart).
 """
 
 from __future__ import annotations
@@ -172,7 +172,7 @@ async def run_churn(churn: Churn, router: Router, fleet: Client, prefill: list[d
 
 def churn_figures(churn: Churn, stats: dict[str, Any]) -> dict[str, Any]:
     """Seconds to a new P's first request after the router's add, and from a death to the
-    last connect attempt on the dead P (0: none came)."""
+    last request routed to the dead P (0: none came; health probes not counted)."""
     added, stopped = [], []
     for ev in churn.events:
         st = stats.get(ev["name"]) or {}
@@ -184,6 +184,7 @@ def churn_figures(churn: Churn, stats: dict[str, Any]) -> dict[str, Any]:
             tries = st.get("attempts_after_death") or []
             stopped.append((max(tries) - st["died"]) if tries else 0.0)
             ev["attempts_after_death"] = len(tries)
+            ev["probes_after_death"] = st.get("probes_after_death")
     return {"take_in_s": added, "stop_routing_s": stopped,
             "events": [{k: (round(v, 6) if isinstance(v, float) else v)
                         for k, v in ev.items()} for ev in churn.events]}
