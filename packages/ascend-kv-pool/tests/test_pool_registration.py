@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import Any
 
 import pytest
 
@@ -112,24 +113,69 @@ def test_upstream_paths_re_export_ours(path: str) -> None:
         assert getattr(shim, name) is getattr(ours, name), name
 
 
-@pytest.mark.parametrize("role", ["SCHEDULER", "WORKER"])
-def test_a_hybrid_kv_cache_is_refused_at_start_up(role: str) -> None:
-    """The pool moves one KV cache group's blocks: a model with several (the hybrid
-    manager forced on) is refused, naming them, instead of pooling part of its KV."""
+def _hybrid_config(*, mamba: bool = False) -> tuple[Any, Any]:
+    """A bare ``VllmConfig`` stand-in and a ``KVCacheConfig`` with full-attention and
+    sliding-window groups (or a full-attention and a state-space group)."""
     from types import SimpleNamespace
 
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    import torch
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec, MambaSpec
 
     from ascend_kv_testing.models import hybrid_kv_cache_config
+
+    kv_cache_config = hybrid_kv_cache_config()
+    if mamba:
+        state = MambaSpec(block_size=16, shapes=((16,),), dtypes=(torch.float32,))
+        kv_cache_config.kv_cache_groups[1] = KVCacheGroupSpec(
+            ["model.layers.1.mixer", "model.layers.3.mixer"], state)
+    cfg = SimpleNamespace(kv_transfer_config=SimpleNamespace(
+        kv_connector_extra_config={"use_layerwise": True}))
+    return cfg, kv_cache_config
+
+
+def test_the_connector_serves_the_hybrid_kv_cache_manager() -> None:
+    """It declares vLLM's SupportsHMA: vLLM keeps the hybrid manager on for it."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
+
+    from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.store_connector import (
+        AscendStoreConnector,
+        MooncakeConnectorStoreV1,
+    )
+
+    assert supports_hma(AscendStoreConnector) and supports_hma(MooncakeConnectorStoreV1)
+
+
+@pytest.mark.parametrize("role", ["SCHEDULER", "WORKER"])
+def test_a_state_space_group_is_refused_at_start_up(role: str) -> None:
+    """A group the pool cannot move (a state-space model's state) is refused, naming it,
+    instead of pooling part of a request's KV."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
     from vllm_ascend.distributed.kv_transfer.core.errors import ConfigError
     from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.store_connector import (
         AscendStoreConnector,
     )
 
-    cfg = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config={}))
-    with pytest.raises(ConfigError, match=r"AscendStoreConnector moves the blocks of one KV "
-                                          r"cache group, but this model has 2: "
-                                          r"FullAttentionSpec") as info:
+    cfg, kv_cache_config = _hybrid_config(mamba=True)
+    with pytest.raises(ConfigError, match=r"AscendStoreConnector moves the blocks of full and "
+                                          r"sliding KV cache groups .* \['MambaSpec'\]") as info:
         AscendStoreConnector(cfg, getattr(KVConnectorRole, role),  # type: ignore[arg-type]
-                             hybrid_kv_cache_config())
+                             kv_cache_config)
     assert info.value.key == "kv_cache_groups"
+
+
+def test_layerwise_with_several_groups_is_refused_at_start_up() -> None:
+    """use_layerwise would save a tensor a layer of each group shares when only one of the
+    layers is computed: refused with the way out."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from vllm_ascend.distributed.kv_transfer.core.errors import ConfigError
+    from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.store_connector import (
+        AscendStoreConnector,
+    )
+
+    cfg, kv_cache_config = _hybrid_config()
+    with pytest.raises(ConfigError, match="use_layerwise moves one layer's KV at a time") as info:
+        AscendStoreConnector(cfg, KVConnectorRole.SCHEDULER,  # type: ignore[arg-type]
+                             kv_cache_config)
+    assert info.value.key == "use_layerwise"

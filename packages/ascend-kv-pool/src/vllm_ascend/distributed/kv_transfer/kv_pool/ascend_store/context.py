@@ -8,11 +8,13 @@ logic can be built and tested without a ``VllmConfig``;
 
 from __future__ import annotations
 
+import hashlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_ascend.distributed.kernels.heads import head_group_of_rank, num_head_groups
+from vllm_ascend.distributed.kv_transfer.core.kv_groups import KVGroups
 from vllm_ascend.distributed.kv_transfer.core.ranks import rank_info_from_vllm
 
 from .keys import KeyMetadata, model_key_name
@@ -40,6 +42,13 @@ class PoolContext:
     num_layers: int = 1
     #: vLLM publishes KV cache events (``kv_events_config.enable_kv_cache_events``)
     kv_events: bool = False
+    #: vLLM's KV cache groups (one, unless the hybrid KV cache manager is on)
+    groups: KVGroups = field(default_factory=lambda: KVGroups.from_config(None))
+
+    @property
+    def hybrid(self) -> bool:
+        """Several KV cache groups (vLLM's hybrid KV cache manager on a hybrid model)."""
+        return self.groups.hybrid
 
     @property
     def is_consumer(self) -> bool:
@@ -70,8 +79,13 @@ class PoolContext:
         return KeyMetadata(self.model_name, head, 0, 0, self.pp_rank)
 
 
-def context_from_vllm(vllm_config: Any) -> PoolContext:
-    """Read a :class:`PoolContext` from a ``VllmConfig`` (worker ranks from vLLM's groups).
+def context_from_vllm(vllm_config: Any, kv_cache_config: Any = None) -> PoolContext:
+    """Read a :class:`PoolContext` from a ``VllmConfig`` (worker ranks from vLLM's groups)
+    and the ``KVCacheConfig`` vLLM hands the connector (its KV cache groups).
+
+    With several groups (the hybrid KV cache manager on) the groups' layout is mixed into the
+    cache fingerprint: an instance with the manager off (one tensor per layer) or with other
+    windows never reads these objects, nor these instances its.
 
     Raises:
         ValueError: prefill/decode context parallelism, which the pool does not support.
@@ -109,6 +123,10 @@ def context_from_vllm(vllm_config: Any) -> PoolContext:
     except Exception:
         device = ""
     salt = f"v1|{dtype}|bs{cache.block_size}|tp{tp_size}|{device}"
+    groups = KVGroups.from_config(kv_cache_config)
+    if groups.hybrid:
+        layout = "|".join(groups.signature()).encode()
+        salt += f"|hma:{hashlib.sha256(layout).hexdigest()[:16]}"
     events_config = getattr(vllm_config, "kv_events_config", None)
     kv_events = bool(events_config is not None
                      and getattr(events_config, "enable_kv_cache_events", False))
@@ -120,4 +138,4 @@ def context_from_vllm(vllm_config: Any) -> PoolContext:
         num_kv_heads=num_kv_heads, use_mla=use_mla,
         kv_role=str(getattr(kv, "kv_role", "kv_both") or "kv_both"),
         engine_id=str(getattr(kv, "engine_id", None) or "engine"),
-        salt=salt, num_layers=num_layers, kv_events=kv_events)
+        salt=salt, num_layers=num_layers, kv_events=kv_events, groups=groups)

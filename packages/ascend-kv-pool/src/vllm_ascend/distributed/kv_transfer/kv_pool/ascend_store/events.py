@@ -15,6 +15,10 @@ announces:
   ``local`` backend does; Mooncake Store and Memcache evict on their own and
   say nothing, so no removals are published for them.
 
+With vLLM's hybrid KV cache manager on, the same tokens have a block in each KV cache group
+(each its own object in the pool): an event names its group (``group``, published as
+``group_idx``), and a sliding-window group announces only the blocks it saved.
+
 A :class:`PoolEventLog` collects them between two polls of the worker
 (``get_kv_connector_kv_cache_events``); the connector turns them into vLLM's
 event types and vLLM's scheduler publishes the ones every writing rank
@@ -48,6 +52,7 @@ class StoredBlock:
         block_size: tokens per block.
         lora_name: LoRA adapter name of the request that stored it.
         lora_id: LoRA adapter id of the request that stored it.
+        group: vLLM's KV cache group of the block (``None``: one group).
     """
 
     block_hash: bytes
@@ -56,6 +61,7 @@ class StoredBlock:
     block_size: int
     lora_name: str | None = None
     lora_id: int | None = None
+    group: int | None = None
 
 
 @dataclass(frozen=True)
@@ -64,16 +70,18 @@ class RemovedBlock:
 
     Attributes:
         block_hash: vLLM's hash of the block.
+        group: vLLM's KV cache group of the block (``None``: one group).
     """
 
     block_hash: bytes
+    group: int | None = None
 
 
 PoolEvent = StoredBlock | RemovedBlock
 
 
 def stored_blocks(spec: BlockEventSpec, first: int, picked: Sequence[int],
-                  block_size: int) -> list[StoredBlock | None]:
+                  block_size: int, group: int | None = None) -> list[StoredBlock | None]:
     """The events announcing blocks ``picked`` (indices into the job) of a save job.
 
     Args:
@@ -81,6 +89,7 @@ def stored_blocks(spec: BlockEventSpec, first: int, picked: Sequence[int],
         first: the job's first block index in the request.
         picked: the job's blocks this rank saves (indices into ``spec.block_hashes``).
         block_size: tokens per block.
+        group: the job's KV cache group (hybrid KV cache manager), ``None`` with one group.
 
     Returns:
         One event per picked block, ``None`` for a block without a vLLM hash.
@@ -100,7 +109,7 @@ def stored_blocks(spec: BlockEventSpec, first: int, picked: Sequence[int],
             out.append(None)
             continue
         out.append(StoredBlock(block_hash, parent, tokens, block_size, spec.lora_name,
-                               spec.lora_id))
+                               spec.lora_id, group))
     return out
 
 
@@ -125,9 +134,10 @@ class PoolEventLog:
         # layerwise: block hash -> (layer -> key) stored so far, and whether any was written now
         self._partial: OrderedDict[bytes, tuple[dict[int, str], bool]] = OrderedDict()
         self._partial_keys: dict[str, bytes] = {}
-        # removals: store key -> block hash, block hash -> its keys (announced blocks only)
-        self._key_block: dict[str, bytes] = {}
-        self._block_keys: dict[bytes, set[str]] = {}
+        # removals: store key -> (block hash, group), (block hash, group) -> its keys
+        # (announced blocks only; a hash has a block in each KV cache group)
+        self._key_block: dict[str, tuple[bytes, int | None]] = {}
+        self._block_keys: dict[tuple[bytes, int | None], set[str]] = {}
         # keys evicted during the save being reported that it had not announced yet
         self._evicted_unknown: set[str] = set()
 
@@ -178,10 +188,11 @@ class PoolEventLog:
         self._events.append(block)
         if not self.track_removals:
             return
-        known = self._block_keys.setdefault(block.block_hash, set())
+        ident = (block.block_hash, block.group)
+        known = self._block_keys.setdefault(ident, set())
         for key in keys:
             known.add(key)
-            self._key_block[key] = block.block_hash
+            self._key_block[key] = ident
 
     def evicted(self, keys: Sequence[str]) -> None:
         """The store dropped ``keys``: each announced block they belong to is removed."""
@@ -194,13 +205,13 @@ class PoolEventLog:
                     for layer_key in layers.values():
                         self._partial_keys.pop(layer_key, None)
                     continue
-                block_hash = self._key_block.pop(key, None)
-                if block_hash is None:
+                ident = self._key_block.pop(key, None)
+                if ident is None:
                     self._evicted_unknown.add(key)
                     continue
-                for other in self._block_keys.pop(block_hash, set()):
+                for other in self._block_keys.pop(ident, set()):
                     self._key_block.pop(other, None)
-                self._events.append(RemovedBlock(block_hash))
+                self._events.append(RemovedBlock(*ident))
 
     def take(self) -> list[PoolEvent]:
         """The events since the last call, in order."""

@@ -54,6 +54,8 @@ class TransferJob:
         is_async: load between steps and report through ``get_finished``.
         events: what announces the saved blocks as KV cache events (saves with
             KV events on only).
+        group: vLLM's KV cache group of the blocks (hybrid KV cache manager on), named in
+            their keys; ``None`` with one group.
     """
 
     req_id: str
@@ -63,6 +65,7 @@ class TransferJob:
     token_end: int
     is_async: bool = False
     events: BlockEventSpec | None = None
+    group: int | None = None
 
     def __post_init__(self) -> None:
         if len(self.hashes) != len(self.block_ids):

@@ -4,7 +4,14 @@
 Key format (upstream)::
 
     {model}@pcp{p}@dcp{d}@head_or_tp_rank:{h}@pp_rank:{pp}@{block_hash_hex}
+    {model}@pcp{p}@dcp{d}@head_or_tp_rank:{h}@pp_rank:{pp}@group:{g}@{block_hash_hex}   (HMA)
     {model}@pcp{p}@dcp{d}@head_or_tp_rank:{h}@{block_hash_hex}@{layer_id}   (layerwise)
+
+With vLLM's hybrid KV cache manager on (several KV cache groups: full attention and a
+sliding window), a block of each group is an object of its own, and its key names the group
+(``@group:{g}``, vLLM's group index): the same tokens have one block in each group, with
+different bytes. Instances whose groups differ never share keys either: the group layout is
+mixed into the cache fingerprint (:func:`~.context.context_from_vllm`).
 
 Block hashes chain SHA-256 over the token ids of each pool block
 (:func:`~vllm_ascend.distributed.kv_transfer.core.hashing.chained_block_hashes`)
@@ -34,7 +41,8 @@ from .errors import PoolKeyError
 
 _KEY_RE = re.compile(
     r"^(?P<model>.+)@pcp(?P<pcp>\d+)@dcp(?P<dcp>\d+)@head_or_tp_rank:(?P<head>\d+)"
-    r"(?:@pp_rank:(?P<pp>\d+)@(?P<hash>[0-9a-f]+)|@(?P<lhash>[0-9a-f]+)@(?P<layer>\d+))$")
+    r"(?:@pp_rank:(?P<pp>\d+)(?:@group:(?P<group>\d+))?@(?P<hash>[0-9a-f]+)"
+    r"|@(?P<lhash>[0-9a-f]+)@(?P<layer>\d+))$")
 
 
 @dataclass(frozen=True)
@@ -58,15 +66,19 @@ class KeyMetadata:
 
 @dataclass(frozen=True)
 class PoolKey:
-    """The key of one block (all layers of this rank)."""
+    """The key of one block (all layers of this rank; of one KV cache group with HMA)."""
 
     meta: KeyMetadata
     chunk_hash: str
+    #: vLLM's KV cache group of the block (``None``: one group, the hybrid manager off)
+    group: int | None = None
 
     def to_string(self) -> str:
         m = self.meta
+        group = f"@group:{self.group}" if self.group is not None else ""
         return (f"{m.model_name}@pcp{m.pcp_rank}@dcp{m.dcp_rank}"
-                f"@head_or_tp_rank:{m.head_or_tp_rank}@pp_rank:{m.pp_rank}@{self.chunk_hash}")
+                f"@head_or_tp_rank:{m.head_or_tp_rank}@pp_rank:{m.pp_rank}{group}"
+                f"@{self.chunk_hash}")
 
     def __str__(self) -> str:
         return self.to_string()
@@ -101,7 +113,7 @@ def parse_key(text: str) -> PoolKey | LayerPoolKey:
     g = match.groupdict()
     if g["hash"] is not None:
         meta = KeyMetadata(g["model"], int(g["head"]), int(g["pcp"]), int(g["dcp"]), int(g["pp"]))
-        return PoolKey(meta, g["hash"])
+        return PoolKey(meta, g["hash"], int(g["group"]) if g["group"] is not None else None)
     meta = KeyMetadata(g["model"], int(g["head"]), int(g["pcp"]), int(g["dcp"]), 0)
     return LayerPoolKey(meta, g["lhash"], int(g["layer"]))
 

@@ -17,6 +17,11 @@ The socket keeps serving other processes. The handler is the worker's
 lookup, which never raises for a store failure (the worker's store guard
 turns it into a miss at once); an exception it does raise is a miss here, as
 over the socket.
+
+With vLLM's hybrid KV cache manager on, the scheduler asks instead which blocks the pool
+holds in each KV cache group (:class:`PoolGroupLookupRequest`): a hit is then the longest
+prefix every group can serve, which the scheduler works out from the answer
+(:func:`~.hybrid.hybrid_hit`).
 """
 
 from __future__ import annotations
@@ -55,8 +60,30 @@ class PoolLookupReply(Message):
     hit_tokens: int
 
 
-LOOKUP_CODEC: Codec[PoolLookupRequest | PoolLookupReply] = Codec(
-    (PoolLookupRequest, PoolLookupReply), max_size=4 << 20)
+class PoolGroupLookupRequest(Message):
+    """Which of these blocks does the pool hold, in each of these KV cache groups?"""
+
+    hashes: list[str]
+    #: vLLM's KV cache group indices
+    groups: list[int]
+
+
+class PoolGroupLookupReply(Message):
+    """Per group asked (in order), per hash: whether the pool holds that block."""
+
+    present: list[list[bool]]
+
+
+#: the lookup of one group (``handler(hashes, token_end) -> hit tokens``)
+Handler = Callable[[list[str], int], int]
+#: the lookup of several groups (``handler(hashes, groups) -> present[group][block]``)
+GroupHandler = Callable[[list[str], list[int]], list[list[bool]]]
+
+_LookupMessage = PoolLookupRequest | PoolLookupReply | PoolGroupLookupRequest | PoolGroupLookupReply
+
+LOOKUP_CODEC: Codec[_LookupMessage] = Codec(
+    (PoolLookupRequest, PoolLookupReply, PoolGroupLookupRequest, PoolGroupLookupReply),
+    max_size=4 << 20)
 
 
 def lookup_endpoint(engine_id: str, dp_rank: int, port: int = 0,
@@ -80,11 +107,11 @@ def lookup_endpoint(engine_id: str, dp_rank: int, port: int = 0,
 
 #: The lookup servers of this process by endpoint, with the pid that created them (a forked
 #: child never calls its parent's handler).
-_IN_PROCESS: dict[str, tuple[int, Callable[[list[str], int], int]]] = {}
+_IN_PROCESS: dict[str, tuple[int, Handler, GroupHandler | None]] = {}
 _IN_PROCESS_LOCK = threading.Lock()
 
 
-def in_process_handler(endpoint: str) -> Callable[[list[str], int], int] | None:
+def in_process_handler(endpoint: str) -> Handler | None:
     """The handler of this process's lookup server at ``endpoint``, if there is one."""
     with _IN_PROCESS_LOCK:
         entry = _IN_PROCESS.get(endpoint)
@@ -93,25 +120,43 @@ def in_process_handler(endpoint: str) -> Callable[[list[str], int], int] | None:
     return entry[1]
 
 
+def in_process_group_handler(endpoint: str) -> GroupHandler | None:
+    """The group handler of this process's lookup server at ``endpoint``, if there is one."""
+    with _IN_PROCESS_LOCK:
+        entry = _IN_PROCESS.get(endpoint)
+    if entry is None or entry[0] != os.getpid():
+        return None
+    return entry[2]
+
+
 class LookupServer:
     """Answers lookups with ``handler(hashes, token_end) -> hit tokens``.
 
     Args:
         endpoint: socket to bind.
         handler: the worker's lookup.
+        group_handler: the worker's lookup of several KV cache groups (hybrid KV cache
+            manager); without it such a lookup is answered with an error (a miss).
     """
 
-    def __init__(self, endpoint: str, handler: Callable[[list[str], int], int]) -> None:
+    def __init__(self, endpoint: str, handler: Handler,
+                 group_handler: GroupHandler | None = None) -> None:
         self._handler = handler
+        self._group_handler = group_handler
         # an ipc:// socket file left by a dead engine with the same id is removed, a live
         # engine's raises EndpointInUseError (RpcServer)
         self._server = RpcServer(endpoint, LOOKUP_CODEC, self._answer,
                                  name="ascend-store-lookup").start()
         self.endpoint = self._server.endpoint
         with _IN_PROCESS_LOCK:
-            _IN_PROCESS[self.endpoint] = (os.getpid(), handler)
+            _IN_PROCESS[self.endpoint] = (os.getpid(), handler, group_handler)
 
     def _answer(self, request: Message) -> Message:
+        if isinstance(request, PoolGroupLookupRequest):
+            if self._group_handler is None:
+                raise TypeError("this lookup server has no KV cache groups")
+            present = self._group_handler(list(request.hashes), list(request.groups))
+            return PoolGroupLookupReply(present=[[bool(p) for p in row] for row in present])
         if not isinstance(request, PoolLookupRequest):
             raise TypeError(f"expected PoolLookupRequest, got {type(request).__name__}")
         if request.token_end < 0:
@@ -146,7 +191,7 @@ class LookupClient:
         self.in_process = in_process
         self.timeout_s = timeout_s
         self.retry_interval_s = retry_interval_s
-        self._client: RpcClient[PoolLookupRequest | PoolLookupReply] = RpcClient(
+        self._client: RpcClient[_LookupMessage] = RpcClient(
             endpoint, LOOKUP_CODEC, timeout_s=timeout_s)
         self.guard = RetryGuard(retry_interval_s, clock)
 
@@ -177,7 +222,34 @@ class LookupClient:
             return 0
         return max(0, min(int(reply.hit_tokens), token_end))
 
-    def _lookup_in_process(self, handler: Callable[[list[str], int], int], hashes: list[str],
+    def lookup_groups(self, hashes: list[str], groups: list[int]) -> list[list[bool]]:
+        """Per group, per hash: whether the pool holds that block; all ``False`` when the
+        worker side cannot answer (a miss)."""
+        miss = [[False] * len(hashes) for _ in groups]
+        if not hashes or not groups or not self.guard.available():
+            return miss
+        local = in_process_group_handler(self.endpoint) if self.in_process else None
+        try:
+            if local is not None:
+                present = local(list(hashes), list(groups))
+            else:
+                reply = self._client.call(PoolGroupLookupRequest(hashes=hashes, groups=groups))
+                if not isinstance(reply, PoolGroupLookupReply):
+                    logger.warning("pool lookup at %s: unexpected reply %s", self.endpoint,
+                                   type(reply).__name__)
+                    return miss
+                present = reply.present
+        except Exception as exc:  # as for one group: a failed lookup is a miss
+            self.guard.trip()
+            logger.warning("pool lookup at %s failed (%s); lookups are misses for %.1fs",
+                           self.endpoint, exc, self.retry_interval_s)
+            return miss
+        if len(present) != len(groups) or any(len(row) != len(hashes) for row in present):
+            logger.warning("pool lookup at %s: answer of the wrong shape", self.endpoint)
+            return miss
+        return [[bool(p) for p in row] for row in present]
+
+    def _lookup_in_process(self, handler: Handler, hashes: list[str],
                            token_end: int) -> int:
         """The lookup by a direct call of the server's handler (same process)."""
         try:

@@ -16,6 +16,13 @@ With ``kv_events_config.enable_kv_cache_events`` on, the pool's KV cache events
 (``get_kv_connector_kv_cache_events``) through vLLM's output aggregation to the
 scheduler side (``update_connector_output``), which hands vLLM's publisher
 those every writing rank reported (``take_events``).
+
+It serves vLLM's hybrid KV cache manager (``SupportsHMA``) for models with full-attention
+and sliding-window KV cache groups of one block size: a block of each group is an object of
+its own, a hit is the longest prefix every group serves, a window's group saves and loads
+only the blocks vLLM keeps (:mod:`.hybrid`), and a failed load is reported by request. Other
+group kinds (a state-space model's state, ...) and ``use_layerwise`` with several groups are
+refused at start-up, naming them.
 """
 
 from __future__ import annotations
@@ -25,7 +32,8 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from vllm_ascend.distributed.kv_transfer.core.layout import refuse_kv_cache_groups
+from vllm_ascend.distributed.kv_transfer.core.errors import ConfigError
+from vllm_ascend.distributed.kv_transfer.core.kv_groups import KVGroups
 from vllm_ascend.distributed.kv_transfer.core.vllm_compat import require_vllm
 
 require_vllm("AscendStoreConnector")
@@ -39,6 +47,8 @@ from vllm.distributed.kv_events import (  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorBase_V1,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash  # noqa: E402
 
@@ -60,6 +70,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
 
     from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
 
@@ -149,7 +160,7 @@ def to_vllm_events(events: Sequence[PoolEvent]) -> list[KVCacheEvent]:
     for event in events:
         if isinstance(event, RemovedBlock):
             out.append(BlockRemoved(block_hashes=[maybe_convert_block_hash(event.block_hash)],
-                                    medium=EVENT_MEDIUM))
+                                    medium=EVENT_MEDIUM, group_idx=event.group))
             continue
         parent = (maybe_convert_block_hash(event.parent_hash)
                   if event.parent_hash is not None else None)
@@ -157,11 +168,12 @@ def to_vllm_events(events: Sequence[PoolEvent]) -> list[KVCacheEvent]:
             block_hashes=[maybe_convert_block_hash(event.block_hash)],
             parent_block_hash=parent, token_ids=list(event.token_ids),
             block_size=event.block_size, lora_id=event.lora_id, medium=EVENT_MEDIUM,
-            lora_name=event.lora_name))
+            lora_name=event.lora_name, group_idx=event.group))
     return out
 
 
-class AscendStoreConnector(ConnectorStatsMixin, SchedulerHooksMixin, KVConnectorBase_V1):
+class AscendStoreConnector(ConnectorStatsMixin, SchedulerHooksMixin, KVConnectorBase_V1,
+                           SupportsHMA):
     """KV pool connector (vLLM-Ascend's ``AscendStoreConnector``)."""
 
     metric_specs = POOL_METRICS
@@ -169,12 +181,24 @@ class AscendStoreConnector(ConnectorStatsMixin, SchedulerHooksMixin, KVConnector
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        refuse_kv_cache_groups(kv_cache_config, type(self).__name__)
+        who = type(self).__name__
+        #: the engine's KV cache groups (one unless vLLM's hybrid KV cache manager is on)
+        self.kv_groups = KVGroups.from_config(kv_cache_config)
+        self.kv_groups.refuse_unsupported(who)
         kv_config = vllm_config.kv_transfer_config
         self.pool_config = AscendStoreConfig.from_dict(
             kv_config.kv_connector_extra_config,
-            source=f"{type(self).__name__} kv_connector_extra_config")
-        self.ctx = context_from_vllm(vllm_config)
+            source=f"{who} kv_connector_extra_config")
+        if self.kv_groups.hybrid and self.pool_config.use_layerwise:
+            # a layer of each group shares one tensor: a layer's save would go out before
+            # the other group's layer of that tensor is computed
+            raise ConfigError(
+                f"{who}: use_layerwise moves one layer's KV at a time, but with the hybrid KV "
+                "cache manager a layer of each KV cache group shares one tensor "
+                f"({self.kv_groups.describe()}): set use_layerwise to false, or serve the "
+                "model with --disable-hybrid-kv-cache-manager",
+                key="use_layerwise", value=True, source="kv_connector_extra_config")
+        self.ctx = context_from_vllm(vllm_config, kv_cache_config)
         self.use_layerwise = self.pool_config.use_layerwise
         self.connector_scheduler: KVPoolScheduler | None = None
         self.connector_worker: KVPoolWorker | None = None
@@ -193,6 +217,13 @@ class AscendStoreConnector(ConnectorStatsMixin, SchedulerHooksMixin, KVConnector
     # ============================================================== scheduler side
     # (get_num_new_matched_tokens, update_state_after_alloc, build_connector_meta and
     # request_finished hand over to the scheduler half: SchedulerHooksMixin)
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hook with the hybrid KV cache manager on: the request's blocks of every
+        group are kept while its saves may be pending, as with one group."""
+        assert self.connector_scheduler is not None
+        return self.connector_scheduler.request_finished(request, block_ids)
+
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Collect the workers' KV cache events of this step."""
         events = getattr(connector_output, "kv_cache_events", None)
@@ -257,6 +288,16 @@ class AscendStoreConnector(ConnectorStatsMixin, SchedulerHooksMixin, KVConnector
         assert self.connector_worker is not None
         sending, recving = self.connector_worker.get_finished(finished_req_ids)
         return sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """:meth:`get_finished`, and with several KV cache groups the requests whose load
+        failed (vLLM takes no block ids there; the pool loads asynchronously then)."""
+        assert self.connector_worker is not None
+        sending, recving = self.connector_worker.get_finished(finished_req_ids)
+        failed = self.connector_worker.take_failed_loads()
+        return KVConnectorTransferResults(finished_sending=set(sending),
+                                          finished_recving=set(recving) | failed,
+                                          failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self.connector_worker is None:

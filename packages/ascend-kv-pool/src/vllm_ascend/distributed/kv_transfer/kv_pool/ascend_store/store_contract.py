@@ -43,6 +43,9 @@ class AscendConnectorMetadata(KVConnectorMetadata):
     loads: list[TransferJob] = field(default_factory=list)
     saves: list[TransferJob] = field(default_factory=list)
     preempted_req_ids: set[str] = field(default_factory=set)
+    #: requests whose queued saves read a sliding window's block that vLLM freed and gave
+    #: out again this step: the workers wait for them before the forward pass
+    wait_saves: set[str] = field(default_factory=set)
 
     def is_empty(self) -> bool:
-        return not (self.loads or self.saves or self.preempted_req_ids)
+        return not (self.loads or self.saves or self.preempted_req_ids or self.wait_saves)

@@ -11,6 +11,11 @@
   already hold (blocks just loaded from it are skipped; the worker skips any
   other block the store has).
 * ``request_finished`` keeps a request's blocks until its saves are done.
+
+With vLLM's hybrid KV cache manager on (several KV cache groups), the lookup asks which
+blocks each group holds and the hit is the longest prefix every group serves; loads and
+saves are planned group by group, a sliding window's only for the blocks vLLM keeps, and
+loads run asynchronously so that a failed one is reported by request (:mod:`.hybrid`).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
 from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.config import AscendStoreConfig
 
 from .context import PoolContext
+from .hybrid import SavedWindowBlocks, block_runs, hybrid_hit
 from .keys import BlockHasher
 from .lookup import LookupClient, lookup_endpoint
 from .metrics import SCHEDULER_METRICS
@@ -55,7 +61,10 @@ class KVPoolScheduler:
         self.cfg = cfg
         self.block_size = ctx.block_size
         self.hasher = BlockHasher(ctx.block_size, ctx.salt)
-        self.load_async = cfg.load_async and not cfg.use_layerwise
+        self.groups = ctx.groups
+        # with several groups a failed load is reported by request, which vLLM accepts of a
+        # request waiting for its load only: loads are asynchronous then
+        self.load_async = (cfg.load_async or ctx.hybrid) and not cfg.use_layerwise
         self.can_load = not ctx.is_consumer or cfg.consumer_is_to_load
         self.can_save = not ctx.is_consumer or cfg.consumer_is_to_put
         self.include_partial = not cfg.discard_partial_chunks
@@ -67,6 +76,7 @@ class KVPoolScheduler:
         self._requests: dict[str, Any] = {}
         self._load_specs: dict[str, PoolHit] = {}
         self._delay_free: set[str] = set()
+        self._window_saves = SavedWindowBlocks()
 
     # ------------------------------------------------------------ hashing
     def _extra(self, request: Any) -> Any:
@@ -115,7 +125,13 @@ class KVPoolScheduler:
         hashes = self.request_hashes(request, token_end)
         start = time.perf_counter()
         failures_before = getattr(self.client, "failures", 0)
-        hit = int(self.client.lookup(hashes, token_end))
+        if self.groups.hybrid:
+            present = self.client.lookup_groups(hashes, [g.index for g in self.groups.groups])
+            hit = hybrid_hit(self.groups, present, block_size=self.block_size,
+                             token_end=token_end, num_tokens=num_tokens,
+                             num_computed=num_computed_tokens)
+        else:
+            hit = int(self.client.lookup(hashes, token_end))
         self.recorder.observe("pool_lookup_seconds", time.perf_counter() - start)
         self.recorder.inc("pool_lookups")
         if getattr(self.client, "failures", 0) > failures_before:
@@ -157,7 +173,7 @@ class KVPoolScheduler:
             spec.kvpool_cached_tokens = spec.vllm_cached_tokens + num_external_tokens
         spec.can_load = True
         if spec.is_async:
-            self._trackers[req_id].load_block_ids = list(blocks.get_block_ids()[0])
+            self._trackers[req_id].load_block_ids = [list(ids) for ids in blocks.get_block_ids()]
 
     # ------------------------------------------------------------ metadata
     def build_connector_meta(self, scheduler_output: Any) -> AscendConnectorMetadata:
@@ -169,12 +185,15 @@ class KVPoolScheduler:
         for req_id in meta.preempted_req_ids:
             tracker = self._trackers.get(req_id)
             if tracker is not None:
-                tracker.block_ids = []
+                tracker.set_blocks(None)
                 tracker.num_computed_tokens = 0
         num_scheduled = scheduler_output.num_scheduled_tokens
+        if len(self._window_saves):
+            # a window's block freed while its save may be queued, allocated again
+            meta.wait_saves = self._window_saves.reused(self._new_block_ids(scheduler_output))
         for new in scheduler_output.scheduled_new_reqs:
             tracker = self._tracker(new.req_id)
-            tracker.block_ids = list(new.block_ids[0]) if new.block_ids else []
+            tracker.set_blocks(new.block_ids)
             self._plan_load(tracker, meta)
             tracker.num_computed_tokens = new.num_computed_tokens + num_scheduled.get(new.req_id,
                                                                                       0)
@@ -185,10 +204,10 @@ class KVPoolScheduler:
             tracker = self._tracker(req_id)
             new_ids = cached.new_block_ids[i]
             if req_id in resumed:
-                tracker.block_ids = list(new_ids[0]) if new_ids else []
+                tracker.set_blocks(new_ids)
                 self._plan_load(tracker, meta)
             elif new_ids:
-                tracker.block_ids.extend(new_ids[0])
+                tracker.add_blocks(new_ids)
             tracker.num_computed_tokens = cached.num_computed_tokens[i] + num_scheduled.get(
                 req_id, 0)
             self._plan_save(tracker, meta)
@@ -196,9 +215,21 @@ class KVPoolScheduler:
         for req_id, spec in list(self._load_specs.items()):
             if spec.can_load and spec.is_async:
                 tracker = self._tracker(req_id)
-                tracker.block_ids = tracker.load_block_ids
+                tracker.set_blocks(tracker.load_block_ids)
                 self._plan_load(tracker, meta)
         return meta
+
+    def _new_block_ids(self, scheduler_output: Any) -> list[int]:
+        """Blocks vLLM gave out this step: to scheduled requests, and to loads armed now."""
+        out = [b for new in scheduler_output.scheduled_new_reqs for ids in new.block_ids or ()
+               for b in ids]
+        out += [b for new_ids in scheduler_output.scheduled_cached_reqs.new_block_ids
+                for ids in new_ids or () for b in ids]
+        for req_id, spec in self._load_specs.items():
+            tracker = self._trackers.get(req_id)
+            if spec.can_load and spec.is_async and tracker is not None:
+                out += [b for ids in tracker.load_block_ids for b in ids]
+        return out
 
     def _plan_load(self, tracker: RequestTracker, meta: AscendConnectorMetadata) -> None:
         spec = self._load_specs.get(tracker.req_id)
@@ -215,9 +246,19 @@ class KVPoolScheduler:
         if last == first and not spec.is_async:
             return  # (an async load always gets a job, so that its completion is reported)
         end = min(last * self.block_size, spec.token_end)
-        meta.loads.append(TransferJob(tracker.req_id, hashes[first:last],
-                                      tracker.block_ids[first:last], first, end,
-                                      is_async=spec.is_async))
+        if not self.groups.hybrid:
+            meta.loads.append(TransferJob(tracker.req_id, hashes[first:last],
+                                          tracker.block_ids[first:last], first, end,
+                                          is_async=spec.is_async))
+        else:  # every group's blocks it holds (a window's: those vLLM keeps)
+            jobs = [TransferJob(tracker.req_id, hashes[pos:pos + len(ids)], ids, pos,
+                                min((pos + len(ids)) * self.block_size, end),
+                                is_async=spec.is_async, group=group.index)
+                    for group, blocks in zip(self.groups.groups, tracker.group_block_ids,
+                                             strict=False)
+                    for pos, ids in block_runs(blocks, first, last)]
+            meta.loads += jobs or [TransferJob(tracker.req_id, [], [], first, end,
+                                               is_async=spec.is_async)]
         # the loaded blocks are in the pool already: never save them back
         tracker.num_saved_tokens = max(tracker.num_saved_tokens, end)
 
@@ -246,12 +287,31 @@ class KVPoolScheduler:
         if last <= first:
             return
         token_end = min(last * self.block_size, save_end)
-        events = self._event_spec(request, first, last, token_end) if self.ctx.kv_events else None
-        meta.saves.append(TransferJob(tracker.req_id, hashes[first:last],
-                                      tracker.block_ids[first:last], first, token_end,
-                                      events=events))
+        if self.groups.hybrid:
+            self._plan_group_saves(tracker, request, hashes, first, last, save_end, meta)
+        else:
+            events = (self._event_spec(request, first, last, token_end) if self.ctx.kv_events
+                      else None)
+            meta.saves.append(TransferJob(tracker.req_id, hashes[first:last],
+                                          tracker.block_ids[first:last], first, token_end,
+                                          events=events))
         tracker.num_saved_tokens = min(last * self.block_size, save_end)
         self._delay_free.add(tracker.req_id)
+
+    def _plan_group_saves(self, tracker: RequestTracker, request: Any, hashes: list[str],
+                          first: int, last: int, save_end: int,
+                          meta: AscendConnectorMetadata) -> None:
+        """Saves of positions ``first .. last`` of every group: the blocks its list holds
+        (a window's group: those vLLM keeps, never its null block)."""
+        for group, blocks in zip(self.groups.groups, tracker.group_block_ids, strict=False):
+            for pos, ids in block_runs(blocks, first, last):
+                end = min((pos + len(ids)) * self.block_size, save_end)
+                events = (self._event_spec(request, pos, pos + len(ids), end)
+                          if self.ctx.kv_events else None)
+                meta.saves.append(TransferJob(tracker.req_id, hashes[pos:pos + len(ids)], ids,
+                                              pos, end, events=events, group=group.index))
+                if group.kind == "sliding":
+                    self._window_saves.saving(tracker.req_id, ids)
 
     def _event_spec(self, request: Any, first: int, last: int, token_end: int
                     ) -> BlockEventSpec:
@@ -278,7 +338,7 @@ class KVPoolScheduler:
         self._load_specs.pop(req_id, None)
 
     # ------------------------------------------------------------ finish
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, None]:
         """Keep the blocks while saves of this request may be pending."""
         req_id = request.request_id
         delay = req_id in self._delay_free

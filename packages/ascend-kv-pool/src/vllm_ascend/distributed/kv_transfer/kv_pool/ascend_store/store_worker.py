@@ -17,7 +17,12 @@ Per step the worker receives :class:`~.store_contract.AscendConnectorMetadata`:
   ``handle_preemptions`` before its blocks can be reused.
 
 Addresses and block lengths come from core's :class:`KVCacheLayout`, so any
-layout vLLM registers works. A backend that needs host memory (``local``)
+layout vLLM registers works. With vLLM's hybrid KV cache manager on, a layer of each KV cache
+group shares one tensor: the layout keeps one of them, and a block id's bytes there are the
+group's that owns the block, saved and loaded under that group's key. A failed load is
+then reported by request (:meth:`KVPoolWorker.take_failed_loads`), and a step whose new
+blocks a queued save of a sliding window still reads waits for it first
+(``AscendConnectorMetadata.wait_saves``). A backend that needs host memory (``local``)
 with a KV cache on a device goes through a host staging buffer.
 """
 
@@ -117,6 +122,8 @@ class KVPoolWorker:
         self._lock = threading.Lock()
         self._invalid_block_ids: set[int] = set()
         self._finished_recving: set[str] = set()
+        # hybrid KV cache manager: requests whose load failed (vLLM takes no block ids there)
+        self._failed_recving: set[str] = set()
         self._save_reqs: set[str] = set()
         self._finished_waiting: set[str] = set()
         self._pending = PendingSaves()
@@ -142,7 +149,8 @@ class KVPoolWorker:
             start_lookup_server = ctx.is_lookup_rank
         if start_lookup_server:
             endpoint = lookup_endpoint(ctx.engine_id, ctx.dp_rank, cfg.lookup_rpc_port)
-            self.lookup_server = LookupServer(endpoint, self.lookup_scheduler)
+            self.lookup_server = LookupServer(endpoint, self.lookup_scheduler,
+                                              self.lookup_groups)
 
     # ------------------------------------------------------------ registration
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
@@ -168,8 +176,9 @@ class KVPoolWorker:
         return self.layout
 
     # ------------------------------------------------------------ keys
-    def _key(self, chunk_hash: str, meta: KeyMetadata | None = None) -> str:
-        return PoolKey(meta or self.key_meta, chunk_hash).to_string()
+    def _key(self, chunk_hash: str, meta: KeyMetadata | None = None,
+             group: int | None = None) -> str:
+        return PoolKey(meta or self.key_meta, chunk_hash, group).to_string()
 
     def _layer_key(self, chunk_hash: str, layer_id: int, meta: KeyMetadata | None = None) -> str:
         return LayerPoolKey(meta or self.key_meta, chunk_hash, layer_id).to_string()
@@ -216,9 +225,38 @@ class KVPoolWorker:
                 return min(i * self.block_size, token_end)
         return token_end
 
+    def lookup_groups(self, hashes: list[str], groups: list[int]) -> list[list[bool]]:
+        """Per KV cache group, per hash: held for every head group and PP stage (hybrid KV
+        cache manager; a store failure is a miss)."""
+        miss = [[False] * len(hashes) for _ in groups]
+        if not hashes or not groups or not self.guard.available():
+            return miss
+        metas = [self.key_meta]
+        if self.backend.shared_across_processes:
+            metas = [self.key_meta.with_head(h).with_pp(p)
+                     for h in range(self.ctx.num_head_groups()) for p in range(self.ctx.pp_size)]
+        flat = [self._key(h, m, g) for g in groups for h in hashes for m in metas]
+        try:
+            present = self.backend.exists(flat)
+        except BackendUnavailableError as exc:
+            self.guard.trip(exc)
+            return miss
+        except Exception:  # a lookup error is a miss
+            logger.warning("KV pool lookup failed", exc_info=True)
+            return miss
+        width = len(metas)
+        rows: list[list[bool]] = []
+        for gi in range(len(groups)):
+            base = gi * len(hashes) * width
+            rows.append([all(p == 1 for p in present[base + i * width:base + (i + 1) * width])
+                         for i in range(len(hashes))])
+        return rows
+
     # ------------------------------------------------------------ loads
     def start_load_kv(self, meta: AscendConnectorMetadata) -> None:
         """Start (or, for synchronous loads, run) this step's loads."""
+        if meta.wait_saves:
+            self._wait_saves(meta.wait_saves)
         self._layer_loads = []
         self._layer_events = {}
         self._layer_meta = meta
@@ -230,13 +268,19 @@ class KVPoolWorker:
             self._start_layerwise_loads([j for j in loads if not j.is_async])
             loads = [j for j in loads if j.is_async]
         sync: list[LoadTask] = []
+        by_request: dict[str, list[LoadTask]] = {}
         for job in loads:
             task = self._load_task(job)
-            if job.is_async:
-                if not self._recv.submit(task):
-                    self._finish_load(job.req_id, set(job.block_ids), is_async=True)
+            if job.is_async:  # one task a request (a job a KV cache group with HMA)
+                by_request.setdefault(job.req_id, []).append(task)
             else:
                 sync.append(task)
+        for req_id, tasks in by_request.items():
+            task = merge_loads(tasks)
+            task.extra["is_async"] = True
+            if not self._recv.submit(task):
+                self._finish_load(req_id, {b for ids in task.block_ids for b in ids},
+                                  is_async=True)
         if self._staging:
             for task in sync:
                 self._run_load(task)
@@ -246,7 +290,8 @@ class KVPoolWorker:
     def _load_task(self, job: TransferJob, layer_id: int | None = None) -> LoadTask:
         keys, addrs, sizes, blocks = [], [], [], []
         for h, b in zip(job.hashes, job.block_ids, strict=True):
-            keys.append(self._key(h) if layer_id is None else self._layer_key(h, layer_id))
+            keys.append(self._key(h, group=job.group) if layer_id is None
+                        else self._layer_key(h, layer_id))
             a, s = self._block_value(b, layer_id)
             addrs.append(a)
             sizes.append(s)
@@ -267,7 +312,10 @@ class KVPoolWorker:
 
     def _finish_load(self, req_id: str, failed: set[int], *, is_async: bool) -> None:
         with self._lock:
-            self._invalid_block_ids.update(failed)
+            if failed and self.ctx.hybrid and is_async:
+                self._failed_recving.add(req_id)
+            else:
+                self._invalid_block_ids.update(failed)
             if is_async:
                 self._finished_recving.add(req_id)
 
@@ -349,14 +397,16 @@ class KVPoolWorker:
             return None
         keys, addrs, sizes = [], [], []
         for h, b in picked:
-            keys.append(self._key(h) if layer_id is None else self._layer_key(h, layer_id))
+            keys.append(self._key(h, group=job.group) if layer_id is None
+                        else self._layer_key(h, layer_id))
             a, s = self._block_value(b, layer_id)
             addrs.append(a)
             sizes.append(s)
         task = SaveTask(job.req_id, keys, addrs, sizes, event,
                         block_ids=[b for _h, b in picked], layer=layer_id)
         if self.events is not None and job.events is not None:
-            blocks = stored_blocks(job.events, job.first_block, indices, self.block_size)
+            blocks = stored_blocks(job.events, job.first_block, indices, self.block_size,
+                                   job.group)
             log = self.events
             task.on_done = lambda written, present: log.saved(task.keys, written, present,
                                                               blocks, layer_id)
@@ -466,11 +516,22 @@ class KVPoolWorker:
             out, self._invalid_block_ids = self._invalid_block_ids, set()
         return out
 
+    def take_failed_loads(self) -> set[str]:
+        """Requests whose asynchronous load failed since the last call (hybrid KV cache
+        manager: vLLM takes failed loads by request there, each also in ``get_finished``)."""
+        with self._lock:
+            out, self._failed_recving = self._failed_recving, set()
+        return out
+
     def handle_preemptions(self, preempted_req_ids: set[str]) -> None:
         """Wait for the pending saves of preempted requests before their blocks are reused."""
-        waiting = {r for r in preempted_req_ids if self._pending.has(r)}
+        self._wait_saves(preempted_req_ids, "preempted requests")
+
+    def _wait_saves(self, req_ids: set[str], who: str = "requests") -> None:
+        """Wait for the pending saves of ``req_ids`` (blocks they read are given out again)."""
+        waiting = {r for r in req_ids if self._pending.has(r)}
         if waiting and not self._pending.wait(waiting, self.cfg.load_timeout_s):
-            logger.warning("KV pool: saves of preempted requests %s still pending after %.1fs",
+            logger.warning("KV pool: saves of %s %s still pending after %.1fs", who,
                            sorted(waiting), self.cfg.load_timeout_s)
 
     def wait_idle(self, timeout: float = 30.0) -> bool:

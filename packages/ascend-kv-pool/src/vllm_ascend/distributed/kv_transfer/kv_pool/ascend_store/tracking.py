@@ -7,6 +7,7 @@ upstream's names (``LoadSpec`` is :class:`PoolHit`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 __all__ = ["PoolHit", "RequestTracker"]
@@ -36,7 +37,11 @@ class RequestTracker:
     """Scheduler-side state of one request."""
 
     req_id: str
+    #: the request's blocks (of vLLM's first KV cache group)
     block_ids: list[int] = field(default_factory=list)
+    #: the request's blocks of every KV cache group (hybrid KV cache manager on; the first
+    #: is :attr:`block_ids`)
+    group_block_ids: list[list[int]] = field(default_factory=list)
     #: tokens whose blocks are saved (or known to be in the pool)
     num_saved_tokens: int = 0
     #: tokens computed once the current step ends
@@ -44,5 +49,21 @@ class RequestTracker:
     #: pool hashes of the prompt's blocks, computed once
     hashes: list[str] = field(default_factory=list)
     hashes_cover: int = 0
-    #: blocks allocated for a load that has not been emitted yet
-    load_block_ids: list[int] = field(default_factory=list)
+    #: blocks allocated for a load that has not been emitted yet (one list per group)
+    load_block_ids: list[list[int]] = field(default_factory=list)
+
+    def set_blocks(self, block_ids: Sequence[Sequence[int]] | None) -> None:
+        """The request's blocks, one list per KV cache group (vLLM's ``block_ids``)."""
+        self.group_block_ids = [list(ids) for ids in block_ids or ()] or [[]]
+        self.block_ids = self.group_block_ids[0]
+
+    def add_blocks(self, new_block_ids: Sequence[Sequence[int]] | None) -> None:
+        """Blocks vLLM added this step, one list per KV cache group."""
+        if not new_block_ids:
+            return
+        if len(self.group_block_ids) < len(new_block_ids):
+            self.group_block_ids += [[] for _ in range(len(new_block_ids)
+                                                       - len(self.group_block_ids))]
+            self.block_ids = self.group_block_ids[0]
+        for ids, new in zip(self.group_block_ids, new_block_ids, strict=False):
+            ids.extend(new)
