@@ -43,6 +43,7 @@ from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.peers import (
 from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.scheduler import ClaimAhead, PullScheduler
 from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.window import CLOCK_SKEW_S
 from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.worker import PullWorker
+from vllm_ascend.distributed.kv_transfer.kv_p2p.signed_params import sign
 
 BS, NB, HEADS, HD, LAYERS = 16, 8, 2, 8, 2
 KEY = "deployment-key-for-the-claims-ahead-tests-01"
@@ -257,6 +258,8 @@ def _request(rid: str, remote: RemotePrefill) -> Any:
               "remote_engine_id": "P", "remote_host": remote.host,
               "remote_port": remote.port, "remote_request_id": remote.request_id,
               "remote_tp_size": 1, "remote_claim_token": remote.token}
+    # as P returns them: MACed with the deployment key when there is one (D checks it)
+    sign(params, ttl_s=60)
     return SimpleNamespace(request_id=rid, kv_transfer_params=params,
                            prompt_token_ids=list(range(len(remote.block_ids) * BS)),
                            status=None)
