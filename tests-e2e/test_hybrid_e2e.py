@@ -15,9 +15,12 @@ pool, and a layer of each group shares one tensor with a layer of the other.
   those pairs of blocks, fewer than the whole prompt's blocks of every layer (what the same
   model moves with the hybrid manager off);
 * a D with the hybrid manager off fails the load of a P's request that has it on with a
-  clear error, and P frees the request's blocks.
+  clear error, and P frees the request's blocks;
+* ``MooncakeLayerwiseConnector`` (P prefills in chunks of 2 blocks and pushes each layer's
+  own group's blocks as the layer is computed) gives the same tokens, and pushes fewer bytes
+  than every layer's whole prompt.
 
-One P (the module) and one D at a time (each class), real Mooncake over TCP.
+One P and one D at a time (each class), real Mooncake over TCP.
 """
 
 from __future__ import annotations
@@ -28,10 +31,20 @@ from pathlib import Path
 import pytest
 
 from ascend_kv_testing.engines import EngineProcess
+from ascend_kv_testing.faults import start_in_parallel
 from ascend_kv_testing.models import TINY_LLAMA, make_tiny_llama
-from ascend_kv_testing.pd import PROBES, baseline, kv_config, prefill, prompts_of
+from ascend_kv_testing.pd import (
+    LAYERWISE,
+    PROBES,
+    Metaserver,
+    baseline,
+    kv_config,
+    prefill,
+    prompts_of,
+)
 
 KB = "ascend_kv_testing.kv_bytes"
+STATS = "vllm_ascend.distributed.kv_transfer.kv_p2p.mooncake_layerwise_connector:push_stats"
 BS = 32
 WINDOW = 2 * BS
 LAYERS = 4
@@ -66,8 +79,9 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
         tie_word_embeddings=False)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="class")
 def p(model: Path) -> Iterator[EngineProcess]:
+    """P of the pull, HMA on (one class)."""
     engine = EngineProcess(model, kv_config("kv_producer", "swa-prefill", lease_ttl_s=60))
     yield engine
     engine.close()
@@ -174,3 +188,60 @@ class TestHybridMismatch:
         assert p.wait_idle(20)
         state = p.call(f"{PROBES}:scheduler_state")
         assert state["requests"] == 0 and state["free_blocks"] == state["total_blocks"] - 1
+
+
+@pytest.fixture(scope="class")
+def lw(model: Path) -> Iterator[tuple[EngineProcess, EngineProcess, Metaserver]]:
+    """Layerwise P (chunked prefill, 64 tokens a step) and D, HMA on, started side by side."""
+    engines = start_in_parallel({
+        "p": lambda: EngineProcess(model, kv_config("kv_producer", "swa-lw-prefill",
+                                                    connector=LAYERWISE),
+                                   max_num_batched_tokens=64),
+        "d": lambda: EngineProcess(model, kv_config("kv_consumer", "swa-lw-decode",
+                                                    connector=LAYERWISE)),
+    })
+    server = Metaserver()
+    try:
+        yield engines["p"], engines["d"], server
+    finally:
+        server.close()
+        for e in engines.values():
+            e.close()
+
+
+class TestHybridLayerwise:
+    """P pushes layer by layer, HMA on."""
+
+    def test_tokens_equal_single_instance(self, lw: tuple[EngineProcess, EngineProcess,
+                                                          Metaserver]) -> None:
+        p, d, meta = lw
+        assert groups_of(p) == groups_of(d) == [f"SlidingWindowSpec/{WINDOW}",
+                                                "FullAttentionSpec/0"]
+        lengths = [40, 2 * BS + 1, 3 * BS + WINDOW - 1, 300]
+        prompts = prompts_of(lengths, seed=55)
+        want = baseline(d, prompts)
+        d0, p0 = (e.call(f"{PROBES}:connector_totals") for e in (d, p))
+        got = [meta.pd_once(p, d, prompt, prefix="swa-lw") for prompt in prompts]
+        assert [g.token_ids for g in got] == want
+        posts = list(meta.posts.values())[-len(lengths):]
+        for n, post in zip(lengths, posts, strict=True):
+            # D posts the blocks it keeps of each group, of the n - 1 tokens it loads
+            runs = post["remote_block_groups"]
+            assert [first + count for first, count in runs] == [cdiv(n - 1, BS)] * 2
+            assert runs[0][0] == max(0, n - 1 - WINDOW + 1) // BS and runs[1][0] == 0
+        d1, p1 = (e.call(f"{PROBES}:connector_totals") for e in (d, p))
+        assert d1.get("p2p_requests_loaded", 0) - d0.get("p2p_requests_loaded", 0) == len(
+            lengths)
+        assert not any(k.startswith("p2p_failures") and d1[k] != d0.get(k, 0) for k in d1)
+        pushed = p1["p2p_transfer_bytes"] - p0.get("p2p_transfer_bytes", 0)
+        # each layer pushes its own group's pages: at least D's kept pairs, 2 layers a pair
+        # (a block P computed over two steps goes twice), fewer than every layer's prompt
+        assert sum(pairs_kept(n) for n in lengths) * 2 * PAGE <= pushed
+        assert pushed < sum(cdiv(n, BS) for n in lengths) * LAYERS * PAGE
+        # every layer went out from its own hook, as it was computed
+        stats = p.call(STATS)
+        assert stats["hooked"] > 0 and stats["fallback"] == 0
+        for engine in (p, d):
+            assert engine.wait_idle(20)
+            state = engine.call(f"{PROBES}:scheduler_state")
+            assert state["requests"] == 0 and state["free_blocks"] == state["total_blocks"] - 1

@@ -143,9 +143,22 @@ def test_more_than_one_kv_cache_group_is_refused_naming_the_groups() -> None:
     refuse_unsupported_shapes(vllm_config(), hybrid_kv_cache_config(1), "X")  # one group: ok
 
 
+def _state_space_kv_cache_config() -> Any:
+    """A hybrid state-space model's groups: a Mamba state group beside full attention."""
+    import torch
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec
+
+    full = hybrid_kv_cache_config(1).kv_cache_groups[0]
+    mamba = MambaSpec(block_size=BS, shapes=((16,),), dtypes=(torch.float32,))
+    return KVCacheConfig(num_blocks=NB, kv_cache_tensors=[], kv_cache_groups=[
+        full, KVCacheGroupSpec(["model.layers.1.self_attn.attn"], mamba)])
+
+
 @pytest.mark.parametrize("name", ["MooncakeConnector", "MooncakeLayerwiseConnector"])
 @pytest.mark.parametrize("role", ["SCHEDULER", "WORKER"])
-def test_both_connectors_refuse_a_hybrid_kv_cache_at_start_up(name: str, role: str) -> None:
+def test_both_connectors_refuse_a_state_space_group_at_start_up(name: str, role: str) -> None:
+    """Full-attention and sliding-window groups are moved (tests-e2e/test_hybrid_e2e.py); a
+    state group (Mamba, linear attention) is not yet, and is refused naming it."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from vllm_ascend.distributed.kv_transfer.kv_p2p.layerwise import (
@@ -155,14 +168,13 @@ def test_both_connectors_refuse_a_hybrid_kv_cache_at_start_up(name: str, role: s
 
     cls = {"MooncakeConnector": pull_connector.MooncakeConnector,
            "MooncakeLayerwiseConnector": layerwise_connector.MooncakeLayerwiseConnector}[name]
-    with pytest.raises(ConfigError, match=f"{name} moves the blocks of one KV cache group"):
-        cls(vllm_config(), getattr(KVConnectorRole, role), hybrid_kv_cache_config())
+    with pytest.raises(ConfigError, match=r"MambaSpec.*--disable-hybrid-kv-cache-manager"):
+        cls(vllm_config(), getattr(KVConnectorRole, role), _state_space_kv_cache_config())
 
 
-def test_no_p2p_connector_claims_hybrid_kv_cache_support() -> None:
-    """vLLM turns its hybrid KV cache manager off for a connector without ``SupportsHMA``
-    (one group for every layer, which the connectors move whole); one that declared it
-    would get a hybrid model's groups and move only the first."""
+def test_both_p2p_connectors_serve_the_hybrid_kv_cache_manager() -> None:
+    """vLLM keeps its hybrid KV cache manager on only for a connector with ``SupportsHMA``;
+    both move every full-attention and sliding-window group."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
 
     from vllm_ascend.distributed.kv_transfer.kv_p2p.layerwise import (
@@ -170,5 +182,6 @@ def test_no_p2p_connector_claims_hybrid_kv_cache_support() -> None:
     )
     from vllm_ascend.distributed.kv_transfer.kv_p2p.pull import connector as pull_connector
 
-    assert not issubclass(layerwise_connector.MooncakeLayerwiseConnector, SupportsHMA)
-    assert not issubclass(pull_connector.MooncakeConnector, SupportsHMA)
+    assert issubclass(layerwise_connector.MooncakeLayerwiseConnector, SupportsHMA)
+    assert issubclass(pull_connector.MooncakeConnector, SupportsHMA)
+    refuse_unsupported_shapes(vllm_config(), hybrid_kv_cache_config(), "X", groups_ok=True)

@@ -334,10 +334,52 @@ class PushTarget:
     token: str = ""
     #: D ranks that live on another host than ``host`` (``remote_multi_nodes_meta_mapping``)
     rank_hosts: dict[int, str] = field(default_factory=dict)
+    #: several KV cache groups (vLLM's hybrid KV cache manager): each group's run of D's
+    #: blocks in ``block_ids``, ``(first position, count)`` (``remote_block_groups``); empty:
+    #: one group, ``block_ids`` are the whole prompt's
+    block_groups: tuple[tuple[int, int], ...] = ()
 
     def host_of(self, d_rank: int) -> str:
         """Where D rank ``d_rank``'s side channel listens."""
         return self.rank_hosts.get(d_rank, self.host)
+
+    def d_block(self, group: int, position: int) -> int | None:
+        """D's block at ``position`` of KV cache group ``group`` (``None``: D keeps none
+        there: a window's block it freed, or past what it loads)."""
+        if not self.block_groups:
+            return self.block_ids[position] if 0 <= position < len(self.block_ids) else None
+        offset = sum(count for _, count in self.block_groups[:group])
+        first, count = self.block_groups[group]
+        if not first <= position < first + count:
+            return None
+        return self.block_ids[offset + position - first]
+
+    def pushed(self, first_position: int) -> list[tuple[int, int, int]]:
+        """``(group, position, D's block)`` of every block P writes from ``first_position``
+        (where D's own prefix hit ends): :func:`push_order`."""
+        return push_order(self.block_ids, self.block_groups, first_position)
+
+
+def push_order(block_ids: Sequence[int], block_groups: Sequence[tuple[int, int]],
+               first_position: int) -> list[tuple[int, int, int]]:
+    """``(group, position, block)`` of the blocks a layerwise push writes, in the order
+    ``PushBegin`` names them and D waits in them: of one group, ``block_ids`` from
+    ``first_position`` on; of several, each group's run (``block_groups``) from there.
+
+    Args:
+        block_ids: D's blocks (``remote_block_ids``).
+        block_groups: each group's ``(first position, count)`` in them (empty: one group).
+        first_position: the first block position P writes.
+    """
+    if not block_groups:
+        return [(0, pos, int(block_ids[pos])) for pos in range(first_position, len(block_ids))]
+    out: list[tuple[int, int, int]] = []
+    offset = 0
+    for g, (first, count) in enumerate(block_groups):
+        for pos in range(max(first, first_position), first + count):
+            out.append((g, pos, int(block_ids[offset + pos - first])))
+        offset += count
+    return out
 
 
 def push_token(params: Any) -> str:
@@ -381,9 +423,6 @@ def parse_push_target(params: Any, *, prompt_len: int, block_size: int) -> PushT
     """
     host, port, request_id, tp_size = parse_push_endpoint(params)
     blocks, groups = _prompt_blocks(params, prompt_len, block_size)
-    if groups:
-        raise KVParamsError("kv_transfer_params: 'remote_block_groups' (several KV cache "
-                            "groups) is not supported by the layerwise connector")
     remote_bs = params.get("remote_block_size", block_size)
     if remote_bs != block_size:
         raise KVParamsError(f"kv_transfer_params: 'remote_block_size' is {remote_bs!r} but this "
@@ -398,13 +437,15 @@ def parse_push_target(params: Any, *, prompt_len: int, block_size: int) -> PushT
     return PushTarget(engine_id=_str(params, "remote_engine_id"), host=host, port=port,
                       request_id=request_id, block_ids=list(blocks), cached_tokens=cached,
                       tp_size=tp_size, token=push_token(params),
-                      rank_hosts=parse_rank_hosts(params, tp_size=tp_size))
+                      rank_hosts=parse_rank_hosts(params, tp_size=tp_size),
+                      block_groups=groups)
 
 
 def params_for_prefill(*, proxy_request_id: str, block_ids: list[int], block_size: int,
                        engine_id: str, host: str, port: int, request_id: str, tp_size: int,
                        cached_tokens: int, push_token: str = "",
-                       rank_hosts: Mapping[int, str] | None = None) -> dict[str, Any]:
+                       rank_hosts: Mapping[int, str] | None = None,
+                       block_groups: Sequence[tuple[int, int]] = ()) -> dict[str, Any]:
     """What D posts to the metaserver; the proxy hands it to P as ``kv_transfer_params``.
 
     The keys are upstream's, plus ``remote_request_id`` (D's own request id, which P echoes
@@ -431,4 +472,6 @@ def params_for_prefill(*, proxy_request_id: str, block_ids: list[int], block_siz
         out["remote_push_token"] = push_token
     if rank_hosts:
         out[MULTI_NODES_KEY] = multi_nodes_mapping(rank_hosts, engine_id)
+    if len(block_groups) > 1:
+        out["remote_block_groups"] = [[int(a), int(b)] for a, b in block_groups]
     return out

@@ -44,6 +44,11 @@ from vllm_ascend.distributed.kv_transfer.core.vllm_compat import require_vllm
 
 require_vllm("MooncakeLayerwiseConnector")
 
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+
 from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeLayerwiseConfig  # noqa: E402
 
 from ..connector_shell import P2PConnectorShell  # noqa: E402
@@ -59,27 +64,43 @@ from .worker import LayerwiseWorker  # noqa: E402
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
+    from vllm.v1.request import Request
 
 __all__ = ["MooncakeLayerwiseConnector", "MooncakeLayerwiseConnectorMetadata", "PushReq",
            "RecvReq", "ReqMeta"]
 
 
 class MooncakeLayerwiseConnector(
-        P2PConnectorShell[MooncakeLayerwiseConfig, LayerwiseScheduler, LayerwiseWorker]):
+        P2PConnectorShell[MooncakeLayerwiseConfig, LayerwiseScheduler, LayerwiseWorker],
+        SupportsHMA):
     """P/D connector: the prefill instance pushes each layer into the decode instance.
 
-    It moves one KV cache group, so it does not declare vLLM's ``SupportsHMA``: vLLM then
-    turns its hybrid KV cache manager off (one group for every layer), and an engine that
-    still has several groups is refused at start-up, naming them.
+    It serves vLLM's hybrid KV cache manager (``SupportsHMA``): with full-attention and
+    sliding-window groups, D posts the blocks its manager keeps of each group
+    (``remote_block_groups``), and each layer's hook on P pushes its own group's blocks.
     """
 
     config_class = MooncakeLayerwiseConfig
 
     def _make_scheduler(self, vllm_config: VllmConfig) -> LayerwiseScheduler:
-        return LayerwiseScheduler(vllm_config, self.cfg, self.engine_id)
+        return LayerwiseScheduler(vllm_config, self.cfg, self.engine_id,
+                                  kv_groups=self.kv_groups)
 
     def _make_worker(self, vllm_config: VllmConfig) -> LayerwiseWorker:
-        return LayerwiseWorker(vllm_config, self.cfg, self.engine_id, self.recorder)
+        return LayerwiseWorker(vllm_config, self.cfg, self.engine_id, self.recorder,
+                               kv_groups=self.kv_groups)
+
+    # ============================== Scheduler-side methods (hybrid KV cache manager)
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hook with the hybrid KV cache manager on (the blocks of every group: the
+        layerwise scheduler tracks them itself)."""
+        assert self.connector_scheduler is not None
+        return self.connector_scheduler.request_finished(request, list(block_ids[0]))
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        """P pushes the request's own blocks of every group."""
+        return tuple(g.index for g in self.kv_groups.groups)
 
     def _meta(self) -> MooncakeLayerwiseConnectorMetadata | None:
         if not self.has_connector_metadata():
@@ -113,6 +134,17 @@ class MooncakeLayerwiseConnector(
         meta = self._meta()  # bound while vLLM asks (None in a bare call)
         return self.connector_worker.get_finished(finished_req_ids,
                                                   idle=meta is not None and meta.idle)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """:meth:`get_finished`, and the receptions that failed: by request with several KV
+        cache groups (vLLM refuses block ids there), by block otherwise."""
+        assert self.connector_worker is not None
+        meta = self._meta()
+        sending, recving, failed = self.connector_worker.transfer_results(
+            finished_req_ids, idle=meta is not None and meta.idle)
+        return KVConnectorTransferResults(
+            finished_sending=sending, finished_recving=recving,
+            failed_recving=failed if self.kv_groups.hybrid else set())
 
 
 def push_stats(_llm: Any = None) -> dict[str, int]:

@@ -51,6 +51,10 @@ class RecvReq:
     #: the capability D's scheduler issued with its metaserver post (``remote_push_token``):
     #: D's side channel serves only a ``PushBegin``/``PushDone`` that presents it
     push_token: str = ""
+    #: several KV cache groups (vLLM's hybrid KV cache manager): ``local_block_ids`` are the
+    #: blocks D keeps, each group's run ``(first position, count)`` after the other (as
+    #: posted in ``remote_block_groups``); empty: one group, the whole prompt's blocks
+    block_groups: tuple[tuple[int, int], ...] = ()
 
 
 #: Upstream's name (``ReqMeta.do_virtual`` is part of its promise).
@@ -61,9 +65,10 @@ ReqMeta = RecvReq
 class PushReq:
     """P: push the blocks at ``positions`` (block indices in token order) of one request.
 
-    ``local_block_ids[i]`` is P's block at ``positions[i]``; D's block there is
-    ``target.block_ids[positions[i]]``. ``last``: this step completes the prompt, so
-    the workers tell D the request is complete after the step's last layer.
+    ``local_block_ids[i]`` is P's block at ``positions[i]`` of KV cache group
+    ``groups[i]`` (``groups`` empty: group 0 throughout); D's block there is
+    ``target.d_block(groups[i], positions[i])``. ``last``: this step completes the prompt,
+    so the workers tell D the request is complete after the step's last layer.
     """
 
     request_id: str
@@ -79,6 +84,8 @@ class PushReq:
     token: str = ""
     #: D ranks on other hosts, when only ``endpoint`` could be parsed
     rank_hosts: dict[int, str] = field(default_factory=dict)
+    #: the KV cache group of each of ``positions`` (empty: one group)
+    groups: list[int] = field(default_factory=list)
 
 
 @dataclass

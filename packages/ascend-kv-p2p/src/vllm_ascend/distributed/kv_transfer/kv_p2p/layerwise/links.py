@@ -100,16 +100,21 @@ class PushSession:
     #: queued layer tasks that read this request's blocks
     pending: int = 0
     closed: bool = False
+    #: ``(group, position)`` -> index of D's block among those pushed (the order of
+    #: ``PushBegin``'s blocks and of D's staging buffers)
+    slot_of: dict[tuple[int, int], int] = field(default_factory=dict)
 
 
 @dataclass
 class StepItem:
-    """One request's blocks of one step: P's ``local_block_ids`` at ``positions``."""
+    """One request's blocks of one step: P's ``local_block_ids`` at ``positions`` (of KV
+    cache group ``groups[i]``; empty: one group)."""
 
     session: PushSession
     positions: list[int]
     local_block_ids: list[int]
     last: bool
+    groups: list[int] = field(default_factory=list)
 
 
 def p_side_slices(total_heads: int, p_tp: int, p_rank: int, d_tp: int, d_rank: int, *,
@@ -182,7 +187,9 @@ class PushLinks:
                                                          tp_size=target.tp_size), mine))
         except (HandshakeMismatchError, ValueError) as exc:
             reason = str(exc)
-        session = PushSession(rid, target, links, target.cached_tokens // shared.block_size)
+        first = target.cached_tokens // shared.block_size
+        session = PushSession(rid, target, links, first, slot_of={
+            (g, pos): k for k, (g, pos, _) in enumerate(target.pushed(first))})
         if reason:
             logger.error("request %s: cannot plan the push to D: %s", rid, reason)
             session.links = [PushLink(d, worker_port(target.port, tp_rank=d,
@@ -210,7 +217,7 @@ class PushLinks:
         link.meta = self.remote_meta(host, link.port, expect_tp=target.tp_size)
         msg = PushBegin(request_id=target.request_id, sender=shared.agent_id,
                         p_rank=shared.tp_rank, p_tp_size=shared.tp_size,
-                        block_ids=target.block_ids[session.first_position:],
+                        block_ids=[b for _, _, b in target.pushed(session.first_position)],
                         block_lens=[r.block_len for r in shared.layout.regions],
                         token=target.token)
         client = shared.client(host, link.port)
@@ -255,8 +262,9 @@ class PushLinks:
         with self.lock:
             link.valid_until = write_window_end(self.shared.te, sent, link.lease_s)
 
-    def write_layers(self, item: StepItem, link: PushLink, layers: list[int]) -> int:
-        """Write ``layers`` of the step's blocks into the D rank, one batch; returns bytes."""
+    def write_layers(self, item: StepItem, link: PushLink, layers: list[tuple[int, int]]) -> int:
+        """Write ``layers`` (the layout's layer index and the KV cache group whose blocks of
+        it go) of the step's blocks into the D rank, one batch; returns bytes."""
         layout, te = self.shared.layout, self.shared.te
         assert layout is not None and te is not None and link.meta is not None
         d_meta = link.meta
@@ -267,26 +275,33 @@ class PushLinks:
         src: list[int] = []
         dst: list[int] = []
         lengths: list[int] = []
-        region_ids: list[int] = []
-        for layer in layers:
+        region_ids: list[tuple[int, int]] = []
+        for layer, group in layers:
             first = sum(len(x.regions) for x in layout.layers[:layer])
-            region_ids += range(first, first + len(layout.layers[layer].regions))
-        for gi in region_ids:
+            region_ids += [(gi, group)
+                           for gi in range(first, first + len(layout.layers[layer].regions))]
+        groups = item.groups or [0] * len(item.positions)
+        for gi, group in region_ids:
             region = regions[gi]
             d_len = d_meta.layout.block_lens[gi]
             d_base, d_stride = link.region_addrs[gi], link.region_strides[gi]
             staged = bool(link.staging_addrs and link.staging_addrs[gi])
             d_heads = int(d_meta.layout.num_kv_heads)
-            for pos, pb in zip(item.positions, item.local_block_ids, strict=True):
+            for pos, pb, g in zip(item.positions, item.local_block_ids, groups, strict=True):
+                if g != group:
+                    continue
                 if not 0 <= pb < p_blocks:
                     raise IndexError(f"local block id {pb} is outside [0, {p_blocks})")
-                db = session.target.block_ids[pos]
+                db = session.target.d_block(g, pos)
+                if db is None:
+                    raise RemoteKVUnavailable(f"D keeps no block at position {pos} of KV cache "
+                                              f"group {g}", code="bad_blocks")
                 if not 0 <= db < d_blocks:
                     raise RemoteKVUnavailable(f"D block id {db} is outside D's cache "
                                               f"[0, {d_blocks})", code="bad_blocks")
                 p_addr = region.base_addr + pb * region.block_stride
                 if staged:
-                    k = pos - session.first_position
+                    k = session.slot_of[(g, pos)]
                     src.append(p_addr)
                     dst.append(link.staging_addrs[gi] + k * link.staging_strides[gi])
                     lengths.append(region.block_len)

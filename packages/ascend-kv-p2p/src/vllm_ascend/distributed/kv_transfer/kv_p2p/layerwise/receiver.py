@@ -45,6 +45,7 @@ from vllm_ascend.distributed.kv_transfer.core.errors import TransferError
 from vllm_ascend.distributed.kv_transfer.core.wire import ErrorReply, Message
 
 from ..errors import HandshakeMismatchError
+from ..params import push_order
 from ..protocol import (
     LAYERWISE_CODEC,
     LAYERWISE_PROTOCOL_VERSION,
@@ -130,6 +131,8 @@ class PushReceiver:
         self.virtual_request: set[str] = set()
         self._done_recving: set[str] = set()
         self._failed_blocks: set[int] = set()
+        #: requests that failed (not aborted) and are not reported yet
+        self._failed_reqs: set[str] = set()
 
     # ================================================================ set-up
     def serve(self) -> None:
@@ -303,7 +306,8 @@ class PushReceiver:
                     continue
                 first = meta.cached_tokens // block_size
                 inc = _Incoming(meta, now, now + self.cfg.load_timeout_s,
-                                list(meta.local_block_ids[first:]))
+                                [b for _, _, b in push_order(meta.local_block_ids,
+                                                             meta.block_groups, first)])
                 if meta.error is not None:
                     inc.failure, inc.cause = f"bad kv_transfer_params: {meta.error}", "bad_params"
                 self.incoming[meta.request_id] = inc
@@ -317,6 +321,11 @@ class PushReceiver:
 
     def collect_finished(self, finished_req_ids: set[str]) -> set[str]:
         """Requests that ended (received, failed or virtual) since the last call."""
+        return self.collect_results(finished_req_ids)[0]
+
+    def collect_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """As :meth:`collect_finished`, and those of them that failed for vLLM to recompute or
+        fail (vLLM's ``failed_recving``; their blocks also go to :meth:`take_load_errors`)."""
         now = time.monotonic()
         # A P rank counts as gone when its write lease lapsed unrenewed. While this side
         # channel is held up (D starved of CPU), P's renewals wait in its socket: only a
@@ -353,11 +362,12 @@ class PushReceiver:
             self._end(inc, ok=ok)
         self.recorder.set("p2p_pending_loads", pending)
         out, self._done_recving = self._done_recving, set()
+        failed, self._failed_reqs = self._failed_reqs & out, self._failed_reqs - out
         if self.virtual_request:
             self.recorder.inc("p2p_virtual_requests", len(self.virtual_request))
             out |= self.virtual_request
             self.virtual_request = set()
-        return out
+        return out, failed
 
     def wait_any(self, timeout: float) -> bool:
         """Block until some request waiting for its KV can end (received, failed, virtual),
@@ -394,6 +404,7 @@ class PushReceiver:
         if inc.cause != "aborted":
             # (an aborted request is gone from vLLM's queues: no one to recompute for)
             self._failed_blocks.update(inc.push_blocks)
+            self._failed_reqs.add(rid)
         self.recorder.inc("p2p_failures", cause=inc.cause or "error")
         logger.error("request %s: layerwise KV load failed (%s): %s; its %d blocks are reported "
                      "for recompute/failure", rid, inc.cause, inc.failure, len(inc.push_blocks))

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm_ascend.distributed.kv_transfer.core.auth import capability_token
+from vllm_ascend.distributed.kv_transfer.core.kv_groups import NULL_BLOCK, KVGroups
 from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeLayerwiseConfig
 
 from ..errors import KVParamsError
@@ -78,7 +79,8 @@ class _PushProgress:
     #: D's capability and its ranks on other hosts, when only ``endpoint`` could be parsed
     token: str = ""
     rank_hosts: dict[int, str] = field(default_factory=dict)
-    block_ids: list[int] = field(default_factory=list)
+    #: P's blocks of the request, one list per KV cache group, by position
+    block_ids: list[list[int]] = field(default_factory=list)
     #: tokens (block aligned) D will hold once the pushes emitted so far are done
     cursor: int = 0
     emitted: bool = False
@@ -118,9 +120,15 @@ class LayerwiseScheduler(SchedulerBase):
     """Scheduler-side logic of the layerwise connector."""
 
     def __init__(self, vllm_config: VllmConfig, cfg: MooncakeLayerwiseConfig,
-                 engine_id: str) -> None:
+                 engine_id: str, *, kv_groups: KVGroups | None = None) -> None:
         super().__init__(vllm_config, engine_id)
         self.cfg = cfg
+        #: the KV cache groups (several under vLLM's hybrid KV cache manager)
+        self.groups = kv_groups or KVGroups.from_config(None)
+        #: D leaves the prompt's last token to compute with a sliding window among the groups
+        #: (as the pull does, :mod:`..pull.groups`): vLLM frees the window's blocks by the
+        #: tokens loaded, and recomputing the last one would need a block it freed
+        self._leave_last = self.groups.hybrid and self.groups.has_window
         self._recv: dict[str, RecvReq] = {}
         self._push: dict[str, _PushProgress] = {}
         self._pending_pushes: dict[str, PushReq] = {}
@@ -147,7 +155,7 @@ class LayerwiseScheduler(SchedulerBase):
                                    num_computed_tokens: int) -> tuple[int, bool]:
         if not (self.is_consumer and wants_remote_prefill(request.kv_transfer_params)):
             return 0, False
-        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        count = len(request.prompt_token_ids or ()) - num_computed_tokens - self._leave_last
         if count <= 0:
             return 0, False
         return count, True
@@ -170,10 +178,17 @@ class LayerwiseScheduler(SchedulerBase):
             return
         rid = request.request_id
         prompt_len = len(request.prompt_token_ids or ())
-        cached = prompt_len - num_external_tokens
+        cached = prompt_len - num_external_tokens - self._leave_last
         n_blocks = math.ceil(prompt_len / self.block_size)
-        local = list(blocks.get_block_ids()[0][:n_blocks])
-        meta = RecvReq(rid, local, cached)
+        runs: list[tuple[int, int]] = []
+        if self.groups.hybrid:
+            local, runs = kept_runs(blocks.get_block_ids(),
+                                    end=math.ceil((prompt_len - self._leave_last)
+                                                  / self.block_size))
+            n_blocks = len(local)
+        else:
+            local = list(blocks.get_block_ids()[0][:n_blocks])
+        meta = RecvReq(rid, local, cached, block_groups=tuple(runs))
         try:
             # a key holder's params only, an allowed metaserver: before anything is posted
             verify_params(issued, allowed_hosts=self.cfg.allowed_peer_hosts,
@@ -199,7 +214,8 @@ class LayerwiseScheduler(SchedulerBase):
             proxy_request_id=proxy_id if isinstance(proxy_id, str) and proxy_id else rid,
             block_ids=local, block_size=self.block_size, engine_id=self.engine_id,
             host=self.host, port=self.side_port, request_id=rid, tp_size=self.tp_size,
-            cached_tokens=cached, push_token=meta.push_token, rank_hosts=self.rank_hosts),
+            cached_tokens=cached, push_token=meta.push_token, rank_hosts=self.rank_hosts,
+            block_groups=runs),
             ttl_s=self.cfg.load_timeout_s)  # P checks it before it dials D
         assert self.metaserver is not None
 
@@ -246,7 +262,7 @@ class LayerwiseScheduler(SchedulerBase):
                                                     rank_hosts=state.rank_hosts)
             return
         # (Re)start from D's cached prefix: after a preemption P recomputes into new blocks.
-        state.block_ids = list(blocks.get_block_ids()[0])
+        state.block_ids = [list(group) for group in blocks.get_block_ids()]
         state.cursor = target.cached_tokens if target is not None else 0
         state.complete = False
 
@@ -266,7 +282,7 @@ class LayerwiseScheduler(SchedulerBase):
         for new in out.scheduled_new_reqs:
             state = self._push.get(new.req_id)
             if state is not None:
-                state.block_ids = list(new.block_ids[0])
+                state.block_ids = [list(group) for group in new.block_ids]
         cached = out.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             state = self._push.get(rid)
@@ -275,11 +291,12 @@ class LayerwiseScheduler(SchedulerBase):
             new_ids = cached.new_block_ids[i]
             if rid in cached.resumed_req_ids:
                 if new_ids is not None:
-                    state.block_ids = list(new_ids[0])
+                    state.block_ids = [list(group) for group in new_ids]
                 state.cursor = state.target.cached_tokens if state.target else 0
                 state.complete = False
             elif new_ids is not None:
-                state.block_ids.extend(new_ids[0])
+                for mine, more in zip(state.block_ids, new_ids, strict=False):
+                    mine.extend(more)
         for rid, n in out.num_scheduled_tokens.items():
             state = self._push.get(rid)
             if state is None or n <= 0 or state.target is None:
@@ -294,11 +311,11 @@ class LayerwiseScheduler(SchedulerBase):
             # a block this step leaves partly filled goes out with the step that fills it
             # (or ends the prompt), once: pushed now, it would be pushed again then
             stop = math.ceil(end / self.block_size) if last else end // self.block_size
-            positions = [j for j in range(first, stop) if j < len(state.block_ids)]
+            positions, local, groups = push_blocks(state.target, state.block_ids, first, stop)
             if not positions and not last:
                 continue
-            meta.pushes[rid] = PushReq(rid, state.target, positions,
-                                       [state.block_ids[j] for j in positions], last=last)
+            meta.pushes[rid] = PushReq(rid, state.target, positions, local, last=last,
+                                       groups=groups if state.target.block_groups else [])
             state.emitted = True
             state.cursor = (end // self.block_size) * self.block_size
             state.complete = last
@@ -338,3 +355,37 @@ class LayerwiseScheduler(SchedulerBase):
     def shutdown(self) -> None:
         if self.metaserver is not None:
             self.metaserver.close()
+
+
+def kept_runs(block_ids: tuple[list[int], ...] | list[list[int]], *, end: int
+              ) -> tuple[list[int], list[tuple[int, int]]]:
+    """D with several KV cache groups: the blocks its manager keeps of each group up to
+    position ``end`` (a window's freed ones are the null block), one group's run after
+    another, and each run's ``(first position, count)`` (``remote_block_groups``)."""
+    local: list[int] = []
+    runs: list[tuple[int, int]] = []
+    for group in block_ids:
+        ids = list(group[:end])
+        first = next((i for i, b in enumerate(ids) if b != NULL_BLOCK), len(ids))
+        local.extend(ids[first:])
+        runs.append((first, len(ids) - first))
+    return local, runs
+
+
+def push_blocks(target: PushTarget, block_ids: list[list[int]], first: int, stop: int
+                ) -> tuple[list[int], list[int], list[int]]:
+    """P: the blocks of positions ``[first, stop)`` to push, of every group whose block D
+    keeps there: ``(positions, P's blocks, groups)``, parallel lists."""
+    positions: list[int] = []
+    local: list[int] = []
+    groups: list[int] = []
+    for g, ids in enumerate(block_ids if target.block_groups else block_ids[:1]):
+        for j in range(first, min(stop, len(ids))):
+            if ids[j] == NULL_BLOCK and target.block_groups:
+                continue  # P computed it this step but vLLM freed it (a window left it)
+            if target.d_block(g, j) is None:
+                continue
+            positions.append(j)
+            local.append(ids[j])
+            groups.append(g)
+    return positions, local, groups

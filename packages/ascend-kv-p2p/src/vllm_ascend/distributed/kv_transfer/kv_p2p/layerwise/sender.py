@@ -30,6 +30,7 @@ from vllm_ascend.distributed.kv_transfer.core.errors import (
     PeerTimeoutError,
     TransferError,
 )
+from vllm_ascend.distributed.kv_transfer.core.kv_groups import KVGroups
 from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeLayerwiseConfig
 
 from ..errors import HandshakeMismatchError, RemoteKVUnavailable
@@ -48,6 +49,7 @@ MAX_MERGED_LAYERS = 64
 
 @dataclass
 class _LayerTask:
+    #: index in :attr:`PushSender.slots`
     layer: int
     event: Any
     items: list[StepItem]
@@ -100,6 +102,10 @@ class PushSender:
         self.cfg: MooncakeLayerwiseConfig = shared.cfg
         self.recorder = shared.recorder
         self.links = PushLinks(shared, lambda s, link: self._queue.put(_LeaseRefused(s, link)))
+        #: what one layer hook pushes: the layout's layer (the memory) and the KV cache group
+        #: whose blocks go (a layer of each group shares one tensor under vLLM's hybrid KV
+        #: cache manager: each layer's hook pushes its own group's blocks of it)
+        self.slots: list[tuple[int, int]] = []
         self._layer_index: dict[str, int] = {}
         self._finished_seen: set[str] = set()
         self._queue: queue.Queue[Any] = queue.Queue()
@@ -121,7 +127,7 @@ class PushSender:
     def start(self) -> None:
         """Start the sender and renewer threads (once the KV cache is registered)."""
         assert self.shared.layout is not None
-        self._layer_index = {layer.name: i for i, layer in enumerate(self.shared.layout.layers)}
+        self.slots, self._layer_index = layer_slots(self.shared.layout, self.shared.kv_groups)
         self._thread = threading.Thread(target=self._send_loop, name="layerwise-sender",
                                         daemon=True)
         self._thread.start()
@@ -158,7 +164,8 @@ class PushSender:
                 if push.positions or push.last:
                     session.pending += 1
             self._step_items.append(StepItem(session, list(push.positions),
-                                             list(push.local_block_ids), push.last))
+                                             list(push.local_block_ids), push.last,
+                                             list(push.groups)))
 
     def save_layer(self, metadata: MooncakeLayerwiseConnectorMetadata | None,
                    layer_name: str, kv_layer: Any) -> None:
@@ -186,8 +193,8 @@ class PushSender:
         items, self._step_items = self._step_items, []
         if not items or layout is None:
             return
-        missing = [i for i in range(layout.num_layers) if i not in self._step_layers]
-        if missing and len(missing) == layout.num_layers:
+        missing = [i for i in range(len(self.slots)) if i not in self._step_layers]
+        if missing and len(missing) == len(self.slots):
             logger.debug("save_kv_layer was not called this step; pushing all layers now")
         event = None
         regions = layout.regions
@@ -278,7 +285,7 @@ class PushSender:
             for task in tasks:
                 if task.event is not None:
                     task.event.synchronize()
-            layers = [t.layer for t in tasks]
+            layers = [self.slots[t.layer] for t in tasks]
             start = time.perf_counter()
             moved = 0
             for item in tasks[0].items:
@@ -297,7 +304,8 @@ class PushSender:
                     for item in task.items:
                         item.session.pending -= 1
 
-    def _push_layers(self, item: StepItem, link: PushLink, layers: list[int]) -> int:
+    def _push_layers(self, item: StepItem, link: PushLink, layers: list[tuple[int, int]]
+                     ) -> int:
         """Write ``layers`` of ``item`` to one D rank (opening or renewing the lease first);
         a failure stops the link. Returns the bytes written."""
         links, session = self.links, item.session
@@ -378,3 +386,20 @@ class PushSender:
             self.links.send_done_to(hosts.get(d, host),
                                     worker_port(port, tp_rank=d, tp_size=d_tp), rid,
                                     success=False, reason=task.reason, token=token)
+
+
+def layer_slots(layout: Any, groups: KVGroups) -> tuple[list[tuple[int, int]], dict[str, int]]:
+    """What each layer hook pushes, and the slot of each vLLM layer name.
+
+    A slot is ``(index in layout.layers, KV cache group)``: of one group, a slot a layer;
+    under vLLM's hybrid KV cache manager, a layer that shares its tensor with another
+    (``layout.aliases``) pushes its own group's blocks of that tensor, once it is computed.
+    """
+    group_of = groups.group_of()
+    owner = {layer.name: i for i, layer in enumerate(layout.layers)}
+    slots: list[tuple[int, int]] = []
+    index: dict[str, int] = {}
+    for name, i in [*owner.items(), *((a, owner[o]) for a, o in layout.aliases.items())]:
+        index[name] = len(slots)
+        slots.append((i, group_of.get(name, 0)))
+    return slots, index

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from vllm_ascend.distributed.kv_transfer.core.kv_groups import KVGroups
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
 from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeLayerwiseConfig
 
@@ -50,9 +51,9 @@ class LayerwiseWorker(P2PWorkerBase):
 
     def __init__(self, vllm_config: VllmConfig, cfg: MooncakeLayerwiseConfig, engine_id: str,
                  recorder: MetricsRecorder, *, tp_rank: int | None = None,
-                 pp_rank: int | None = None) -> None:
+                 pp_rank: int | None = None, kv_groups: KVGroups | None = None) -> None:
         super().__init__(vllm_config, cfg, engine_id, recorder, codec=LAYERWISE_CODEC,
-                         tp_rank=tp_rank, pp_rank=pp_rank)
+                         tp_rank=tp_rank, pp_rank=pp_rank, kv_groups=kv_groups)
         self.receiver = PushReceiver(self) if self.is_consumer else None
         self.sender = PushSender(self) if self.is_producer else None
 
@@ -111,17 +112,27 @@ class LayerwiseWorker(P2PWorkerBase):
         ``idle``: the step ran no token; with requests waiting for their KV, D waits up to
         ``idle_wait_s`` for one to end first (vLLM steps again at once: without the wait
         D's engine loop spins on a core while P computes and pushes)."""
+        sending, recving, _ = self.transfer_results(finished_req_ids, idle=idle)
+        return sending or None, recving or None
+
+    def transfer_results(self, finished_req_ids: set[str], *, idle: bool = False
+                         ) -> tuple[set[str], set[str], set[str]]:
+        """As :meth:`get_finished`, and the requests of ``recving`` that failed (with several
+        KV cache groups vLLM takes failures by request: their blocks are not in
+        :meth:`get_block_ids_with_load_errors`)."""
         if idle and self.receiver is not None and self.cfg.idle_wait_s > 0:
             self.receiver.wait_any(self.cfg.idle_wait_s)
         sending = (self.sender.collect_finished(finished_req_ids) if self.sender is not None
                    else set())
-        recving = (self.receiver.collect_finished(finished_req_ids)
-                   if self.receiver is not None else set())
-        return sending or None, recving or None
+        recving, failed = (self.receiver.collect_results(finished_req_ids)
+                           if self.receiver is not None else (set(), set()))
+        return sending, recving, failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Blocks of D's failed requests since the last call."""
-        return self.receiver.take_load_errors() if self.receiver is not None else set()
+        """Blocks of D's failed requests since the last call (none with several KV cache
+        groups: vLLM takes those failures by request, :meth:`transfer_results`)."""
+        blocks = self.receiver.take_load_errors() if self.receiver is not None else set()
+        return set() if self.kv_groups.hybrid else blocks
 
     # ================================================================ views
     @property
