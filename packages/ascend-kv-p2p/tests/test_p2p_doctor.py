@@ -100,3 +100,21 @@ def test_the_openmp_advice_is_for_cpu_producers_only(monkeypatch: pytest.MonkeyP
     producer = _run({"kv_connector": "MooncakeConnectorV1", "kv_role": "kv_producer",
                      "kv_connector_extra_config": extra})
     assert [c.status for c in producer.checks if c.what.startswith("OpenMP")] == ["warn"]
+
+
+def test_doctor_says_whether_vllm_keeps_the_hybrid_kv_cache_manager_on() -> None:
+    """vLLM's own rule (every connector declares ``SupportsHMA``), asked of vLLM."""
+    def line(cfg: dict[str, Any]) -> Any:
+        d = Doctor(cfg, timeout_s=0.5)
+        d._check_hybrid(cfg)
+        [check] = [c for c in d.checks if c.what == "hybrid KV cache manager"]
+        return check
+
+    for name in ("MooncakeConnectorV1", "MooncakeLayerwiseConnector"):
+        check = line({"kv_connector": name, "kv_role": "kv_consumer"})
+        assert check.status == "ok" and check.detail.startswith("stays on"), check
+    # vLLM's own example connector does not declare SupportsHMA
+    off = line({"kv_connector": "ExampleConnector", "kv_role": "kv_both"})
+    assert off.status == "ok" and "turns it off" in off.detail
+    unknown = line({"kv_connector": "NoSuchConnector", "kv_role": "kv_both"})
+    assert unknown.status == "warn" and "cannot tell" in unknown.detail

@@ -129,6 +129,7 @@ class Doctor:
         for name, extra, where in self._connectors(cfg):
             self._check_connector(name, extra, where, cfg)
         self._check_top_level(cfg)
+        self._check_hybrid(cfg)
         self._check_host()
         doctor_auth.check(self)
         if self.probe_listeners:
@@ -168,6 +169,31 @@ class Doctor:
         if policy not in POLICIES:
             self.fail("kv_load_failure_policy", f"{policy!r} is not one of {POLICIES}",
                       "use 'fail' (default) or 'recompute'")
+
+    def _check_hybrid(self, cfg: dict[str, Any]) -> None:
+        """Whether vLLM keeps its hybrid KV cache manager on under this config: it does only
+        where every connector declares ``SupportsHMA`` (vLLM's own rule, asked of vLLM)."""
+        what = "hybrid KV cache manager"
+        try:
+            from vllm.config import KVTransferConfig
+            from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+            from vllm.plugins import load_general_plugins
+
+            load_general_plugins()  # the connectors of this project register themselves there
+            fields = set(getattr(KVTransferConfig, "__dataclass_fields__", {}))
+            on = KVConnectorFactory.supports_hma_config(
+                KVTransferConfig(**{k: v for k, v in cfg.items() if k in fields}))
+        except Exception as exc:  # an unknown connector, a config vLLM refuses, no vLLM
+            self.warn(what, f"cannot tell: {type(exc).__name__}: {exc}"[:300])
+            return
+        if on:
+            self.ok(what, "stays on for hybrid models: every connector here declares "
+                          "SupportsHMA (sliding-window and full-attention groups move; a "
+                          "state-space model's state group is refused, docs/model-shapes.md)")
+        else:
+            self.ok(what, "vLLM turns it off under this config (a connector here does not "
+                          "declare SupportsHMA): a sliding-window model keeps the whole "
+                          "prompt's KV in every layer, a hybrid state-space model does not start")
 
     def _check_vllm(self) -> None:
         from ..vllm_compat import MIN_VLLM_VERSION, vllm_version
