@@ -351,3 +351,66 @@ def test_kv_events_name_the_group() -> None:
         StoredBlock(b"\x01" * 32, None, tuple(range(BLOCK)), BLOCK, group=SWA),
         RemovedBlock(b"\x02" * 32, group=FULL)])
     assert stored.group_idx == SWA and removed.group_idx == FULL
+
+
+def test_the_group_layout_is_in_the_cache_fingerprint() -> None:
+    """An instance with the hybrid manager off (one group, a tensor a layer) or with another
+    window hashes the same tokens to other keys: it never reads these objects."""
+    from types import SimpleNamespace
+
+    from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.context import (
+        context_from_vllm,
+    )
+
+    model = SimpleNamespace(model="/models/tiny", dtype="float32", use_mla=False,
+                            get_total_num_kv_heads=lambda: HEADS,
+                            get_num_layers=lambda parallel: 4)
+    cfg = SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        model_config=model, cache_config=SimpleNamespace(block_size=BLOCK, cache_dtype="auto"),
+        kv_transfer_config=SimpleNamespace(kv_role="kv_both", engine_id="e"))
+    hybrid = context_from_vllm(cfg, hybrid_kv_cache_config())
+    assert hybrid.hybrid and hybrid.groups == GROUPS
+    assert context_from_vllm(cfg, hybrid_kv_cache_config()).salt == hybrid.salt
+    single = context_from_vllm(cfg, None)
+    assert not single.hybrid and single.salt != hybrid.salt and "hma" not in single.salt
+    other = hybrid_kv_cache_config()
+    spec = other.kv_cache_groups[0].kv_cache_spec
+    other.kv_cache_groups[0] = KVCacheGroupSpec(other.kv_cache_groups[0].layer_names,
+                                                SlidingWindowSpec(
+                                                    block_size=BLOCK, num_kv_heads=HEADS,
+                                                    head_size=HEAD_SIZE, dtype=spec.dtype,
+                                                    sliding_window=3 * BLOCK))
+    assert context_from_vllm(cfg, other).salt not in (hybrid.salt, single.salt)
+
+
+def test_the_worker_finishes_a_queued_save_before_a_step_that_reuses_its_block() -> None:
+    """A save still queued (the store slow) when a step's metadata names its request in
+    ``wait_saves``: ``start_load_kv`` returns only once the save read the block."""
+    import threading
+
+    from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.store_contract import (
+        AscendConnectorMetadata,
+        TransferJob,
+    )
+
+    release, order = threading.Event(), []
+
+    class SlowStore(LocalBackend):
+        def put(self, keys: list[str], addrs: list[list[int]], sizes: list[list[int]]
+                ) -> list[int]:
+            release.wait(10)
+            order.append("put")
+            return super().put(keys, addrs, sizes)
+
+    engine = HybridEngine(SlowStore(capacity=64 << 20))
+    try:
+        job = TransferJob("r1", ["ab" * 32], [5], 2, 3 * BLOCK, group=SWA)
+        engine.worker.wait_for_save(AscendConnectorMetadata(saves=[job]))
+        threading.Timer(0.3, release.set).start()
+        engine.worker.start_load_kv(AscendConnectorMetadata(wait_saves={"r1"}))
+        order.append("step")
+        assert order == ["put", "step"]
+    finally:
+        release.set()
+        engine.close()

@@ -159,3 +159,32 @@ def test_same_process_handler_error_is_a_miss(endpoint: str) -> None:
     finally:
         client.close()
         server.close()
+
+
+@pytest.mark.parametrize("in_process", [False, True])
+def test_group_lookup_round_trip(endpoint: str, in_process: bool) -> None:
+    """The hybrid KV cache manager's lookup: per group, per hash, over the socket or by a
+    direct call; a server without a group handler answers a miss, never an error."""
+    seen = []
+
+    def groups(hashes: list[str], group_ids: list[int]) -> list[list[bool]]:
+        seen.append((hashes, group_ids))
+        return [[g == 1 or i == 0 for i in range(len(hashes))] for g in group_ids]
+
+    server = LookupServer(endpoint, lambda h, n: 0, groups)
+    client = LookupClient(endpoint, timeout_s=5, in_process=in_process)
+    try:
+        assert client.lookup_groups(["aa", "bb"], [0, 1]) == [[True, False], [True, True]]
+        assert seen == [(["aa", "bb"], [0, 1])]
+        assert client.lookup_groups([], [0, 1]) == [[], []]
+    finally:
+        client.close()
+        server.close()
+    plain = LookupServer(endpoint, lambda h, n: 0)
+    client = LookupClient(endpoint, timeout_s=5, in_process=False, retry_interval_s=0.0)
+    try:
+        assert client.lookup_groups(["aa"], [0, 1]) == [[False], [False]]
+        assert client.failures == 1
+    finally:
+        client.close()
+        plain.close()
