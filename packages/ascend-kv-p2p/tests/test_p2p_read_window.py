@@ -49,6 +49,7 @@ from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.window import (
     window_tag,
 )
 from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.worker import PullWorker
+from vllm_ascend.distributed.kv_transfer.kv_p2p.signed_params import sign
 
 BS, NB, HEADS, HD, LAYERS = 16, 8, 2, 8, 2
 KEY = "deployment-key-for-the-read-window-tests-0001"
@@ -340,6 +341,7 @@ def _request(rid: str, remote: RemotePrefill) -> Any:
         num_prompt_blocks=len(remote.block_ids), claim_token=remote.token,
         window={"remote_instance": remote.instance, "remote_held_at": remote.held_at,
                 "remote_hold_s": remote.hold_s, "remote_window_tag": remote.window_tag})
+    sign(params, ttl_s=60)  # as a keyed P returns them (D checks the MAC first)
     return SimpleNamespace(request_id=rid, kv_transfer_params=params,
                            prompt_token_ids=list(range(len(remote.block_ids) * BS)),
                            status=None)
