@@ -8,8 +8,9 @@
 * :mod:`.events` - its KV events in vLLM's ZeroMQ wire format, with replay;
 * :mod:`.http` - the minimal HTTP/1.1 server and client they and the driver use;
 * :mod:`.fleet` - N instances in one process and a control endpoint (add, drain, kill);
-* :mod:`.driver` - routers (ours, ``vllm-router``) and the open-loop load, churn, measures;
-* :mod:`.command` - the ``bench fleet`` command.
+* :mod:`.routers` - the routers in front of it (ours, ``vllm-router``, none);
+* :mod:`.load` - the open-loop load, churn, and what is measured;
+* :mod:`.command` - the ``bench fleet`` command; :mod:`.report` - the docs' tables.
 """
 
 from __future__ import annotations

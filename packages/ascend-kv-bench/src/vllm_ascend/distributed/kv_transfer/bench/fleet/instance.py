@@ -264,13 +264,19 @@ class SimInstance:
         keys = self.hashes.keys(tokens, bs)
         queued = self.clock()
         self.waiting += 1
-        async with self._prefill:
-            self.waiting -= 1
-            waited = self.clock() - queued
-            hit = min(self.cache.match(keys), max(0, (len(tokens) - 1) // bs))
-            cached = hit * bs
-            seconds = self.cost.prefill_s(len(tokens) - cached)
-            await asyncio.sleep(seconds)
+        started = False
+        try:
+            async with self._prefill:
+                started = True
+                self.waiting -= 1
+                waited = self.clock() - queued
+                hit = min(self.cache.match(keys), max(0, (len(tokens) - 1) // bs))
+                cached = hit * bs
+                seconds = self.cost.prefill_s(len(tokens) - cached)
+                await asyncio.sleep(seconds)
+        finally:
+            if not started:  # cancelled while queued
+                self.waiting -= 1
         new, evicted = self.cache.store(keys)
         self.counts["prefills"] += 1
         self.counts["query_tokens"] += len(tokens)
