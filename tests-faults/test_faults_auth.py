@@ -130,7 +130,8 @@ def test_unauthenticated_frames_are_refused_counted_and_change_nothing(
             if auth.audience_of(endpoints[sink]) != auth.audience_of(endpoints[role]):
                 mode = "misdirected"
         else:
-            frame, _nonce = outsiders[mode].seal(payload)
+            frame, _nonce = outsiders[mode].seal(payload,  # addressed to this socket
+                                                 audience=auth.audience_of(endpoints[role]))
         reply = probe.ask([frame])
         fault_report.check("deadline", reply is not None,
                            f"no answer within 5s to a {mode} {type(msg).__name__}")
