@@ -123,14 +123,15 @@ class MooncakeP2PConfig(ConfigSection):
     allowed_peer_hosts: list[str] = option(
         default_factory=list,
         doc="The hosts this instance dials because a request's kv_transfer_params name "
-            "them (P's side channels on D, the metaserver's host on a layerwise D): "
+            "them (P's side channels on D, the metaserver's host on a layerwise D, D's side "
+            "channels on a layerwise P): "
             "addresses, networks in CIDR notation (10.20.0.0/24) or host names, compared as "
             "written. Params that name any other host are refused before anything is "
             "dialed (the load fails as with invalid params; counted in "
             "auth_refused{socket=\"kv-params\",reason=\"not_allowed\"}). Empty (the "
             "default): any host, which without a deployment key lets whoever writes a "
-            "request's params choose the host D dials (with a key, params carry P's MAC, "
-            "see docs/security.md).")
+            "request's params choose the host dialed (with a key, params carry their "
+            "issuer's MAC, see docs/security.md).")
     inline_reads: bool = option(
         False,
         doc="D starts a small read that P's read window covers (at most 64 byte ranges, "
