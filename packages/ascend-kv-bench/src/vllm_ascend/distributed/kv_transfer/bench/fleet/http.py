@@ -174,7 +174,11 @@ class Server:
 
 
 class Client:
-    """A keep-alive HTTP/1.1 client to one ``host:port``: up to ``size`` connections."""
+    """A keep-alive HTTP/1.1 client to one ``host:port``: up to ``size`` connections.
+
+    A pooled connection the server closed meanwhile (an idle keep-alive timing out just as a
+    request goes out: the server answers nothing) is retried once on a new connection, as
+    httpx does; a new connection that fails is an error."""
 
     def __init__(self, host: str, port: int, size: int = 256) -> None:
         self.host, self.port = host, port
@@ -187,10 +191,10 @@ class Client:
         async with self._sem:
             body = b"" if doc is None else json.dumps(doc, separators=(",", ":")).encode()
             for attempt in (0, 1):  # a pooled connection the server closed: once more, fresh
-                fresh = not self._idle
-                reader, writer = (self._idle.pop() if self._idle else
-                                  await asyncio.open_connection(self.host, self.port,
-                                                                limit=MAX_BODY))
+                fresh = attempt == 1 or not self._idle
+                reader, writer = (await asyncio.open_connection(self.host, self.port,
+                                                                limit=MAX_BODY)
+                                  if fresh else self._idle.pop())
                 try:
                     writer.write((f"{method} {path} HTTP/1.1\r\nhost: {self.host}\r\n"
                                   f"content-type: application/json\r\n"
