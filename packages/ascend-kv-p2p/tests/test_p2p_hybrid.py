@@ -32,7 +32,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from vllm_ascend.distributed.kv_transfer.core.errors import ConfigError
-from vllm_ascend.distributed.kv_transfer.core.kv_groups import KVGroups
+from vllm_ascend.distributed.kv_transfer.core.kv_groups import MOVABLE_KINDS, KVGroups
 from vllm_ascend.distributed.kv_transfer.core.layout import KVCacheLayout
 from vllm_ascend.distributed.kv_transfer.kv_p2p import register
 from vllm_ascend.distributed.kv_transfer.kv_p2p.errors import KVParamsError
@@ -203,14 +203,16 @@ def test_pair_blocks_by_position_and_refuse_a_window_p_freed() -> None:
     runs = [(2, 3), (0, 5)]
     remote = [7, 8, 9, 1, 2, 3, 4, 5]
     local = ([0, 0, 0, 40, 41], [50, 51, 52, 53, 54])
-    mine, theirs = pair_blocks(GROUPS, runs, remote, local, start=0, end=5)
+    span = {"computed_tokens": 0, "total_tokens": 5 * BS}
+    mine, theirs = pair_blocks(GROUPS, runs, remote, local, **span)
     assert mine == [40, 41, 50, 51, 52, 53, 54] and theirs == [8, 9, 1, 2, 3, 4, 5]
     # D's own prefix covers the first 4 blocks: only the last of each group moves
-    assert pair_blocks(GROUPS, runs, remote, local, start=4, end=5) == ([41, 54], [9, 5])
+    assert pair_blocks(GROUPS, runs, remote, local, computed_tokens=4 * BS,
+                       total_tokens=5 * BS) == ([41, 54], [9, 5])
     with pytest.raises(ValueError, match="windows differ"):
-        pair_blocks(GROUPS, runs, remote, ([0, 39, 0, 40, 41], local[1]), start=0, end=5)
+        pair_blocks(GROUPS, runs, remote, ([0, 39, 0, 40, 41], local[1]), **span)
     with pytest.raises(ValueError, match="KV cache groups"):
-        pair_blocks(GROUPS, runs[:1], remote, local, start=0, end=5)
+        pair_blocks(GROUPS, runs[:1], remote, local, **span)
 
 
 @pytest.mark.parametrize("n", [40, 64, 65, 128, 129, 159, 160, 300])
@@ -222,8 +224,10 @@ def test_the_claim_sent_ahead_is_what_d_pairs(n: int) -> None:
     first_kept = GROUPS.groups[0].first_kept(loaded)
     local = ([0] * first_kept + list(range(200, 200 + full - first_kept)),
              list(range(300, 300 + full)))
-    _mine, theirs = pair_blocks(GROUPS, runs, remote, local, start=0, end=full)
-    assert predicted_claim(GROUPS, runs, remote, start=0, num_computed_tokens=loaded) == theirs
+    _mine, theirs = pair_blocks(GROUPS, runs, remote, local, computed_tokens=0,
+                                total_tokens=loaded)
+    assert predicted_claim(GROUPS, runs, remote, computed_tokens=0,
+                           total_tokens=loaded) == theirs
 
 
 # ---------------------------------------------------------------- params, holder, layout
@@ -236,8 +240,8 @@ def test_remote_block_groups_are_checked() -> None:
     # P computed all but the last token: runs may end one block short at k*block+1
     parse_remote_prefill({**base, "remote_block_groups": [[0, 2], [0, 2]]}, prompt_len=65,
                          block_size=BS)
-    for bad in ([[0, 2]], [[0, 3], [0, 1]], [[0, 2], [0, 3]], [[0, "2"], [0, 2]], "x",
-                [[-1, 3], [0, 2]]):
+    for bad in ([[0, 2]], [[0, 3], [0, 1]], [[0, 2], [1, 3]], [[0, "2"], [0, 2]], "x",
+                [[-1, 3], [0, 2]], [[0, 2], [0, 1]]):
         with pytest.raises(KVParamsError, match="remote_block_groups"):
             parse_remote_prefill({**base, "remote_block_groups": bad}, prompt_len=64,
                                  block_size=BS)
@@ -261,13 +265,35 @@ def test_layers_sharing_a_tensor_are_moved_once() -> None:
 
 
 def test_groups_refuse_what_cannot_move() -> None:
-    assert GROUPS.hybrid and GROUPS.has_window
+    assert GROUPS.hybrid and GROUPS.has_window and GROUPS.leaves_last_token
     assert GROUPS.signature() == [f"sliding/{BS}/w{WINDOW}:{LAYERS[0]}", f"full/{BS}:{LAYERS[1]}"]
     GROUPS.refuse_unsupported("X")
     mamba = MambaSpec(block_size=BS, shapes=((16,),), dtypes=(torch.float32,))
     cfg = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
         KVCacheGroupSpec([LAYERS[0]], mamba),
         KVCacheGroupSpec([LAYERS[1]], hybrid_config().kv_cache_groups[1].kv_cache_spec)])
+    state = KVGroups.from_config(cfg)
+    assert state.has_state and state.leaves_last_token
+    # the state is the block at the group's last position
+    assert [state.groups[0].first_kept(n) for n in (1, BS, BS + 1, 5 * BS)] == [0, 0, 1, 4]
+    state.refuse_unsupported("X", kinds=MOVABLE_KINDS)  # the pull moves it
     with pytest.raises(ConfigError, match="MambaSpec"):
-        KVGroups.from_config(cfg).refuse_unsupported("X")
+        state.refuse_unsupported("X")  # the token kinds only, by default
     assert not KVGroups.from_config(None).hybrid
+
+
+def test_a_state_layer_within_an_attention_layers_pages_is_moved_with_them() -> None:
+    """vLLM puts a state-space layer's conv and SSM state in the pages of an attention
+    layer's tensor (Qwen3-Next on vLLM CPU: a 32 KiB page, conv at 0, SSM state at 1,536)."""
+    page = torch.zeros(NUM_BLOCKS, 4, BS, 128, dtype=torch.bfloat16)  # 32 KiB a block
+    flat = page.view(NUM_BLOCKS, -1)
+    conv = flat[:, :768].view(NUM_BLOCKS, 3, 256)
+    ssm = flat[:, 768:768 + 2 * 64 * 64].view(NUM_BLOCKS, 2, 64, 64)
+    names = ["model.layers.0.linear_attn", "model.layers.1.self_attn.attn"]
+    layout = KVCacheLayout.from_kv_caches({names[0]: (conv, ssm), names[1]: page},
+                                          block_size=BS)
+    assert [x.name for x in layout.layers] == [names[1]] and layout.aliases == {names[0]: names[1]}
+    # a tensor outside every page is still a layout error
+    with pytest.raises(Exception, match="layout"):
+        KVCacheLayout.from_kv_caches({names[0]: (torch.zeros(NUM_BLOCKS, 3, 7),),
+                                      names[1]: page}, block_size=BS)

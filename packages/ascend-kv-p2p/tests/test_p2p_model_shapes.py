@@ -17,6 +17,7 @@ import torch
 from ascend_kv_testing.models import hybrid_kv_cache_config
 from vllm_ascend.distributed.kernels.heads import HeadSlice
 from vllm_ascend.distributed.kv_transfer.core.errors import ConfigError
+from vllm_ascend.distributed.kv_transfer.core.kv_groups import MOVABLE_KINDS
 from vllm_ascend.distributed.kv_transfer.core.layout import KVCacheLayout
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
 from vllm_ascend.distributed.kv_transfer.kv_p2p.config import (
@@ -154,22 +155,25 @@ def _state_space_kv_cache_config() -> Any:
         full, KVCacheGroupSpec(["model.layers.1.self_attn.attn"], mamba)])
 
 
-@pytest.mark.parametrize("name", ["MooncakeConnector", "MooncakeLayerwiseConnector"])
 @pytest.mark.parametrize("role", ["SCHEDULER", "WORKER"])
-def test_both_connectors_refuse_a_state_space_group_at_start_up(name: str, role: str) -> None:
-    """Full-attention and sliding-window groups are moved (tests-e2e/test_hybrid_e2e.py); a
-    state group (Mamba, linear attention) is not yet, and is refused naming it."""
+def test_the_layerwise_connector_refuses_a_state_space_group_at_start_up(role: str) -> None:
+    """Full-attention and sliding-window groups are pushed (tests-e2e/test_hybrid_e2e.py); a
+    state group (Mamba, linear attention), rewritten as the prompt goes on, is not, and is
+    refused naming it. The pull moves it (below)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from vllm_ascend.distributed.kv_transfer.kv_p2p.layerwise import (
         connector as layerwise_connector,
     )
-    from vllm_ascend.distributed.kv_transfer.kv_p2p.pull import connector as pull_connector
 
-    cls = {"MooncakeConnector": pull_connector.MooncakeConnector,
-           "MooncakeLayerwiseConnector": layerwise_connector.MooncakeLayerwiseConnector}[name]
     with pytest.raises(ConfigError, match=r"MambaSpec.*--disable-hybrid-kv-cache-manager"):
-        cls(vllm_config(), getattr(KVConnectorRole, role), _state_space_kv_cache_config())
+        layerwise_connector.MooncakeLayerwiseConnector(
+            vllm_config(), getattr(KVConnectorRole, role), _state_space_kv_cache_config())
+    refuse_unsupported_shapes(vllm_config(), _state_space_kv_cache_config(), "X",
+                              groups_ok=True, kinds=MOVABLE_KINDS)  # the pull's kinds
+    with pytest.raises(ConfigError, match="MambaSpec"):
+        refuse_unsupported_shapes(vllm_config(), _state_space_kv_cache_config(), "X",
+                                  groups_ok=True)  # by default: the token kinds
 
 
 def test_both_p2p_connectors_serve_the_hybrid_kv_cache_manager() -> None:

@@ -79,7 +79,10 @@ def _kv_caches(worker: Any) -> dict[str, Any]:
         cache = getattr(layer, "kv_cache", None)
         if cache is None:
             continue
-        out[name] = cache[0] if isinstance(cache, list) else cache
+        cache = cache[0] if isinstance(cache, list) else cache
+        if isinstance(cache, tuple):
+            continue  # a state-space layer's (conv, ssm) state: in an attention layer's pages
+        out[name] = cache
     return out
 
 

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Tiny random-weight models (a Llama, an MLA DeepSeek-V3) and a small tokenizer, made locally
-(no downloads)."""
+"""Tiny random-weight models (a Llama, an MLA DeepSeek-V3, a hybrid state-space Qwen3-Next) and
+a small tokenizer, made locally (no downloads)."""
 
 from __future__ import annotations
 
@@ -135,6 +135,53 @@ def make_served_llama(path: Path) -> tuple[Path, int]:
     make_tiny_llama(path, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
                     eos_token_id=tok.eos_token_id)
     return Path(path), len(tok)
+
+
+#: Qwen3-Next shape: layers 0 and 2 Gated DeltaNet ("linear_attention", one state per
+#: request), 1 and 3 full attention. Constraints met on vLLM 0.32 CPU: the GDN kernel takes
+#: bfloat16 only ("CPU GDN attention requires BF16") and linear head dims 64 or 128 (32 gives
+#: "Unexpected head dim size, 32"); vLLM's Qwen3Next needs at least one MoE layer
+#: ("No Qwen3Next layer found"), so layer 0 has 4 experts, the rest dense MLPs. 4 KV heads of
+#: 64 make the attention page (32 tokens x 4 heads x (K+V) 128 x 2 bytes = 32 KiB) cover the
+#: GDN state (conv 3x256 + ssm 2x64x64, bf16 = 17,920 bytes), so block_size 32 stays 32.
+TINY_QWEN3_NEXT = dict(
+    vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=4, head_dim=64,
+    linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=64,
+    linear_value_head_dim=64, linear_conv_kernel_dim=4,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+    shared_expert_intermediate_size=64, mlp_only_layers=[1, 2, 3],
+    max_position_embeddings=4096, initializer_range=0.08, tie_word_embeddings=False)
+
+
+def make_tiny_qwen3_next(path: Path, *, seed: int = 0, **overrides: object) -> Path:
+    """Save a random bfloat16 ``Qwen3NextForCausalLM`` to ``path`` (idempotent) and return
+    ``path``. Serve it with :func:`qwen3_next_engine`."""
+    path = Path(path)
+    kw = {**TINY_QWEN3_NEXT, **overrides}
+    spec = {**kw, "seed": seed, "arch": "Qwen3NextForCausalLM"}
+    stamp = path / ".spec.json"
+    if (path / "config.json").exists() and stamp.exists() and json.loads(
+            stamp.read_text()) == spec:
+        return path
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen3NextForCausalLM(Qwen3NextConfig(**kw)).to(torch.bfloat16)
+    model.save_pretrained(path)
+    stamp.write_text(json.dumps(spec))
+    return path
+
+
+def qwen3_next_engine() -> dict[str, Any]:
+    """``vllm.LLM`` overrides for :func:`make_tiny_qwen3_next` (on top of engine_kwargs):
+    bfloat16 (the CPU GDN kernel refuses float32), block size 32, the hybrid manager on, and
+    the SSM state dtype pinned (with "auto" an AVX-512-BF16 host resets it to float32, which
+    changes the page size, the block size (to 64+) and the tokens)."""
+    return dict(dtype="bfloat16", block_size=32, mamba_ssm_cache_dtype="bfloat16",
+                disable_hybrid_kv_cache_manager=False)
 
 
 def hybrid_kv_cache_config(groups: int = 2, *, block_size: int = 16, num_blocks: int = 8) -> Any:

@@ -10,10 +10,14 @@ list of block ids per group, position ``i`` of each holding tokens ``[i*B, (i+1)
 sliding-window group frees the blocks its window has left and puts vLLM's null block (id 0) in
 their place.
 
+A state-space model (Mamba, Gated DeltaNet) has a *state group* besides: a fixed-size state
+per request, kept in the block at the group's last position (earlier ones are null, or
+checkpoints vLLM's prefix cache keeps), in pages of the same tensors.
+
 This module reads those facts from vLLM's ``KVCacheConfig`` (:class:`KVGroups`), says which
 shapes a connector can move (:meth:`KVGroups.refuse_unsupported`), which positions of a
-sliding-window group vLLM keeps (:meth:`KVGroup.first_kept`), and what two instances must agree
-on before they exchange KV (:meth:`KVGroups.signature`).
+sliding-window or state group vLLM keeps (:meth:`KVGroup.first_kept`), and what two instances
+must agree on before they exchange KV (:meth:`KVGroups.signature`).
 """
 
 from __future__ import annotations
@@ -27,8 +31,11 @@ from .errors import ConfigError
 #: vLLM's null block: a sliding-window group's place holder for a block it freed
 NULL_BLOCK = 0
 
-#: group kinds a P/D connector moves block by block
-MOVABLE_KINDS = ("full", "sliding")
+#: group kinds a P/D connector moves block by block: full attention, a sliding window, and a
+#: state-space (Mamba, GDN) group's state, one block a request at its last position
+MOVABLE_KINDS = ("full", "sliding", "mamba")
+#: the kinds a layerwise push moves (a state is rewritten as the prompt goes on)
+TOKEN_KINDS = ("full", "sliding")
 
 
 @dataclass(frozen=True)
@@ -48,7 +55,10 @@ class KVGroup:
     def first_kept(self, num_computed_tokens: int) -> int:
         """The first block position vLLM keeps for a request with ``num_computed_tokens``
         computed: 0 except for a sliding window, which frees (puts the null block in place of)
-        every block wholly before its window (vLLM's ``SlidingWindowManager``)."""
+        every block wholly before its window (vLLM's ``SlidingWindowManager``), and a state
+        group, whose state is its last block (vLLM's ``MambaManager``)."""
+        if self.kind == "mamba":
+            return max(0, -(-num_computed_tokens // (self.block_size or 1)) - 1)
         if self.kind != "sliding" or self.window <= 0:
             return 0
         skipped = max(0, num_computed_tokens - self.window + 1)
@@ -84,6 +94,18 @@ class KVGroups:
         """A sliding-window group is among them."""
         return any(g.kind == "sliding" for g in self.groups)
 
+    @property
+    def has_state(self) -> bool:
+        """A state-space group (Mamba, GDN) is among them."""
+        return any(g.kind == "mamba" for g in self.groups)
+
+    @property
+    def leaves_last_token(self) -> bool:
+        """Whether a P/D pair must leave the prompt's last token to D: a window or a state
+        moves on with every token computed, and D's first computed token needs them as they
+        were before it (vLLM recomputes the last token after a whole-prompt load)."""
+        return self.hybrid and (self.has_window or self.has_state)
+
     def group_of(self) -> dict[str, int]:
         """Layer name -> index of its group."""
         return {layer: g.index for g in self.groups for layer in g.layers}
@@ -99,12 +121,13 @@ class KVGroups:
         """One line naming every group, for errors and ``doctor``."""
         return "; ".join(_shown(g) for g in self.groups)
 
-    def refuse_unsupported(self, who: str, *, kinds: Sequence[str] = MOVABLE_KINDS) -> None:
+    def refuse_unsupported(self, who: str, *, kinds: Sequence[str] = TOKEN_KINDS) -> None:
         """Refuse at start-up the group shapes ``who`` cannot move.
 
-        A connector moves the blocks of full-attention and sliding-window groups of equal
-        block size. Other kinds (a state-space model's state, chunked local attention,
-        cross-attention, MLA with a window) and groups of different block sizes stay refused.
+        ``kinds`` are those ``who`` moves (of :data:`MOVABLE_KINDS`; by default the token
+        kinds, :data:`TOKEN_KINDS`: a connector moves a state only where it says so); the
+        token groups among them (all but ``mamba``) must share one block size. Other kinds (chunked local
+        attention, cross-attention, MLA with a window ...) stay refused.
 
         Raises:
             ConfigError: naming the groups and the way out.
@@ -112,7 +135,7 @@ class KVGroups:
         if not self.hybrid:
             return
         odd = [g for g in self.groups if g.kind not in kinds]
-        sizes = {g.block_size for g in self.groups}
+        sizes = {g.block_size for g in self.groups if g.kind != "mamba"}
         if odd or len(sizes) > 1:
             why = (f"groups of kind {sorted({g.spec for g in odd})}" if odd
                    else f"groups of different block sizes {sorted(sizes)}")
@@ -134,6 +157,8 @@ def _group(index: int, group: Any) -> KVGroup:
         kind = "full"
     elif name == "MLAAttentionSpec":
         kind = "mla"
+    elif name == "MambaSpec":
+        kind = "mamba"
     else:
         kind = name
     return KVGroup(index=index, kind=kind, block_size=int(getattr(spec, "block_size", 0) or 0),

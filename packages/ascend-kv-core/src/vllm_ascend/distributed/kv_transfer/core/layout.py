@@ -26,6 +26,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import torch
@@ -138,7 +139,9 @@ class KVCacheLayout:
         A layer whose tensor is an earlier layer's (the same memory, blocks and strides: vLLM's
         hybrid KV cache manager shares one tensor between a layer of each KV cache group) is
         not a layer of its own: it is in :attr:`aliases`, and its bytes go with the layer that
-        owns the memory, block id by block id (a block id belongs to one group at a time).
+        owns the memory, block id by block id (a block id belongs to one group at a time). So
+        is a layer in no attention layout whose tensors lie within the blocks of another's
+        (a state-space layer's state: its conv and SSM tensors in an attention layer's pages).
 
         Raises:
             LayoutError: an empty dict, a layer in an unknown layout, or layers that disagree.
@@ -149,10 +152,15 @@ class KVCacheLayout:
         kinds: set[str] = set()
         owners: dict[tuple[tuple[int, int, int, int], ...], str] = {}
         aliases: dict[str, str] = {}
+        undescribed: list[tuple[str, Any, LayoutError]] = []
         for name, value in sorted(kv_caches.items(), key=lambda kv: (layer_index(kv[0]), kv[0])):
-            kind, regions, mla, heads, hsize = _describe_layer(
-                name, value, block_size=block_size, num_blocks=num_blocks,
-                num_kv_heads=num_kv_heads, head_size=head_size)
+            try:
+                kind, regions, mla, heads, hsize = _describe_layer(
+                    name, value, block_size=block_size, num_blocks=num_blocks,
+                    num_kv_heads=num_kv_heads, head_size=head_size)
+            except LayoutError as exc:
+                undescribed.append((name, value, exc))
+                continue
             kinds.add(kind)
             memory = tuple((r.base_addr, r.num_blocks, r.block_len, r.block_stride)
                            for r in regions)
@@ -164,6 +172,13 @@ class KVCacheLayout:
             num_blocks = regions[0].num_blocks if num_blocks is None else num_blocks
             num_kv_heads = heads if num_kv_heads is None else num_kv_heads
             head_size = hsize if head_size is None else head_size
+        for name, value, why in undescribed:
+            owner = _page_owner(value, layers)
+            if owner is None:
+                raise why
+            aliases[name] = owner
+        if not layers:
+            raise LayoutError("no layer of kv_caches is in a layout this package understands")
         if len(kinds) != 1:
             raise LayoutError(f"layers use different KV layouts: {sorted(kinds)}")
         counts = {r.num_blocks for layer in layers for r in layer.regions}
@@ -225,6 +240,26 @@ class KVCacheLayout:
 
 
 # ---------------------------------------------------------------------- helpers
+def _page_owner(value: Any, layers: Sequence[LayerLayout]) -> str | None:
+    """The layer whose blocks hold every tensor of ``value`` within them (same block count
+    and stride, each block's bytes inside the owner's block), or None."""
+    tensors = list(value) if isinstance(value, (list, tuple)) else [value]
+    owner: str | None = None
+    for t in tensors:
+        if not isinstance(t, torch.Tensor) or t.dim() < 2 or not t[0].is_contiguous():
+            return None
+        elem = t.element_size()
+        addr, span, stride = t.data_ptr(), t[0].numel() * elem, t.stride(0) * elem
+        found = next((layer.name for layer in layers for r in layer.regions
+                      if r.num_blocks == t.shape[0] and r.block_stride == stride
+                      and r.base_addr <= addr and addr + span <= r.base_addr + r.block_len),
+                     None)
+        if found is None or owner not in (None, found):
+            return None
+        owner = found
+    return owner
+
+
 def _region(name: str, role: str, t: torch.Tensor, head_axis: int | None) -> KVRegion:
     if t.dim() < 2:
         raise LayoutError(f"{name}/{role}: expected a tensor with a block dimension, "
@@ -265,7 +300,12 @@ def _describe_layer(
             heads, hsize = _heads_nbhd(name, k, block_size)
             return ("kv_split", [_region(name, "k", k, _head_axis_nbhd(k)),
                                  _region(name, "v", v, _head_axis_nbhd(v))], False, heads, hsize)
-        # MLA (k_nope, k_rope) or sparse MLA (k_nope, k_rope, index): no head split
+        # MLA (k_nope, k_rope) or sparse MLA (k_nope, k_rope, index): no head split, each
+        # part a token's values by block, (num_blocks, block_size, ...)
+        if not all(p.dim() >= 3 and p.shape[1] == block_size for p in parts):
+            raise LayoutError(f"{name}: a tuple of tensors of shapes "
+                              f"{[tuple(p.shape) for p in parts]} is no KV layout this package "
+                              f"understands (block size {block_size})")
         roles = ["nope", "rope", "index"][: len(parts)] + [f"part{i}" for i in range(3, len(parts))]
         regions = [_region(name, role, p, None) for role, p in zip(roles, parts, strict=False)]
         hsize = sum(int(p.shape[-1]) for p in parts[:2])

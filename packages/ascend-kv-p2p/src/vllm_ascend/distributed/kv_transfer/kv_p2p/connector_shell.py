@@ -24,7 +24,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     SupportsHMA,
 )
 
-from vllm_ascend.distributed.kv_transfer.core.kv_groups import KVGroups  # noqa: E402
+from vllm_ascend.distributed.kv_transfer.core.kv_groups import (  # noqa: E402
+    TOKEN_KINDS,
+    KVGroups,
+)
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder  # noqa: E402
 from vllm_ascend.distributed.kv_transfer.core.vllm_metrics import ConnectorStatsMixin  # noqa: E402
 from vllm_ascend.distributed.kv_transfer.core.vllm_roles import (  # noqa: E402
@@ -77,6 +80,8 @@ class P2PConnectorShell(ConnectorStatsMixin, SchedulerHooksMixin, KVConnectorBas
     metric_specs = P2P_METRICS
 
     config_class: type[CfgT]
+    #: the KV cache group kinds the connector moves under vLLM's hybrid KV cache manager
+    group_kinds: tuple[str, ...] = TOKEN_KINDS
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
@@ -88,7 +93,8 @@ class P2PConnectorShell(ConnectorStatsMixin, SchedulerHooksMixin, KVConnectorBas
             kvc.kv_connector_extra_config,
             source=f"kv_connector_extra_config of {type(self).__name__}")
         refuse_unsupported_shapes(vllm_config, kv_cache_config, type(self).__name__,
-                                  groups_ok=isinstance(self, SupportsHMA))
+                                  groups_ok=isinstance(self, SupportsHMA),
+                                  kinds=self.group_kinds)
         self.engine_id = str(kvc.engine_id)
         #: the engine's KV cache groups (one unless vLLM's hybrid KV cache manager is on)
         self.kv_groups = KVGroups.from_config(kv_cache_config)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from vllm_ascend.distributed.kernels import KernelShapeError
@@ -31,7 +31,7 @@ from vllm_ascend.distributed.kernels.heads import (
 from vllm_ascend.distributed.kv_transfer.core import local_reads
 from vllm_ascend.distributed.kv_transfer.core.channel import RpcClient, tcp_endpoint
 from vllm_ascend.distributed.kv_transfer.core.errors import ConfigError
-from vllm_ascend.distributed.kv_transfer.core.kv_groups import KVGroups
+from vllm_ascend.distributed.kv_transfer.core.kv_groups import TOKEN_KINDS, KVGroups
 from vllm_ascend.distributed.kv_transfer.core.layout import (
     KVCacheLayout,
     KVRegion,
@@ -222,7 +222,8 @@ class P2PWorkerBase:
 
 
 def refuse_unsupported_shapes(vllm_config: Any, kv_cache_config: Any, who: str, *,
-                              groups_ok: bool = False) -> None:
+                              groups_ok: bool = False,
+                              kinds: Sequence[str] = TOKEN_KINDS) -> None:
     """Refuse at start-up what the P/D connectors would serve wrong.
 
     * Decode or prefill context parallelism: P's params always say ``remote_dcp_size`` and
@@ -238,6 +239,7 @@ def refuse_unsupported_shapes(vllm_config: Any, kv_cache_config: Any, who: str, 
         kv_cache_config: the engine's ``KVCacheConfig`` (``None`` where not known yet).
         who: the connector or worker, named in the error.
         groups_ok: the connector moves the blocks of several KV cache groups.
+        kinds: the group kinds it moves then.
 
     Raises:
         ConfigError: naming the key and its value, or the model's KV cache groups.
@@ -251,7 +253,7 @@ def refuse_unsupported_shapes(vllm_config: Any, kv_cache_config: Any, who: str, 
                 f"and tells D a context-parallel size of 1); run P/D instances with {key} 1",
                 key=key, value=value, source="parallel_config")
     if groups_ok:
-        KVGroups.from_config(kv_cache_config).refuse_unsupported(who)
+        KVGroups.from_config(kv_cache_config).refuse_unsupported(who, kinds=kinds)
     else:
         refuse_kv_cache_groups(kv_cache_config, who)
 

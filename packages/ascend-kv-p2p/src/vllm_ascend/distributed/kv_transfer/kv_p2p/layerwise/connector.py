@@ -49,6 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     SupportsHMA,
 )
 
+from vllm_ascend.distributed.kv_transfer.core.kv_groups import TOKEN_KINDS  # noqa: E402
 from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeLayerwiseConfig  # noqa: E402
 
 from ..connector_shell import P2PConnectorShell  # noqa: E402
@@ -81,6 +82,8 @@ class MooncakeLayerwiseConnector(
     """
 
     config_class = MooncakeLayerwiseConfig
+    #: the token kinds (a state is rewritten as the prompt goes on: not pushed layer by layer)
+    group_kinds = TOKEN_KINDS
 
     def _make_scheduler(self, vllm_config: VllmConfig) -> LayerwiseScheduler:
         return LayerwiseScheduler(vllm_config, self.cfg, self.engine_id,

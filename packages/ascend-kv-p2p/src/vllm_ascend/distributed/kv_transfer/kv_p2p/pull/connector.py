@@ -39,6 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     SupportsHMA,
 )
 
+from vllm_ascend.distributed.kv_transfer.core.kv_groups import MOVABLE_KINDS  # noqa: E402
 from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig  # noqa: E402
 
 from ..connector_shell import P2PConnectorShell  # noqa: E402
@@ -69,6 +70,8 @@ class MooncakeConnector(P2PConnectorShell[MooncakeP2PConfig, PullScheduler, Pull
     :mod:`.pull.groups`."""
 
     config_class = MooncakeP2PConfig
+    #: a state-space group's state moves too (the block at the group's last position)
+    group_kinds = MOVABLE_KINDS
 
     # ============================== Scheduler-side methods (hybrid KV cache manager)
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]

@@ -62,18 +62,19 @@ def hold_runs(groups: KVGroups, block_ids: Sequence[Sequence[int]], prompt_len: 
 
 
 def pair_blocks(groups: KVGroups, runs: Sequence[Run], remote_ids: Sequence[int],
-                local: Sequence[Sequence[int]], *, start: int, end: int
+                local: Sequence[Sequence[int]], *, computed_tokens: int, total_tokens: int
                 ) -> tuple[list[int], list[int]]:
-    """D's side: D's blocks and P's, pair by pair, for positions ``[start, end)`` of every
-    group that D keeps (not null in ``local``).
+    """D's side: D's blocks and P's, pair by pair, for the positions of every group from D's
+    prefix hit (``computed_tokens``) to the last of ``total_tokens`` that D keeps (not null
+    in ``local``): a group's positions count its own blocks.
 
     Args:
         groups: D's KV cache groups (the handshake checks P's are the same).
         runs: P's runs (:func:`hold_runs`).
         remote_ids: P's held block ids (``remote_block_ids``).
         local: D's block ids, one list per group, by position (null where D keeps none).
-        start: first position to load (D's own prefix hit ends before it).
-        end: one past the last position to load.
+        computed_tokens: tokens D holds already (its prefix hit, whole blocks).
+        total_tokens: tokens D holds once the load is done.
 
     Raises:
         ValueError: D keeps a position P no longer holds (windows that differ), or the lists
@@ -86,6 +87,8 @@ def pair_blocks(groups: KVGroups, runs: Sequence[Run], remote_ids: Sequence[int]
     theirs: list[int] = []
     offset = 0
     for group, (first, count), ids in zip(groups.groups, runs, local, strict=True):
+        bs = group.block_size or 1
+        start, end = computed_tokens // bs, -(-total_tokens // bs)
         for pos in range(start, min(end, len(ids))):
             if ids[pos] == NULL_BLOCK:
                 continue
@@ -100,15 +103,16 @@ def pair_blocks(groups: KVGroups, runs: Sequence[Run], remote_ids: Sequence[int]
 
 
 def predicted_claim(groups: KVGroups, runs: Sequence[Run], remote_ids: Sequence[int], *,
-                    start: int, num_computed_tokens: int) -> list[int]:
-    """P's blocks D will read, before D allocates (the claim sent ahead): the positions from
-    ``start`` that D's manager will keep once ``num_computed_tokens`` are computed."""
+                    computed_tokens: int, total_tokens: int) -> list[int]:
+    """P's blocks D will read, before D allocates (the claim sent ahead): of every group, the
+    positions from D's prefix hit (``computed_tokens``) that D's manager keeps once
+    ``total_tokens`` are computed (:func:`pair_blocks` once D allocated)."""
     out: list[int] = []
     offset = 0
     for group, (first, count) in zip(groups.groups, runs, strict=False):
-        end = first + count
-        kept = max(start, group.first_kept(num_computed_tokens), first)
-        last = min(end, math.ceil(num_computed_tokens / (group.block_size or 1)))
-        out.extend(int(b) for b in remote_ids[offset + kept - first: offset + max(kept, last) - first])
+        bs = group.block_size or 1
+        kept = max(computed_tokens // bs, group.first_kept(total_tokens), first)
+        last = min(first + count, -(-total_tokens // bs))
+        out.extend(int(b) for b in remote_ids[offset + kept - first:offset + max(kept, last) - first])
         offset += count
     return out

@@ -86,10 +86,11 @@ class PullScheduler(SchedulerBase):
         self.cfg = cfg
         #: the KV cache groups (several under vLLM's hybrid KV cache manager: .groups)
         self.groups = kv_groups or KVGroups.from_config(None)
-        #: D leaves the prompt's last token to compute: with a sliding window, vLLM frees the
-        #: blocks of the window of the token after the prompt, and recomputing the last one
-        #: (vLLM's way after a whole-prompt load) would need one it freed
-        self._leave_last = self.groups.hybrid and self.groups.has_window
+        #: D leaves the prompt's last token to compute (and P prefills all but it): with a
+        #: sliding window vLLM frees the blocks of the window of the token after the prompt,
+        #: and a state is the state after every token computed; recomputing the last one
+        #: (vLLM's way after a whole-prompt load) would need what was before it
+        self._leave_last = self.groups.leaves_last_token
         self._rank_hosts: dict[int, str] = {}
         self._to_pull: dict[str, RecvMeta] = {}
         self._to_hold: dict[str, SendMeta] = {}
@@ -157,11 +158,12 @@ class PullScheduler(SchedulerBase):
 
     # ------------------------------------------------------------ vLLM hooks
     def on_new_request(self, request: Request) -> None:
-        """P, with a sliding window among the KV cache groups: prefill all but the prompt's
-        last token, which D computes (:attr:`_leave_last`). vLLM frees a window's blocks as
-        the tokens computed move on, and may schedule the request's next step before it
-        sees it finish: P then keeps the blocks of the window of the token after what it
-        computed, and that is the window D needs for the prompt's last token."""
+        """P, with a sliding window or a state among the KV cache groups: prefill all but
+        the prompt's last token, which D computes (:attr:`_leave_last`). vLLM frees a
+        window's blocks as the tokens computed move on, and may schedule the request's next
+        step before it sees it finish: P then keeps the blocks of the window of the token
+        after what it computed, the window D needs for the prompt's last token; and P's
+        state is then the state before that token, where D starts."""
         params = request.kv_transfer_params
         if not (self._leave_last and self.is_producer and wants_remote_decode(params)):
             return
@@ -202,11 +204,11 @@ class PullScheduler(SchedulerBase):
     def _claim_of(self, parsed: RemotePrefill, num_computed_tokens: int, count: int
                   ) -> list[int]:
         """P's blocks D will read: past D's prefix hit (of every group D will keep)."""
-        start = num_computed_tokens // self.block_size
         if not parsed.block_groups:
-            return parsed.block_ids[start:]
-        return predicted_claim(self.groups, parsed.block_groups, parsed.block_ids, start=start,
-                               num_computed_tokens=num_computed_tokens + count)
+            return parsed.block_ids[num_computed_tokens // self.block_size:]
+        return predicted_claim(self.groups, parsed.block_groups, parsed.block_ids,
+                               computed_tokens=num_computed_tokens,
+                               total_tokens=num_computed_tokens + count)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -266,8 +268,6 @@ class PullScheduler(SchedulerBase):
             return None
         prompt_len = len(request.prompt_token_ids or ())
         computed = prompt_len - num_external_tokens - self._leave_last
-        start = computed // self.block_size
-        end = -(-(computed + num_external_tokens) // self.block_size)
         try:
             if len(parsed.block_groups) != len(self.groups.groups):
                 raise ValueError(
@@ -276,7 +276,8 @@ class PullScheduler(SchedulerBase):
                     "run P and D with the same model and the hybrid KV cache manager both on "
                     "or both off")
             return pair_blocks(self.groups, parsed.block_groups, parsed.block_ids,
-                               local_groups, start=start, end=end)
+                               local_groups, computed_tokens=computed,
+                               total_tokens=computed + num_external_tokens)
         except ValueError as exc:
             self._forget_claim(rid)
             self._to_pull[rid] = RecvMeta(rid, mine, parsed, error=str(exc),
