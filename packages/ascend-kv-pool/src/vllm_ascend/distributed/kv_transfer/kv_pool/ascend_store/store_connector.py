@@ -184,7 +184,8 @@ class AscendStoreConnector(ConnectorStatsMixin, SchedulerHooksMixin, KVConnector
         who = type(self).__name__
         #: the engine's KV cache groups (one unless vLLM's hybrid KV cache manager is on)
         self.kv_groups = KVGroups.from_config(kv_cache_config)
-        self.kv_groups.refuse_unsupported(who)
+        # (a state-space group's state is not addressed by the tokens' hashes: refused)
+        self.kv_groups.refuse_unsupported(who, kinds=("full", "sliding"))
         kv_config = vllm_config.kv_transfer_config
         self.pool_config = AscendStoreConfig.from_dict(
             kv_config.kv_connector_extra_config,

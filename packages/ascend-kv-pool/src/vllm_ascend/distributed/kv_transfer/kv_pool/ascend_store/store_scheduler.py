@@ -62,6 +62,9 @@ class KVPoolScheduler:
         self.block_size = ctx.block_size
         self.hasher = BlockHasher(ctx.block_size, ctx.salt)
         self.groups = ctx.groups
+        #: hits, loads and saves group by group, a window's only for the blocks vLLM keeps
+        #: (several groups, or a model whose every layer has a window)
+        self.by_group = self.groups.hybrid or self.groups.has_window
         # with several groups a failed load is reported by request, which vLLM accepts of a
         # request waiting for its load only: loads are asynchronous then
         self.load_async = (cfg.load_async or ctx.hybrid) and not cfg.use_layerwise
@@ -125,7 +128,7 @@ class KVPoolScheduler:
         hashes = self.request_hashes(request, token_end)
         start = time.perf_counter()
         failures_before = getattr(self.client, "failures", 0)
-        if self.groups.hybrid:
+        if self.by_group:
             present = self.client.lookup_groups(hashes, [g.index for g in self.groups.groups])
             hit = hybrid_hit(self.groups, present, block_size=self.block_size,
                              token_end=token_end, num_tokens=num_tokens,
@@ -246,7 +249,7 @@ class KVPoolScheduler:
         if last == first and not spec.is_async:
             return  # (an async load always gets a job, so that its completion is reported)
         end = min(last * self.block_size, spec.token_end)
-        if not self.groups.hybrid:
+        if not self.by_group:
             meta.loads.append(TransferJob(tracker.req_id, hashes[first:last],
                                           tracker.block_ids[first:last], first, end,
                                           is_async=spec.is_async))
@@ -257,8 +260,9 @@ class KVPoolScheduler:
                     for group, blocks in zip(self.groups.groups, tracker.group_block_ids,
                                              strict=False)
                     for pos, ids in block_runs(blocks, first, last)]
-            meta.loads += jobs or [TransferJob(tracker.req_id, [], [], first, end,
-                                               is_async=spec.is_async)]
+            if not jobs and spec.is_async:  # its completion is reported all the same
+                jobs = [TransferJob(tracker.req_id, [], [], first, end, is_async=True)]
+            meta.loads += jobs
         # the loaded blocks are in the pool already: never save them back
         tracker.num_saved_tokens = max(tracker.num_saved_tokens, end)
 
@@ -287,7 +291,7 @@ class KVPoolScheduler:
         if last <= first:
             return
         token_end = min(last * self.block_size, save_end)
-        if self.groups.hybrid:
+        if self.by_group:
             self._plan_group_saves(tracker, request, hashes, first, last, save_end, meta)
         else:
             events = (self._event_spec(request, first, last, token_end) if self.ctx.kv_events
