@@ -245,3 +245,21 @@ class TestHybridLayerwise:
             assert engine.wait_idle(20)
             state = engine.call(f"{PROBES}:scheduler_state")
             assert state["requests"] == 0 and state["free_blocks"] == state["total_blocks"] - 1
+
+    def test_virtual_request_moves_nothing(self, lw: tuple[EngineProcess, EngineProcess,
+                                                           Metaserver]) -> None:
+        """``do_virtual`` with HMA on: D reports the request received at once, nothing is
+        posted or pushed."""
+        p, d, meta = lw
+        [prompt] = prompts_of([300], seed=57)
+        d0, p0 = (e.call(f"{PROBES}:connector_totals") for e in (d, p))
+        posts = set(meta.posts)
+        got = d.generate([prompt], max_tokens=8, kv_params=[{
+            "do_remote_prefill": True, "metaserver": meta.url, "request_id": "swa-virtual",
+            "do_virtual": True}])[0]
+        assert got.finish_reason == "length" and len(got.token_ids) == 8
+        d1, p1 = (e.call(f"{PROBES}:connector_totals") for e in (d, p))
+        assert d1["p2p_virtual_requests"] - d0.get("p2p_virtual_requests", 0) == 1
+        assert p1.get("p2p_transfer_bytes", 0) == p0.get("p2p_transfer_bytes", 0)
+        assert set(meta.posts) == posts
+        d.reset_prefix_cache()  # the virtual request's blocks hold no real KV

@@ -57,6 +57,7 @@ MEASURED: dict[str, tuple[str, ...]] = {
     "auth": (_CORE,),
     "p2p": (_CORE, _P2P),
     "layerwise": (_CORE, _P2P),
+    "hybrid": (_CORE, _P2P),
     "client": (_CORE, _P2P),
     "router": (_CORE, _P2P),
     "pool": (_CORE, _POOL),
