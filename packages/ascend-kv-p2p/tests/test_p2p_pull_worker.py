@@ -687,3 +687,57 @@ def test_a_d_shut_down_before_collecting_a_load_still_sends_its_done(pd: Any) ->
     finally:
         d.shutdown()
     assert done_within(pd.p, "r", 0.5)
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 1), (2, 1), (1, 2)])
+def test_pull_of_two_kv_cache_groups_sharing_tensors(p_tp: int, d_tp: int) -> None:
+    """vLLM's hybrid KV cache manager gives a layer of each KV cache group one tensor (here
+    layers 0 and 2 share one, 1 and 3 another); a block id belongs to one group at a time, so
+    D's pairs of both groups' blocks, one list after the other, move every layer's bytes
+    once, split by heads as for one group (heterogeneous TP)."""
+    def caches(tp: int, rank: int, fill: bool) -> dict[str, Any]:
+        c = make_caches("cpu", tp, rank, fill=fill)
+        names = sorted(c)
+        c.update({f"model.layers.{i + LAYERS}.self_attn.attn": c[n]
+                  for i, n in enumerate(names)})
+        return c
+
+    p_port, d_port = free_port(), free_port()
+    p_workers = [new_worker("kv_producer", p_port, p_tp, r, "P") for r in range(p_tp)]
+    d_workers = [new_worker("kv_consumer", d_port, d_tp, r, "D") for r in range(d_tp)]
+    caches_p = [caches(p_tp, r, True) for r in range(p_tp)]
+    caches_d = [caches(d_tp, r, False) for r in range(d_tp)]
+    try:
+        for w, c in zip(p_workers + d_workers, caches_p + caches_d, strict=True):
+            w.register_kv_caches(c)
+        for w in p_workers + d_workers:
+            assert w.layout is not None and w.layout.num_layers == LAYERS
+            assert sorted(w.layout.aliases) == [f"model.layers.{i}.self_attn.attn"
+                                                for i in range(LAYERS, 2 * LAYERS)]
+        # P's blocks of the window group (7, 2) then of the full group (9, 3, 11), and D's
+        p_blocks, d_blocks = [7, 2, 9, 3, 11], [1, 4, 5, 6, 10]
+        send = MooncakeConnectorMetadata(requests_to_send={
+            "req-p": SendMeta("req-p", p_blocks, in_order=True)})
+        for w in p_workers:
+            w.start_load_kv(send)
+        remote = RemotePrefill(engine_id="P", host="127.0.0.1", port=p_port, request_id="req-p",
+                               block_ids=p_blocks, tp_size=p_tp, pcp_size=1, dcp_size=1,
+                               block_groups=((1, 2), (0, 3)))
+        for w in d_workers:
+            w.start_load_kv(MooncakeConnectorMetadata(requests={"req-d": RecvMeta(
+                "req-d", d_blocks, remote, remote_block_ids=p_blocks)}))
+        for w in d_workers:
+            assert wait_recv(w, "req-d") == set()
+        wait_sent(p_workers, "req-p")
+        for d_rank, cache in enumerate(caches_d):
+            for layer, value in cache.items():
+                for lb, pb in zip(d_blocks, p_blocks, strict=True):
+                    want = expected_d_block(caches_p, "cpu", p_tp, d_tp, d_rank, layer, pb)
+                    torch.testing.assert_close(value[lb], want, rtol=0, atol=0)
+        # each pair moved once a shared tensor: bytes = pairs x the tensors' block bytes
+        for w in d_workers:
+            assert w.layout is not None
+            assert w.recorder.total("p2p_transfer_bytes") == len(p_blocks) * w.layout.block_bytes
+    finally:
+        for w in p_workers + d_workers:
+            w.shutdown()
