@@ -80,13 +80,26 @@ def test_roles_and_bad_config(make_vllm_config: Callable[..., Any]) -> None:
     with pytest.raises(ConfigError, match="swap_in_threshold: must be >= 0"):
         CPUOffloadingConnector(make_vllm_config({"swap_in_threshold": -1}),
                                KVConnectorRole.SCHEDULER, None)
-    # several KV cache groups (a hybrid model, the hybrid manager forced on): refused
+    # the hybrid manager: full-attention and window groups served, a state group refused
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec, MambaSpec
+
     from ascend_kv_testing.models import hybrid_kv_cache_config
 
+    assert supports_hma(CPUOffloadingConnector)
+    two = CPUOffloadingConnector(make_vllm_config(), KVConnectorRole.SCHEDULER,
+                                 hybrid_kv_cache_config())
+    assert two.connector_scheduler is not None and two.connector_scheduler.groups.hybrid
+    two.shutdown()
+    state = hybrid_kv_cache_config()
+    state.kv_cache_groups[1] = KVCacheGroupSpec(
+        ["model.layers.1.mixer"], MambaSpec(block_size=16, shapes=((16,),),
+                                            dtypes=(torch.float32,)))
     for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
-        with pytest.raises(ConfigError, match="CPUOffloadingConnector moves the blocks of one "
-                                              "KV cache group, but this model has 2"):
-            CPUOffloadingConnector(make_vllm_config(), role, hybrid_kv_cache_config())
+        with pytest.raises(ConfigError, match=r"CPUOffloadingConnector moves the blocks of "
+                                              r"full and sliding KV cache groups .*MambaSpec"):
+            CPUOffloadingConnector(make_vllm_config(), role, state)
     one = CPUOffloadingConnector(make_vllm_config(), KVConnectorRole.SCHEDULER,
                                  hybrid_kv_cache_config(1))
     one.shutdown()

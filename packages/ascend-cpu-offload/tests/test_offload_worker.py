@@ -433,3 +433,32 @@ def test_failed_ids_of_a_load_plan_are_reported(make_worker: Callable[..., CPUOf
     w.start_load_kv(CPUOffloadingConnectorMetadata(loads=[
         HostLoad(req_id="x", host_ids=[], device_ids=[], failed_ids=[3, 4])]))
     assert w.get_block_ids_with_load_errors() == {3, 4}
+
+
+def test_async_loads_of_shared_tensors_report_by_request(
+        make_worker: Callable[..., CPUOffloadWorker]) -> None:
+    """The hybrid KV cache manager: a layer of each group shares one tensor (moved once), a
+    load vLLM waits for between steps is reported by ``get_finished`` once its blocks are in,
+    and one that cannot be loaded is reported by request, never by block."""
+    w = make_worker()
+    shared = cpu_caches()
+    caches = {LAYERS[0]: shared[LAYERS[0]], LAYERS[1]: shared[LAYERS[0]],
+              LAYERS[2]: shared[LAYERS[2]]}
+    w.register_kv_caches(caches)
+    assert w.layout is not None and w.layout.aliases == {LAYERS[1]: LAYERS[0]}
+    original = {k: v.clone() for k, v in caches.items()}
+    save = plan_save(w, "r1", "a", [3, 4, 7])
+    meta = CPUOffloadingConnectorMetadata(saves=[save])
+    w.wait_for_save(meta)
+    assert w.drain(10)
+    for t in caches.values():
+        t[3:8].zero_()
+    load = HostLoad(req_id="r2", host_ids=save.host_ids, device_ids=[5, 6, 8], is_async=True)
+    bad = HostLoad(req_id="r3", host_ids=[], device_ids=[], failed_ids=[9], is_async=True)
+    w.start_load_kv(CPUOffloadingConnectorMetadata(loads=[load, bad]))
+    assert w.get_finished(set()) == (None, {"r2", "r3"})
+    assert w.take_failed_loads() == {"r3"} and w.take_failed_loads() == set()
+    assert w.get_block_ids_with_load_errors() == set()
+    for name, t in caches.items():
+        for src, dst in zip([3, 4, 7], [5, 6, 8], strict=True):
+            assert torch.equal(t[dst], original[name][src]), (name, dst)

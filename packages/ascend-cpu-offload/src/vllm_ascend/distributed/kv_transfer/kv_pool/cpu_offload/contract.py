@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_ascend.distributed.kv_transfer.core.layout import refuse_kv_cache_groups
+from vllm_ascend.distributed.kv_transfer.core.kv_groups import KVGroups
 from vllm_ascend.distributed.kv_transfer.core.vllm_compat import require_vllm
 
 require_vllm("CPUOffloadingConnector")
@@ -41,7 +41,11 @@ class HostLoad:
             token (a full prompt hit): it is copied before the forward, on the compute
             stream, so the recomputed token lands after the copy.
         failed_ids: device blocks vLLM counts as loaded that cannot be loaded; reported
-            through ``get_block_ids_with_load_errors`` so that vLLM recomputes them.
+            through ``get_block_ids_with_load_errors`` so that vLLM recomputes them (by
+            request with several KV cache groups).
+        is_async: vLLM waits for the load between steps (the hybrid KV cache manager on):
+            the request is reported through ``get_finished`` once its blocks are in, and a
+            failed load by request.
     """
 
     req_id: str
@@ -49,6 +53,7 @@ class HostLoad:
     device_ids: list[int]
     sync_tail: bool = False
     failed_ids: list[int] = field(default_factory=list)
+    is_async: bool = False
 
 
 @dataclass
@@ -76,6 +81,9 @@ class CPUOffloadingConnectorMetadata(KVConnectorMetadata):
     saves: list[HostSave] = field(default_factory=list)
     #: requests preempted before this step: their blocks may be reused by it
     preempted_req_ids: set[str] = field(default_factory=set)
+    #: requests whose saves read a sliding window's block that vLLM freed and gave out
+    #: again this step: their saves are finished before the step's forward
+    wait_saves: set[str] = field(default_factory=set)
 
     @property
     def is_empty(self) -> bool:
@@ -94,8 +102,14 @@ def endpoint_for(vllm_config: Any, cfg: CPUOffloadConfig) -> str:
 
 
 def block_size_of(vllm_config: Any, kv_cache_config: Any) -> int:
-    """Tokens per block: the KV cache group's block size, else the cache config's."""
-    refuse_kv_cache_groups(kv_cache_config, "CPUOffloadingConnector")
+    """Tokens per block: the KV cache groups' block size, else the cache config's.
+
+    Raises:
+        ConfigError: groups the connector cannot move (anything but full-attention and
+            sliding-window groups of one block size), naming them.
+    """
+    KVGroups.from_config(kv_cache_config).refuse_unsupported("CPUOffloadingConnector",
+                                                            kinds=("full", "sliding"))
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
     if groups:
         return int(groups[0].kv_cache_spec.block_size)

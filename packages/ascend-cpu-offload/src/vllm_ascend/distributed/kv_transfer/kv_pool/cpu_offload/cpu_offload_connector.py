@@ -14,6 +14,12 @@ Lifecycle (see the :mod:`.scheduler` and :mod:`.worker` modules for details):
   ``wait_for_save`` saves in the background on a save stream,
   ``get_finished`` reports requests whose saves are done.
 
+It serves vLLM's hybrid KV cache manager (``SupportsHMA``) for full-attention and
+sliding-window KV cache groups of one block size: a block of each group is a host block of
+its own, a hit is the longest prefix every group serves, a window's group saves and loads
+only the blocks vLLM keeps, and loads are asynchronous then (a failed one is reported by
+request). Other group kinds (a state-space model's state) are refused at start-up.
+
 Configuration: :class:`~vllm_ascend.distributed.kv_transfer.kv_pool.cpu_offload.config.CPUOffloadConfig`
 (``vllm-ascend-kv config CPUOffloadingConnector`` lists the keys)::
 
@@ -33,6 +39,8 @@ require_vllm("CPUOffloadingConnector")
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
@@ -48,6 +56,7 @@ from .worker import CPUOffloadWorker
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
+    from vllm.v1.request import Request
 
 try:  # vLLM >= 0.32 labels external hits by tier
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -59,7 +68,8 @@ except ImportError:  # pragma: no cover - older vLLM
 __all__ = ["CPUOffloadingConnector", "CPUOffloadingConnectorMetadata"]
 
 
-class CPUOffloadingConnector(ConnectorStatsMixin, SchedulerHooksMixin, KVConnectorBase_V1):
+class CPUOffloadingConnector(ConnectorStatsMixin, SchedulerHooksMixin, KVConnectorBase_V1,
+                             SupportsHMA):
     """Offload KV blocks to a host-memory prefix cache shared by the ranks of an instance."""
 
     metric_specs = OFFLOAD_METRICS
@@ -124,6 +134,14 @@ class CPUOffloadingConnector(ConnectorStatsMixin, SchedulerHooksMixin, KVConnect
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._w().get_finished(finished_req_ids)
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """:meth:`get_finished`, and the requests whose asynchronous load failed (the hybrid
+        KV cache manager: vLLM takes no block ids with several groups)."""
+        sending, recving = self._w().get_finished(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=set(sending or ()),
+                                          finished_recving=set(recving or ()),
+                                          failed_recving=self._w().take_failed_loads())
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._w().get_block_ids_with_load_errors()
 
@@ -138,6 +156,12 @@ class CPUOffloadingConnector(ConnectorStatsMixin, SchedulerHooksMixin, KVConnect
     # ==============================
     # get_num_new_matched_tokens, update_state_after_alloc, build_connector_meta and
     # request_finished hand over to the scheduler half: SchedulerHooksMixin
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hook with the hybrid KV cache manager on: the blocks of every group are
+        held while the request's saves may read them, as with one group."""
+        assert self.connector_scheduler is not None
+        return self.connector_scheduler.request_finished(request, block_ids)
 
     def reset_cache(self) -> bool | None:
         if self.connector_scheduler is None:

@@ -21,6 +21,13 @@
   scheduler held its blocks until then); ``handle_preemptions`` waits for
   in-flight saves before a preempted request's blocks can be reused.
 
+Under vLLM's hybrid KV cache manager (several KV cache groups) a host block holds one
+group's block (a layer of each group shares one device tensor, which the layout moves
+once), loads are asynchronous: copied on the load stream, reported through
+``get_finished`` once done, a failed one by request (vLLM takes no block ids there). A
+step whose new blocks a queued save of a sliding window still reads finishes those saves
+first (``wait_saves``).
+
 On CPU, streams and events are synchronous stand-ins (:mod:`core.device`):
 loads complete inside ``start_load_kv``; saves still run on the background
 thread.
@@ -113,6 +120,9 @@ class CPUOffloadWorker:
         self._save_stream: Any = None
         self._layer_events: dict[str, Any] = {}
         self._load_errors: set[int] = set()
+        #: asynchronous loads copied or being copied: (event, request ids, failed ones)
+        self._async_loads: list[tuple[Any, list[str], set[str]]] = []
+        self._failed_recving: set[str] = set()
         self._lock = threading.Lock()
         self._save_reqs: set[str] = set()
         self._outstanding: dict[str, int] = defaultdict(int)
@@ -197,6 +207,12 @@ class CPUOffloadWorker:
     def start_load_kv(self, meta: CPUOffloadingConnectorMetadata) -> None:
         """Queue this step's loads; tails of full prompt hits are copied right away."""
         self._layer_events.clear()
+        if meta.wait_saves:
+            self._finish_saves(meta.wait_saves)
+        if any(load.is_async for load in meta.loads):
+            self._load_async([load for load in meta.loads if load.is_async])
+            meta = CPUOffloadingConnectorMetadata(
+                loads=[load for load in meta.loads if not load.is_async])
         for load in meta.loads:
             if load.failed_ids:
                 self.recorder.inc("offload_failures", op="load")
@@ -267,7 +283,47 @@ class CPUOffloadWorker:
             last = list(self._layer_events.values())[-1]
             self._queue.put(("load_timer", last, start))
 
-    def _valid_load(self, load: HostLoad, num_host: int) -> bool:
+    def _load_async(self, loads: list[HostLoad]) -> None:
+        """Copy the loads vLLM waits for between steps on the load stream; ``get_finished``
+        reports them once done, those that failed (any block) by request."""
+        req_ids = [load.req_id for load in loads]
+        failed = {load.req_id for load in loads if load.failed_ids}
+        device = self.device
+        if device is None or self.segment is None:
+            self._async_loads.append((None, req_ids, set(req_ids)))
+            return
+        todo = [load for load in loads if load.host_ids and load.req_id not in failed]
+        valid = [load for load in todo if self._valid_load(load, self.segment.num_blocks,
+                                                           errors=False)]
+        failed |= {load.req_id for load in todo if load not in valid}
+        host_ids = [h for load in valid for h in load.host_ids]
+        dev_ids = [d for load in valid for d in load.device_ids]
+        event = None
+        nbytes = 0
+        try:
+            if host_ids:
+                nb = device.kind != "cpu"
+                current = device.current_stream()
+                with device.stream(self._load_stream):
+                    self._load_stream.wait_stream(current)
+                    if self._batched():
+                        nbytes = self._copy_in_all(host_ids, dev_ids, nb)
+                    else:
+                        nbytes = sum(self._copy_in(layer, host_ids, dev_ids, nb)
+                                     for layer in self._layers)
+                    event = device.record_event(self._load_stream)
+        except (RuntimeError, ValueError, IndexError) as exc:
+            logger.error("offload load of %s failed (%s); recomputed", req_ids, exc)
+            failed |= {load.req_id for load in valid}
+            device.synchronize()
+            event = None
+        if failed:
+            self.recorder.inc("offload_failures", op="load")
+        self.recorder.inc("offload_load_bytes", nbytes)
+        self.recorder.inc("offload_loaded_blocks", 0 if event is None else len(host_ids))
+        self._async_loads.append((event, req_ids, failed))
+
+    def _valid_load(self, load: HostLoad, num_host: int, *, errors: bool = True) -> bool:
         assert self.layout is not None
         try:
             if len(load.host_ids) != len(load.device_ids) or not load.host_ids:
@@ -279,7 +335,8 @@ class CPUOffloadWorker:
             logger.error("invalid offload load for request %s: %s; recomputing it",
                          load.req_id, exc)
             self.recorder.inc("offload_failures", op="load")
-            self._load_errors.update(b for b in load.device_ids if isinstance(b, int))
+            if errors:
+                self._load_errors.update(b for b in load.device_ids if isinstance(b, int))
             return False
         return True
 
@@ -442,21 +499,41 @@ class CPUOffloadWorker:
 
     def handle_preemptions(self, meta: CPUOffloadingConnectorMetadata) -> None:
         """Preempted requests' blocks may be reused this step: finish saves reading them."""
-        if not meta.preempted_req_ids:
+        self._finish_saves(meta.preempted_req_ids)
+
+    def _finish_saves(self, req_ids: set[str]) -> None:
+        """Finish the queued saves if any of ``req_ids`` has one (blocks they read are given
+        out again this step)."""
+        if not req_ids:
             return
         with self._lock:
-            busy = any(self._outstanding.get(r) for r in meta.preempted_req_ids)
+            busy = any(self._outstanding.get(r) for r in req_ids)
         if busy:
             self.drain()
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
-        """Finished requests whose saves are all done (their blocks may now be freed)."""
+    def get_finished(self, finished_req_ids: set[str]
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        """Finished requests whose saves are all done (their blocks may now be freed), and
+        requests whose asynchronous load is done (or failed: :meth:`take_failed_loads`)."""
         with self._lock:
             self._finishing.update(r for r in finished_req_ids if r in self._save_reqs)
             done = {r for r in self._finishing if not self._outstanding.get(r)}
             self._finishing -= done
             self._save_reqs -= done
-        return (done or None), None
+        recving: set[str] = set()
+        for event, req_ids, failed in self._async_loads:
+            if event is not None:
+                event.synchronize()
+            recving.update(req_ids)
+            self._failed_recving |= failed
+        self._async_loads = []
+        return (done or None), (recving or None)
+
+    def take_failed_loads(self) -> set[str]:
+        """Requests whose asynchronous load failed since the last call (each also reported
+        as received by ``get_finished``)."""
+        out, self._failed_recving = self._failed_recving, set()
+        return out
 
     # ------------------------------------------------------------------ shutdown
     def shutdown(self) -> None:
