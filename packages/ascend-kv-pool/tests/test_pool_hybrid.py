@@ -414,3 +414,12 @@ def test_the_worker_finishes_a_queued_save_before_a_step_that_reuses_its_block()
     finally:
         release.set()
         engine.close()
+
+
+def test_the_worker_refuses_a_lookup_of_groups_it_does_not_have() -> None:
+    engine = HybridEngine(LocalBackend(capacity=64 << 20))
+    try:
+        with pytest.raises(ValueError, match=r"KV cache groups \[2\]: this engine has \[0, 1\]"):
+            engine.worker.lookup_groups(["ab"], [0, 2])
+    finally:
+        engine.close()

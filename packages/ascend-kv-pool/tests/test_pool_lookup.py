@@ -188,3 +188,24 @@ def test_group_lookup_round_trip(endpoint: str, in_process: bool) -> None:
     finally:
         client.close()
         plain.close()
+
+
+def test_group_lookup_refuses_odd_groups_before_the_handler(endpoint: str) -> None:
+    """Repeated, negative or too many groups over the socket: an error reply (a miss), the
+    store never asked."""
+    seen = []
+
+    def groups(hashes: list[str], group_ids: list[int]) -> list[list[bool]]:
+        seen.append(group_ids)
+        return [[True] * len(hashes) for _ in group_ids]
+
+    server = LookupServer(endpoint, lambda h, n: 0, groups)
+    client = LookupClient(endpoint, timeout_s=5, in_process=False, retry_interval_s=0.0)
+    try:
+        for odd in ([1, 1], [-1], list(range(65))):
+            assert client.lookup_groups(["aa"], odd) == [[False]] * len(odd)
+        assert seen == [] and client.failures == 3
+        assert client.lookup_groups(["aa"], [0]) == [[True]]
+    finally:
+        client.close()
+        server.close()

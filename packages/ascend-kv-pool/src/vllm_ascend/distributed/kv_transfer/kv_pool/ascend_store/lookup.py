@@ -74,6 +74,9 @@ class PoolGroupLookupReply(Message):
     present: list[list[bool]]
 
 
+#: KV cache groups one lookup may ask about
+MAX_GROUPS = 64
+
 #: the lookup of one group (``handler(hashes, token_end) -> hit tokens``)
 Handler = Callable[[list[str], int], int]
 #: the lookup of several groups (``handler(hashes, groups) -> present[group][block]``)
@@ -155,6 +158,11 @@ class LookupServer:
         if isinstance(request, PoolGroupLookupRequest):
             if self._group_handler is None:
                 raise TypeError("this lookup server has no KV cache groups")
+            groups = list(request.groups)
+            if len(set(groups)) != len(groups) or len(groups) > MAX_GROUPS or any(
+                    g < 0 for g in groups):
+                raise ValueError(f"groups must be at most {MAX_GROUPS} distinct indices, got "
+                                 f"{groups[:8]}")
             present = self._group_handler(list(request.hashes), list(request.groups))
             return PoolGroupLookupReply(present=[[bool(p) for p in row] for row in present])
         if not isinstance(request, PoolLookupRequest):

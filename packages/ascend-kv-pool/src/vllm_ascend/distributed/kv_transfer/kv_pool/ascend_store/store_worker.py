@@ -228,6 +228,10 @@ class KVPoolWorker:
     def lookup_groups(self, hashes: list[str], groups: list[int]) -> list[list[bool]]:
         """Per KV cache group, per hash: held for every head group and PP stage (hybrid KV
         cache manager; a store failure is a miss)."""
+        known = {g.index for g in self.ctx.groups.groups}
+        if not set(groups) <= known:
+            raise ValueError(f"lookup of KV cache groups {sorted(set(groups) - known)}: this "
+                             f"engine has {sorted(known)}")
         miss = [[False] * len(hashes) for _ in groups]
         if not hashes or not groups or not self.guard.available():
             return miss
