@@ -172,7 +172,7 @@ class PullScheduler(SchedulerBase):
         if params.get(_LEFT_LAST) or tokens is None or request.num_prompt_tokens < 2:
             return
         tokens.pop()
-        # vLLM's Request keeps the prompt and the output in one list besides the prompt's
+        # vLLM's Request keeps the prompt's and the output's tokens in one more list
         request._all_token_ids.pop()  # as vLLM's own P/D connector does
         request.num_prompt_tokens -= 1
         params[_LEFT_LAST] = True
