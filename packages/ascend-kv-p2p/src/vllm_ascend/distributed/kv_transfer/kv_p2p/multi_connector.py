@@ -18,10 +18,12 @@ That is the production shape "layerwise P/D plus a shared prefix pool"::
         {"kv_connector": "MooncakeLayerwiseConnector", ...},
         {"kv_connector": "AscendStoreConnector", ...}]}
 
-vLLM's ``MultiConnector`` declares HMA support and then asserts that every child has it;
-ours do not, so run it with the hybrid KV cache manager off
-(``--disable-hybrid-kv-cache-manager``). ``tests-e2e/test_multi_connector_e2e.py`` runs
-this shape on real engines.
+vLLM's ``MultiConnector`` keeps its hybrid KV cache manager on only when every child
+declares ``SupportsHMA``: both P/D connectors, ``AscendStoreConnector`` and
+``CPUOffloadingConnector`` do (``tests-e2e/test_hybrid_multi_e2e.py`` runs vLLM's
+``MultiConnector`` over the pull and the pool with it on, a sliding-window model).
+``tests-e2e/test_multi_connector_e2e.py`` runs this layerwise shape on real engines, with
+the manager off; with it on it is not tested.
 
 Registered as ``AscendMultiConnector``. Upstream replaces vLLM's own
 ``MultiConnector`` name with this class; we never override a name vLLM owns,
