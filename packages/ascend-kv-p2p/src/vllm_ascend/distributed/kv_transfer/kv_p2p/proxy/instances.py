@@ -35,6 +35,8 @@ class Instance:
     failures: int = 0
     last_error: str = ""
     last_check: float = field(default=0.0)
+    #: when it last answered a request below HTTP 500 (``time.monotonic()``; 0: never)
+    last_ok: float = field(default=0.0)
 
     def as_dict(self) -> dict[str, object]:
         return {"url": self.url, "role": self.role, "healthy": self.healthy,
@@ -112,6 +114,7 @@ class InstanceSet:
             inst.in_flight -= 1
             if ok:
                 inst.served += 1
+                inst.last_ok = time.monotonic()
             else:
                 inst.failures += 1
                 inst.last_error = error

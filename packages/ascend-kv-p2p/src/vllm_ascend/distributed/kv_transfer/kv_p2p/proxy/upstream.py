@@ -4,12 +4,20 @@
 A request goes to the first instance of an :class:`~.instances.InstanceSet` (in its
 policy's order, or an order given) that answers; one that cannot be reached is marked
 unhealthy and the next one is tried; when none answers, :class:`~.model.ProxyError` 503
-names what failed. Each instance's ``/health`` is probed periodically.
+names what failed. Each instance's ``/health`` is probed periodically, unless it answered a
+request since the last round (:class:`HealthChecks`).
+
+The client keeps one connection pool per instance (:class:`PerOriginTransport`): httpcore's
+pool looks through every connection it holds on each request and each answer's end (and
+polls each idle one's socket), so one pool shared by a fleet made every request's cost grow
+with the instances behind the proxy.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ssl
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +38,47 @@ if TYPE_CHECKING:
 #: (seen through the layerwise proxy, a request 7 s after the last on its connection).
 KEEPALIVE_EXPIRY_S = 2.0
 
+
+class PerOriginTransport(httpx.AsyncBaseTransport):
+    """An httpx transport holding one connection pool per origin (scheme, host, port),
+    each made on its first request with ``limits``: a request's pool work is that of its
+    instance's connections, not of every instance's. The pools share one TLS context
+    (making one reads the system's certificates: tens of milliseconds).
+
+    Args:
+        limits: each origin's pool limits.
+    """
+
+    def __init__(self, limits: httpx.Limits) -> None:
+        self.limits = limits
+        self._ssl: ssl.SSLContext | None = None
+        self._pools: dict[tuple[bytes, bytes, int | None], httpx.AsyncHTTPTransport] = {}
+
+    def pool(self, url: httpx.URL) -> httpx.AsyncHTTPTransport:
+        """The pool of ``url``'s origin (made on first use)."""
+        key = (url.raw_scheme, url.raw_host, url.port)
+        pool = self._pools.get(key)
+        if pool is None:
+            if self._ssl is None:
+                self._ssl = httpx.create_ssl_context()
+            pool = self._pools[key] = httpx.AsyncHTTPTransport(verify=self._ssl,
+                                                               limits=self.limits)
+        return pool
+
+    @property
+    def origins(self) -> int:
+        """How many origins have a pool."""
+        return len(self._pools)
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        return await self.pool(request.url).handle_async_request(request)
+
+    async def aclose(self) -> None:
+        pools, self._pools = list(self._pools.values()), {}
+        for pool in pools:
+            await pool.aclose()
+
+
 class Upstream:
     """The HTTP client (open while the proxy runs) and the calls made with it.
 
@@ -47,7 +96,7 @@ class Upstream:
         limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256,
                               keepalive_expiry=KEEPALIVE_EXPIRY_S)
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s, connect=5.0),
-                                         limits=limits)
+                                         transport=PerOriginTransport(limits))
 
     async def close(self) -> None:
         if self._client is not None:
@@ -116,6 +165,11 @@ class HealthChecks:
     the other, an instance slow to answer held back every later mark by up to the probe's
     3 s). A P that fails one is told to the policy (it may come back with an empty cache).
 
+    A healthy instance that answered a request (below HTTP 500) since the round before is
+    not probed (its answer says as much as ``/health`` would; a connection it refuses marks
+    it down at once, :meth:`Upstream.post_json`): under load the probes go to the idle and
+    the unhealthy instances only, instead of one per instance each round.
+
     Args:
         sets: the instance sets probed.
         upstream: whose client probes.
@@ -136,9 +190,13 @@ class HealthChecks:
 
     async def run(self) -> None:
         """Probe until cancelled."""
+        since = float("inf")  # the first round probes every instance
         while True:
+            start = time.monotonic()
             await asyncio.gather(*(self.probe(s, inst) for s in self.sets
-                                   for inst in s.instances))
+                                   for inst in s.instances
+                                   if not (inst.healthy and inst.last_ok > since)))
+            since = start
             self.after_round()
             await asyncio.sleep(self.interval_s)
 
