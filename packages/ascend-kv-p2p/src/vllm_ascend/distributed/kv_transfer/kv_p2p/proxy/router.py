@@ -205,11 +205,30 @@ class KvRouter:
         pool = self.pools.get(group) if group is not None else None
         if pool is None or not pool.aligned or not pool.block_size:
             return None
-        for member, g in list(self.members.items()):
+        return pool if group in self._live_groups() else None
+
+    def usable_pools(self, instances: Sequence[Instance]) -> dict[str, PoolIndex]:
+        """:meth:`pool_usable` of each of ``instances`` that has one, by URL (the members'
+        streams looked at once, not once per instance)."""
+        if not self.members:
+            return {}
+        live = self._live_groups()
+        out = {}
+        for inst in instances:
+            group = self.members.get(inst.url)
+            pool = self.pools.get(group) if group in live else None
+            if pool is not None and pool.aligned and pool.block_size:
+                out[inst.url] = pool
+        return out
+
+    def _live_groups(self) -> set[str]:
+        """The pools with a member whose stream is live."""
+        live = set()
+        for member, group in list(self.members.items()):
             stream = self.streams.get(member)
-            if g == group and stream is not None and stream.state == "live":
-                return pool
-        return None
+            if stream is not None and stream.state == "live":
+                live.add(group)
+        return live
 
     # ------------------------------------------------------------ decisions
     def order(self, candidates: list[Instance], tokens: Sequence[int] | None
@@ -220,7 +239,7 @@ class KvRouter:
         if not healthy:
             return rest, Decision("no_index")
         usable = {i.url: ix for i in healthy if (ix := self.usable(i.url)) is not None}
-        pools = {i.url: px for i in healthy if (px := self.pool_usable(i.url)) is not None}
+        pools = self.usable_pools(healthy)
         if not usable and not pools:
             return healthy + rest, Decision("no_index", healthy[0].url, len(tokens or ()))
         if not tokens:
