@@ -58,6 +58,7 @@ MEASURED: dict[str, tuple[str, ...]] = {
     "p2p": (_CORE, _P2P),
     "layerwise": (_CORE, _P2P),
     "hybrid": (_CORE, _P2P),
+    "control": (_CORE, _P2P),
     "client": (_CORE, _P2P),
     "router": (_CORE, _P2P),
     "pool": (_CORE, _POOL),
