@@ -132,7 +132,7 @@ def connector_over_raw(entry: Mapping[str, Any]) -> Measured | None:
         conn, raw = _series(entry, n, DEFAULT_PATH), _series(entry, n, "raw")
         if n >= FROM_BLOCKS and conn is not None and raw is not None:
             points.append(judged_ratio(medians_by_round(raw), medians_by_round(conn),
-                                       at_least=0.9, where=f"{n} blocks"))
+                                       at_least=0.9, where=f"{n} block{'s' if n != 1 else ''}"))
     return worst(points, at_least=True)
 
 
@@ -147,7 +147,7 @@ def keyed_speed(entry: Mapping[str, Any]) -> Measured | None:
         conn, raw, keyed, raw_keyed = (medians_by_round(x) for x in ser if x is not None)
         points.append(judged_ratio([c / r for c, r in zip(conn, raw, strict=True)],
                                    [k / r for k, r in zip(keyed, raw_keyed, strict=True)],
-                                   at_least=0.9, where=f"{n} blocks"))
+                                   at_least=0.9, where=f"{n} block{'s' if n != 1 else ''}"))
     return worst(points, at_least=True)
 
 
