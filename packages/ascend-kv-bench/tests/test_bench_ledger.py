@@ -106,6 +106,25 @@ def test_sources_and_staleness(checkout: Path) -> None:
     assert ledger.is_stale(_entry(None), head)
 
 
+def test_a_source_edited_while_the_run_went_on_leaves_it_stale(checkout: Path) -> None:
+    """The run measured the sources it started with: a measured package edited before it
+    ended is recorded as changed, with no tree, and its entry is stale at any HEAD."""
+    started = {"time": "2026-12-06T10:00:00Z", "loadavg": [0.5],
+               "source": ledger.source_state(checkout, ledger.RUNTIME_PACKAGES)}
+    (checkout / "packages" / "ascend-kernels" / "src" / "during.py").write_text("# mid-run\n")
+    entry = ledger.make_entry("kernels", {}, [], {}, root=checkout, started=started)
+    assert entry["source"]["changed_during_run"] == ["ascend-kernels"]
+    assert entry["source"]["packages"] == {"ascend-kernels": None}
+    _git(checkout, "-c", "user.email=t@t", "-c", "user.name=t", "add", "-A")
+    _git(checkout, "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "mid-run")
+    assert ledger.is_stale(entry, ledger.head_trees(checkout, ["ascend-kernels"]))
+    # untouched during the run: recorded as before
+    again = ledger.make_entry("kernels", {}, [], {}, root=checkout, started={
+        "source": ledger.source_state(checkout, ledger.RUNTIME_PACKAGES)})
+    assert "changed_during_run" not in again["source"]
+    assert not ledger.is_stale(again, ledger.head_trees(checkout, ["ascend-kernels"]))
+
+
 def test_the_latest_run_with_the_rows_options() -> None:
     def e(ended: str, layers: int, value: float) -> dict[str, Any]:
         return {"section": "p2p", "ended": ended, "id": f"p2p/{ended}",

@@ -96,10 +96,12 @@ def add_ledger_arg(parser: argparse.ArgumentParser) -> None:
 
 
 def note_start() -> dict[str, Any]:
-    """The facts of the command's start (time, load average), taken once per process."""
+    """The facts of the command's start (time, load average, the sources it runs), taken once
+    per process."""
     global _started
     if _started is None:
-        _started = {"time": _now(), "loadavg": _loadavg()}
+        _started = {"time": _now(), "loadavg": _loadavg(),
+                    "source": source_state(source_root(), RUNTIME_PACKAGES)}
     return _started
 
 
@@ -162,8 +164,17 @@ def make_entry(section: str, result: Mapping[str, Any], samples: Sequence[Mappin
     machine = machine_facts()
     machine["loadavg_start"] = start.get("loadavg")
     machine["loadavg_end"] = _loadavg()
+    source = source_state(root, packages)
+    before = (start.get("source") or {}).get("packages") or {}
+    moved = sorted(p for p, tree in source["packages"].items() if p in before
+                   and before[p] != tree)
+    if moved:
+        # the run measured the sources it started with, not these: no tree names them
+        source["changed_during_run"] = moved
+        source["packages"] = {p: (None if p in moved else t)
+                              for p, t in source["packages"].items()}
     return {"format": FORMAT, "section": section, "started": start.get("time"),
-            "ended": _now(), "source": source_state(root, packages), "versions": versions(),
+            "ended": _now(), "source": source, "versions": versions(),
             "machine": machine, "config": dict(config), "result": dict(result),
             "samples": [dict(s) for s in samples]}
 
