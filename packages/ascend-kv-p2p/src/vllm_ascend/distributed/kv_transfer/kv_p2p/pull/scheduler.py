@@ -413,6 +413,9 @@ class ClaimAhead:
         self._sent: dict[str, tuple[list[int], Future[Answers]]] = {}
         #: requests handed to the workers before their answers came
         self._owed: dict[str, Future[Answers]] = {}
+        #: requests whose claims were answered since the last :meth:`take_answers`: a step
+        #: looks at these, not at every request still owed its answers
+        self._answered: list[str] = []
         if engine_id:
             register_claimer(engine_id, self)
 
@@ -434,6 +437,8 @@ class ClaimAhead:
         return True
 
     def _deliver_locally(self, request_id: str, fut: Future[Answers]) -> None:
+        with self._lock:
+            self._answered.append(request_id)
         inbox = local_inbox(self.engine_id)
         if inbox is not None and not fut.cancelled():
             inbox.deliver({request_id: _result(fut)}, keep=True)
@@ -457,8 +462,13 @@ class ClaimAhead:
     def take_answers(self) -> dict[str, Answers]:
         """Answers that came since, of requests handed to the workers without them."""
         with self._lock:
-            done = [rid for rid, fut in self._owed.items() if fut.done()]
-            return {rid: _result(self._owed.pop(rid)) for rid in done}
+            answered, self._answered = self._answered, []
+            out: dict[str, Answers] = {}
+            for rid in answered:
+                fut = self._owed.get(rid)
+                if fut is not None and fut.done():  # (an id claimed again: its new claim's)
+                    out[rid] = _result(self._owed.pop(rid))
+            return out
 
     def forget(self, request_id: str) -> None:
         """The request finished (or was aborted): drop its claim (unsent: never sent)."""
