@@ -32,6 +32,11 @@ claims every request ahead, from a P that does not answer (nothing listens at P'
 claims stay out while their requests are allocated, load and finish (a P slow to answer).
 vLLM's ``NixlConnector`` claims nothing; its D runs as in ``D``.
 
+The heap as it is once the connectors are built is frozen (``gc.freeze``), as vLLM's engine
+core does once it started; the requests in flight are collected as in vLLM, and the full
+collections (generation 2) during each side's steps are counted (their pauses land in
+whichever hook allocates when one is due: the p99).
+
 Ours and the peer are kept at the same ``N`` side by side and measured in alternating rounds
 (``--rounds``, the one going first alternating) of ``--steps`` steps each; per step the
 total time of its hooks. Reported per role and ``N``: median and p99 per step (µs), ours /
@@ -315,22 +320,40 @@ def measure_count(model: Path, role: str, n: int, *, k: int, rounds: int, steps:
                                  max_len=max_len, extra=extra)
             sides[side] = ConsumerSide(c, src, reqs, Requests(f"{side}-src-{n}",
                                                               prompt_tokens, block_size), n, k)
-        sides[side].fill()
-    out: dict[str, Any] = {side: {"steps": [], "hooks": dict.fromkeys(HOOKS, 0)}
-                           for side in sides}
-    gc.collect()
-    for r in range(rounds):
-        order = list(sides) if r % 2 == 0 else list(reversed(sides))
-        for side in order:
-            for _ in range(2):  # warm after the other side's round
-                sides[side].step()
-            per_round: list[float] = []
-            for _ in range(steps):
-                t = sides[side].step()
-                per_round.append(sum(t.ns.values()) / 1e3)
-                for hook, ns in t.ns.items():
-                    out[side]["hooks"][hook] += ns
-            out[side]["steps"].append(per_round)
+    # as vLLM's engine core does once it started (``freeze_gc_heap``): what exists now is
+    # left out of the collector's full passes, what the requests in flight allocate is not
+    from vllm.utils.gc_utils import freeze_gc_heap
+
+    freeze_gc_heap()
+    for s in sides.values():
+        s.fill()
+    out: dict[str, Any] = {side: {"steps": [], "hooks": dict.fromkeys(HOOKS, 0),
+                                  "full_collections": 0} for side in sides}
+    current: list[str] = []
+
+    def count(phase: str, info: dict[str, int]) -> None:
+        if phase == "start" and info["generation"] == 2 and current:
+            out[current[0]]["full_collections"] += 1
+
+    gc.callbacks.append(count)
+    try:
+        for r in range(rounds):
+            order = list(sides) if r % 2 == 0 else list(reversed(sides))
+            for side in order:
+                for _ in range(2):  # warm after the other side's round
+                    sides[side].step()
+                per_round: list[float] = []
+                current[:] = [side]
+                for _ in range(steps):
+                    t = sides[side].step()
+                    per_round.append(sum(t.ns.values()) / 1e3)
+                    for hook, ns in t.ns.items():
+                        out[side]["hooks"][hook] += ns
+                current.clear()
+                out[side]["steps"].append(per_round)
+    finally:
+        gc.callbacks.remove(count)
+        gc.unfreeze()
     for s in sides.values():
         s.c.shutdown()
         if isinstance(s, ConsumerSide):
@@ -357,6 +380,7 @@ def summarize(measured: dict[tuple[str, int], dict[str, Any]], *, steps: int
             total_steps = steps * len(m[side]["steps"])
             row[f"{side}_hooks_us_per_step"] = {h: ns / 1e3 / total_steps
                                                 for h, ns in m[side]["hooks"].items()}
+            row[f"{side}_full_collections"] = m[side].get("full_collections", 0)
         cmp = compare(medians["ours"], medians["peer"]).as_dict()
         row["ours_over_peer"] = cmp
         row["at_most_peer"] = verdict(cmp, at_most=1.0)
@@ -486,7 +510,9 @@ def run(args: argparse.Namespace) -> int:
     print(format_table([{
         "role": r["role"], "N": r["in_flight"], "ours med (us)": r["ours_median_us"],
         "p99": r["ours_p99_us"], "Nixl med (us)": r["peer_median_us"], "p99 ": r["peer_p99_us"],
-        "ours/Nixl [95%]": interval(r["ours_over_peer"])} for r in rows]))
+        "ours/Nixl [95%]": interval(r["ours_over_peer"]),
+        "full GCs ours/Nixl": f"{r['ours_full_collections']}/{r['peer_full_collections']}"}
+        for r in rows]))
     print(format_table([{
         "held": h["held"], "claims/s": h["claims_per_s"], "Dones/s": h["dones_per_s"],
         "sweeps/s": h["sweeps_per_s"], "idle sweeps/s": h["idle_sweeps_per_s"],
