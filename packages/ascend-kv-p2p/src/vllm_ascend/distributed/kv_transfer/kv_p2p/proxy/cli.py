@@ -100,7 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="pull mode: pass D's KV-load errors to the client instead of "
                              "re-sending the request once as a plain request (D prefills it)")
     parser.add_argument("--health-interval", type=float, default=5.0,
-                        help="seconds between health checks (default: %(default)s)")
+                        help="seconds between health checks (an instance that answered a "
+                             "request since the round before is not probed; default: "
+                             "%(default)s)")
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"])
     parser.add_argument("--print-admin-token", action="store_true",
