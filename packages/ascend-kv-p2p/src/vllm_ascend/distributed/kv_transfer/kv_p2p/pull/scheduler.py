@@ -183,12 +183,15 @@ class PullScheduler(SchedulerBase):
         if not (self.is_consumer and wants_remote_prefill(params)):
             return 0, False
         count = len(request.prompt_token_ids or ()) - num_computed_tokens - self._leave_last
-        parsed = self._parse(request)
-        self._parsed[request.request_id] = parsed
-        if isinstance(parsed, KVParamsError):
-            logger.error("request %s: bad kv_transfer_params: %s", request.request_id, parsed)
-        elif self.renewer is not None:
-            self.renewer.track(request.request_id, parsed)
+        parsed = self._parsed.get(request.request_id)
+        if parsed is None:
+            # checked once a request (MAC, hosts, keys): vLLM asks every step it waits
+            parsed = self._parsed[request.request_id] = self._parse(request)
+            if isinstance(parsed, KVParamsError):
+                logger.error("request %s: bad kv_transfer_params: %s", request.request_id,
+                             parsed)
+            elif self.renewer is not None:
+                self.renewer.track(request.request_id, parsed)
         if count <= 0:
             return 0, False
         if (isinstance(parsed, RemotePrefill) and self.claims is not None
