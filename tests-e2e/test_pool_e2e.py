@@ -69,25 +69,28 @@ def pool_stats(llm: Any) -> dict[str, float]:
 
 def trace_loads(llm: Any) -> None:
     """Runs inside an engine process: from now on, record what the connector tells vLLM about
-    loads (``get_num_new_matched_tokens``'s answers, ``get_finished``'s finished async loads,
-    the pool worker's ``wait_for_layer_load`` calls in steps with loads); see :func:`load_trace`."""
+    loads (``get_num_new_matched_tokens``'s answers, ``get_transfer_results``' finished async
+    loads, the pool worker's ``wait_for_layer_load`` calls in steps with loads); see
+    :func:`load_trace`."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     sched = llm.llm_engine.engine_core.engine_core.scheduler.connector
     worker = get_kv_transfer_group()
     trace: dict[str, list[Any]] = {"matched": [], "recving": [], "layer_waits": []}
-    match, finished, wait = (sched.get_num_new_matched_tokens, worker.get_finished,
-                             worker.connector_worker.wait_for_layer_load)
+    match, results, wait = (sched.get_num_new_matched_tokens, worker.get_transfer_results,
+                            worker.connector_worker.wait_for_layer_load)
 
     def get_num_new_matched_tokens(request: Any, num_computed_tokens: int) -> Any:
         out = match(request, num_computed_tokens)
         trace["matched"].append(out)
         return out
 
-    def get_finished(finished_req_ids: set[str]) -> Any:
-        sending, recving = finished(finished_req_ids)
-        trace["recving"].extend(sorted(recving or ()))
-        return sending, recving
+    def get_transfer_results(finished_req_ids: set[str]) -> Any:
+        # what vLLM's model runner asks each step (the connector's get_finished with the
+        # failed loads: see AscendStoreConnector.get_transfer_results)
+        out = results(finished_req_ids)
+        trace["recving"].extend(sorted(out.finished_recving))
+        return out
 
     def wait_for_layer_load(layer_name: str, meta: Any = None) -> None:
         if meta is not None and meta.loads:
@@ -95,7 +98,7 @@ def trace_loads(llm: Any) -> None:
         wait(layer_name, meta)
 
     sched.get_num_new_matched_tokens = get_num_new_matched_tokens
-    worker.get_finished = get_finished
+    worker.get_transfer_results = get_transfer_results
     worker.connector_worker.wait_for_layer_load = wait_for_layer_load
     llm._pool_load_trace = trace
 
