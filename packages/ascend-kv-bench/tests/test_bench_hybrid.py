@@ -26,8 +26,8 @@ def test_summary_is_on_over_off_with_the_rounds_interval() -> None:
         samples[("on", n, "bytes")] = [1e6] * 3
         samples[("off", n, "bytes")] = [4e6] * 3
     measured = {"samples": samples, "agree": {2048: [True] * 3, 8192: [True, False, True]},
-                "fit": {("on", 2048): {"requests": 30.0}, ("off", 2048): {"requests": 20.0},
-                        ("on", 8192): {"requests": 9.0}, ("off", 8192): {"requests": 5.0}}}
+                "fit": {("on", 2048): 30.0, ("off", 2048): 20.0, ("on", 8192): 9.0,
+                        ("off", 8192): 5.0}}
     rows = hybrid.summarize(measured, (2048, 8192))
     assert [r["prompt_tokens"] for r in rows] == [2048, 8192]
     first = rows[0]

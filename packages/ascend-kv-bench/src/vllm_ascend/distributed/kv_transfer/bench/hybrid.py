@@ -7,7 +7,8 @@ without it every layer keeps the whole prompt's. ``MooncakeConnectorV1`` serves 
 (8 layers) whose ``layer_types`` alternate ``sliding_attention`` (``--window`` tokens) and
 ``full_attention``, untied embeddings, float32.
 
-Four real vLLM CPU engines run side by side, each in its own process: P and D with HMA on,
+Four real vLLM CPU engines run side by side, each in its own process (bench serve's
+:class:`~.serve.child.EngineChild`): P and D with HMA on,
 P and D with it off (``disable_hybrid_kv_cache_manager``). Each round sends one new prompt of
 each length (2,048 and 8,192 tokens by default) through both pairs, the pair that goes first
 alternating round by round: P prefills it (``max_tokens=1``), D gets P's params and computes
@@ -33,21 +34,21 @@ sample in the ledger. Writes ``<out>/hybrid.json``; never fails on a number.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
-import multiprocessing as mp
-import os
 import random
 import statistics
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from vllm_ascend.distributed.kv_transfer.core.net import free_port
+
 from .benchutil import add_common_args, format_table, write_results
 from .ledger import series
+from .serve.child import EngineChild
+from .serve.scenarios import make_model
 from .serve.spec import BENCH_MODEL, QUICK_MODEL
 from .stats import compare
 
@@ -68,136 +69,46 @@ def model_spec(window: int, quick: bool) -> dict[str, Any]:
     return base
 
 
-def make_model(path: Path, spec: dict[str, Any]) -> Path:
-    """Save the random-weight model of ``spec`` to ``path`` once."""
-    marker = path / ".bench-spec.json"
-    if marker.exists() and json.loads(marker.read_text()) == spec:
-        return path
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**spec)).to(torch.float32).save_pretrained(path)
-    marker.write_text(json.dumps(spec))
-    return path
-
-
 # ---------------------------------------------------------------------- engine processes
-def _engine_child(conn: Any, kwargs: dict[str, Any], env: dict[str, str]) -> None:
-    """One engine: answers ``(op, args)`` from the parent until ``close``."""
-    os.environ.update(env)
+#: this module, for the functions an engine runs (:meth:`EngineChild.probe`)
+HERE = __name__
+
+
+def kv_cache_groups(llm: Any) -> list[str]:
+    """Runs in an engine: its KV cache groups' spec classes."""
+    cfg = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
+    return [type(g.kv_cache_spec).__name__ for g in cfg.kv_cache_groups]
+
+
+def bytes_moved(llm: Any) -> float:
+    """Runs in an engine: the bytes its P/D connector moved so far (``p2p_transfer_bytes``)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    recorder = getattr(get_kv_transfer_group(), "recorder", None)
+    return float(recorder.totals().get("p2p_transfer_bytes", 0)) if recorder else 0.0
+
+
+def requests_that_fit(llm: Any, tokens: int) -> float:
+    """Runs in an engine: requests of ``tokens`` tokens its KV cache holds at once (vLLM's own
+    ``get_max_concurrency_for_kv_cache_config``)."""
+    from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
+
+    core = llm.llm_engine.engine_core.engine_core
+    vc, kcc = core.vllm_config, core.scheduler.kv_cache_config
+    saved = vc.model_config.max_model_len
     try:
-        from vllm import LLM, SamplingParams
-        from vllm.distributed.kv_transfer import get_kv_transfer_group
-        from vllm.inputs import TokensPrompt
-        from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
-
-        llm = LLM(**kwargs)
-        core = llm.llm_engine.engine_core.engine_core
-    except Exception as exc:
-        import traceback
-
-        conn.send(("error", f"{exc}\n{traceback.format_exc()}"))
-        return
-    conn.send(("ready", [type(g.kv_cache_spec).__name__
-                         for g in core.scheduler.kv_cache_config.kv_cache_groups]))
-
-    def totals() -> dict[str, float]:
-        recorder = getattr(get_kv_transfer_group(), "recorder", None)
-        return recorder.totals() if recorder is not None else {}
-
-    while True:
-        op, args = conn.recv()
-        try:
-            if op == "close":
-                conn.send(("ok", None))
-                return
-            if op == "generate":
-                sp = SamplingParams(max_tokens=args["max_tokens"], temperature=0.0,
-                                    ignore_eos=True, detokenize=False,
-                                    extra_args={"kv_transfer_params": args["params"]})
-                before = totals()
-                start = time.perf_counter()
-                out = llm.generate([TokensPrompt(prompt_token_ids=args["prompt"])], sp,
-                                   use_tqdm=False)[0]
-                took = time.perf_counter() - start
-                after = totals()
-                moved = after.get("p2p_transfer_bytes", 0) - before.get("p2p_transfer_bytes", 0)
-                conn.send(("ok", {"seconds": took, "tokens": list(out.outputs[0].token_ids),
-                                  "params": out.kv_transfer_params, "bytes": moved,
-                                  "finish": str(out.outputs[0].finish_reason)}))
-            elif op == "fit":
-                vc, kcc = core.vllm_config, core.scheduler.kv_cache_config
-                saved = vc.model_config.max_model_len
-                try:
-                    vc.model_config.max_model_len = int(args["tokens"])
-                    fit = get_max_concurrency_for_kv_cache_config(vc, kcc)
-                finally:
-                    vc.model_config.max_model_len = saved
-                conn.send(("ok", {"requests": float(fit), "num_blocks": kcc.num_blocks}))
-            else:
-                conn.send(("error", f"unknown op {op!r}"))
-        except Exception as exc:  # reported to the parent, which fails the run
-            conn.send(("error", f"{type(exc).__name__}: {exc}"))
-
-
-class Engine:
-    """A vLLM engine in a process of its own (spawned), driven over a pipe."""
-
-    def __init__(self, name: str, kwargs: dict[str, Any], env: dict[str, str],
-                 timeout: float) -> None:
-        ctx = mp.get_context("spawn")
-        self.name, self.timeout = name, timeout
-        self._conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_engine_child, args=(child, kwargs, env), daemon=True)
-        self.proc.start()
-
-    def ready(self) -> list[str]:
-        """Wait for the engine; its KV cache groups' spec classes."""
-        return self._answer()
-
-    def call(self, op: str, **args: Any) -> Any:
-        self._conn.send((op, args))
-        return self._answer()
-
-    def _answer(self) -> Any:
-        if not self._conn.poll(self.timeout):
-            raise TimeoutError(f"engine {self.name} did not answer within {self.timeout:.0f}s")
-        status, payload = self._conn.recv()
-        if status == "error":
-            raise RuntimeError(f"engine {self.name}: {payload}")
-        return payload
-
-    def close(self) -> None:
-        try:
-            if self.proc.is_alive():
-                self.call("close")
-        except Exception:  # closing anyway
-            pass
-        self.proc.join(30)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(10)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        vc.model_config.max_model_len = int(tokens)
+        return float(get_max_concurrency_for_kv_cache_config(vc, kcc))
+    finally:
+        vc.model_config.max_model_len = saved
 
 
 @contextmanager
 def engines(model: Path, *, block_size: int, max_len: int, kv_space_gib: int, timeout: float,
-            batched_tokens: int) -> Iterator[dict[tuple[str, str], Engine]]:
-    """P and D with HMA on and off: ``{(mode, "p" or "d"): Engine}``, started side by side."""
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": str(kv_space_gib),
-           "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "VLLM_HOST_IP": os.environ.get("VLLM_HOST_IP", "127.0.0.1"),
-           "VLLM_ASCEND_KV_HOST": os.environ.get("VLLM_ASCEND_KV_HOST", "127.0.0.1"),
-           "MC_TCP_BIND_ADDRESS": os.environ.get("MC_TCP_BIND_ADDRESS", "127.0.0.1")}
-    started: dict[tuple[str, str], Engine] = {}
+            batched_tokens: int, logs: Path) -> Iterator[dict[tuple[str, str], EngineChild]]:
+    """P and D with HMA on and off: ``{(mode, "p" or "d"): EngineChild}`` (bench serve's
+    engine processes, their output in ``logs``)."""
+    started: dict[tuple[str, str], EngineChild] = {}
     try:
         for mode in MODES:
             for role, kv_role in (("p", "kv_producer"), ("d", "kv_consumer")):
@@ -208,17 +119,18 @@ def engines(model: Path, *, block_size: int, max_len: int, kv_space_gib: int, ti
                     max_num_batched_tokens=batched_tokens,
                     kv_transfer_config={
                         "kv_connector": "MooncakeConnectorV1", "kv_role": kv_role,
-                        "kv_port": _free_port(), "engine_id": f"hybrid-{mode}-{role}",
+                        "kv_port": free_port(), "engine_id": f"hybrid-{mode}-{role}",
                         "kv_load_failure_policy": "fail",
                         "kv_connector_extra_config": {"lease_ttl_s": 120,
                                                       "load_timeout_s": timeout}})
                 if mode == "off":
                     kw["disable_hybrid_kv_cache_manager"] = True
-                started[(mode, role)] = Engine(f"{mode}/{role}", kw, env, timeout)
-        groups = {key: e.ready() for key, e in started.items()}
-        for (mode, _role), found in groups.items():
-            if (len(found) > 1) != (mode == "on"):
-                raise RuntimeError(f"HMA {mode} engine has KV cache groups {found}")
+                engine = EngineChild(kw, env={"VLLM_CPU_KVCACHE_SPACE": str(kv_space_gib)},
+                                     log=logs / f"{mode}-{role}.log", timeout=timeout)
+                started[(mode, role)] = engine
+                found = engine.probe(f"{HERE}:kv_cache_groups")
+                if (len(found) > 1) != (mode == "on"):
+                    raise RuntimeError(f"HMA {mode} engine has KV cache groups {found}")
         yield started
     finally:
         for e in started.values():
@@ -226,20 +138,23 @@ def engines(model: Path, *, block_size: int, max_len: int, kv_space_gib: int, ti
 
 
 # ---------------------------------------------------------------------- the rounds
-def one_request(p: Engine, d: Engine, prompt: list[int]) -> dict[str, Any]:
+def one_request(p: EngineChild, d: EngineChild, prompt: list[int]) -> dict[str, Any]:
     """P prefills ``prompt``, D computes its first token from P's KV."""
-    pre = p.call("generate", prompt=prompt, max_tokens=1,
-                 params={"do_remote_decode": True, "do_remote_prefill": False})
-    params = pre["params"]
+    [pre] = p.generate([prompt], kv_params=[{"do_remote_decode": True,
+                                             "do_remote_prefill": False}])["outputs"]
+    params = pre["kv_transfer_params"]
     if not isinstance(params, dict) or not params.get("do_remote_prefill"):
         raise RuntimeError(f"P returned no kv_transfer_params: {pre}")
-    out = d.call("generate", prompt=prompt, max_tokens=1, params=params)
-    if out["finish"] not in ("length", "FinishReason.LENGTH"):
-        raise RuntimeError(f"D's request ended with {out['finish']}")
-    return {"ttft": out["seconds"], "bytes": out["bytes"], "token": out["tokens"][:1]}
+    before = d.probe(f"{HERE}:bytes_moved")
+    out = d.generate([prompt], kv_params=[params])
+    [got] = out["outputs"]
+    if got["finish_reason"] != "length":
+        raise RuntimeError(f"D's request ended with {got['finish_reason']}")
+    return {"ttft": out["seconds"], "bytes": d.probe(f"{HERE}:bytes_moved") - before,
+            "token": got["tokens"][:1]}
 
 
-def run_rounds(pairs: dict[tuple[str, str], Engine], lengths: tuple[int, ...], rounds: int,
+def run_rounds(pairs: dict[tuple[str, str], EngineChild], lengths: tuple[int, ...], rounds: int,
                vocab: int) -> dict[str, Any]:
     """``rounds`` alternating rounds; the samples by mode, length and metric."""
     rng = random.Random(52)
@@ -258,7 +173,7 @@ def run_rounds(pairs: dict[tuple[str, str], Engine], lengths: tuple[int, ...], r
             agree[n].append(first["on"] == first["off"])
         print(f"\rround {r + 1}/{rounds}", end="", flush=True)
     print()
-    fit = {(mode, n): pairs[(mode, "d")].call("fit", tokens=n)
+    fit = {(mode, n): pairs[(mode, "d")].probe(f"{HERE}:requests_that_fit", tokens=n)
            for mode in MODES for n in lengths}
     return {"samples": samples, "agree": agree, "fit": fit}
 
@@ -274,9 +189,8 @@ def summarize(measured: dict[str, Any], lengths: tuple[int, ...]) -> list[dict[s
             row[f"{metric}_off"] = statistics.median(off)
             row[f"{metric}_on_over_off"] = compare(on, off).as_dict()
         fit_on, fit_off = measured["fit"][("on", n)], measured["fit"][("off", n)]
-        row["fit_on"], row["fit_off"] = fit_on["requests"], fit_off["requests"]
-        row["fit_on_over_off"] = (fit_on["requests"] / fit_off["requests"]
-                                  if fit_off["requests"] else math.nan)
+        row["fit_on"], row["fit_off"] = fit_on, fit_off
+        row["fit_on_over_off"] = fit_on / fit_off if fit_off else math.nan
         row["first_token_agrees"] = all(measured["agree"][n])
         rows.append(row)
     return rows
@@ -294,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
     batched = min(args.max_batched_tokens, max_len)
     with engines(model, block_size=args.block_size, max_len=max_len,
                  kv_space_gib=args.kv_space_gib, timeout=args.timeout,
-                 batched_tokens=batched) as pairs:
+                 batched_tokens=batched, logs=Path(args.out) / "hybrid-logs") as pairs:
         measured = run_rounds(pairs, lengths, rounds, int(spec["vocab_size"]))
     rows = summarize(measured, lengths)
     payload = {"model": spec, "block_size": args.block_size, "window": args.window,

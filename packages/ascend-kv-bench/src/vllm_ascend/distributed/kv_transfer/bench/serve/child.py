@@ -168,6 +168,12 @@ def _child_main() -> int:
                     engine.step()
                     time.sleep(0.05)
                 answer("ok", ok)
+            elif op == "call":
+                # a function of an importable module run on the engine, ``module:name``
+                # (as ``ascend_kv_testing``'s ``EngineProcess.call``): ``fn(llm, **args)``
+                module, _, name = str(cmd["fn"]).partition(":")
+                fn = getattr(importlib.import_module(module), name)
+                answer("ok", fn(llm, **cmd.get("args", {})))
             elif op == "settle":
                 # let background saves finish: step while anything is pending, then wait
                 settled = settle(float(cmd.get("timeout", 10)))
@@ -351,6 +357,11 @@ class EngineChild:
         self.resume()
         self._send({"op": op, **args})
         return self._answer(timeout)
+
+    def probe(self, fn: str, timeout: float = 120.0, **args: Any) -> Any:
+        """Run ``module:function`` in the engine process as ``function(llm, **args)`` and
+        return what it returns (JSON)."""
+        return self.call("call", timeout, fn=fn, args=args)
 
     def generate(self, prompts: list[list[int]], *, max_tokens: int = 1,
                  kv_params: list[dict[str, Any] | None] | None = None,
