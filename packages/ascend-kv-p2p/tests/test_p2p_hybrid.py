@@ -38,7 +38,6 @@ from vllm_ascend.distributed.kv_transfer.kv_p2p import register
 from vllm_ascend.distributed.kv_transfer.kv_p2p.errors import KVParamsError
 from vllm_ascend.distributed.kv_transfer.kv_p2p.params import parse_remote_prefill
 from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.groups import (
-    hold_runs,
     pair_blocks,
     predicted_claim,
 )
@@ -190,13 +189,13 @@ def test_hybrid_d_refuses_params_of_one_group(model_dir: Path) -> None:
 
 
 # ---------------------------------------------------------------- pull.groups
-def test_hold_runs_skip_the_freed_head_of_a_window() -> None:
-    held, runs = hold_runs(GROUPS, ([0, 0, 7, 8, 9], [1, 2, 3, 4, 5, 6]), prompt_len=150)
+def test_runs_skip_the_freed_head_of_a_window() -> None:
+    held, runs = GROUPS.runs(([0, 0, 7, 8, 9], [1, 2, 3, 4, 5, 6]), 150)
     assert held == [7, 8, 9, 1, 2, 3, 4, 5] and runs == [(2, 3), (0, 5)]
     with pytest.raises(ValueError, match="freed block"):
-        hold_runs(GROUPS, ([0, 7, 0, 9, 10], [1, 2, 3, 4, 5]), prompt_len=150)
+        GROUPS.runs(([0, 7, 0, 9, 10], [1, 2, 3, 4, 5]), 150)
     with pytest.raises(ValueError, match="lists of block ids"):
-        hold_runs(GROUPS, ([1, 2],), prompt_len=40)
+        GROUPS.runs(([1, 2],), 40)
 
 
 def test_pair_blocks_by_position_and_refuse_a_window_p_freed() -> None:

@@ -117,6 +117,37 @@ class KVGroups:
             return []
         return [f"{g.describe()}:{','.join(g.layers)}" for g in self.groups]
 
+    def runs(self, block_ids: Sequence[Sequence[int]], num_tokens: int
+             ) -> tuple[list[int], list[tuple[int, int]]]:
+        """A request's blocks of every group for its first ``num_tokens`` tokens, from the
+        first one vLLM still keeps (a window's or a state's earlier ones are the null block),
+        one group's run after another; and each run's ``(first position, count)``.
+
+        Args:
+            block_ids: the request's block ids, one list per group, by position.
+            num_tokens: tokens whose blocks count (positions past them are left out).
+
+        Raises:
+            ValueError: not a list per group, or a null block after a kept one (a shape a
+                run cannot describe).
+        """
+        if len(block_ids) != len(self.groups):
+            raise ValueError(f"{len(block_ids)} lists of block ids for {len(self.groups)} "
+                             "KV cache groups")
+        blocks: list[int] = []
+        runs: list[tuple[int, int]] = []
+        for group, ids in zip(self.groups, block_ids, strict=True):
+            bs = group.block_size or 1
+            head = list(ids[: -(-num_tokens // bs)])
+            first = next((i for i, b in enumerate(head) if b != NULL_BLOCK), len(head))
+            run = head[first:]
+            if NULL_BLOCK in run:
+                raise ValueError(f"group {group.index} ({group.describe()}) has a freed block "
+                                 f"after position {first}: {head}")
+            blocks.extend(run)
+            runs.append((first, len(run)))
+        return blocks, runs
+
     def describe(self) -> str:
         """One line naming every group, for errors and ``doctor``."""
         return "; ".join(_shown(g) for g in self.groups)

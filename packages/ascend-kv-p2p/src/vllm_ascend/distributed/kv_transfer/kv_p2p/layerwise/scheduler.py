@@ -128,7 +128,7 @@ class LayerwiseScheduler(SchedulerBase):
         #: D leaves the prompt's last token to compute with a sliding window among the groups
         #: (as the pull does, :mod:`..pull.groups`): vLLM frees the window's blocks by the
         #: tokens loaded, and recomputing the last one would need a block it freed
-        self._leave_last = self.groups.hybrid and self.groups.has_window
+        self._leave_last = self.groups.leaves_last_token
         self._recv: dict[str, RecvReq] = {}
         self._push: dict[str, _PushProgress] = {}
         self._pending_pushes: dict[str, PushReq] = {}
@@ -182,9 +182,8 @@ class LayerwiseScheduler(SchedulerBase):
         n_blocks = math.ceil(prompt_len / self.block_size)
         runs: list[tuple[int, int]] = []
         if self.groups.hybrid:
-            local, runs = kept_runs(blocks.get_block_ids(),
-                                    end=math.ceil((prompt_len - self._leave_last)
-                                                  / self.block_size))
+            # the blocks D's manager keeps of each group (a window's freed ones are null)
+            local, runs = self.groups.runs(blocks.get_block_ids(), prompt_len - self._leave_last)
             n_blocks = len(local)
         else:
             local = list(blocks.get_block_ids()[0][:n_blocks])
@@ -355,21 +354,6 @@ class LayerwiseScheduler(SchedulerBase):
     def shutdown(self) -> None:
         if self.metaserver is not None:
             self.metaserver.close()
-
-
-def kept_runs(block_ids: tuple[list[int], ...] | list[list[int]], *, end: int
-              ) -> tuple[list[int], list[tuple[int, int]]]:
-    """D with several KV cache groups: the blocks its manager keeps of each group up to
-    position ``end`` (a window's freed ones are the null block), one group's run after
-    another, and each run's ``(first position, count)`` (``remote_block_groups``)."""
-    local: list[int] = []
-    runs: list[tuple[int, int]] = []
-    for group in block_ids:
-        ids = list(group[:end])
-        first = next((i for i, b in enumerate(ids) if b != NULL_BLOCK), len(ids))
-        local.extend(ids[first:])
-        runs.append((first, len(ids) - first))
-    return local, runs
 
 
 def push_blocks(target: PushTarget, block_ids: list[list[int]], first: int, stop: int

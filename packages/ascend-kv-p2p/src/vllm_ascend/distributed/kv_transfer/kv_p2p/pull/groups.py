@@ -10,7 +10,8 @@ group) beside the runs themselves, one after another (``remote_block_ids``). D r
 group, the positions its own manager keeps (a window's, not the whole prompt's), each into the
 block it allocated at that position.
 
-Everything past this module sees two lists of equal length, D's blocks and P's: the layout
+P's runs are :meth:`~vllm_ascend.distributed.kv_transfer.core.kv_groups.KVGroups.runs` of
+the prompt P computed. Everything past this module sees two lists of equal length, D's blocks and P's: the layout
 moves a block of each tensor per pair, and a tensor vLLM shares between a layer of each group
 holds the KV of the group that owns the block id
 (:attr:`~vllm_ascend.distributed.kv_transfer.core.layout.KVCacheLayout.aliases`).
@@ -18,47 +19,12 @@ holds the KV of the group that owns the block id
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 from vllm_ascend.distributed.kv_transfer.core.kv_groups import NULL_BLOCK, KVGroups
 
 #: a group's run in P's list: (first position held, blocks held)
 Run = tuple[int, int]
-
-
-def hold_runs(groups: KVGroups, block_ids: Sequence[Sequence[int]], prompt_len: int
-              ) -> tuple[list[int], list[Run]]:
-    """P's side: the blocks to hold of each group, one run after another, and the runs.
-
-    Args:
-        groups: P's KV cache groups.
-        block_ids: the request's block ids, one list per group, by position.
-        prompt_len: tokens of the prompt (positions past it are not held).
-
-    Returns:
-        ``(held, runs)``: the block ids held, and ``[first position, count]`` of each group.
-
-    Raises:
-        ValueError: a group's list has a null block after a real one (a shape this pull
-            cannot describe), or not as many lists as groups.
-    """
-    if len(block_ids) != len(groups.groups):
-        raise ValueError(f"{len(block_ids)} lists of block ids for {len(groups.groups)} "
-                         "KV cache groups")
-    held: list[int] = []
-    runs: list[Run] = []
-    for group, ids in zip(groups.groups, block_ids, strict=True):
-        bs = group.block_size or 1
-        prompt = list(ids[: math.ceil(prompt_len / bs)])
-        first = next((i for i, b in enumerate(prompt) if b != NULL_BLOCK), len(prompt))
-        run = prompt[first:]
-        if NULL_BLOCK in run:
-            raise ValueError(f"group {group.index} ({group.describe()}) has a freed block "
-                             f"after position {first}: {prompt}")
-        held.extend(run)
-        runs.append((first, len(run)))
-    return held, runs
 
 
 def pair_blocks(groups: KVGroups, runs: Sequence[Run], remote_ids: Sequence[int],
@@ -70,7 +36,7 @@ def pair_blocks(groups: KVGroups, runs: Sequence[Run], remote_ids: Sequence[int]
 
     Args:
         groups: D's KV cache groups (the handshake checks P's are the same).
-        runs: P's runs (:func:`hold_runs`).
+        runs: P's runs (``KVGroups.runs`` of P's groups).
         remote_ids: P's held block ids (``remote_block_ids``).
         local: D's block ids, one list per group, by position (null where D keeps none).
         computed_tokens: tokens D holds already (its prefix hit, whole blocks).

@@ -61,7 +61,7 @@ from .contract import (
     register_claimer,
     unregister_claimer,
 )
-from .groups import hold_runs, pair_blocks, predicted_claim
+from .groups import pair_blocks, predicted_claim
 from .stages import expand_over_stages
 from .window import in_window, stamp, window_end
 
@@ -335,7 +335,7 @@ class PullScheduler(SchedulerBase):
         prompt_len = request.num_prompt_tokens
         runs: list[tuple[int, int]] = []
         if groups is not None:
-            held, runs = hold_runs(self.groups, groups, prompt_len)
+            held, runs = self.groups.runs(groups, prompt_len)
         else:
             held = list(block_ids[: math.ceil(prompt_len / self.block_size)])
         if not held:
