@@ -167,6 +167,9 @@ class PProcess:
         self._cont.start()
 
     def resume(self) -> None:
+        """SIGCONT now (a pending timed resume is dropped: it would end a later pause)."""
+        if self._cont is not None and self._cont is not threading.current_thread():
+            self._cont.cancel()
         os.kill(self.proc.pid, signal.SIGCONT)
 
     def close(self) -> None:
@@ -315,8 +318,14 @@ def test_p_paused_before_the_handshake(p: Any, fault_report: Any) -> None:
     try:
         p.proc.hold("h1", [3, 4])
         assert wait_for(lambda: p.proc.held()[0] == 1, 5)
-        p.proc.pause(3 * HANDSHAKE_S + 0.5)
+        # P stays stopped until D's GetMeta has timed out at least once (a fixed pause
+        # raced D's thread on a loaded machine: D's first call could start after it)
+        p.proc.pause(15.0)
         pull(d, p, "h1", [3, 4], [1, 2])
+        timed_out = wait_for(lambda: d.recorder.total(
+            "p2p_read_retries", reason="peer_timeout") >= 1, 12)
+        p.proc.resume()
+        assert timed_out, "D's GetMeta to a stopped P never timed out"
         seen, failed, took = ends(d, "h1", 30)
         assert fault_report.check("deadline", (seen, failed) == (1, set()),
                                   f"reported {seen}x, failed blocks {failed}")

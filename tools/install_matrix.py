@@ -93,7 +93,14 @@ def make_env(path: Path) -> Path:
 
 
 def pip(py: Path, *args: str) -> None:
-    sh("uv", "pip", "install", "--quiet", "--python", str(py), *args)
+    """Install into ``py``'s environment; tried once more after a failure (a package index
+    that did not answer), the second try's error being the one reported."""
+    cmd = ("uv", "pip", "install", "--quiet", "--python", str(py), *args)
+    try:
+        sh(*cmd)
+    except subprocess.CalledProcessError as exc:
+        print(f"install failed ({exc.returncode}); trying once more", flush=True)
+        sh(*cmd)
 
 
 #: The environment of every check: nothing of this machine's beyond the basics.
