@@ -132,8 +132,10 @@ class Row:
 
 
 def _matches(entry: Mapping[str, Any], config: Mapping[str, Any]) -> bool:
+    """Whether the run was made with the options a row names: each equal to the row's value,
+    or accepted by it where the row gives a test (a comma-separated list that holds 256)."""
     have = entry.get("config") or {}
-    return all(have.get(k) == v for k, v in config.items())
+    return all(v(have.get(k)) if callable(v) else have.get(k) == v for k, v in config.items())
 
 
 def judge(spec: Any, entries: Sequence[Mapping[str, Any]],
@@ -155,7 +157,8 @@ def judge(spec: Any, entries: Sequence[Mapping[str, Any]],
         return Row(spec, entry, stale, None, False, why)
     if measured.rounds < MIN_ROUNDS:
         return Row(spec, entry, stale, measured, False,
-                   f"{measured.rounds} rounds, fewer than {MIN_ROUNDS}")
+                   f"{measured.rounds} round{'s' if measured.rounds != 1 else ''}, fewer "
+                   f"than {MIN_ROUNDS}")
     if stale:
         return Row(spec, entry, stale, measured, False, "stale")
     return Row(spec, entry, stale, measured, bool(measured.met), "")
@@ -173,6 +176,9 @@ def value_cell(m: Any) -> str:
     """``0.93 (95%: 0.91–0.95), 16 blocks``."""
     if m is None:
         return "–"
+    if m.rounds < 2:  # one round has no interval
+        return f"{fmt(m.value)}{m.unit} (1 round: no interval)" + (f", {m.where}" if m.where
+                                                                   else "")
     out = f"{fmt(m.value)}{m.unit} ({fmt(m.low)}–{fmt(m.high)}{m.unit})"
     return out + (f", {m.where}" if m.where else "")
 

@@ -112,8 +112,10 @@ class GoalSpec:
         peer: what ours is compared with.
         measure: reads the row's figures from a ledger entry's raw samples; None where the
             section records no samples for it yet (the row then says so, not met).
-        config: options the run must have been made with (``{"layers": 64}``): the row
-            reads the latest run of its section with these options, whatever its result.
+        config: options the run must have been made with (``{"layers": 64}``), a value or a
+            test of the option's value (``{"instances": lambda v: "256" in v.split(",")}``):
+            the row reads the latest run of its section with these options, whatever its
+            result.
         rank: place in the table (lower first).
     """
 
@@ -121,7 +123,7 @@ class GoalSpec:
     section: str
     peer: str
     measure: Callable[[Mapping[str, Any]], Measured | None] | None = None
-    config: Mapping[str, Any] = field(default_factory=dict)
+    config: Mapping[str, Any] = field(default_factory=dict)  # value, or Callable[[Any], bool]
     rank: float = 100.0
 
 

@@ -389,10 +389,10 @@ def test_the_page_is_the_same_from_the_same_ledger_and_check_fails_on_a_differen
 
 
 def test_a_run_of_a_section_without_a_module_is_listed(tmp_path: Path) -> None:
-    entries = _stored(tmp_path, [_entry("fleet", {"x": 1})])
+    entries = _stored(tmp_path, [_entry("nosuchbench", {"x": 1})])
     page = render.render(entries, HEAD, tmp_path, draw=False)
-    assert "fleet: 1 run" in page
-    assert "without a module in `benchmarks/sections/` (not rendered): fleet." in page
+    assert "nosuchbench: 1 run" in page
+    assert "without a module in `benchmarks/sections/` (not rendered): nosuchbench." in page
 
 
 def test_offload_copies_against_the_faster_memcpy_of_each_round(tmp_path: Path) -> None:

@@ -61,6 +61,7 @@ MEASURED: dict[str, tuple[str, ...]] = {
     "control": (_CORE, _P2P),
     "client": (_CORE, _P2P),
     "router": (_CORE, _P2P),
+    "fleet": (_CORE, _P2P),
     "pool": (_CORE, _POOL),
     "trace": (_POOL,),
     "offload": (_CORE, _OFFLOAD),

@@ -1,0 +1,255 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Section of ``bench fleet``: our proxy and ``vllm-router`` side by side in front of a
+simulated fleet (16 to 256 instances, ``docs/fleet-simulation.md``).
+
+Every figure comes from the per-request samples a run keeps (``result.runs[].samples``: each
+request's status, router-added seconds, cached and prompt tokens, modelled TTFT) and the
+run's own counters (its wall time, the router process's CPU seconds a request, the offline
+best hit rate of its requests, the churn events). A run of ``--rounds`` repeats every router
+at every point; a figure over rounds is the median of the rounds' figures with a 95%
+bootstrap interval over the rounds, and a figure of one round has no interval.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from ._common import GoalSpec, Images, Measured, Section, fmt, judged_ratio, md_table, num, worst
+
+logger = logging.getLogger(__name__)
+
+#: The goals of issue 53: routing quality at least vllm-router's best policy on every
+#: trace; router p99 added latency at most 2 ms at 1,000 requests/s with 256 instances; no
+#: request lost under churn.
+P99_MS, P99_RATE, P99_INSTANCES = 2.0, 1000.0, 256
+ALL_TRACES = ("conversation", "deep-prefix-tree", "zipf-scans")
+OURS, PEER = "ours", "vllm-router"
+Key = tuple[int, str, str, str, float, bool]
+
+
+# ---------------------------------------------------------------------- figures of a run
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q``-th percentile, linear between closest ranks (as the bench computes it)."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def figures(run: Mapping[str, Any]) -> dict[str, float | None]:
+    """One run's figures from its per-request samples: completed a second, failures,
+    router-added p50/p99 (ms), modelled TTFT p99 (ms), hit rate and hit rate / the offline
+    best, router CPU ms a completed request."""
+    samples = [s for s in run.get("samples") or [] if isinstance(s, Mapping)]
+    ok = [s for s in samples if s.get("status") == 200]
+    router = [float(s["router_s"]) * 1e3 for s in ok if num(s.get("router_s")) is not None]
+    ttft = [float(s["ttft_model_s"]) * 1e3 for s in ok
+            if num(s.get("ttft_model_s")) is not None]
+    prompt = sum(int(s.get("prompt_tokens") or 0) for s in ok)
+    hit = sum(int(s.get("cached_tokens") or 0) for s in ok) / prompt if prompt else None
+    best, wall = num(run.get("best_hit_rate")), num(run.get("wall_s"))
+    return {"requests": float(len(samples)), "failed": float(len(samples) - len(ok)),
+            "done_per_s": len(ok) / wall if wall else None,
+            "router_p50_ms": percentile(router, 50), "router_p99_ms": percentile(router, 99),
+            "ttft_p99_ms": percentile(ttft, 99), "hit_rate": hit,
+            "hit_vs_best": hit / best if hit is not None and best else None,
+            "cpu_ms": num(run.get("router_cpu_ms_per_request"))}
+
+
+def key_of(run: Mapping[str, Any]) -> Key:
+    """What a run measured: fleet size, trace, router, policy, rate, churn (not the round)."""
+    return (int(run.get("instances") or 0), str(run.get("trace")), str(run.get("router")),
+            str(run.get("policy")), float(run.get("rate") or 0.0), bool(run.get("churn")))
+
+
+def by_point(result: Mapping[str, Any]) -> dict[Key, list[Mapping[str, Any]]]:
+    """The runs that started (``status`` ok) grouped by what they measured, round by round
+    (a run without ``round`` is round 0)."""
+    out: dict[Key, list[Mapping[str, Any]]] = {}
+    for run in result.get("runs") or []:
+        if isinstance(run, Mapping) and run.get("status") == "ok":
+            out.setdefault(key_of(run), []).append(run)
+    return {k: sorted(v, key=lambda r: int(r.get("round") or 0)) for k, v in out.items()}
+
+
+def per_round(runs: Iterable[Mapping[str, Any]], name: str) -> list[float]:
+    """Figure ``name`` of each round (rounds without it left out)."""
+    return [v for v in (figures(r)[name] for r in runs) if v is not None]
+
+
+def cell(values: Sequence[float]) -> str:
+    """One round: its figure; several: the median over the rounds [95% bootstrap]."""
+    if not values:
+        return "–"
+    if len(values) == 1:
+        return fmt(values[0])
+    from vllm_ascend.distributed.kv_transfer.bench.stats import compare_difference
+
+    st = compare_difference(list(values), [0.0] * len(values))
+    return f"{fmt(st.ratio)} [{fmt(st.low)}–{fmt(st.high)}]"
+
+
+# ---------------------------------------------------------------------- the body
+def section_fleet(d: dict[str, Any], images: Images) -> str:
+    """Body of the section: one table of the runs without churn, one of the churn runs."""
+    del images
+    cfg = d.get("config") or {}
+    cost = cfg.get("cost_model") or {}
+    points = by_point(d)
+    rounds = max((len(v) for v in points.values()), default=0)
+    out = [f"Fleet sizes {', '.join(map(str, cfg.get('instances') or []))} (half P, half D), "
+           f"traces {', '.join(cfg.get('traces') or [])}, {cfg.get('duration_s')} s of Poisson "
+           f"arrivals a point, {cfg.get('output_len')} output tokens, "
+           f"{cfg.get('capacity_blocks')} cached blocks an instance, the cost model's times "
+           f"times {cost.get('scale')}; {rounds} round(s) a point. `router-added`: client "
+           "latency minus P's and D's time inside the instances (the row `none` is the "
+           "client routing alone); `hit / best`: P's cached tokens over prompt tokens, over "
+           "the offline best of the same requests; `CPU`: the router process's CPU "
+           "milliseconds a completed request. "
+           + ("Cells: median over the rounds [95% bootstrap interval]. " if rounds > 1
+              else "One round a point: no interval. ")
+           + "Every figure from the run's per-request samples.\n\n"]
+    rows = []
+    for k, runs in sorted(points.items()):
+        if k[5]:
+            continue
+        rows.append({"n": k[0], "trace": k[1], "router": f"{k[2]}:{k[3]}", "rate": k[4],
+                     "rounds": len(runs),
+                     **{f: cell(per_round(runs, f)) for f in (
+                         "done_per_s", "failed", "router_p50_ms", "router_p99_ms", "cpu_ms",
+                         "hit_vs_best", "ttft_p99_ms")}})
+    if rows:
+        out.append(md_table(rows, ["n", "trace", "router", "rate", "rounds", "done_per_s",
+                                   "failed", "router_p50_ms", "router_p99_ms", "cpu_ms",
+                                   "hit_vs_best", "ttft_p99_ms"],
+                            ["N", "trace", "router:policy", "rate/s", "rounds", "done/s",
+                             "failed", "router-added p50 ms", "p99 ms", "CPU ms/request",
+                             "hit / best", "modelled TTFT p99 ms"]))
+    failed = [r for r in d.get("runs") or [] if isinstance(r, Mapping)
+              and r.get("status") != "ok"]
+    if failed:
+        out.append("\nRouters that did not start: " + "; ".join(
+            f"N={r.get('instances')} {r.get('router')}:{r.get('policy')} "
+            f"({fmt(str(r.get('reason', ''))[-120:])})" for r in failed) + ".\n")
+    churn = _churn_rows(points)
+    if churn:
+        out.append("\nUnder churn (10% of P added, drained and killed mid-run, at the highest "
+                   "rate on the first trace): failed requests, seconds from the router's add "
+                   "to a new P's first request (– where the router refused the add), and "
+                   "from a P's death to the last request routed to it:\n\n")
+        out.append(md_table(churn, ["n", "router", "rate", "requests", "failed", "take_in",
+                                    "stop", "add"],
+                            ["N", "router:policy", "rate/s", "requests", "failed",
+                             "take-in s", "stop-routing s", "the router's answer to add"]))
+    return "".join(out)
+
+
+def _churn_rows(points: Mapping[Key, list[Mapping[str, Any]]]) -> list[dict[str, Any]]:
+    rows = []
+    for k, runs in sorted(points.items()):
+        if not k[5]:
+            continue
+        for r in runs:
+            cf = r.get("churn_figures") or {}
+            adds = [e for e in cf.get("events") or [] if e.get("what") == "add"]
+            f = figures(r)
+            rows.append({
+                "n": k[0], "router": f"{k[2]}:{k[3]}", "rate": k[4], "requests": f["requests"],
+                "failed": f["failed"],
+                "take_in": ", ".join(fmt(num(x)) for x in cf.get("take_in_s") or []),
+                "stop": ", ".join(fmt(num(x)) for x in cf.get("stop_routing_s") or []),
+                "add": "ok" if adds and all(e.get("router_ok") for e in adds)
+                else str((adds[0] if adds else {}).get("router_answer", "–"))[:80]})
+    return rows
+
+
+# ---------------------------------------------------------------------- goals
+def _best_policy(points: Mapping[Key, list[Mapping[str, Any]]], where: tuple[int, str, float],
+                 router: str) -> list[float] | None:
+    """The per-round hit / best of ``router``'s best policy at one point (the policy of the
+    highest median over the rounds: each router at its own best)."""
+    cands = [per_round(runs, "hit_vs_best") for k, runs in points.items()
+             if (k[0], k[1], k[4]) == where and k[2] == router and not k[5]]
+    cands = [c for c in cands if c]
+    return max(cands, key=statistics.median) if cands else None
+
+
+def quality_vs_vllm_router(entry: Mapping[str, Any]) -> Measured | None:
+    """Our proxy's best policy's hit rate / the offline best over vllm-router's best
+    policy's, round by round, at every fleet size, trace and rate both ran; the point whose
+    interval lies lowest decides."""
+    points = by_point(entry.get("result") or {})
+    found = []
+    for where in sorted({(k[0], k[1], k[4]) for k in points if not k[5]}):
+        ours, peer = _best_policy(points, where, OURS), _best_policy(points, where, PEER)
+        if ours and peer:
+            found.append(judged_ratio(ours, peer, at_least=1.0,
+                                      where=f"{where[1]}, N={where[0]}, {where[2]:g}/s"))
+    return worst(found, at_least=True)
+
+
+def _at_most(values: Sequence[float], bound: float, unit: str, where: str) -> Measured:
+    """The median of per-round figures with its bootstrap interval, met when the interval's
+    high end is at most ``bound``."""
+    from vllm_ascend.distributed.kv_transfer.bench.stats import compare_difference
+
+    st = compare_difference(list(values), [0.0] * len(values))
+    met = st.high is not None and st.high <= bound
+    return Measured(st.ratio, st.low, st.high, st.rounds, met, where, unit)
+
+
+def router_p99(entry: Mapping[str, Any]) -> Measured | None:
+    """Router-added p99 (ms) of each of our proxy's policies at 256 instances and 1,000
+    requests a second, per round; every policy run must meet it, the highest decides."""
+    points = by_point(entry.get("result") or {})
+    found = [_at_most(per_round(runs, "router_p99_ms"), P99_MS, " ms", f"{k[3]}, {k[1]}")
+             for k, runs in sorted(points.items())
+             if k[0] == P99_INSTANCES and k[4] == P99_RATE and k[2] == OURS and not k[5]]
+    return worst([m for m in found if m.rounds], at_least=False)
+
+
+def no_request_lost(entry: Mapping[str, Any]) -> Measured | None:
+    """Failed requests of each of our proxy's churn runs, summed over the rounds: one lost
+    request in any round fails the row (a count, not an estimate: its interval is itself)."""
+    points = by_point(entry.get("result") or {})
+    found = []
+    for k, runs in sorted(points.items()):
+        failed = per_round(runs, "failed")
+        if k[2] == OURS and k[5] and failed:
+            total = sum(failed)
+            found.append(Measured(total, total, total, len(failed), total == 0,
+                                  f"{k[3]}, N={k[0]}", " failed"))
+    return worst(found, at_least=False)
+
+
+def _listed(want: Callable[[list[str]], bool]) -> Callable[[Any], bool]:
+    """A test of a comma-separated option of the run's command line (never of its result)."""
+    return lambda have: isinstance(have, str) and want(have.split(","))
+
+
+GOALS = (
+    GoalSpec("fleet routing quality: our proxy's prefix hit rate / offline best >= "
+             "vllm-router's, each at its best policy, every trace", "fleet",
+             "vllm-router (its best policy)", quality_vs_vllm_router,
+             {"traces": _listed(lambda xs: set(ALL_TRACES) <= set(xs)),
+              "routers": _listed(lambda xs: any(x.startswith(OURS + ":") for x in xs)
+                                and any(x.startswith(PEER + ":") for x in xs)),
+              "churn": lambda c: c != "only"}, rank=70),
+    GoalSpec(f"fleet: our proxy's router-added p99 <= {P99_MS:g} ms at {P99_RATE:,.0f} "
+             f"requests/s with {P99_INSTANCES} instances", "fleet", "(absolute)", router_p99,
+             {"instances": _listed(lambda xs: str(P99_INSTANCES) in xs),
+              "rates": _listed(lambda xs: any(float(x) == P99_RATE for x in xs)), "churn": lambda c: c != "only"}, rank=71),
+    GoalSpec("fleet under churn (10% of P added, drained, killed mid-run): no request lost "
+             "through our proxy", "fleet", "(absolute)", no_request_lost,
+             {"churn": lambda c: c in ("also", "only")}, rank=72),
+)
+
+
+SECTION = Section("Routers in front of a simulated fleet (`bench fleet`)", "issue 53", 70,
+                  section_fleet, GOALS)
