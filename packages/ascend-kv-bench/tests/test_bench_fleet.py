@@ -2,7 +2,7 @@
 """``bench fleet``'s simulated instances and driver, small: the KV events decode with vLLM's
 own classes (and replay), the prefix cache's hits and bounds, a short trace through the
 client-side baseline, and churn behind our proxy (an instance added, one drained, one
-killed: no request lost)."""
+killed: no request lost), and the rounds it writes into the ledger."""
 
 from __future__ import annotations
 
@@ -18,7 +18,11 @@ import zmq
 import zmq.asyncio
 
 from vllm_ascend.distributed.kv_transfer.bench.fleet import costfit
-from vllm_ascend.distributed.kv_transfer.bench.fleet.command import trace_prompts
+from vllm_ascend.distributed.kv_transfer.bench.fleet.command import (
+    ledger_series,
+    trace_prompts,
+    turns,
+)
 from vllm_ascend.distributed.kv_transfer.bench.fleet.events import Publisher
 from vllm_ascend.distributed.kv_transfer.bench.fleet.fleet import Fleet
 from vllm_ascend.distributed.kv_transfer.bench.fleet.http import Client
@@ -195,3 +199,28 @@ def test_churn_behind_our_proxy_loses_nothing(tmp_path: Path) -> None:
     kill = figures["events"][2]
     assert kill["probes_after_death"] >= 1  # health probes are told apart from requests
     assert time.monotonic() - start < 60
+
+
+def test_rounds_take_turns_and_each_point_is_one_series_of_rounds() -> None:
+    routers = [("ours", "kv_aware"), ("vllm-router", "cache_aware")]
+    assert list(turns(routers, 3)) == [(0, routers[0]), (0, routers[1]), (1, routers[1]),
+                                       (1, routers[0]), (2, routers[0]), (2, routers[1])]
+
+    def run(rnd: int, router: str, router_s: float) -> dict[str, Any]:
+        ok = {"status": 200, "router_s": router_s, "ttft_model_s": 0.01}
+        return {"instances": 16, "trace": "conversation", "router": router,
+                "policy": "kv_aware", "rate": 50.0, "churn": False, "round": rnd,
+                "status": "ok", "samples": [ok, {**ok, "router_s": 2 * router_s},
+                                            {"status": 500, "router_s": None}]}
+
+    # written in the order they ran (round 1 reversed); a router that did not start has none
+    runs = [run(0, "ours", 0.001), run(0, "vllm-router", 0.003), run(1, "vllm-router", 0.004),
+            run(1, "ours", 0.002), {"instances": 16, "trace": "conversation",
+                                    "router": "vllm-router", "policy": "round_robin",
+                                    "rate": 50.0, "churn": False, "status": "failed"}]
+    series = {(s["tags"]["router"], s["tags"]["what"]): s for s in ledger_series(runs)}
+    assert set(series) == {(r, w) for r in ("ours", "vllm-router")
+                           for w in ("router_s", "ttft_model_s")}
+    assert series["ours", "router_s"]["rounds"] == [[0.001, 0.002], [0.002, 0.004]]
+    assert series["vllm-router", "router_s"]["rounds"] == [[0.003, 0.006], [0.004, 0.008]]
+    assert series["ours", "router_s"]["tags"]["rate"] == 50.0

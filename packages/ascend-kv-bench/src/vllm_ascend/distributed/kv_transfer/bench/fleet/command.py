@@ -8,7 +8,10 @@ request rate: the fleet's caches are emptied, the router is started anew, and th
 first ``rate * duration`` requests go at that rate (:mod:`.load`). Trace hash ids become
 blocks of 16 token ids (one fixed random block an id; equal ids, equal prefix), at most
 ``--max-blocks`` blocks a prompt. With ``--churn``, one more run per router at the highest
-rate with 10% of P added, drained and killed mid-run (a fresh fleet after it).
+rate with 10% of P added, drained and killed mid-run (a fresh fleet after it). With
+``--rounds R`` every point is measured R times, the routers in turns (their order reversed
+every other round): a run's ``round`` says which, and the ledger's series of a point hold
+its rounds (the report's median and interval over them).
 
 Results: ``<out>/fleet.json`` (every run's figures and raw samples) and, in a checkout, an
 entry of the results ledger (``--ledger``).
@@ -24,6 +27,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -154,8 +158,9 @@ def run(args: argparse.Namespace) -> int:
     logs = out / "fleet-logs"
     logs.mkdir(parents=True, exist_ok=True)
     matrix = args.churn != "only"
-    total = len(sizes) * (len(traces) * len(routers) * len(rates) * matrix
-                          + (len(routers) if args.churn != "no" else 0))
+    rounds = max(1, int(args.rounds))
+    total = rounds * len(sizes) * (len(traces) * len(routers) * len(rates) * matrix
+                                   + (len(routers) if args.churn != "no" else 0))
     steps = Steps(total, NAME)
     runs: list[dict[str, Any]] = []
     workloads: dict[str, Any] = {}
@@ -171,25 +176,25 @@ def run(args: argparse.Namespace) -> int:
                     workloads[f"{trace}@{count}"] = {
                         "source": source, "requests": len(prompts),
                         "prompt_tokens": sum(map(len, prompts))}
-                    for kind, policy in routers:
-                        steps.step(f"N={n} {trace} {kind}:{policy} {rate:g}/s")
+                    for rnd, (kind, policy) in turns(routers, rounds):
+                        steps.step(f"N={n} {trace} {kind}:{policy} {rate:g}/s, round {rnd}")
                         row = {"instances": n, "prefill": n_p, "decode": n_d, "trace": trace,
-                               **one_run(fleet, kind, policy, prompts, hashes, rate, args,
-                                         logs)}
+                               "round": rnd, **one_run(fleet, kind, policy, prompts, hashes,
+                                                       rate, args, logs)}
                         runs.append(row)
                         steps.note(_line(row))
             if args.churn != "no":
                 rate, trace = max(rates), traces[0]
                 count = max(1, int(rate * args.duration))
                 prompts, hashes, _ = trace_prompts(trace, count, args.max_blocks, args.seed)
-                for kind, policy in routers:
+                for rnd, (kind, policy) in turns(routers, rounds):
                     fleet.stop()
                     fleet = FleetProc(n_p, n_d, args, logs)
-                    steps.step(f"N={n} churn {kind}:{policy} {rate:g}/s")
+                    steps.step(f"N={n} churn {kind}:{policy} {rate:g}/s, round {rnd}")
                     churn = Churn(max(1, n_p // 10))
                     row = {"instances": n, "prefill": n_p, "decode": n_d, "trace": trace,
-                           **one_run(fleet, kind, policy, prompts, hashes, rate, args, logs,
-                                     churn)}
+                           "round": rnd, **one_run(fleet, kind, policy, prompts, hashes, rate,
+                                                   args, logs, churn)}
                     runs.append(row)
                     steps.note(_line(row) + f"; churn {row.get('churn_figures', {})}")
         finally:
@@ -208,19 +213,47 @@ def run(args: argparse.Namespace) -> int:
                        "the CPU engine): router-added latency, hit rate, modelled TTFT, churn",
         "config": {"instances": sizes, "rates": rates, "traces": traces,
                    "routers": [f"{k}:{p}" for k, p in routers], "duration_s": args.duration,
+                   "rounds": rounds,
                    "output_len": args.output_len, "max_blocks": args.max_blocks,
                    "block_size": BLOCK, "capacity_blocks": args.capacity,
                    "cost_model": cost.describe(), "loadavg_start": list(os.getloadavg())},
         "workloads": workloads, "runs": runs,
         "status": "ok" if all(r.get("status") == "ok" for r in runs) else "partial"}
-    samples = [series({"instances": r["instances"], "trace": r["trace"], "router": r["router"],
-                       "policy": r["policy"], "rate": r["rate"], "churn": r["churn"],
-                       "what": "router_added"},
-                      [[s["router_s"] for s in r.get("samples", []) if s["router_s"] is not None]])
-               for r in runs]
-    path = write_results(NAME, payload, out, args=args, samples=samples)
+    path = write_results(NAME, payload, out, args=args, samples=ledger_series(runs))
     print(f"results: {path}")
     return 0
+
+
+def turns(routers: Sequence[tuple[str, ...]], rounds: int
+          ) -> Iterator[tuple[int, tuple[str, ...]]]:
+    """``(round, router)`` in the order they run: every router once a round, the order
+    reversed every other round (a router is not always the one after a fresh fleet)."""
+    for rnd in range(rounds):
+        for router in (routers if rnd % 2 == 0 else list(reversed(routers))):
+            yield rnd, router
+
+
+def ledger_series(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ledger's raw samples: for each point (fleet size, trace, router, policy, rate,
+    churn) and each of ``router_s`` (router-added seconds of a completed request) and
+    ``ttft_model_s``, one series whose rounds are the point's runs, each with every
+    request's value (the per-request rows, status and tokens too, are in the result)."""
+    points: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for r in runs:
+        if r.get("status") == "ok":
+            key = (r["instances"], r["trace"], r["router"], r["policy"], r["rate"], r["churn"])
+            points.setdefault(key, []).append(r)
+    out = []
+    for (n, trace, router, policy, rate, churn), rs in points.items():
+        rs = sorted(rs, key=lambda r: int(r.get("round") or 0))
+        tags = {"instances": n, "trace": trace, "router": router, "policy": policy,
+                "rate": rate, "churn": churn}
+        for what in ("router_s", "ttft_model_s"):
+            out.append(series({**tags, "what": what},
+                              [[s[what] for s in r.get("samples", [])
+                                if s.get("status") == 200 and s.get(what) is not None]
+                               for r in rs]))
+    return out
 
 
 def _line(row: dict[str, Any]) -> str:
@@ -262,6 +295,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="also (or only) one run per router at the highest rate on the first "
                         "trace with 10%% of P added, drained and killed (default: no)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure every point this many times, the routers in turns (the "
+                        "report's goal rows need 9; default %(default)s)")
     p.add_argument("--startup-timeout", type=float, default=120.0)
     p.set_defaults(func=run)
     return p
