@@ -445,6 +445,8 @@ def render(entries: Sequence[Mapping[str, Any]], head: Mapping[str, str | None],
             parts.append(f'<a id="{_anchor(entry)}"></a>\n\n' + run_facts(entry, stale) + "\n")
             try:
                 parts.append(section.render(dict(entry.get("result") or {}), images))
+                if section.samples is not None:
+                    parts.append(section.samples(entry))
             except (AttributeError, KeyError, TypeError, ValueError) as exc:  # changed format
                 parts.append(f"\n(could not render {entry.get('id')}: "
                              f"{type(exc).__name__}: {exc})\n")

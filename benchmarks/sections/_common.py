@@ -138,6 +138,28 @@ def rates_by_round(s: Mapping[str, Any]) -> list[float]:
     return [nbytes / m for m in medians_by_round(s) if m > 0]
 
 
+def median_cell(values: Sequence[float], scale: float = 1.0) -> str:
+    """A figure over rounds (times ``scale``): one round, its value; several, the median
+    over the rounds [95% bootstrap interval over the rounds]."""
+    from vllm_ascend.distributed.kv_transfer.bench.stats import compare_difference
+
+    vals = [v * scale for v in values]
+    if len(vals) < 2:
+        return fmt(vals[0]) if vals else "–"
+    st = compare_difference(vals, [0.0] * len(vals))
+    return f"{fmt(st.ratio)} [{fmt(st.low)}–{fmt(st.high)}]"
+
+
+def ratio_cell(ours: Sequence[float], peer: Sequence[float]) -> str:
+    """``median(ours) / median(peer)`` over paired rounds [95% paired bootstrap interval]."""
+    from vllm_ascend.distributed.kv_transfer.bench.stats import compare
+
+    st = compare(list(ours), list(peer))
+    if st.ratio is None:
+        return "–"
+    return fmt(st.ratio) + (f" [{fmt(st.low)}–{fmt(st.high)}]" if st.rounds > 1 else "")
+
+
 def judged_ratio(ours: Sequence[float], peer: Sequence[float], *,
                  at_least: float | None = None, at_most: float | None = None,
                  where: str = "") -> Measured:
@@ -207,6 +229,8 @@ class Section:
         plot: draws the section's own plot, ``(results, path) -> path or None``; the
             renderer hands it to ``render`` as ``images[<benchmark>]``. Without one, a
             module function ``plot_<benchmark>`` is used when there is one.
+        samples: more of the body, from the whole ledger entry (its raw samples: medians
+            over the rounds with their intervals), printed after ``render``'s part.
     """
 
     title: str
@@ -215,3 +239,4 @@ class Section:
     render: Callable[[dict[str, Any], Images], str]
     goals: tuple[GoalSpec, ...] = ()
     plot: Callable[[dict[str, dict[str, Any]], Path], Path | None] | None = None
+    samples: Callable[[Mapping[str, Any]], str] | None = None

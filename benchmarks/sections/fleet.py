@@ -17,7 +17,18 @@ import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from ._common import GoalSpec, Images, Measured, Section, fmt, judged_ratio, md_table, num, worst
+from ._common import (
+    GoalSpec,
+    Images,
+    Measured,
+    Section,
+    fmt,
+    judged_ratio,
+    md_table,
+    median_cell,
+    num,
+    worst,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -83,18 +94,6 @@ def per_round(runs: Iterable[Mapping[str, Any]], name: str) -> list[float]:
     return [v for v in (figures(r)[name] for r in runs) if v is not None]
 
 
-def cell(values: Sequence[float]) -> str:
-    """One round: its figure; several: the median over the rounds [95% bootstrap]."""
-    if not values:
-        return "–"
-    if len(values) == 1:
-        return fmt(values[0])
-    from vllm_ascend.distributed.kv_transfer.bench.stats import compare_difference
-
-    st = compare_difference(list(values), [0.0] * len(values))
-    return f"{fmt(st.ratio)} [{fmt(st.low)}–{fmt(st.high)}]"
-
-
 # ---------------------------------------------------------------------- the body
 def section_fleet(d: dict[str, Any], images: Images) -> str:
     """Body of the section: one table of the runs without churn, one of the churn runs."""
@@ -121,7 +120,7 @@ def section_fleet(d: dict[str, Any], images: Images) -> str:
             continue
         rows.append({"n": k[0], "trace": k[1], "router": f"{k[2]}:{k[3]}", "rate": k[4],
                      "rounds": len(runs),
-                     **{f: cell(per_round(runs, f)) for f in (
+                     **{f: median_cell(per_round(runs, f)) for f in (
                          "done_per_s", "failed", "router_p50_ms", "router_p99_ms", "cpu_ms",
                          "hit_vs_best", "ttft_p99_ms")}})
     if rows:

@@ -43,6 +43,7 @@ from .benchutil import (
     progress,
     write_results,
 )
+from .ledger import series
 
 NAME = "layerwise"
 
@@ -292,7 +293,8 @@ def run(args: argparse.Namespace) -> int:
         "samples_s": res["samples"],
         "vs_raw": _vs_raw(res["bulk"], res["request_bytes"]),
     }
-    path = write_results(NAME, payload, args.out, args=args)
+    path = write_results(NAME, payload, args.out, args=args,
+                         samples=ledger_series(res, args.requests))
     print(format_table(rows))
     print(f"KV per request: {res['request_bytes'] / 2**20:.1f} MiB; KV ready after the forward "
           f"pass: pull / layerwise = {ratio:.2f}x; forward pass with pushes / without = "
@@ -303,6 +305,23 @@ def run(args: argparse.Namespace) -> int:
           f"({vs['connector_GBps']:.2f} GB/s): connector / raw = {vs['ratio']:.3f}")
     print(f"results: {path}")
     return 0
+
+
+def ledger_series(res: dict[str, Any], requests: int) -> list[dict[str, Any]]:
+    """The raw samples of a run for the ledger, one sample a round: request ``i`` of both
+    connectors is round ``i`` (their order alternates), its forward pass and the time from
+    its end to D having all KV (``what``: ``forward``, ``kv_ready``); and each alternating
+    round of the connector's push against the raw write of the same bytes (``what``:
+    ``bulk``, ``path``: ``connector`` or ``raw``; tags hold the ``bytes``)."""
+    out = []
+    for kind, samples in res["samples"].items():
+        for what, idx in (("forward", 0), ("kv_ready", 1)):
+            out.append(series({"what": what, "connector": kind, "requests": requests},
+                              [[s[idx]] for s in samples]))
+    for path, times in res["bulk"].items():
+        out.append(series({"what": "bulk", "path": path, "bytes": res["request_bytes"]},
+                          [[t] for t in times]))
+    return out
 
 
 def _vs_raw(bulk: dict[str, list[float]], nbytes: int) -> dict[str, Any]:

@@ -1,0 +1,79 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Sections judged on the raw samples their benches now record: layerwise, pool, trace."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+from ascend_kv_testing.requires import require
+
+require("matplotlib", dist="matplotlib", why="the renderer draws with matplotlib")
+
+if "bench_render" in sys.modules:
+    render = sys.modules["bench_render"]
+else:
+    _spec = importlib.util.spec_from_file_location(
+        "bench_render", Path(__file__).resolve().parents[1] / "render.py")
+    assert _spec is not None and _spec.loader is not None
+    render = importlib.util.module_from_spec(_spec)
+    sys.modules["bench_render"] = render  # dataclasses look their module up
+    _spec.loader.exec_module(render)
+
+ledger = render.ledger
+HEAD = {"ascend-kv-core": "tree-c", "ascend-kv-p2p": "tree-p", "ascend-kv-pool": "tree-s"}
+
+
+def _entry(section: str, samples: list[dict[str, Any]], result: dict[str, Any] | None = None,
+           config: dict[str, Any] | None = None) -> dict[str, Any]:
+    packages = ledger.MEASURED[section]
+    return {"format": 1, "section": section, "started": "2026-12-06T10:00:00Z",
+            "ended": "2026-12-06T10:00:00Z",
+            "source": {"commit": "a" * 40, "dirty": False,
+                       "packages": {p: HEAD[p] for p in packages}},
+            "versions": {}, "machine": {}, "config": config or {}, "result": result or {},
+            "samples": samples}
+
+
+def _row(tmp_path: Path, entry: dict[str, Any], goal: str) -> Any:
+    ledger.append(tmp_path / "ledger", entry)
+    entries = ledger.read_entries(tmp_path / "ledger")
+    return next(r for r in render.evaluate_goals(entries, HEAD) if r.spec.goal == goal)
+
+
+def _wobble(t: float, rounds: int = 9, noise: float = 0.02) -> list[list[float]]:
+    return [[t * (1 + noise * ((r % 3) - 1))] for r in range(rounds)]
+
+
+LAYERWISE = "layerwise push >= 0.9 of the raw Mooncake engine (same bytes, no compute)"
+
+
+def test_layerwise_push_against_the_raw_write_from_its_rounds(tmp_path: Path) -> None:
+    def samples(conn_s: float) -> list[dict[str, Any]]:
+        return [ledger.series({"what": "bulk", "path": "raw", "bytes": 1 << 20},
+                              _wobble(1e-3)),
+                ledger.series({"what": "bulk", "path": "connector", "bytes": 1 << 20},
+                              _wobble(conn_s)),
+                ledger.series({"what": "kv_ready", "connector": "layerwise"}, _wobble(1e-3)),
+                ledger.series({"what": "kv_ready", "connector": "pull"}, _wobble(3e-3))]
+
+    good = _row(tmp_path, _entry("layerwise", samples(1.05e-3)), LAYERWISE)
+    assert good.met is True and good.measured.rounds == 9
+    assert abs(good.measured.value - 1 / 1.05) < 1e-9
+    slow = _row(tmp_path / "s", _entry("layerwise", samples(1.25e-3)), LAYERWISE)
+    assert slow.met is False and slow.measured.high < 0.9
+    body = importlib.import_module("bench_sections.layerwise").samples_layerwise(
+        _entry("layerwise", samples(1.25e-3)))
+    assert "| KV ready after P's forward pass (ms) | 1 [0.98–1.02] | 3 [2.94–3.06] | 3" in body
+    assert "9 rounds" in body
+
+
+def test_a_layerwise_run_without_samples_says_so(tmp_path: Path) -> None:
+    row = _row(tmp_path, _entry("layerwise", []), LAYERWISE)
+    assert row.met is False and row.why == "not measured by this run"
+    body = importlib.import_module("bench_sections.layerwise").samples_layerwise(
+        _entry("layerwise", []))
+    assert "recorded no raw samples" in body
