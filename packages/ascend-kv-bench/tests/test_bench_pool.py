@@ -76,9 +76,36 @@ def test_the_local_rows_are_measured_again_with_glibcs_threshold_at_4_mib() -> N
         f"local {what}, non-temporal from 4 MiB"
         for what in ("put (empty pool)", "put (full pool)", "get")]
     assert all(r["ratio_min"] <= r["ratio"] <= r["ratio_max"] for r in out["rows"])
+    # every round's calls of the child come back for the ledger, under the rows' paths
+    paths = {(s["tags"]["path"], s["tags"]["role"]) for s in out["samples"]}
+    assert paths == {(r["path"], role) for r in out["rows"] for role in ("backend", "baseline")}
+    assert all(len(s["rounds"]) == 5 for s in out["samples"])
 
 
 def test_a_threshold_glibc_refuses_is_reported_not_measured() -> None:
     out = bench._local_rows_in_child(0x1000, quick=True)  # below glibc's minimum (0x4040)
     assert "rows" not in out
     assert "glibc did not take the threshold" in out["skipped"]
+
+
+def test_every_round_of_the_local_rows_and_lookups_goes_to_the_ledger() -> None:
+    blocks = bench._Blocks(4, 2, 4096)
+    local = LocalBackend(capacity=4 * blocks.nbytes)
+    try:
+        rows, per_round, times = bench._local_rows(local, blocks, rounds=3)
+        samples = bench.local_series(times, blocks.nbytes)
+        lookups = bench._lookup_rates(local, quick=True, samples=samples)
+    finally:
+        local.close()
+    by = {(s["tags"]["path"], s["tags"]["role"]): s for s in samples}
+    for row, ratios in zip(rows, zip(*(r.values() for r in per_round), strict=True),
+                           strict=True):
+        ours, copy = by[row["path"], "backend"], by[row["path"], "baseline"]
+        assert ours["tags"]["bytes"] == blocks.nbytes and len(ours["rounds"]) == 3
+        # the row's per-round ratios are the series' copy time / backend time, round by round
+        assert [c[0] / o[0] for o, c in zip(ours["rounds"], copy["rounds"], strict=True)] == \
+            list(ratios)
+    for row in lookups:
+        (series,) = [s for s in samples if s["tags"]["path"] == row["path"]]
+        assert series["tags"]["role"] == "lookup" and len(series["rounds"]) == 5
+        assert row["keys/s"] == series["tags"]["keys"] / min(r[0] for r in series["rounds"])

@@ -47,6 +47,7 @@ from .benchutil import (
     glibc_copy_facts,
     write_results,
 )
+from .ledger import series
 from .mooncake_store import MooncakeMaster
 from .trace_replay import TRACE_ENV, load_trace, replay, run_trace
 
@@ -57,14 +58,31 @@ __all__ = ["TRACE_ENV", "add_pool_command", "add_trace_command", "load_trace", "
 
 
 # ---------------------------------------------------------------------- helpers
-def _timed(fn: Callable[[], Any], repeat: int) -> float:
-    """Best wall time of ``repeat`` runs of ``fn``."""
-    best = float("inf")
+def _timed(fn: Callable[[], Any], repeat: int) -> list[float]:
+    """Wall time of each of ``repeat`` runs of ``fn``."""
+    out = []
     for _ in range(repeat):
         start = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+        out.append(time.perf_counter() - start)
+    return out
+
+
+#: ``_local_rows``' rows and the timed keys behind each: (backend, the copy it is held to).
+LOCAL_PAIRS = {"local put (empty pool)": ("put", "fresh"),
+               "local put (full pool)": ("full", "copy"), "local get": ("get", "copy")}
+
+
+def local_series(times: dict[str, list[float]], nbytes: int, suffix: str = ""
+                 ) -> list[dict[str, Any]]:
+    """The ledger's series of the ``local`` rows: each round's backend call and its copy of
+    the same bytes (``role`` backend / baseline), one sample a round."""
+    out = []
+    for path, keys in LOCAL_PAIRS.items():
+        for role, key in zip(("backend", "baseline"), keys, strict=True):
+            out.append(series({"path": path + suffix, "role": role, "bytes": nbytes},
+                              [[t] for t in times[key]]))
+    return out
 
 
 class _Blocks:
@@ -103,21 +121,23 @@ def run_pool(args: argparse.Namespace) -> dict[str, Any]:
     )
 
     n, parts, part = _shape(args.quick)
-    repeat = 2 if args.quick else 5
+    repeat = 2 if args.quick else 9  # alternating rounds of the Mooncake calls
     blocks = _Blocks(n, parts, part)
     src_a, src_s = blocks.ranges(blocks.src)
     dst_a, dst_s = blocks.ranges(blocks.dst)
     rows: list[dict[str, Any]] = []
 
     local = LocalBackend(capacity=4 * blocks.nbytes)
-    local_rows, local_rounds = _local_rows(local, blocks, rounds=5 if args.quick else 9)
+    local_rows, local_rounds, times = _local_rows(local, blocks, rounds=5 if args.quick else 9)
     rows += local_rows
+    samples = local_series(times, blocks.nbytes)
     low_nt = _local_rows_in_child(LOW_NT_THRESHOLD, args.quick)
     rows += low_nt.pop("rows", [])
-    lookup = _lookup_rates(local, args.quick)
+    samples += low_nt.pop("samples", [])
+    lookup = _lookup_rates(local, args.quick, samples=samples)
     mooncake: dict[str, Any] = {}
     try:
-        mooncake = _mooncake_rows(args, blocks, repeat)
+        mooncake = _mooncake_rows(args, blocks, repeat, samples)
         rows += mooncake.pop("rows")
     except Exception as exc:  # benchmarks report what they could measure
         logger.warning("Mooncake part skipped: %s", exc)
@@ -128,7 +148,7 @@ def run_pool(args: argparse.Namespace) -> dict[str, Any]:
                        "repeat": repeat, "local_rounds": len(local_rounds),
                        "local_copy_threads": local.copy_threads},
             "rows": rows, "local_rounds": local_rounds, "mooncake": mooncake,
-            "local_low_nt": low_nt}
+            "local_low_nt": low_nt, "ledger_samples": samples}
 
 
 #: glibc's non-temporal threshold of the second measurement of the ``local`` rows (bytes)
@@ -160,7 +180,8 @@ def _local_rows_in_child(threshold: int, quick: bool) -> dict[str, Any]:
         return {"skipped": f"glibc did not take the threshold (child: {facts})"}
     label = f", non-temporal from {threshold >> 20} MiB"
     rows = [{**row, "path": row["path"] + label} for row in out["rows"]]
-    return {"threshold": threshold, "memcpy": facts, "rows": rows}
+    return {"threshold": threshold, "memcpy": facts, "rows": rows,
+            "samples": local_series(out["times"], out["nbytes"], label)}
 
 
 def _child_main(argv: list[str]) -> int:
@@ -172,10 +193,11 @@ def _child_main(argv: list[str]) -> int:
     blocks = _Blocks(*_shape(quick))
     local = LocalBackend(capacity=4 * blocks.nbytes)
     try:
-        rows, _rounds = _local_rows(local, blocks, rounds=5 if quick else 9)
+        rows, _rounds, times = _local_rows(local, blocks, rounds=5 if quick else 9)
     finally:
         local.close()
-    print(json.dumps({"rows": rows, "memcpy": glibc_copy_facts()}))
+    print(json.dumps({"rows": rows, "memcpy": glibc_copy_facts(), "times": times,
+                      "nbytes": blocks.nbytes}))
     return 0
 
 
@@ -184,8 +206,8 @@ def _spread(ratios: list[float]) -> dict[str, float]:
             "ratio_max": max(ratios)}
 
 
-def _local_rows(local: Any, blocks: _Blocks,
-                rounds: int) -> tuple[list[dict[str, Any]], list[dict[str, float]]]:
+def _local_rows(local: Any, blocks: _Blocks, rounds: int
+                ) -> tuple[list[dict[str, Any]], list[dict[str, float]], dict[str, list[float]]]:
     """The local backend against a plain copy of the same bytes, alternating, ``rounds`` times.
 
     * ``put (empty pool)``: into a pool emptied first, against a numpy copy into freshly
@@ -195,6 +217,7 @@ def _local_rows(local: Any, blocks: _Blocks,
     * ``get``: against a copy into memory touched before.
     Each round times ours and the copy back to back; the ratio (copy time / ours, 1.0 =
     as fast as the copy) is reported as the median of the rounds with its min and max.
+    Returns the rows, each round's ratios and every call's time by key (:data:`LOCAL_PAIRS`).
     """
     n = blocks.n
     src_a, src_s = blocks.ranges(blocks.src)
@@ -241,10 +264,14 @@ def _local_rows(local: Any, blocks: _Blocks,
          **_spread([r["get"] for r in per_round])},
     ]
     full.close()
-    return rows, per_round
+    return rows, per_round, times
 
 
-def _mooncake_rows(args: argparse.Namespace, blocks: _Blocks, repeat: int) -> dict[str, Any]:
+def _mooncake_rows(args: argparse.Namespace, blocks: _Blocks, repeat: int,
+                   samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """Backend put/get against the raw Store batch calls, ``repeat`` alternating rounds
+    (each call's time appended to ``samples``: ``path`` mooncake put/get, ``role`` backend
+    or baseline), and the lookup rates through the backend."""
     from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.backend.mooncake_store import (
         MooncakeBackend,
     )
@@ -271,30 +298,40 @@ def _mooncake_rows(args: argparse.Namespace, blocks: _Blocks, repeat: int) -> di
         dst_a, dst_s = blocks.ranges(blocks.dst)
         gib = blocks.nbytes / (1 << 30)
         rows = []
-        times = {f"{op}-{who}": float("inf") for op in ("put", "get")
-                 for who in ("backend", "raw")}
+        times: dict[str, list[float]] = {f"{op}-{who}": [] for op in ("put", "get")
+                                         for who in ("backend", "raw")}
         calls = {"backend": (backend.put, backend.get),
                  "raw": (raw.batch_put_from_multi_buffers, raw.batch_get_into_multi_buffers)}
-        for _ in range(repeat):  # interleaved: backend and raw calls alternate
-            for who, (put, get) in calls.items():
+        # a round untimed first (the store's first put of a segment maps it), then rounds of
+        # backend and raw calls, who goes first flipping every round
+        for rnd in range(repeat + 1):
+            order = list(calls.items())
+            for who, (put, get) in (order if rnd % 2 else order[::-1]):
                 keys = [f"bench-{uuid.uuid4().hex}" for _ in range(blocks.n)]
                 start = time.perf_counter()
                 res = put(keys, src_a, src_s)
-                times[f"put-{who}"] = min(times[f"put-{who}"], time.perf_counter() - start)
+                t_put = time.perf_counter() - start
                 if any(int(r) != 0 for r in res):
                     raise RuntimeError(f"{who} put failed: {list(res)[:4]}")
                 blocks.dst[:] = 0
                 start = time.perf_counter()
                 get(keys, dst_a, dst_s)
-                times[f"get-{who}"] = min(times[f"get-{who}"], time.perf_counter() - start)
+                t_get = time.perf_counter() - start
+                if rnd:
+                    times[f"put-{who}"].append(t_put)
+                    times[f"get-{who}"].append(t_get)
                 if not np.array_equal(blocks.dst, blocks.src):
                     raise RuntimeError(f"Mooncake round trip through {who} corrupted data")
                 raw.batch_remove(keys, True)
         for op in ("put", "get"):
-            tb, tr = times[f"{op}-backend"], times[f"{op}-raw"]
+            for who, role in (("backend", "backend"), ("raw", "baseline")):
+                samples.append(series({"path": f"mooncake {op}", "role": role,
+                                       "bytes": blocks.nbytes},
+                                      [[t] for t in times[f"{op}-{who}"]]))
+            tb, tr = min(times[f"{op}-backend"]), min(times[f"{op}-raw"])
             rows.append({"path": f"mooncake {op}", "GiB/s": gib / tb, "raw GiB/s": gib / tr,
                          "ratio": tr / tb})
-        lookup = _lookup_rates(backend, args.quick, label="mooncake")
+        lookup = _lookup_rates(backend, args.quick, label="mooncake", samples=samples)
         backend.close()
         return {"rows": rows + lookup, "master": cfg["master_server_address"]}
     finally:
@@ -303,8 +340,11 @@ def _mooncake_rows(args: argparse.Namespace, blocks: _Blocks, repeat: int) -> di
             shutil.rmtree(master.workdir, ignore_errors=True)
 
 
-def _lookup_rates(backend: Any, quick: bool, label: str = "local") -> list[dict[str, Any]]:
-    """keys/s of ``exists`` in batches, and of the ZeroMQ scheduler->worker lookup."""
+def _lookup_rates(backend: Any, quick: bool, label: str = "local",
+                  samples: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """keys/s of ``exists`` in batches, and of the ZeroMQ scheduler->worker lookup (the best
+    of the rounds); every round's time appended to ``samples`` (``role`` lookup, ``keys``
+    a call)."""
     from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.config import AscendStoreConfig
     from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.context import PoolContext
     from vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.lookup import (
@@ -341,16 +381,20 @@ def _lookup_rates(backend: Any, quick: bool, label: str = "local") -> list[dict[
         server.close()
         worker._send.stop(1)
         worker._recv.stop(1)
-    return [{"path": f"{label} exists (batch {batch})", "keys/s": batch / t_exists},
-            {"path": f"{label} lookup over ZeroMQ (batch {batch // 2})",
-             "keys/s": (batch // 2) / t_rpc}]
+    paths = [(f"{label} exists (batch {batch})", batch, t_exists),
+             (f"{label} lookup over ZeroMQ (batch {batch // 2})", batch // 2, t_rpc)]
+    if samples is not None:
+        samples += [series({"path": path, "role": "lookup", "keys": keys}, [[t] for t in ts])
+                    for path, keys, ts in paths]
+    return [{"path": path, "keys/s": keys / min(ts)} for path, keys, ts in paths]
 
 
 # ---------------------------------------------------------------------- CLI
 def _run(name: str, fn: Callable[[argparse.Namespace], dict[str, Any]],
          args: argparse.Namespace) -> int:
     result = fn(args)
-    path = write_results(name, result, args.out, args=args)
+    samples = result.pop("ledger_samples", None)
+    path = write_results(name, result, args.out, args=args, samples=samples)
     table = result.get("table", result["rows"])
     columns = list(dict.fromkeys(k for row in table for k in row))
     print(format_table(table, columns))
