@@ -50,8 +50,8 @@ from vllm_ascend.distributed.kv_transfer.kv_p2p.params import RemotePrefill
 from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.contract import (
     MooncakeConnectorMetadata,
     RecvMeta,
+    window_tag,
 )
-from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.window import window_tag
 from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.worker import PullWorker
 
 BS, NB, HEADS, HD, LAYERS = 16, 32, 4, 32, 4

@@ -30,6 +30,7 @@ from vllm_ascend.distributed.kv_transfer.kv_p2p.p2p_metrics import P2P_METRICS
 from vllm_ascend.distributed.kv_transfer.kv_p2p.params import RemotePrefill
 from vllm_ascend.distributed.kv_transfer.kv_p2p.protocol import Claim
 from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.contract import (
+    CLOCK_SKEW_S,
     EarlyClaim,
     MooncakeConnectorMetadata,
     RecvMeta,
@@ -41,7 +42,6 @@ from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.peers import (
     refused_ahead,
 )
 from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.scheduler import ClaimAhead, PullScheduler
-from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.window import CLOCK_SKEW_S
 from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.worker import PullWorker
 from vllm_ascend.distributed.kv_transfer.kv_p2p.signed_params import sign
 

@@ -32,12 +32,10 @@ from vllm_ascend.distributed.kv_transfer.kv_p2p.params import RemotePrefill
 from vllm_ascend.distributed.kv_transfer.kv_p2p.protocol import Claim, worker_port
 from vllm_ascend.distributed.kv_transfer.kv_p2p.pull import inline as pull_inline
 from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.contract import (
+    CLOCK_SKEW_S,
     MooncakeConnectorMetadata,
     RecvMeta,
     SendMeta,
-)
-from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.window import (
-    CLOCK_SKEW_S,
     window_end,
     window_tag,
 )
@@ -194,7 +192,7 @@ def test_the_worker_reads_on_the_scheduler_s_verdict_and_claims_when_the_clock_p
     """With D's scheduler's verdict on P's window in the request (RecvMeta.window_until)
     the worker does not check P's tag again, inline or on a pull thread; a verdict the clock
     has passed (the request waited) is not trusted: the load is claimed on a pull thread."""
-    from vllm_ascend.distributed.kv_transfer.kv_p2p.pull import window as pull_window
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.pull import contract as pull_window
 
     warm_up(pd)
     fresh, stale = hold(pd, "v", [3]), hold(pd, "s", [4])

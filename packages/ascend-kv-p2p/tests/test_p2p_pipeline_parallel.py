@@ -34,8 +34,6 @@ from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.contract import (
     MooncakeConnectorMetadata,
     RecvMeta,
     SendMeta,
-)
-from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.stages import (
     expand_over_stages,
     stage_layers,
 )

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The read window (``pull.window``): D reads a fresh request without claiming it.
+"""The read window (``pull.contract``): D reads a fresh request without claiming it.
 
 Real P and D pull workers (side channels, the real transfer engine on loopback), with and
 without a deployment key: P stamps the params with its hold and its engine start and keeps
@@ -36,18 +36,16 @@ from vllm_ascend.distributed.kv_transfer.kv_p2p.params import (
 )
 from vllm_ascend.distributed.kv_transfer.kv_p2p.protocol import Claim, GetMeta
 from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.contract import (
+    CLOCK_SKEW_S,
     MooncakeConnectorMetadata,
     RecvMeta,
     SendMeta,
-)
-from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.scheduler import PullScheduler
-from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.window import (
-    CLOCK_SKEW_S,
     in_window,
     stamp,
     window_end,
     window_tag,
 )
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.scheduler import PullScheduler
 from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.worker import PullWorker
 from vllm_ascend.distributed.kv_transfer.kv_p2p.signed_params import sign
 
@@ -368,7 +366,7 @@ def test_the_scheduler_checks_the_tag_once_and_sends_its_verdict(
     """P's window tag is checked once a request, however often vLLM asks, and the verdict
     (the window's end) goes to the worker in RecvMeta.window_until; params P did not tag
     send -inf (claimed as without a window)."""
-    from vllm_ascend.distributed.kv_transfer.kv_p2p.pull import window as pull_window
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.pull import contract as pull_window
 
     sched = PullScheduler(_config("kv_consumer", free_port(), "3004"),
                           MooncakeP2PConfig.from_dict({"handshake_timeout_s": 2.0}), "D-s2")

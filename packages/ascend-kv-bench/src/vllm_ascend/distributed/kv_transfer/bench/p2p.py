@@ -12,7 +12,7 @@ after the load was reported, and is sent before the next measurement starts).
 
 The connector's time runs from the moment D's scheduler sees the request until the
 worker marks the request finished receiving. P's params carry its read window
-(``kv_p2p.pull.window``), so D reads the fresh request without claiming it; mode ``ahead``
+(``kv_p2p.pull.contract``), so D reads the fresh request without claiming it; mode ``ahead``
 (params without the window) has the scheduler send the claim when it sees the request
 (``kv_p2p.pull.scheduler.ClaimAhead``) and hand the request to the worker with the answer
 if it is in, else the next engine step brings it, one step every :data:`ENGINE_STEP_S`. The
@@ -180,8 +180,6 @@ def _connector_load(d: Any, q_in: Any, q_out: Any, rid: str, p_port: int,
     from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.contract import (
         MooncakeConnectorMetadata,
         RecvMeta,
-    )
-    from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.window import (
         in_window,
         window_end,
         window_tag,

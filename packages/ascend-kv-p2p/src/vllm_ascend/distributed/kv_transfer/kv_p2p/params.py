@@ -44,11 +44,11 @@ class RemotePrefill:
     instance: str = ""
     #: P's ``time.time()`` when it began holding the blocks (``remote_held_at``), and how
     #: long it keeps them at least from then, D's ``Done`` or not (``remote_hold_s``; 0:
-    #: no such promise): D's read window (:mod:`.pull.window`)
+    #: no such promise): D's read window (:mod:`.pull.contract`, the read window)
     held_at: float = 0.0
     hold_s: float = 0.0
     #: P's MAC over the request's identity and window (``remote_window_tag``,
-    #: :func:`~.pull.window.window_tag`): params changed on the way are claimed
+    #: :func:`~.pull.contract.window_tag`): params changed on the way are claimed
     window_tag: str = ""
     #: under vLLM's hybrid KV cache manager, each KV cache group's run in ``block_ids``:
     #: ``(first position held, blocks held)`` (``remote_block_groups``, :mod:`.pull.groups`);
@@ -235,7 +235,7 @@ def params_for_decode(*, block_ids: list[int], engine_id: str, host: str, port: 
                       block_groups: Sequence[tuple[int, int]] = ()) -> dict[str, Any]:
     """The ``kv_transfer_params`` P returns for D (upstream keys, plus ``remote_tp_size`` and
     ``remote_claim_token``, the request's capability, when P issued one, and the keys of
-    its read window, ``window``: :func:`~.pull.window.stamp`).
+    its read window, ``window``: :func:`~.pull.contract.stamp`).
 
     ``remote_multi_nodes_meta_mapping`` names every rank's host (``rank_hosts``, as the
     workers published them); without them, rank 0 at ``host`` (upstream's one entry).

@@ -30,7 +30,7 @@ The read window: the scheduler stamps each request's params with the wall time i
 holding the blocks and ``read_window_s``; this worker keeps them at least that long from
 when it registers the hold (a moment later), even when every reader's ``Done`` came
 sooner (the release is then deferred, while a later ``Claim`` is refused as after any
-release). So a D read that ends within the window of the stamp (:mod:`.pull.window`) read
+release). So a D read that ends within the window of the stamp (:mod:`.contract`) read
 the request's KV without a claim.
 """
 

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """D's reads started on vLLM's thread (``inline_reads``) and polled to their end.
 
-A read within P's read window (:mod:`.window`) needs no claim: D can start it at
+A read within P's read window (:mod:`.contract`) needs no claim: D can start it at
 once. On the pull threads that costs two hand-offs between threads (to the pull thread,
 and from it back to the one waiting for the load), each a wake-up and a turn of the GIL:
 on the 2-CPU machine they were most of the gap between a one-block load and a raw read of
@@ -41,11 +41,10 @@ from vllm_ascend.distributed.kv_transfer.core.errors import TransferError
 from vllm_ascend.distributed.kv_transfer.core.transfer_engine import PendingTransfer
 
 from ..worker_base import P2PWorkerBase
-from .contract import RecvMeta
+from .contract import RecvMeta, read_until, same_instance
 from .loads import LoadTracker
 from .peers import PeerRanks
 from .transfer import AddressPlans, LoadBlocks, check_remote_blocks
-from .window import read_until, same_instance
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +158,7 @@ class InlineReads:
 
         P's window tag is not checked here: D's scheduler checked it when it parsed the
         params and its verdict, the window's end, comes in ``meta.window_until``
-        (:func:`~.window.read_until`; checked here only for a load the scheduler did not
+        (:func:`~.contract.read_until`; checked here only for a load the scheduler did not
         judge). A verdict can only be stale by time, never by params (it depends on the
         params alone): the window's end is compared with the clock here, before the read
         goes out, and again when it ended (:meth:`_end`); a read that ends after it is

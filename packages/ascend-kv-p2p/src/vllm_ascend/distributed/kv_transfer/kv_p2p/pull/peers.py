@@ -48,10 +48,8 @@ from ..protocol import (
     worker_port,
 )
 from ..worker_base import P2PWorkerBase, head_partners, head_slices
-from .contract import EarlyClaim, RecvMeta
+from .contract import CLOCK_SKEW_S, EarlyClaim, RecvMeta, expand_over_stages, same_instance
 from .loads import LoadTracker
-from .stages import expand_over_stages
-from .window import CLOCK_SKEW_S, same_instance
 
 logger = logging.getLogger(__name__)
 
@@ -308,7 +306,7 @@ def regions_moved(read: Mapping[int, AgentMeta] | None,
 def claim_sent_at(answer: EarlyClaim, *, now_mono: float | None = None,
                   now_wall: float | None = None) -> float:
     """When (this process's ``time.monotonic()``, at the earliest) an accepted answer's
-    claim was sent: :data:`~.window.CLOCK_SKEW_S` earlier than the clocks say, so a skew or
+    claim was sent: :data:`~.contract.CLOCK_SKEW_S` earlier than the clocks say, so a skew or
     a small step of either clock shortens the time a read is trusted instead of stretching
     it; ``-inf`` (never trusted) when the scheduler's clock seems further ahead of ours."""
     now_mono = time.monotonic() if now_mono is None else now_mono

@@ -41,12 +41,11 @@ from vllm_ascend.distributed.kv_transfer.core.errors import (
 from ..errors import HandshakeMismatchError, RemoteKVUnavailable
 from ..protocol import AgentMeta
 from ..worker_base import P2PWorkerBase
-from .contract import ClaimInbox, RecvMeta
+from .contract import ClaimInbox, RecvMeta, read_until, same_instance
 from .inline import POLL_SLEEP_S, InlineReads
 from .loads import LoadTracker
 from .peers import Claimed, PeerRanks, accepted_ahead, refused_ahead, regions_moved
 from .transfer import AddressPlans, read_request
-from .window import read_until, same_instance
 
 logger = logging.getLogger(__name__)
 
@@ -237,7 +236,7 @@ class PullReader:
           are these claims (sent earlier, so trusted for less of the read); ranks without
           one are claimed after the read, which proves as much (held at that answer and
           continuously since before the read); a refusal means claiming as before.
-        * Within P's read window (:mod:`.window`): read at once; a read ending within
+        * Within P's read window (:mod:`.contract`): read at once; a read ending within
           it needs no claim (P keeps the blocks), a later one is claimed after it, as above.
         * A pull that failed on a stalled or dropped read, or on a side-channel timeout,
           is tried again while the deadline leaves time (:meth:`_retry_delay`): claims
@@ -321,7 +320,7 @@ class PullReader:
         # where to read before the claims are answered (None: a keyed P rank not granted
         # before, whose addresses come only with this claim's grant)
         early = peers.known_regions(remote, metas)
-        # within P's read window (.window): read at once, claim only a read ending after
+        # within P's read window (contract): read at once, claim only a read ending after
         # (P's tag checked once, by D's scheduler: its verdict comes in meta.window_until)
         until = (read_until(remote, meta.window_until)
                  if not (fresh or meta.claimed_ahead) and early is not None

@@ -57,13 +57,15 @@ from .contract import (
     MooncakeConnectorMetadata,
     RecvMeta,
     SendMeta,
+    expand_over_stages,
+    in_window,
     local_inbox,
     register_claimer,
+    stamp,
     unregister_claimer,
+    window_end,
 )
 from .groups import pair_blocks, predicted_claim
-from .stages import expand_over_stages
-from .window import in_window, stamp, window_end
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -149,7 +151,7 @@ class PullScheduler(SchedulerBase):
             return exc
 
     def _window_until(self, request_id: str, parsed: RemotePrefill) -> float:
-        """The request's read window's end (:func:`~.window.window_end`), P's tag checked
+        """The request's read window's end (:func:`~.contract.window_end`), P's tag checked
         the first time only, however often vLLM asks."""
         until = self._until.get(request_id)
         if until is None:
@@ -198,7 +200,7 @@ class PullScheduler(SchedulerBase):
                 and not in_window(parsed, until=self._window_until(request.request_id,
                                                                    parsed))):
             # the blocks the worker will read (vLLM's prefix hit is num_computed_tokens);
-            # a request well within P's read window is read unclaimed (pull.window), one
+            # a request well within P's read window is read unclaimed (pull.contract), one
             # still waiting here once it is not is claimed then (vLLM asks every step)
             self.claims.start(request.request_id, parsed,
                               self._claim_of(parsed, num_computed_tokens, count))
@@ -342,7 +344,7 @@ class PullScheduler(SchedulerBase):
             return False, None
         token = capability_token()
         # P's workers hold the blocks at least cfg.hold_window_s from their next step (after
-        # this moment): D trusts a read within that window of the stamp (pull.window)
+        # this moment): D trusts a read within that window of the stamp (pull.contract)
         window = stamp(instance=self.instance, request_id=rid, block_ids=held, token=token,
                        hold_s=self.cfg.hold_window_s)
         self._to_hold[rid] = SendMeta(rid, held, token, in_order=bool(runs))

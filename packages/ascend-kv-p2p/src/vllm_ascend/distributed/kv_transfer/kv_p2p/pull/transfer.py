@@ -222,7 +222,7 @@ def read_request(te: MooncakeTransferEngine, layout: KVCacheLayout, meta: RecvMe
         remotes: the metadata of every P rank to read from, by P rank (the instance rank
             ``pp_rank * tp_size + tp_rank`` of a pipeline-parallel P).
         plan: this rank's head slices (``remote_rank`` is the P rank).
-        stages: the layers of each of P's pipeline stages (:func:`~.pull.stages.stage_layers`);
+        stages: the layers of each of P's pipeline stages (:func:`~.contract.stage_layers`);
             ``None``: P is one stage. Each P rank is read for its stage's layers only.
         plans: where the P ranks' read plans are kept between requests (``None``: computed
             for this read only).

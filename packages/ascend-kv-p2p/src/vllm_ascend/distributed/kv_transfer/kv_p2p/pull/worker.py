@@ -14,7 +14,7 @@ handshake) and hands each role's work to its own object:
 
 What the scheduler tells the worker is :mod:`.pull.contract`.
 
-A pipeline-parallel P (``prefill.pp_size`` > 1, :mod:`.pull.stages`): each stage's workers
+A pipeline-parallel P (``prefill.pp_size`` > 1, :mod:`.contract`): each stage's workers
 register only their stage's layers (vLLM gives them no others) and say which in their
 ``AgentMeta`` (``pp_size``, ``first_layer``, ``total_num_layers``); D (one stage) claims
 and reads every stage's ranks, each for its stage's layers, and sends each its ``Done``.
@@ -36,11 +36,10 @@ from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig
 
 from ..protocol import CODEC
 from ..worker_base import P2PWorkerBase
-from .contract import MooncakeConnectorMetadata
+from .contract import MooncakeConnectorMetadata, stage_layers
 from .holder import LeaseHolder
 from .loads import LoadTracker
 from .reader import PullReader
-from .stages import stage_layers
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
