@@ -111,3 +111,38 @@ def test_pool_rows_judge_every_path_on_its_rounds(tmp_path: Path) -> None:
     assert slow.met is False  # its median at the bound: the interval crosses it
     body = importlib.import_module("bench_sections.pool").samples_pool(entry)
     assert "| mooncake put | 9 | 0.952 [" in body and "| local exists (batch 1024) | 20 |" in body
+
+
+TRACE = ("pool eviction at half capacity >= 0.98 of an unbounded pool, every trace, real "
+         "held-out traces included (default policy)")
+
+
+def _trace(names: tuple[str, ...], prefix_hits: float) -> dict[str, Any]:
+    samples = []
+    for name in names:
+        samples.append(ledger.series({"trace": name, "what": "blocks"}, [[100]] * 10))
+        samples.append(ledger.series({"trace": name, "what": "hit_blocks",
+                                      "policy": "unbounded"}, [[50]] * 10))
+        samples.append(ledger.series({"trace": name, "what": "hit_blocks", "policy": "prefix",
+                                      "capacity_fraction": 0.5},
+                                     [[50 * prefix_hits + (r % 2)] for r in range(10)]))
+    result = {"traces": {n: {"default_policy": "prefix", "policies": ["prefix"], "rows": []}
+                         for n in names}}
+    return _entry("trace", samples, result, {"quick": False})
+
+
+def test_trace_row_every_trace_over_its_segments_and_a_held_out_one(tmp_path: Path) -> None:
+    held = ("conversation", "zipf-scans", "held-out-real")
+    row = _row(tmp_path / "a", _trace(held, 0.995), TRACE)
+    assert row.met is True and row.measured.rounds == 10
+    assert abs(row.measured.value - 1.005) < 1e-9 and row.measured.low >= 0.98
+    # the traces it was tuned on alone: the same figures, not met, and it says why
+    tuned = _row(tmp_path / "b", _trace(("conversation", "zipf-scans"), 0.995), TRACE)
+    assert tuned.met is False and "no held-out trace" in tuned.measured.where
+    low = _row(tmp_path / "c", _trace(held, 0.95), TRACE)
+    assert low.met is False and low.measured.high < 0.98
+    quick = _trace(held, 0.995)
+    quick["config"] = {"quick": True}
+    assert _row(tmp_path / "d", quick, TRACE).entry is None  # a smoke run is not judged
+    body = importlib.import_module("bench_sections.trace").samples_trace(_trace(held, 0.95))
+    assert "| held-out-real | 0.5 | 0.96 [" in body and "10 consecutive segments" in body

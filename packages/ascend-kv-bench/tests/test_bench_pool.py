@@ -47,12 +47,28 @@ def test_load_trace_rejects_malformed_lines(tmp_path: Path, line: str) -> None:
 def test_trace_command_writes_results(tmp_path: Path) -> None:
     path = _trace(tmp_path, [[0, 1, 2], [0, 1, 3], [0, 4], [5, 6], [0, 1, 2]] * 10)
     args = argparse.Namespace(trace=str(path), quick=True, block_bytes=256,
-                              out=str(tmp_path / "out"))
+                              out=str(tmp_path / "out"), ledger=str(tmp_path / "ledger"))
     assert bench._run("trace", bench.run_trace, args) == 0
     result = json.loads((tmp_path / "out" / "trace.json").read_text())
     assert result["unbounded"]["hit_rate"] > 0
     for row in result["rows"]:
         assert 0 <= row["hit_rate"] <= row["best_hit_rate"] <= 1
+    # the ledger keeps each policy's hit blocks by segment of the trace: they sum to the
+    # replay's hit rate
+    from vllm_ascend.distributed.kv_transfer.bench import ledger
+
+    (entry,) = ledger.read_entries(tmp_path / "ledger", "trace")
+    assert "ledger_samples" not in entry["result"]
+    (blocks,) = ledger.entry_samples(entry, trace="conversation", what="blocks")
+    assert sum(r[0] for r in blocks["rounds"]) == result["unbounded"]["blocks"]
+    assert len(blocks["rounds"]) == bench.SEGMENTS
+    conv = result["traces"]["conversation"]
+    for row in conv["rows"]:
+        for policy in (*conv["policies"], "optimum"):
+            (hits,) = ledger.entry_samples(entry, trace="conversation", policy=policy,
+                                           capacity_fraction=row["capacity_fraction"])
+            assert sum(r[0] for r in hits["rounds"]) / result["unbounded"]["blocks"] == \
+                row[policy]["hit_rate"]
 
 
 def test_trace_command_without_a_trace_says_what_to_pass(

@@ -49,12 +49,12 @@ from .benchutil import (
 )
 from .ledger import series
 from .mooncake_store import MooncakeMaster
-from .trace_replay import TRACE_ENV, load_trace, replay, run_trace
+from .trace_replay import SEGMENTS, TRACE_ENV, load_trace, replay, run_trace
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TRACE_ENV", "add_pool_command", "add_trace_command", "load_trace", "replay",
-           "run_pool", "run_trace"]
+__all__ = ["SEGMENTS", "TRACE_ENV", "add_pool_command", "add_trace_command", "load_trace",
+           "replay", "run_pool", "run_trace"]
 
 
 # ---------------------------------------------------------------------- helpers

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from .benchutil import progress
+from .ledger import series
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +32,8 @@ TRACE_ENV = "VLLM_ASCEND_KV_TRACE"
 GOAL_VS_UNBOUNDED = 0.98
 #: The capacity of the goal, as a fraction of the blocks an unbounded pool holds.
 GOAL_FRACTION = 0.5
+#: Consecutive segments of a trace whose hit sums the ledger keeps (its rounds).
+SEGMENTS = 10
 
 
 def load_trace(path: str | os.PathLike[str], limit: int | None = None) -> list[list[int]]:
@@ -61,7 +64,7 @@ def _keys(ids: list[int]) -> list[str]:
 
 
 def replay(requests: list[list[int]], backend: Any, block_bytes: int,
-           oracle: Any = None) -> dict[str, float]:
+           oracle: Any = None, segments: int = 0) -> dict[str, Any]:
     """Serve every request: lookup its leading blocks, load them, save the missing ones.
 
     Args:
@@ -70,6 +73,9 @@ def replay(requests: list[list[int]], backend: Any, block_bytes: int,
         block_bytes: bytes per block.
         oracle: a :class:`~..backend.eviction.BeladyOracle` the backend evicts with;
             told the number of the request being served.
+        segments: with N > 0, also the hit blocks and blocks of each of N consecutive
+            segments of the requests (``segment_hits``, ``segment_blocks``: the sums the hit
+            rate comes from, kept for the ledger).
 
     Returns hit blocks, total blocks, hit rate and throughput (requests/s).
     """
@@ -78,6 +84,7 @@ def replay(requests: list[list[int]], backend: Any, block_bytes: int,
     s_addr, d_addr = [int(src.ctypes.data)], [int(dst.ctypes.data)]
     sizes = [block_bytes]
     hits = total = 0
+    seg_hits, seg_blocks = [0] * max(segments, 0), [0] * max(segments, 0)
     start = time.perf_counter()
     for n, ids in enumerate(requests):
         if oracle is not None:
@@ -92,9 +99,16 @@ def replay(requests: list[list[int]], backend: Any, block_bytes: int,
             backend.put(missing, [s_addr] * len(missing), [sizes] * len(missing))
         hits += lead
         total += len(keys)
+        if segments > 0:
+            seg = n * segments // len(requests)
+            seg_hits[seg] += lead
+            seg_blocks[seg] += len(keys)
     elapsed = time.perf_counter() - start
-    return {"hit_blocks": hits, "blocks": total, "hit_rate": hits / max(1, total),
-            "requests_per_s": len(requests) / elapsed, "seconds": elapsed}
+    out: dict[str, Any] = {"hit_blocks": hits, "blocks": total, "hit_rate": hits / max(1, total),
+                           "requests_per_s": len(requests) / elapsed, "seconds": elapsed}
+    if segments > 0:
+        out.update(segment_hits=seg_hits, segment_blocks=seg_blocks)
+    return out
 
 
 def compare_policies(requests: list[list[int]], fractions: list[float], block_bytes: int,
@@ -116,7 +130,8 @@ def compare_policies(requests: list[list[int]], fractions: list[float], block_by
 
     policies = policies or POLICY_NAMES
     unique = len({i for ids in requests for i in ids})
-    best = replay(requests, LocalBackend(capacity=(unique + 1) * block_bytes), block_bytes)
+    best = replay(requests, LocalBackend(capacity=(unique + 1) * block_bytes), block_bytes,
+                  segments=SEGMENTS)
     uses = uses_by_key(_keys(ids) for ids in requests)
     rows: list[dict[str, Any]] = []
     for frac in progress(fractions, "capacities"):
@@ -127,8 +142,8 @@ def compare_policies(requests: list[list[int]], fractions: list[float], block_by
         for name in (*policies, "optimum"):
             oracle = BeladyOracle(capacity, uses) if name == "optimum" else None
             backend = LocalBackend(capacity=capacity, eviction_policy=name if oracle is None else oracle)
-            res = replay(requests, backend, block_bytes, oracle=oracle)
-            row[name] = {"hit_rate": res["hit_rate"],
+            res = replay(requests, backend, block_bytes, oracle=oracle, segments=SEGMENTS)
+            row[name] = {"hit_rate": res["hit_rate"], "segment_hits": res["segment_hits"],
                          "vs_unbounded": (res["hit_rate"] / best["hit_rate"]
                                           if best["hit_rate"] else 1.0),
                          "requests/s": res["requests_per_s"], "evictions": backend.evictions}
@@ -169,12 +184,33 @@ def run_trace(args: argparse.Namespace) -> dict[str, Any]:
              "vs_best": r[default]["vs_unbounded"], "requests/s": r[default]["requests/s"],
              "policy": default, "optimum_vs_best": r["optimum"]["vs_unbounded"]}
             for r in conv["rows"]]
-    return {"config": {"trace": str(path), "requests": conv["requests"],
+    return {"ledger_samples": ledger_series(results),
+            "config": {"trace": str(path), "requests": conv["requests"],
                        "unique_blocks": conv["unique_blocks"], "block_bytes": block_bytes,
                        "tokens_per_block": 512, "fractions": fractions,
                        "goal": f">= {GOAL_VS_UNBOUNDED} of unbounded at {GOAL_FRACTION} capacity"},
             "unbounded": conv["unbounded"], "rows": rows, "traces": results,
             "table": summary_table(results)}
+
+
+def ledger_series(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ledger's samples of a replay: per trace, its blocks and the unbounded pool's hit
+    blocks, and per capacity and policy (the optimum too) its hit blocks, each a series of
+    :data:`SEGMENTS` rounds, one a consecutive segment of the trace (a replay is
+    deterministic: the segments say how much a figure depends on the part of the trace)."""
+    out = []
+    for name, res in results.items():
+        best = res["unbounded"]
+        out.append(series({"trace": name, "what": "blocks"},
+                          [[b] for b in best["segment_blocks"]], unit="blocks"))
+        out.append(series({"trace": name, "what": "hit_blocks", "policy": "unbounded"},
+                          [[h] for h in best["segment_hits"]], unit="blocks"))
+        for r in res["rows"]:
+            for p in (*res["policies"], "optimum"):
+                out.append(series({"trace": name, "what": "hit_blocks", "policy": p,
+                                   "capacity_fraction": r["capacity_fraction"]},
+                                  [[h] for h in r[p]["segment_hits"]], unit="blocks"))
+    return out
 
 
 def summary_table(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
