@@ -146,3 +146,33 @@ def test_trace_row_every_trace_over_its_segments_and_a_held_out_one(tmp_path: Pa
     assert _row(tmp_path / "d", quick, TRACE).entry is None  # a smoke run is not judged
     body = importlib.import_module("bench_sections.trace").samples_trace(_trace(held, 0.95))
     assert "| held-out-real | 0.5 | 0.96 [" in body and "10 consecutive segments" in body
+
+
+ROUTER_HIT = "kv_aware with 2 P: P's prefix hit rate >= 0.95 of the best achievable"
+ROUTER_TTFT = "kv_aware: TTFT mean and p99 below round_robin's and least_loaded's"
+
+
+def _router(kv_ttft: float, rounds: int = 9) -> dict[str, Any]:
+    rows = []
+    for r in range(rounds):
+        for policy, ttft, hit in (("kv_aware", kv_ttft, 0.48), ("round_robin", 1.0, 0.2),
+                                  ("least_loaded", 1.0, 0.25)):
+            rows.append({"round": r + 1, "policy": policy, "hit_tokens": hit * 100 + r % 2,
+                         "query_tokens": 100.0,
+                         "ttfts_s": [ttft * (1 + 0.01 * (r % 3)), ttft * 2]})
+    samples = ledger.series_of_rounds(rows, ("policy",),
+                                      ("ttfts_s", "hit_tokens", "query_tokens"))
+    return _entry("router", samples, {"best_achievable": {"rate": 0.5}})
+
+
+def test_router_rows_from_every_requests_ttft_and_the_hit_counters(tmp_path: Path) -> None:
+    hit = _row(tmp_path / "a", _router(0.6), ROUTER_HIT)
+    assert hit.met is True and hit.measured.rounds == 9 and hit.measured.low >= 0.95
+    ttft = _row(tmp_path / "b", _router(0.6), ROUTER_TTFT)
+    assert ttft.met is True and ttft.measured.rounds == 9 and ttft.measured.high < 1
+    slower = _row(tmp_path / "c", _router(1.05), ROUTER_TTFT)
+    assert slower.met is False and slower.measured.value > 1
+    few = _row(tmp_path / "d", _router(0.6, rounds=2), ROUTER_TTFT)
+    assert few.met is False and few.why == "2 rounds, fewer than 9"
+    body = importlib.import_module("bench_sections.router").samples_router(_router(0.6))
+    assert "| kv_aware | 9 | 0.96 [" in body and "| round_robin | 9 | 0.4" in body

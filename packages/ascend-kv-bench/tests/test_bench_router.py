@@ -110,3 +110,38 @@ def test_no_engines_writes_workload_and_best(tmp_path: Path) -> None:
     assert doc["workload"]["source"].startswith("synthetic")
     assert doc["workload"]["requests"] == br.QUICK_REQUESTS
     assert 0 < doc["best_achievable"]["rate"] < 1
+
+
+def test_every_request_and_counter_of_each_round_goes_to_the_ledger(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_ascend.distributed.kv_transfer.bench import ledger
+
+    def fake_rounds(cfg: br.RouterConfig, steps: object) -> tuple[list[dict[str, object]], None]:
+        rows: list[dict[str, object]] = []
+        for r in range(cfg.rounds):
+            for i, policy in enumerate(br.order(r)):
+                rows.append({"round": r + 1, "policy": policy, "hit_tokens": 10.0 * i,
+                             "query_tokens": 100.0, "ttfts_s": [0.1 + r, 0.2 + r],
+                             "completed": 2, "failed": 0})
+        # a policy whose proxy did not start in round 2: a round without samples
+        rows[-1] = {"round": 2, "policy": rows[-1]["policy"], "completed": 0, "failed": 2}
+        return rows, None
+
+    monkeypatch.setattr(br, "run_rounds", fake_rounds)
+    monkeypatch.setattr("vllm_ascend.distributed.kv_transfer.bench.client.model."
+                        "make_served_model", lambda path, spec: path)
+    parser = argparse.ArgumentParser()
+    br.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["router", "--quick", "--rounds", "2", "--out", str(tmp_path),
+                              "--trace", str(tmp_path / "missing.jsonl"),
+                              "--ledger", str(tmp_path / "ledger")])
+    assert args.func(args) == 0
+    doc = json.loads((tmp_path / "router.json").read_text())
+    assert all("ttfts_s" not in r for r in doc["runs"])  # the samples live in the ledger
+    (entry,) = ledger.read_entries(tmp_path / "ledger", "router")
+    last = br.order(1)[-1]
+    for policy in br.POLICIES:
+        (ttft,) = ledger.entry_samples(entry, policy=policy, what="ttfts_s")
+        (hits,) = ledger.entry_samples(entry, policy=policy, what="hit_tokens")
+        assert ttft["rounds"][0] == [0.1, 0.2] and len(hits["rounds"]) == 2
+        assert ttft["rounds"][1] == ([] if policy == last else [1.1, 1.2])

@@ -156,6 +156,33 @@ def series(tags: Mapping[str, Any], rounds: Iterable[Iterable[float]],
     return {"tags": dict(tags), "unit": unit, "rounds": [[float(x) for x in r] for r in rounds]}
 
 
+def series_of_rounds(rows: Iterable[Mapping[str, Any]], by: Sequence[str],
+                     fields: Sequence[str], round_key: str = "round",
+                     unit: str = "s") -> list[dict[str, Any]]:
+    """Series of rows measured round by round (a row a group and round, ``round_key`` saying
+    which): for each group (the rows' values of ``by``) and each of ``fields``, one series
+    tagged with the group and ``what`` (the field) whose rounds are the rows' values in round
+    order (a list: its samples; a number: one sample; missing: a round without samples, so
+    rounds stay paired across groups)."""
+    groups: dict[tuple[Any, ...], list[Mapping[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault(tuple(row.get(b) for b in by), []).append(row)
+    out = []
+    for key, members in groups.items():
+        members = sorted(members, key=lambda r: r.get(round_key) or 0)
+        for field in fields:
+            rounds = []
+            for row in members:
+                v = row.get(field)
+                rounds.append([x for x in v if isinstance(x, int | float)]
+                              if isinstance(v, list | tuple) else
+                              [v] if isinstance(v, int | float) and not isinstance(v, bool)
+                              else [])
+            out.append(series({**dict(zip(by, key, strict=True)), "what": field}, rounds,
+                              unit))
+    return out
+
+
 def make_entry(section: str, result: Mapping[str, Any], samples: Sequence[Mapping[str, Any]],
                config: Mapping[str, Any], *, root: Path | None = None,
                started: Mapping[str, Any] | None = None) -> dict[str, Any]:

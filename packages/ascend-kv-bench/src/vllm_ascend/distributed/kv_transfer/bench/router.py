@@ -43,6 +43,7 @@ from .benchutil import (
     write_results,
 )
 from .client.procs import Server, scrape, warm_up
+from .ledger import series_of_rounds
 
 logger = logging.getLogger(__name__)
 
@@ -435,7 +436,7 @@ def run_policy(policy: str, engines: list[Any], events: list[str], cfg: RouterCo
         proxy.stop()
     return {"policy": policy, **hit_rate(before, after), **ttft_summary(ttfts), **busy,
             "completed": len(ttfts), "failed": len(errors), "errors": sorted(set(errors))[:3],
-            "served_per_p": served, "decisions": routed, "wall_s": wall}
+            "served_per_p": served, "decisions": routed, "wall_s": wall, "ttfts_s": ttfts}
 
 
 def run_rounds(cfg: RouterConfig, steps: Steps) -> tuple[list[dict[str, Any]], str | None]:
@@ -525,6 +526,9 @@ def run(args: argparse.Namespace) -> int:
         rows, reason = run_rounds(cfg, steps)
     print(format_table(rows, ["round", "policy", "hit_rate", "ttft_mean_ms", "ttft_p99_ms",
                               "completed", "failed", "served_per_p"]))
+    # every request's TTFT and the hit counters of each policy and round, for the ledger
+    samples = series_of_rounds(rows, ("policy",), ("ttfts_s", "hit_tokens", "query_tokens"))
+    rows = [{k: v for k, v in r.items() if k != "ttfts_s"} for r in rows]
     path = write_results(NAME, {
         "description": "vllm-ascend-pd-proxy's policies on a shared-prefix workload: 2 P "
                        "(KV events) + 1 D vllm serve, pull mode, requests streamed in order",
@@ -539,7 +543,7 @@ def run(args: argparse.Namespace) -> int:
         "status": "ok" if rows and not reason else "not run" if args.no_engines else "failed",
         "reason": reason, "runs": rows,
         "failed_requests": sum(int(r.get("failed") or 0) for r in rows),
-    }, cfg.out, args=args)
+    }, cfg.out, args=args, samples=samples)
     print(f"results: {path}")
     return 0
 
