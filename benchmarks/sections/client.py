@@ -10,10 +10,24 @@ plain instance, P/D pairs behind our proxy, and vLLM's own ``MooncakeConnector``
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ._common import GoalSpec, Images, Section, fmt, md_table, num
+from ._common import (
+    GoalSpec,
+    Images,
+    Measured,
+    Section,
+    fmt,
+    judged_noninferior,
+    judged_ratio,
+    md_table,
+    median_cell,
+    medians_by_round,
+    num,
+    worst,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -176,16 +190,98 @@ def section_client(d: dict[str, Any], images: Images) -> str:
     return "".join(out)
 
 
+# ---------------------------------------------------------------------- raw samples
+#: Our pull pair and the peers of the alternating rounds (``bench client --rounds``).
+OURS, MOONCAKE, NIXL = "pd-pull", "pd-vllm-mooncake", "pd-vllm-nixl"
+
+
+def _round_medians(entry: Mapping[str, Any], target: str, what: str
+                   ) -> dict[int, list[float]]:
+    """Per concurrency, each alternating round's median of ``what`` (NaN for a round
+    without samples: the pairs stay paired, the round is left out of a comparison)."""
+    out = {}
+    for s in entry.get("samples") or []:
+        t = s.get("tags") or {}
+        if t.get("part") == "rounds" and t.get("target") == target and t.get("what") == what:
+            meds = iter(medians_by_round(s))
+            out[int(t.get("concurrency") or 0)] = [next(meds) if r else float("nan")
+                                                   for r in s.get("rounds") or []]
+    return out
+
+
+def tpot_same_decode(entry: Mapping[str, Any]) -> Measured | None:
+    """vLLM MooncakeConnector's TPOT / ours over the rounds (each round's median TPOT of
+    every request), non-inferiority at each concurrency; the lowest decides."""
+    ours, peer = _round_medians(entry, OURS, "tpot_s"), _round_medians(entry, MOONCAKE,
+                                                                       "tpot_s")
+    return worst([judged_noninferior(peer[c], ours[c], where=f"concurrency {c}")
+                  for c in sorted(set(ours) & set(peer))], at_least=True)
+
+
+def ttft_ahead_of(peer_target: str) -> Any:
+    """Our pair's TTFT / the peer pair's over the rounds (each round's median TTFT of every
+    request), below 1 with the whole interval at each concurrency."""
+    def measure(entry: Mapping[str, Any]) -> Measured | None:
+        ours, peer = (_round_medians(entry, t, "ttft_s") for t in (OURS, peer_target))
+        return worst([judged_ratio(ours[c], peer[c], at_most=1.0 - 1e-12,
+                                   where=f"concurrency {c}")
+                      for c in sorted(set(ours) & set(peer))], at_least=False)
+    return measure
+
+
+def no_failure_kv_moved(entry: Mapping[str, Any]) -> Measured | None:
+    """Failed requests over every run of the entry (single runs and rounds), met only at 0
+    with every P/D run's D having loaded KV for each completed request; a count, its
+    interval itself, over the run's alternating rounds."""
+    d = entry.get("result") or {}
+    runs = [r for e in (d.get("targets") or {}).values() for r in e.get("runs") or []]
+    rounds = d.get("rounds") or {}
+    runs += [r for by in (rounds.get("runs") or {}).values() for rs in by.values() for r in rs]
+    if not runs:
+        return None
+    failed = sum(int(r.get("failed") or 0) for r in runs)
+    unmoved = [r for r in runs if isinstance(r.get("transfers"), Mapping)
+               and (num(r["transfers"].get("kv_loaded")) or 0) < int(r.get("completed") or 0)]
+    where = f"{len(runs)} runs" + (f", {len(unmoved)} with requests D recomputed"
+                                   if unmoved else "")
+    return Measured(float(failed), float(failed), float(failed),
+                    int(rounds.get("rounds") or 1), failed == 0 and not unmoved, where,
+                    " failed")
+
+
+def samples_client(entry: Mapping[str, Any]) -> str:
+    """The pair's rounds from the raw samples: each round's median TTFT and TPOT."""
+    ours_t, peer_t = (_round_medians(entry, t, "ttft_s") for t in (OURS, MOONCAKE))
+    ours_p, peer_p = (_round_medians(entry, t, "tpot_s") for t in (OURS, MOONCAKE))
+    if not ours_t:
+        return "\nThis run recorded no raw samples of alternating rounds.\n"
+    rows = []
+    for c in sorted(set(ours_t) & set(peer_t)):
+        def ok(xs: list[float]) -> list[float]:
+            return [x for x in xs if x == x]
+
+        rows.append({"c": c, "rounds": len(ours_t[c]),
+                     "ot": median_cell(ok(ours_t[c]), 1e3), "pt": median_cell(ok(peer_t[c]), 1e3),
+                     "op": median_cell(ok(ours_p.get(c, [])), 1e3),
+                     "pp": median_cell(ok(peer_p.get(c, [])), 1e3)})
+    return ("\nFrom the raw samples (every request's TTFT and TPOT of each alternating round): "
+            "each round's median, then the median over the rounds [95% bootstrap "
+            "interval].\n\n"
+            + md_table(rows, ["c", "rounds", "ot", "pt", "op", "pp"],
+                       ["concurrency", "rounds", f"TTFT ms, {OURS}", f"{MOONCAKE}",
+                        f"TPOT ms, {OURS}", f"{MOONCAKE}"]))
+
+
 GOALS = (
     GoalSpec("TPOT on the same decode engine: vLLM MooncakeConnector's / ours >= 0.97, lower "
              "bound >= 0.95 (non-inferiority)", "client", "vLLM MooncakeConnector pair",
-             rank=70),
+             tpot_same_decode, rank=70),
     GoalSpec("TTFT under vLLM's client: our P/D pull pair ahead of vLLM MooncakeConnector's",
-             "client", "vLLM MooncakeConnector pair", rank=71),
+             "client", "vLLM MooncakeConnector pair", ttft_ahead_of(MOONCAKE), rank=71),
     GoalSpec("TTFT under vLLM's client: our P/D pull pair ahead of NixlConnector's", "client",
-             "NixlConnector pair", rank=72),
+             "NixlConnector pair", ttft_ahead_of(NIXL), rank=72),
     GoalSpec("vLLM's own client: 0 failed requests, every P/D request's KV moved", "client",
-             "(absolute)", rank=73),
+             "(absolute)", no_failure_kv_moved, rank=73),
 )
 
 
@@ -242,4 +338,4 @@ def plot_client(res: dict[str, dict[str, Any]], path: Path, draw: bool = True
 
 
 SECTION = Section("A real client: `vllm bench serve` (`bench client`)", "issue 17", 5,
-                  section_client, GOALS)
+                  section_client, GOALS, samples=samples_client)

@@ -176,3 +176,42 @@ def test_router_rows_from_every_requests_ttft_and_the_hit_counters(tmp_path: Pat
     assert few.met is False and few.why == "2 rounds, fewer than 9"
     body = importlib.import_module("bench_sections.router").samples_router(_router(0.6))
     assert "| kv_aware | 9 | 0.96 [" in body and "| round_robin | 9 | 0.4" in body
+
+
+CLIENT_TPOT = ("TPOT on the same decode engine: vLLM MooncakeConnector's / ours >= 0.97, lower "
+               "bound >= 0.95 (non-inferiority)")
+CLIENT_TTFT = "TTFT under vLLM's client: our P/D pull pair ahead of vLLM MooncakeConnector's"
+CLIENT_NIXL = "TTFT under vLLM's client: our P/D pull pair ahead of NixlConnector's"
+CLIENT_FAILED = "vLLM's own client: 0 failed requests, every P/D request's KV moved"
+
+
+def _client(ours_ttft: float, ours_tpot: float, failed: int = 0) -> dict[str, Any]:
+    def s(target: str, what: str, v: float) -> dict[str, Any]:
+        rounds = [[v * (1 + 0.01 * (r % 3)), v * 1.1] for r in range(10)]
+        if target == "pd-pull":
+            rounds[4] = []  # a round whose run failed: left out, the rest stay paired
+        return ledger.series({"part": "rounds", "target": target, "concurrency": 4,
+                              "what": what}, rounds)
+
+    samples = [s("pd-pull", "ttft_s", ours_ttft), s("pd-pull", "tpot_s", ours_tpot),
+               s("pd-vllm-mooncake", "ttft_s", 0.5), s("pd-vllm-mooncake", "tpot_s", 0.02)]
+    run = {"completed": 8, "failed": failed, "transfers": {"kv_loaded": 8}}
+    result = {"targets": {"pd-pull": {"runs": [run]}},
+              "rounds": {"rounds": 9, "runs": {"pd-pull": {"4": [run] * 9}}}}
+    return _entry("client", samples, result)
+
+
+def test_client_rows_from_every_requests_ttft_and_tpot(tmp_path: Path) -> None:
+    entry = _client(0.4, 0.02)
+    tpot = _row(tmp_path / "a", entry, CLIENT_TPOT)
+    assert tpot.met is True and tpot.measured.rounds == 9 and abs(tpot.measured.value - 1) < 1e-9
+    ttft = _row(tmp_path / "b", entry, CLIENT_TTFT)
+    assert ttft.met is True and abs(ttft.measured.value - 0.8) < 1e-9
+    assert _row(tmp_path / "c", entry, CLIENT_NIXL).why == "not measured by this run"
+    assert _row(tmp_path / "d", entry, CLIENT_FAILED).met is True
+    slower = _client(0.4, 0.022, failed=1)
+    assert _row(tmp_path / "e", slower, CLIENT_TPOT).met is False  # 0.909 of the peer's
+    lost = _row(tmp_path / "f", slower, CLIENT_FAILED)
+    assert lost.met is False and lost.measured.value == 10.0  # one a run, 10 runs
+    body = importlib.import_module("bench_sections.client").samples_client(entry)
+    assert "| 4 | 10 | 4" in body

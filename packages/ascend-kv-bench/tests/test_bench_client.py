@@ -452,3 +452,30 @@ def test_rounds_not_run_without_the_peers(tmp_path: Path, monkeypatch: pytest.Mo
     entry = rr.run_rounds(cfg, Steps(1, "t"), tmp_path, rounds=5)
     assert entry["status"] == "not run" and entry["reason"] == bc.VLLM_PEERS_MISSING
     assert rr.round_order(rr.PAIR, 0) == rr.PAIR and rr.round_order(rr.PAIR, 3) == rr.PAIR[::-1]
+
+
+def test_every_successful_requests_ttft_and_tpot_go_to_the_ledger() -> None:
+    from vllm_ascend.distributed.kv_transfer.bench.client import rounds
+
+    doc = {**RESULT, "ttfts": [0.1, 0.2, 0.3, 0.0], "latencies": [0.41, 0.52, 0.3, 0.0],
+           "output_lens": [32, 17, 1, 0]}
+    row = procs.summarize(doc)
+    # the failed request is left out; a one-token answer has a TTFT and no TPOT
+    assert row["request_samples"]["ttft_s"] == [0.1, 0.2, 0.3]
+    assert row["request_samples"]["tpot_s"] == pytest.approx([0.01, 0.02])
+    assert procs.summarize(RESULT)["request_samples"] == {"ttft_s": [], "tpot_s": []}
+
+    def run(ttft: float) -> dict[str, Any]:
+        return {"completed": 1, "request_samples": {"ttft_s": [ttft], "tpot_s": [ttft / 10]}}
+
+    results = {"pd-pull": {"runs": [{"concurrency": 4, "dataset": "random", **run(0.1)}]}}
+    rnds = {"runs": {"pd-pull": {4: [{"round": 0, **run(0.2)}, {"round": 1, "failed": 4}]},
+                     "pd-vllm-mooncake": {4: [{"round": 0, **run(0.3)},
+                                              {"round": 1, **run(0.4)}]}}}
+    series = rounds.ledger_series(results, rnds)
+    by = {(s["tags"]["part"], s["tags"]["target"], s["tags"]["what"]): s for s in series}
+    assert by["single", "pd-pull", "ttft_s"]["rounds"] == [[0.1]]
+    assert by["single", "pd-pull", "ttft_s"]["tags"]["dataset"] == "random"
+    assert by["rounds", "pd-pull", "ttft_s"]["rounds"] == [[0.2], []]  # still paired
+    assert by["rounds", "pd-vllm-mooncake", "tpot_s"]["rounds"] == [[0.03], [0.04]]
+    assert "request_samples" not in results["pd-pull"]["runs"][0]  # taken out of the rows

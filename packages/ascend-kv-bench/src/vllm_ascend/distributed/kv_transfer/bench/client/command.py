@@ -74,7 +74,7 @@ from .deploy import (
 )
 from .model import make_served_model
 from .procs import failed_row, warm_up
-from .rounds import PAIR, run_rounds
+from .rounds import PAIR, ledger_series, run_rounds
 
 logger = logging.getLogger(__name__)
 
@@ -238,6 +238,7 @@ def run(args: argparse.Namespace) -> int:
     if args.rounds:
         steps.step(f"{args.rounds} alternating rounds of {' and '.join(PAIR)}")
         rounds = run_rounds(cfg, steps, work, args.rounds)
+    samples = ledger_series(results, rounds)  # takes the per-request samples out of the rows
     rows = table_rows(results)
     print(format_table(rows, ["target", "dataset", "conc", "status", "failed", "ttft_p50_ms",
                               "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "out_tok_s"]))
@@ -260,7 +261,7 @@ def run(args: argparse.Namespace) -> int:
         "targets": results, "rows": rows, "rounds": rounds,
         "failed_requests": sum(int(r.get("failed") or 0) for e in results.values()
                                for r in e.get("runs", [])),
-    }, cfg.out, args=args)
+    }, cfg.out, args=args, samples=samples)
     print(f"results: {path}")
     return 0
 

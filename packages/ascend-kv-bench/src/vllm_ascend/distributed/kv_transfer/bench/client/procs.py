@@ -68,7 +68,25 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
     errors = [e for e in doc.get("errors") or [] if e]
     if errors:
         row["errors"] = sorted(set(str(e)[-300:] for e in errors))[:3]
+    row["request_samples"] = request_samples(doc)
     return row
+
+
+def request_samples(doc: dict[str, Any]) -> dict[str, list[float]]:
+    """Every successful request's TTFT and TPOT in seconds (TPOT as vLLM's client computes
+    it: latency minus TTFT over the output tokens after the first), from the per-request
+    lists of ``--save-detailed``; empty lists where the result has none."""
+    ttfts, lats = doc.get("ttfts") or [], doc.get("latencies") or []
+    outs, errs = doc.get("output_lens") or [], doc.get("errors") or []
+    out: dict[str, list[float]] = {"ttft_s": [], "tpot_s": []}
+    for i, ttft in enumerate(ttfts):
+        if (i < len(errs) and errs[i]) or not isinstance(ttft, int | float) or ttft <= 0:
+            continue
+        out["ttft_s"].append(float(ttft))
+        n = outs[i] if i < len(outs) else 0
+        if i < len(lats) and isinstance(lats[i], int | float) and isinstance(n, int) and n > 1:
+            out["tpot_s"].append((float(lats[i]) - float(ttft)) / (n - 1))
+    return out
 
 
 def failed_row(num_prompts: int, reason: str) -> dict[str, Any]:

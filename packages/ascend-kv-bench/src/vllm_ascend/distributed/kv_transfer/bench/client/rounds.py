@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..benchutil import Steps
+from ..ledger import series
 from ..stats import compare, spread
 from .deploy import VLLM_PEERS_MISSING, one_run, peers_dir, start_target, targets
 from .procs import warm_up
@@ -99,3 +100,32 @@ def run_rounds(cfg: Any, steps: Steps, work: Path, rounds: int) -> dict[str, Any
     return {**entry, "status": "ok" if not any(failed.values()) else "failed requests",
             "failed": failed, "runs": runs,
             "comparisons": summarize_rounds(runs, tuple(cfg.concurrency))}
+
+
+def ledger_series(results: dict[str, Any], rounds: dict[str, Any] | None
+                  ) -> list[dict[str, Any]]:
+    """Every successful request's TTFT and TPOT (seconds) for the ledger, taken out of the
+    runs' rows (``request_samples``): the single run of each target and concurrency
+    (``part`` single, one round), and each alternating round of the pair (``part`` rounds,
+    a run a round in round order; a run without samples an empty round, so the pair stays
+    paired)."""
+    def take(row: dict[str, Any]) -> dict[str, list[float]]:
+        return dict(row.pop("request_samples", None) or {})
+
+    out = []
+    for name, entry in results.items():
+        for row in entry.get("runs") or []:
+            got = take(row)
+            for what in ("ttft_s", "tpot_s"):
+                out.append(series({"part": "single", "target": name,
+                                   "dataset": row.get("dataset"),
+                                   "concurrency": row.get("concurrency"), "what": what},
+                                  [got.get(what) or []]))
+    for name, by_conc in ((rounds or {}).get("runs") or {}).items():
+        for conc, rows in by_conc.items():
+            got_rows = [take(r) for r in rows]
+            for what in ("ttft_s", "tpot_s"):
+                out.append(series({"part": "rounds", "target": name,
+                                   "concurrency": int(conc), "what": what},
+                                  [g.get(what) or [] for g in got_rows]))
+    return out
