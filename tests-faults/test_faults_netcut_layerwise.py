@@ -16,15 +16,18 @@ push state; D must release what it held for the push (registered staging); both 
 serve on while the link is down, and a layerwise P/D request must work again once the
 link is back.
 
-Not covered (a gap of Mooncake's TCP transport, seen with ``ss`` in P's namespace): the
-write Mooncake "dropped" is not withdrawn. Its bytes stay queued in P's kernel (the closed
-socket in FIN-WAIT-1) and land in D's blocks once the link is back, a few seconds after
-D handed those blocks back to vLLM. Here they are the same request's KV, which D
-recomputed into the same blocks, so the tokens are not affected.
+The late write: the write Mooncake "dropped" is not withdrawn. Its bytes stay queued in
+P's kernel (the closed socket in FIN-WAIT-1, seen with ``ss`` in P's namespace) and go out
+once the link is back. D must have fenced the connection they arrive on before it handed
+the blocks back (``layerwise.fence``): the test fills the blocks the failed push targeted
+with a pattern once D handed them back (as another request's KV would be), heals the link,
+waits until P's kernel holds nothing for D any more (delivered, or reset by D), and finds
+the pattern intact.
 """
 
 from __future__ import annotations
 
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -123,6 +126,45 @@ def held_requests(llm: Any) -> float | None:
     return get_kv_transfer_group().recorder.gauge("p2p_held_requests")  # type: ignore[no-any-return]
 
 
+#: what the test writes into the blocks D handed back (as another request's KV)
+FILL = 0xA5
+
+
+def _block_spans(block_ids: list[int]) -> list[tuple[int, int]]:
+    """In the engine: ``(address, bytes)`` of each of D's blocks ``block_ids``, every region."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    layout = get_kv_transfer_group().connector_worker.layout
+    return [(r.base_addr + b * r.block_stride, r.block_len)
+            for r in layout.regions for b in block_ids]
+
+
+def fill_blocks(llm: Any, block_ids: list[int]) -> int:
+    """In the engine: write :data:`FILL` over D's blocks ``block_ids``; the bytes written."""
+    import ctypes
+
+    spans = _block_spans(block_ids)
+    for addr, size in spans:
+        ctypes.memset(addr, FILL, size)
+    return sum(size for _, size in spans)
+
+
+def bytes_overwritten(llm: Any, block_ids: list[int]) -> int:
+    """In the engine: how many bytes of D's blocks ``block_ids`` no longer hold :data:`FILL`."""
+    import ctypes
+
+    return sum(size - ctypes.string_at(addr, size).count(bytes([FILL]))
+               for addr, size in _block_spans(block_ids))
+
+
+def queued_for(netns: str, addr: str) -> int:
+    """Bytes the kernel in ``netns`` still holds unacknowledged for ``addr`` (``ss``)."""
+    res = subprocess.run(["ip", "netns", "exec", netns, "ss", "-tnH", "dst", addr],
+                         capture_output=True, text=True, check=True, timeout=30)
+    # State Recv-Q Send-Q Local Peer
+    return sum(int(line.split()[2]) for line in res.stdout.splitlines() if line.split())
+
+
 def new_failures(engine: EngineProcess, before: dict[str, float]) -> dict[str, float]:
     return {k: v - before.get(k, 0) for k, v in failure_counts(engine).items()
             if v != before.get(k, 0)}
@@ -187,8 +229,26 @@ def test_link_cut_mid_push(lw: dict[str, Any], net: VethPair, tmp_path: Path,
     regd = leak_state(d)["registered_bytes"]
     assert fault_report.check("zero", regd == d_registered,
                               f"D's registered bytes {d_registered} -> {regd}")
-    # the network comes back: layerwise P/D works again
+    # D handed the failed push's blocks back: they hold another request's KV from now on
+    pushed_to = list(posted[0]["remote_block_ids"])
+    filled = d.call(f"{__name__}:fill_blocks", block_ids=pushed_to)
+    late = queued_for(net.ns_a, net.addr_b)  # the dropped write, still queued on P's host
+    fenced = connector_totals(d).get("p2p_write_fences|outcome=drained", 0)
+    # the network comes back: P's kernel sends what it queued; nothing may land
     net.set_link(True)
+    healed_at = time.monotonic()
+    gone = wait_for(lambda: queued_for(net.ns_a, net.addr_b) == 0, 120)
+    left = queued_for(net.ns_a, net.addr_b)
+    assert gone, f"P's kernel still holds {left} bytes for D"
+    drained_after = time.monotonic() - healed_at
+    changed = d.call(f"{__name__}:bytes_overwritten", block_ids=pushed_to)
+    assert fault_report.check("zero", changed == 0,
+                              f"{changed} of {filled} bytes of the blocks D handed back were "
+                              f"overwritten once the link was back ({late} bytes were queued "
+                              "on P's host)"), changed
+    if "transfer" in p_causes:  # the held write went out: its bytes were on the way
+        assert late > 0 and fenced >= 1, (late, fenced)
+    # layerwise P/D works again
     again = meta.pd_once(p, d, x3, prefix="cutlw")
     assert fault_report.check("survivor", again.token_ids == want[3],
                               "layerwise P/D once the link was back")
@@ -197,7 +257,10 @@ def test_link_cut_mid_push(lw: dict[str, Any], net: VethPair, tmp_path: Path,
     holds_nothing(d, fault_report, zero=PUSH_STATE)
     if "transfer" in p_causes:
         write = (f"P's held write went out into the dead network and stalled until Mooncake "
-                 f"dropped it ({PROGRESS_S}s without progress)")
+                 f"dropped it ({PROGRESS_S}s without progress); D fenced its connections "
+                 f"before handing the blocks back, and the {late} bytes P's kernel still "
+                 f"held went out once the link was back ({drained_after:.1f}s) and changed "
+                 f"none of the {filled} pattern bytes D's blocks held by then")
     else:
         write = "P's held write found its write window closed and never started"
     fault_report(fault="layerwise: network between P and D cut mid-push (veth link down, P's "

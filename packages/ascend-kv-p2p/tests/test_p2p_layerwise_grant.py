@@ -124,7 +124,7 @@ def test_the_grant_carries_the_regions_only_from_a_keyed_d(pd: Any) -> None:
     else:
         assert grant.region_addrs == [] and grant.region_strides == []
     client.call(PushDone(request_id="r", sender="x/tp0", success=False, reason="test",
-                         token=TOKEN))
+                         token=TOKEN, settled=True))  # (no write: nothing for D to fence)
     assert wait_recv(d, "r") == {4, 5}
 
 

@@ -43,6 +43,10 @@ from vllm_ascend.distributed.kv_transfer.kv_p2p.protocol import (
     worker_port,
 )
 
+#: the transfer-engine host of the P ranks these tests play by hand: no connection of this
+#: process's engine comes from there, so D's fence of their failed pushes (layerwise.fence)
+#: shuts down none of the connections the real P worker of the next test writes over
+NOWHERE = "192.0.2.1"
 BS = 16      # tokens per block
 NB = 12      # blocks per cache
 HEADS = 4    # total KV heads
@@ -312,6 +316,7 @@ def test_p_that_dies_after_beginning_fails_d_before_the_deadline(pd: Any) -> Non
     client = RpcClient(tcp_endpoint("127.0.0.1", worker_port(pd.d_port, tp_rank=0, tp_size=1)),
                        LAYERWISE_CODEC)
     grant = client.call(PushBegin(request_id="r", sender="ghost/tp0", p_rank=0, p_tp_size=1,
+                                  te_host=NOWHERE,
                                   block_ids=[1, 2],
                                   block_lens=[r.block_len for r in pd.d.layout.regions]))
     assert isinstance(grant, PushGrant) and grant.lease_s == 2.5 and grant.num_senders == 1
@@ -335,7 +340,7 @@ def test_deadline_waits_for_active_writers_and_revokes_their_lease(pd: Any) -> N
         d_expect(d, "r", [1])
         client = RpcClient(tcp_endpoint("127.0.0.1", d.port), LAYERWISE_CODEC)
         grant = client.call(PushBegin(request_id="r", sender="slow/tp0", p_rank=0, p_tp_size=1,
-                                      block_ids=[1],
+                                      te_host=NOWHERE, block_ids=[1],
                                       block_lens=[r.block_len for r in d.layout.regions]))
         assert isinstance(grant, PushGrant)
         time.sleep(0.5)
@@ -510,6 +515,7 @@ def test_a_renewal_sent_while_d_was_held_up_keeps_the_sender(
     endpoint = tcp_endpoint("127.0.0.1", worker_port(pd.d_port, tp_rank=0, tp_size=1))
     client = RpcClient(endpoint, LAYERWISE_CODEC, timeout_s=15)
     grant = client.call(PushBegin(request_id="r", sender="slow/tp0", p_rank=0, p_tp_size=1,
+                                  te_host=NOWHERE,
                                   block_ids=[1, 2],
                                   block_lens=[r.block_len for r in pd.d.layout.regions]))
     assert isinstance(grant, PushGrant) and grant.lease_s == 2.5

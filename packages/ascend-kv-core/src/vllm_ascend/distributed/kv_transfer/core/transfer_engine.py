@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from . import local_reads, transfer_polling
+from . import local_reads, own_sockets, transfer_polling
 from .errors import TransferError
 from .transfer_polling import PendingTransfer
 from .vllm_compat import optional_dependency
@@ -187,7 +187,11 @@ class MooncakeTransferEngine:
         # pull threads read and time transfers at once)
         self._rates: dict[tuple[str, str], tuple[float, ...]] = {}
         self._engine = module.TransferEngine()
+        listening = own_sockets.listening_ports()
         rc = self._engine.initialize(hostname, metadata_server, protocol, device_name)
+        #: the TCP ports the engine opened here (its RPC port, the TCP transport's data port):
+        #: the connections peers' transfers arrive on (:mod:`.own_sockets`; empty off Linux)
+        self.listen_ports: set[int] = own_sockets.listening_ports() - listening
         if rc != 0:
             raise TransferError(
                 f"Mooncake transfer engine failed to start on {hostname} with protocol "

@@ -31,4 +31,12 @@ P2P_METRICS = [
                "without a transfer."),
     MetricSpec("p2p_layer_transfer_seconds", "histogram", "Time of one layer's push (layerwise)."),
     MetricSpec("p2p_failed_posts", "counter", "Metaserver posts that failed (layerwise)."),
+    MetricSpec("p2p_write_fences", "counter", "Failed layerwise pushes whose blocks D kept until "
+               "it shut down and drained the connections a late write of P could still arrive "
+               "on, by outcome (drained; timeout: handed back at the fence's limit).",
+               labels=("outcome",)),
+    MetricSpec("p2p_write_retries", "counter", "Layerwise writes P sent again after one failed "
+               "with none of its bytes left on the way (a connection D had shut)."),
+    MetricSpec("p2p_fenced_connections", "counter", "Transfer-engine connections D shut down "
+               "to fence failed layerwise pushes."),
 ]

@@ -54,7 +54,7 @@ class AgentMeta(Message):
     region_addrs: list[int]
     region_strides: list[int]
     vllm_version: str = ""
-    #: a pipeline-parallel P stage (:mod:`.pull.stages`): the instance's stages, the index of
+    #: a pipeline-parallel P stage (:mod:`.pull.contract`): the instance's stages, the index of
     #: this stage's first layer and the model's layer count (``layout`` has the stage's
     #: layers only); ``total_num_layers`` 0: ``layout.num_layers``
     pp_size: int = 1
@@ -182,6 +182,9 @@ class PushBegin(Message):
     protocol_version: int = LAYERWISE_PROTOCOL_VERSION
     #: the request's capability D issued (``remote_push_token`` of the params D posted)
     token: str = ""
+    #: the host P's transfer engine writes from (D fences its connections from there when
+    #: the push fails with a write that could still land; empty: D fences every peer's)
+    te_host: str = ""
 
 
 class PushGrant(Message):
@@ -235,6 +238,10 @@ class PushDone(Message):
     nbytes: int = 0
     #: the request's capability (as in :class:`PushBegin`)
     token: str = ""
+    #: every write of this sender for the request completed or never started, so none can
+    #: land later (False, also from an older P: a write failed in the transfer engine and its
+    #: bytes may still be on the way; D fences before it hands the blocks back)
+    settled: bool = False
 
 
 class PushDoneAck(Message):

@@ -23,7 +23,12 @@ from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 
 from vllm_ascend.distributed.kernels.heads import HeadSlice
-from vllm_ascend.distributed.kv_transfer.core.errors import KVTransferError, RemoteError
+from vllm_ascend.distributed.kv_transfer.core import own_sockets
+from vllm_ascend.distributed.kv_transfer.core.errors import (
+    KVTransferError,
+    RemoteError,
+    TransferError,
+)
 from vllm_ascend.distributed.kv_transfer.core.transfer_engine import MooncakeTransferEngine
 from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeLayerwiseConfig
 
@@ -42,12 +47,16 @@ from ..protocol import (
 )
 from ..renewer import SideBySide
 from ..worker_base import P2PWorkerBase, head_slices, heads_in_block
+from .fence import resolve_hosts
 
 logger = logging.getLogger(__name__)
 
 #: P stops writing this fraction of a lease before it runs out (D measures its lease from a
 #: later instant, so P's view always ends first).
 LEASE_MARGIN = 0.2
+#: After a write failed, how long P waits for its kernel to deliver what the transfer engine
+#: left queued before it tells D the push's writes are not settled (D then fences).
+SETTLE_WAIT_S = 0.5
 
 
 def write_window_end(te: MooncakeTransferEngine | None, sent: float, lease_s: float) -> float:
@@ -86,6 +95,9 @@ class PushLink:
     region_addrs: list[int] = field(default_factory=list)
     region_strides: list[int] = field(default_factory=list)
     nbytes: int = 0
+    #: a write failed in the transfer engine: its bytes may still reach D (TCP delivers what
+    #: the engine's closed connection had queued once the network is back)
+    write_failed: bool = False
 
 
 @dataclass
@@ -219,7 +231,8 @@ class PushLinks:
                         p_rank=shared.tp_rank, p_tp_size=shared.tp_size,
                         block_ids=[b for _, _, b in target.pushed(session.first_position)],
                         block_lens=[r.block_len for r in shared.layout.regions],
-                        token=target.token)
+                        token=target.token,
+                        te_host=shared.te.hostname if shared.te is not None else "")
         client = shared.client(host, link.port)
         # D's worker learns of the request with the step after its scheduler posted it to
         # the metaserver: "unknown request" is retried as push_retry says
@@ -328,7 +341,22 @@ class PushLinks:
                 raise RemoteKVUnavailable("D revoked the write lease", code="revoked")
             if time.monotonic() >= link.valid_until:
                 raise RemoteKVUnavailable("the write lease ran out", code="lease_lapsed")
-        return te.write(d_meta.session, src, dst, lengths)
+        try:
+            return te.write(d_meta.session, src, dst, lengths)
+        except TransferError as exc:
+            # A connection D shut (its fence of another push, a restart) fails the write and
+            # the reset drops its bytes: once P's kernel holds none for D, it goes again, once,
+            # on a fresh connection, if the lease still allows.
+            link.write_failed = True
+            host = session.target.host_of(link.d_rank)
+            if not self.writes_settled(link, host) or time.monotonic() >= link.valid_until:
+                raise
+            logger.info("request %s: write to D rank %d failed (%s); none of its bytes is left "
+                        "on the way, writing again", session.request_id, link.d_rank, exc)
+        self.recorder.inc("p2p_write_retries")
+        nbytes = te.write(d_meta.session, src, dst, lengths)  # raises again: write_failed holds
+        link.write_failed = False
+        return nbytes
 
     def stop_link(self, session: PushSession, link: PushLink, reason: str, *,
                   cause: str) -> None:
@@ -357,17 +385,43 @@ class PushLinks:
     def send_done(self, target: PushTarget, link: PushLink, *, success: bool,
                   reason: str = "", nbytes: int = 0) -> bool:
         """Tell ``link``'s D rank that this sender completed or failed the request."""
-        return self.send_done_to(target.host_of(link.d_rank), link.port, target.request_id,
-                                 success=success,
-                                 reason=reason, nbytes=nbytes, token=target.token)
+        host = target.host_of(link.d_rank)
+        return self.send_done_to(host, link.port, target.request_id,
+                                 success=success, reason=reason, nbytes=nbytes,
+                                 token=target.token, settled=self.writes_settled(link, host))
+
+    def writes_settled(self, link: PushLink, host: str) -> bool:
+        """Whether no write of ``link`` can land on D any more (its writes returned): none
+        failed in the transfer engine, or this host's kernel holds no bytes for D on a
+        connection the engine closed (on a working network those go out within
+        :data:`SETTLE_WAIT_S`; on a cut one they wait, and D fences)."""
+        if not link.write_failed:
+            return True
+        if not own_sockets.available():
+            return False
+        hosts = {host}
+        if link.meta is not None:
+            hosts.add(link.meta.session.rsplit(":", 1)[0])
+        addrs = resolve_hosts(hosts)
+        until = time.monotonic() + SETTLE_WAIT_S
+        while own_sockets.orphaned_unsent(addrs) > 0:
+            if time.monotonic() >= until:
+                return False
+            time.sleep(0.02)
+        return True
 
     def send_done_to(self, host: str, port: int, request_id: str, *, success: bool,
-                     reason: str = "", nbytes: int = 0, token: str = "") -> bool:
-        """``PushDone`` to one D rank; whether D accepted it (False if D is unreachable)."""
+                     reason: str = "", nbytes: int = 0, token: str = "",
+                     settled: bool = True) -> bool:
+        """``PushDone`` to one D rank; whether D accepted it (False if D is unreachable).
+
+        Sent by the sender thread once this sender's writes for the request returned:
+        ``settled`` says none of them failed in the transfer engine (so none can land later).
+        """
         try:
             reply = self.shared.client(host, port).call(PushDone(
                 request_id=request_id, sender=self.shared.agent_id, success=success,
-                reason=reason[:2000], nbytes=nbytes, token=token))
+                reason=reason[:2000], nbytes=nbytes, token=token, settled=settled))
         except KVTransferError as exc:
             logger.warning("could not tell D %s:%d that request %s is %s: %s", host, port,
                            request_id, "complete" if success else "failed", exc)

@@ -10,8 +10,9 @@ Each request waits under a deadline; it completes when every P rank that pushes
 to this rank said ``PushDone``, and fails at once when a sender failed, when a
 sender that began stops renewing its lease (P died; counted only once this side channel
 has caught up after a stall of D's own, see ``RpcServer.caught_up``), or at the deadline; a
-failing request is only reported once no sender can still write into its blocks
-(each lease ended or lapsed). Failed requests' blocks go to
+failing request is only reported once no sender can still write into its blocks: each lease
+ended or lapsed, and no write already on the way can land (P said so, or D fenced the
+connections that could carry it, :mod:`.layerwise.fence`). Failed requests' blocks go to
 ``get_block_ids_with_load_errors``. A virtual request (``do_virtual``) is
 reported finished at once, with no transfer.
 
@@ -60,6 +61,7 @@ from ..protocol import (
 )
 from ..worker_base import P2PWorkerBase, head_slices
 from .contract import RecvReq
+from .fence import WriteFence, resolve_hosts
 from .staging import allocate_staging, merge_staged_heads, release_staging
 
 logger = logging.getLogger(__name__)
@@ -68,6 +70,9 @@ logger = logging.getLogger(__name__)
 BEGIN_WAIT_S = 0.2
 #: How many ended request ids D remembers (to tell "ended" from "never had").
 _ENDED_MEMORY = 16384
+#: The least a fence waits for the connections it shut down to be drained (it waits the
+#: transfer engine's stall bound when that is longer).
+FENCE_LIMIT_S = 5.0
 
 
 @dataclass
@@ -81,6 +86,10 @@ class _RemoteSender:
     nbytes: int = 0
     #: per region: P's whole blocks, for regions whose heads D merges itself
     staging: list[torch.Tensor | None] = field(default_factory=list)
+    #: the host P's transfer engine writes from ("": not said)
+    te_host: str = ""
+    #: P said none of its writes can land any more (``PushDone.settled``, or success)
+    settled: bool = False
 
 
 @dataclass
@@ -97,6 +106,8 @@ class _Incoming:
     senders: dict[str, _RemoteSender] = field(default_factory=dict)
     failure: str | None = None
     cause: str = ""
+    #: fencing the connections that could carry a late write (failed requests only)
+    fence: WriteFence | None = None
 
     def active(self, now: float) -> bool:
         """Some sender may still be writing (lease held, not done)."""
@@ -105,6 +116,12 @@ class _Incoming:
     def complete(self) -> bool:
         ok = {s.p_rank for s in self.senders.values() if s.done and s.success}
         return self.expected is not None and self.expected <= ok
+
+    def unsettled_hosts(self) -> set[str] | None:
+        """The hosts of the senders that got a lease and did not say that none of their writes
+        can still land (empty: none; ``None``: one did not name its host)."""
+        hosts = {s.te_host for s in self.senders.values() if not s.settled}
+        return None if "" in hosts else hosts
 
 
 class PushReceiver:
@@ -232,7 +249,8 @@ class PushReceiver:
                         [s for s in plan if s.remote_rank == msg.p_rank], len(inc.push_blocks))
                 except (TransferError, RuntimeError) as exc:
                     return ErrorReply(code="staging", message=f"cannot stage the pushes: {exc}")
-                sender = _RemoteSender(msg.p_rank, now + self.cfg.lease_ttl_s, staging=staging)
+                sender = _RemoteSender(msg.p_rank, now + self.cfg.lease_ttl_s, staging=staging,
+                                       te_host=msg.te_host)
                 inc.senders[msg.sender] = sender
             elif sender.done:
                 return ErrorReply(code="closed", message=f"{msg.sender} already finished "
@@ -287,6 +305,7 @@ class PushReceiver:
             if sender.done:
                 return PushDoneAck(accepted=False)
             sender.done, sender.success, sender.nbytes = True, msg.success, msg.nbytes
+            sender.settled = msg.success or msg.settled
             if not msg.success and inc.failure is None:
                 inc.failure, inc.cause = f"P {msg.sender} failed: {msg.reason}", "p_failed"
             self._cv.notify_all()  # wakes an idle step's wait_any
@@ -333,6 +352,7 @@ class PushReceiver:
         server = self.server
         lapsed_by = now if server is None else server.lapse_clock(self.cfg.lease_ttl_s, now)
         ended: list[tuple[_Incoming, bool]] = []
+        failing: list[_Incoming] = []
         with self._cv:
             for rid, inc in self.incoming.items():
                 if inc.failure is None:
@@ -349,8 +369,12 @@ class PushReceiver:
                 if inc.failure is None and inc.complete():
                     ended.append((inc, True))
                 elif inc.failure is not None and not inc.active(now):
-                    # nobody can write into these blocks any more: safe to hand them back
-                    ended.append((inc, False))
+                    # no sender may start a write any more: once none on the way can land,
+                    # the blocks can go back
+                    failing.append(inc)
+        # (outside the lock: a fence reads the kernel's socket table)
+        ended += [(inc, False) for inc in failing if self._fenced(inc)]
+        with self._cv:
             for inc, _ok in ended:
                 rid = inc.meta.request_id
                 del self.incoming[rid]
@@ -368,6 +392,31 @@ class PushReceiver:
             out |= self.virtual_request
             self.virtual_request = set()
         return out, failed
+
+    def _fenced(self, inc: _Incoming) -> bool:
+        """Whether no write of ``inc``'s failed push can land any more: every sender said so,
+        or the connections from the others' hosts were shut down and drained
+        (:mod:`.layerwise.fence`)."""
+        te = self.shared.te
+        if inc.fence is None:
+            hosts = inc.unsettled_hosts()
+            ports: set[int] = getattr(te, "listen_ports", set())
+            if hosts == set() or te is None or te.protocol != "tcp" or not ports:
+                return True  # nothing on the way, or not the TCP transport (no replays)
+            inc.fence = WriteFence(ports, None if hosts is None else resolve_hosts(hosts),
+                                   limit_s=max(FENCE_LIMIT_S, te.stall_bound_s))
+        fence = inc.fence
+        if not fence.poll():
+            return False
+        self.recorder.inc("p2p_write_fences",
+                          outcome="timeout" if fence.timed_out else "drained")
+        self.recorder.inc("p2p_fenced_connections", fence.closed)
+        log = logger.error if fence.timed_out else logger.info
+        log("request %s: fenced its failed push (%d transfer-engine connections from %s "
+            "shut down%s) before handing its blocks back", inc.meta.request_id, fence.closed,
+            "every peer" if fence.hosts is None else ", ".join(sorted(fence.hosts)),
+            ", NOT drained within the limit" if fence.timed_out else "")
+        return True
 
     def wait_any(self, timeout: float) -> bool:
         """Block until some request waiting for its KV can end (received, failed, virtual),

@@ -80,6 +80,8 @@ class _FailNotice:
     token: str = ""
     #: D ranks on other hosts (with ``endpoint``; ``target`` carries its own)
     rank_hosts: dict[int, str] = field(default_factory=dict)
+    #: no write for the request failed in the transfer engine (``PushDone.settled``)
+    settled: bool = True
 
 
 class PushSender:
@@ -234,8 +236,9 @@ class PushSender:
         self.recorder.set("p2p_held_requests", held)
         for session in notify:
             # P finished the request before its prompt was pushed (aborted): D must not wait
-            self._queue.put(_FailNotice(session.target, None, "the request ended on the "
-                                        "prefill instance before its prompt was pushed"))
+            self._queue.put(_FailNotice(
+                session.target, None, "the request ended on the prefill instance before its "
+                "prompt was pushed", settled=not any(lk.write_failed for lk in session.links)))
         return out
 
     # ================================================================ sender thread
@@ -385,7 +388,8 @@ class PushSender:
         for d in range(d_tp):
             self.links.send_done_to(hosts.get(d, host),
                                     worker_port(port, tp_rank=d, tp_size=d_tp), rid,
-                                    success=False, reason=task.reason, token=token)
+                                    success=False, reason=task.reason, token=token,
+                                    settled=task.settled)
 
 
 def layer_slots(layout: Any, groups: KVGroups) -> tuple[list[tuple[int, int]], dict[str, int]]:
