@@ -507,21 +507,7 @@ def faults(session: nox.Session) -> None:
     faults, every socket fuzzed, malformed params; a few minutes. Writes the reliability
     table to $VLLM_ASCEND_KV_FAULTS_REPORT when set."""
     install_everything(session)
-    run_pytest(session, "-rxs", str(ROOT / "tests-faults"),
-               *[f"--ignore={ROOT / 'tests-faults' / f}" for f in FAULTS_LONG], timeout=600)
-
-
-#: Fault tests outside the default set (CI's 40 minutes): ``nox -s faults-long``.
-FAULTS_LONG = ("test_faults_netcut_layerwise.py",)
-
-
-@nox.session(name="faults-long", python=PYTHON)
-def faults_long(session: nox.Session) -> None:
-    """The layerwise push under a cut network (tests-faults/test_faults_netcut_layerwise.py,
-    two more engines in network namespaces; a few minutes)."""
-    install_everything(session)
-    run_pytest(session, "-rxs", *[str(ROOT / "tests-faults" / f) for f in FAULTS_LONG],
-               timeout=900)
+    run_pytest(session, "-rxs", str(ROOT / "tests-faults"), timeout=600)
 
 
 @nox.session(python=PYTHON)
