@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from . import _serve_goals as sg
 from ._common import GoalSpec, Images, Section, fmt, md_table, verdict
 from ._serve_tables import comparison_table, overhead_table, rounds_note, warm_up_table
 
@@ -90,34 +91,36 @@ def section_serve(d: dict[str, Any], images: Images) -> str:
 
 
 _BEST = " (each at its best binding)"
+NIXL, MOONCAKE = "pd/vllm-nixl", "pd/vllm-mooncake"
 GOALS = (
     GoalSpec("P/D KV throughput >= 1.2x NixlConnector's" + _BEST, "serve", "NixlConnector",
-             rank=13),
+             sg.kv_throughput(NIXL), rank=13),
     GoalSpec("P/D KV throughput >= 1.2x vLLM MooncakeConnector's" + _BEST, "serve",
-             "vLLM MooncakeConnector", rank=14),
+             "vLLM MooncakeConnector", sg.kv_throughput(MOONCAKE), rank=14),
     GoalSpec("P/D D-side overhead over the floor <= 0.8x NixlConnector's" + _BEST, "serve",
-             "NixlConnector", rank=15),
+             "NixlConnector", sg.d_overhead("pd/ours", NIXL), rank=15),
     GoalSpec("P/D D-side overhead over the floor <= 0.8x vLLM MooncakeConnector's" + _BEST,
-             "serve", "vLLM MooncakeConnector", rank=16),
+             "serve", "vLLM MooncakeConnector", sg.d_overhead("pd/ours", MOONCAKE), rank=16),
     GoalSpec("layerwise: D-side overhead over the floor <= 0.8x vLLM MooncakeConnector's"
-             + _BEST, "serve", "vLLM MooncakeConnector", rank=17),
+             + _BEST, "serve", "vLLM MooncakeConnector",
+             sg.d_overhead("pd/ours-layerwise", MOONCAKE), rank=17),
     GoalSpec("layerwise: D-side overhead over the floor <= 0.8x NixlConnector's" + _BEST,
-             "serve", "NixlConnector", rank=18),
+             "serve", "NixlConnector", sg.d_overhead("pd/ours-layerwise", NIXL), rank=18),
     GoalSpec("pool hit TTFT <= 0.5x recompute (Mooncake and `local` backends)", "serve",
-             "recompute", rank=32),
+             "recompute", sg.pool_hit_vs_recompute, rank=32),
     GoalSpec("pool hit TTFT <= 0.8x vLLM MooncakeStoreConnector's", "serve",
-             "vLLM MooncakeStoreConnector", rank=33),
+             "vLLM MooncakeStoreConnector", sg.pool_hit_vs_store, rank=33),
     GoalSpec("pool hit overhead over the floor <= 0.8x MooncakeStoreConnector's", "serve",
-             "vLLM MooncakeStoreConnector", rank=34),
+             "vLLM MooncakeStoreConnector", sg.pool_overhead_vs_store, rank=34),
     GoalSpec("pool save overhead: ours minus MooncakeStoreConnector's <= 2 ms (upper end)",
-             "serve", "vLLM MooncakeStoreConnector", rank=35),
+             "serve", "vLLM MooncakeStoreConnector", sg.pool_save_vs_store, rank=35),
     GoalSpec("pool serving throughput through the same Store put: ours / "
              "MooncakeStoreConnector's >= 0.97, lower bound >= 0.95", "serve",
-             "vLLM MooncakeStoreConnector", rank=36),
+             "vLLM MooncakeStoreConnector", sg.pool_throughput_vs_store, rank=36),
     GoalSpec("pool serving throughput with saves >= 1.0x no connector", "serve",
-             "the engine without a connector", rank=37),
+             "the engine without a connector", sg.pool_throughput_vs_none, rank=37),
     GoalSpec("offload hit TTFT <= 0.1x recompute (2,000 tokens)", "serve", "recompute",
-             rank=46),
+             sg.offload_hit, rank=46),
 )
 
 

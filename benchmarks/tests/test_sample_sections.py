@@ -29,7 +29,7 @@ HEAD = {"ascend-kv-core": "tree-c", "ascend-kv-p2p": "tree-p", "ascend-kv-pool":
 
 def _entry(section: str, samples: list[dict[str, Any]], result: dict[str, Any] | None = None,
            config: dict[str, Any] | None = None) -> dict[str, Any]:
-    packages = ledger.MEASURED[section]
+    packages = ledger.MEASURED.get(section, tuple(HEAD))
     return {"format": 1, "section": section, "started": "2026-12-06T10:00:00Z",
             "ended": "2026-12-06T10:00:00Z",
             "source": {"commit": "a" * 40, "dirty": False,
@@ -215,3 +215,58 @@ def test_client_rows_from_every_requests_ttft_and_tpot(tmp_path: Path) -> None:
     assert lost.met is False and lost.measured.value == 10.0  # one a run, 10 runs
     body = importlib.import_module("bench_sections.client").samples_client(entry)
     assert "| 4 | 10 | 4" in body
+
+
+def _serve(ours_d: float, nixl_external: int = 2048) -> dict[str, Any]:
+    """9 rounds of P/D at 2,048 tokens under two bindings, and the pool against the Store."""
+    def s(scenario: str, tokens: int | None, what: str, v: float) -> dict[str, Any]:
+        return ledger.series({"scenario": scenario, "tokens": tokens, "what": what},
+                             [[v * (1 + 0.01 * (r % 3))] for r in range(9)])
+
+    out = []
+    for name, d, ext in (("pd/ours[pinned]", ours_d, 2048), ("pd/ours[nobind]", 0.5, 2048),
+                         ("pd/vllm-nixl[pinned]", 0.3, nixl_external),
+                         ("pd/vllm-nixl[nobind]", 0.35, nixl_external)):
+        out += [s(name, 2048, "d_ttft_s", d), s(name, 2048, "d_floor_s", 0.05),
+                s(name, 2048, "recompute_s", 1.0), s(name, 2048, "d_external", ext)]
+    for name, hit, cold, thr in (("pool/ours-mooncake", 0.1, 1.001, 99.0),
+                                 ("pool/ours-local", 0.08, 1.0, 101.0),
+                                 ("pool/vllm-mooncake-store", 0.2, 1.0, 100.0)):
+        out += [s(name, 64, "again_s", hit), s(name, 64, "device_hit_s", 0.05),
+                s(name, 64, "cold_s", cold), s(name, 64, "recompute_s", 1.0),
+                s(name, None, "output_tok_per_s", thr),
+                s(name, None, "reference_output_tok_per_s", 100.0)]
+    return _entry("serve", out)
+
+
+def _serve_row(tmp_path: Path, entry: dict[str, Any], start: str) -> Any:
+    ledger.append(tmp_path / "ledger", entry)
+    entries = ledger.read_entries(tmp_path / "ledger")
+    return next(r for r in render.evaluate_goals(entries, HEAD)
+                if r.spec.goal.startswith(start))
+
+
+def test_serve_rows_from_each_rounds_times_each_side_at_its_best_binding(
+        tmp_path: Path) -> None:
+    entry = _serve(0.2)
+    kv = _serve_row(tmp_path / "a", entry, "P/D KV throughput >= 1.2x NixlConnector's")
+    # ours pinned (0.2) against Nixl pinned (0.3), their best bindings: 1.5x
+    assert kv.met is True and abs(kv.measured.value - 1.5) < 1e-9
+    assert kv.measured.where == "pd/ours[pinned] against pd/vllm-nixl[pinned]"
+    ovh = _serve_row(tmp_path / "b", entry, "P/D D-side overhead over the floor <= 0.8x Nixl")
+    assert ovh.met is True and abs(ovh.measured.value - 0.15 / 0.25) < 1e-9
+    # a peer whose D loaded nothing fell back to recompute: no ratio, not met
+    fell = _serve(0.2, nixl_external=0)
+    row = _serve_row(tmp_path / "c", fell, "P/D KV throughput >= 1.2x NixlConnector's")
+    assert row.met is False and row.why == "not measured by this run"
+    save = _serve_row(tmp_path / "d", entry, "pool save overhead")
+    assert save.met is True and abs(save.measured.value - 1.01) < 1e-6  # ms: 1.001 - 1, x1.01
+    assert save.measured.unit == " ms"
+    thr = _serve_row(tmp_path / "e", entry, "pool serving throughput through the same")
+    assert thr.met is True and abs(thr.measured.value - 0.99) < 1e-9
+    none = _serve_row(tmp_path / "f", entry, "pool serving throughput with saves")
+    assert none.met is False and none.measured.where == "pool/ours-mooncake"  # 0.99 < 1
+    hit = _serve_row(tmp_path / "g", entry, "pool hit TTFT <= 0.5x recompute")
+    assert hit.met is True and hit.measured.where == "pool/ours-mooncake"
+    assert _serve_row(tmp_path / "h", entry, "offload hit TTFT").why == \
+        "not measured by this run"

@@ -12,6 +12,7 @@ from vllm_ascend.distributed.kv_transfer.bench.serve.compare import (
     PD_REQUEST,
     computed_by_p,
     interval_comparisons,
+    ledger_series,
     load_check,
     round_series,
 )
@@ -302,3 +303,29 @@ def test_a_p_request_that_hit_ps_own_cache_is_no_prefill_to_compare() -> None:
     assert computed_by_p(row) == (None, None)
     # rows of runs before the count: every sample counts
     assert computed_by_p({"prefill_s": 0.7, "pd_total_s": 0.9}) == (0.7, 0.9)
+
+
+def test_every_rounds_times_go_to_the_ledger_paired_by_round() -> None:
+    results = {
+        "baseline": {"status": "ok", "rounds": [{"prompts": []}]},
+        "pd/ours[pinned]": {**_ok([_pd_round(r, 0.1 + r / 100, 0.06, 2048) for r in range(3)]),
+                            "binding": "pinned"},
+        # failed after two rounds: its rounds are the first two
+        "pool/ours": _ok([_cache_round(r, 0.1, 0.05, 1.2, 90.0 + r) for r in range(2)]),
+        "pd/vllm-nixl[pinned]": {"status": "failed", "reason": "no nixl"},
+    }
+    series = {(s["tags"]["scenario"], s["tags"]["tokens"], s["tags"]["what"]): s
+              for s in ledger_series(results)}
+    assert {k[0] for k in series} == {"pd/ours[pinned]", "pool/ours"}
+    d = series["pd/ours[pinned]", 2048, "d_ttft_s"]
+    assert d["tags"]["binding"] == "pinned"
+    assert d["rounds"] == [[pytest.approx(0.1 + r / 100)] for r in range(3)]
+    assert series["pd/ours[pinned]", 8192, "recompute_s"]["rounds"] == [[4.0]] * 3
+    assert series["pd/ours[pinned]", 2048, "d_external"]["rounds"] == [[2048.0]] * 3
+    assert series["pool/ours", 64, "again_s"]["rounds"] == [[0.1], [0.1]]
+    assert series["pool/ours", None, "output_tok_per_s"]["rounds"] == [[90.0], [91.0]]
+    assert series["pool/ours", None, "reference_output_tok_per_s"]["rounds"] == [[100.0]] * 2
+    # a time only some rounds have: the others are empty rounds, the pairing stays
+    results["pool/ours"]["rounds"][0]["prompts"][0].pop("device_hit_s")
+    again = {(s["tags"]["scenario"], s["tags"]["what"]): s for s in ledger_series(results)}
+    assert again["pool/ours", "device_hit_s"]["rounds"] == [[], [0.05]]

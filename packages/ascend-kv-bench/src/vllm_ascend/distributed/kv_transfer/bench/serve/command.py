@@ -47,7 +47,7 @@ from vllm_ascend.distributed.kv_transfer.core.tooling import plugins
 
 from ..benchutil import Steps, add_common_args, format_table, write_results
 from .builtin import NOT_ON_CPU, builtin_scenarios
-from .compare import interval_comparisons, round_series
+from .compare import interval_comparisons, ledger_series, round_series
 from .needs import PEERS_DIR, PEERS_ENV, peers_path
 from .report import summarize, table_rows
 from .rounds import run_rounds
@@ -205,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
                    "engine_malloc": engine_malloc_env(),
                    "nixl_python": cfg.nixl_python or sys.executable},
         "scenarios": results, "summary": summary, "rounds": rounds, "comparisons": comps,
-        "rows": rows}, cfg.out, args=args)
+        "rows": rows}, cfg.out, args=args, samples=ledger_series(results))
     print(f"results: {path}")
     return 0
 

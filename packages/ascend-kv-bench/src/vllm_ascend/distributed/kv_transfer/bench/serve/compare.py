@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..benchutil import median
+from ..ledger import series
 from ..stats import compare, spread, verdict
 from .rounds import base_name
 from .spec import Comparison, Goal, Scenario
@@ -112,6 +113,49 @@ def round_series(entry: dict[str, Any]) -> dict[str, Any] | None:
                                          for n, d in by_tokens.items()}}
     if pd:
         out.update(load_check(by_tokens))
+    return out
+
+
+#: The per-prompt times a round keeps (seconds; ``d_external``: vLLM's count of the tokens
+#: D loaded) that go to the ledger.
+LEDGER_KEYS = ("d_ttft_s", "d_floor_s", "d_kv_wait_s", "d_external", "again_s",
+               "device_hit_s", "cold_s")
+
+
+def ledger_series(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The raw samples of every scenario measured in rounds, for the ledger: per report name
+    (``scenario``), prompt length (``tokens``) and time (``what``: one of
+    :data:`LEDGER_KEYS`, ``recompute_s`` the engine without a connector's in the same round,
+    ``output_tok_per_s`` and ``reference_output_tok_per_s`` the serving throughput and the
+    same round's without a connector), one sample a round, in round order (a scenario that
+    failed stops; its rounds stay the first ones, paired with the others')."""
+    out = []
+    for name, entry in results.items():
+        rounds = entry.get("rounds") if entry.get("status") == "ok" else None
+        if name == "baseline" or not rounds:
+            continue
+        per: dict[tuple[Any, ...], list[list[float]]] = {}
+        for i, rd in enumerate(rounds):
+            ref = rd.get("reference") or {}
+            recompute = {int(k): v for k, v in (ref.get("recompute_s") or {}).items()}
+            vals: dict[tuple[Any, ...], Any] = {
+                (None, "output_tok_per_s"): (rd.get("throughput") or {}).get("output_tok_per_s"),
+                (None, "reference_output_tok_per_s"): ref.get("output_tok_per_s")}
+            for row in rd.get("prompts", []):
+                n = int(row["tokens"])
+                vals[(n, "recompute_s")] = recompute.get(n)
+                for key in LEDGER_KEYS:
+                    if key in row:
+                        vals[(n, key)] = row[key]
+            for key, v in vals.items():
+                x = _f(v)
+                per.setdefault(key, [[] for _ in range(i)]).append([] if x is None else [x])
+            for rs in per.values():  # a time a round lacked: an empty round
+                rs.extend([] for _ in range(i + 1 - len(rs)))
+        for (n, what), rs in per.items():
+            if any(rs):
+                out.append(series({"scenario": name, "binding": entry.get("binding"),
+                                   "tokens": n, "what": what}, rs))
     return out
 
 
