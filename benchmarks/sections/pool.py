@@ -92,7 +92,7 @@ def _mib(n: Any) -> str:
 
 def _pairs(entry: Mapping[str, Any], prefix: str) -> list[tuple[str, Any, Any]]:
     """``(path, backend series, baseline series)`` of the paths starting with ``prefix``."""
-    by = {((s.get("tags") or {}).get("path"), (s.get("tags") or {}).get("role")): s
+    by = {(str((s.get("tags") or {}).get("path")), (s.get("tags") or {}).get("role")): s
           for s in entry.get("samples") or []}
     return [(path, by[path, "backend"], by[path, "baseline"]) for path, role in sorted(by)
             if role == "backend" and str(path).startswith(prefix) and (path, "baseline") in by]

@@ -144,12 +144,12 @@ def ledger_series(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             for row in rd.get("prompts", []):
                 n = int(row["tokens"])
                 vals[(n, "recompute_s")] = recompute.get(n)
-                for key in LEDGER_KEYS:
-                    if key in row:
-                        vals[(n, key)] = row[key]
-            for key, v in vals.items():
+                for what in LEDGER_KEYS:
+                    if what in row:
+                        vals[(n, what)] = row[what]
+            for at, v in vals.items():
                 x = _f(v)
-                per.setdefault(key, [[] for _ in range(i)]).append([] if x is None else [x])
+                per.setdefault(at, [[] for _ in range(i)]).append([] if x is None else [x])
             for rs in per.values():  # a time a round lacked: an empty round
                 rs.extend([] for _ in range(i + 1 - len(rs)))
         for (n, what), rs in per.items():
