@@ -66,11 +66,17 @@ def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         (params,) = prefill(engine, prompts_of([70], seed=919))
         assert params.get("remote_claim_token"), params  # a keyed P issues capabilities
         endpoints = engine.call(f"{PROBES}:kv_endpoints")
+        # what a keyed frame to each must be sealed for (the side channels bind the engine)
+        audiences = engine.call(f"{PROBES}:kv_audiences")
+        # P's side channel is bound to the engine its params name (what D seals for)
+        assert audiences["p2p_side_channel"] == auth.audience_of(
+            endpoints["p2p_side_channel"], params["remote_engine_id"]), audiences
         # P's worker takes the hold a step after the prefill finished: wait for it, or the
         # first test's "before" would count 0 held
         assert wait_for(lambda: p2p_held(engine) == 1, 60), engine.call(
             f"{PROBES}:leak_state")
-        yield type("Keyed", (), {"engine": engine, "params": params, "endpoints": endpoints})
+        yield type("Keyed", (), {"engine": engine, "params": params, "endpoints": endpoints,
+                                 "audiences": audiences})
     finally:
         engine.close()
 
@@ -94,7 +100,7 @@ def p2p_held(engine: EngineProcess) -> int:
 @pytest.mark.parametrize("role", ENDPOINTS)
 def test_unauthenticated_frames_are_refused_counted_and_change_nothing(
         keyed: Any, role: str, fault_report: Any) -> None:
-    engine, endpoints = keyed.engine, keyed.endpoints
+    engine, endpoints, audiences = keyed.engine, keyed.endpoints, keyed.audiences
     codec = CODECS[role]
     targeted = held_messages(keyed.params) if role == "p2p_side_channel" else []
     messages = st.one_of(*[struct_strategy(t) for t in codec.types],
@@ -124,14 +130,14 @@ def test_unauthenticated_frames_are_refused_counted_and_change_nothing(
             sink = next((r for r in sinks if type(msg) not in CODECS[r].types), None)
             if sink is None:  # a type every protocol has (Ping, Ack, ...): harmless anywhere
                 sink = next(iter(sinks))
-            frame, _nonce = signer.seal(payload, audience=auth.audience_of(endpoints[sink]))
+            frame, _nonce = signer.seal(payload, audience=audiences[sink])
             first = sinks[sink].ask([frame])
             assert first is not None, f"{sink} did not answer the first delivery"
-            if auth.audience_of(endpoints[sink]) != auth.audience_of(endpoints[role]):
+            if audiences[sink] != audiences[role]:
                 mode = "misdirected"
         else:
             frame, _nonce = outsiders[mode].seal(payload,  # addressed to this socket
-                                                 audience=auth.audience_of(endpoints[role]))
+                                                 audience=audiences[role])
         reply = probe.ask([frame])
         fault_report.check("deadline", reply is not None,
                            f"no answer within 5s to a {mode} {type(msg).__name__}")
@@ -151,7 +157,8 @@ def test_unauthenticated_frames_are_refused_counted_and_change_nothing(
     counted = {r: after.get(r, 0.0) - before.get(r, 0.0) for r in MODES.values()}
     assert counted == {r: float(sent[r]) for r in MODES.values()}, (counted, sent)
     # the server serves on, for a peer with the key
-    client = RpcClient(endpoints[role], codec, timeout_s=5, auth=Authenticator([KEY.encode()]))
+    client = RpcClient(endpoints[role], codec, timeout_s=5, auth=Authenticator([KEY.encode()]),
+                       audience=audiences[role])
     try:
         pong = client.call(Ping())
     finally:
@@ -180,7 +187,8 @@ def test_the_held_request_is_intact_and_a_keyed_d_frees_it(keyed: Any) -> None:
     engine, params = keyed.engine, keyed.params
     assert p2p_held(engine) == 1
     client = RpcClient(keyed.endpoints["p2p_side_channel"], CODEC, timeout_s=5,
-                       auth=Authenticator([KEY.encode()]))
+                       auth=Authenticator([KEY.encode()]),
+                       engine_id=params["remote_engine_id"])  # as D: P's engine, from params
     try:
         ack = client.call(Done(request_id=params["remote_request_id"], reader="d/tp0",
                                token=params["remote_claim_token"]))

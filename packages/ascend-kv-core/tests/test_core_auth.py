@@ -23,7 +23,7 @@ from vllm_ascend.distributed.kv_transfer.core.auth import (
 )
 from vllm_ascend.distributed.kv_transfer.core.channel import RpcClient, RpcServer, tcp_endpoint
 from vllm_ascend.distributed.kv_transfer.core.errors import ConfigError, RemoteError
-from vllm_ascend.distributed.kv_transfer.core.wire import Codec, Message
+from vllm_ascend.distributed.kv_transfer.core.wire import Codec, Message, Ping, Pong
 
 OLD = b"old-deployment-key-0123456789"
 NEW = b"new-deployment-key-9876543210"
@@ -354,6 +354,57 @@ def test_a_frame_captured_for_one_server_is_refused_by_another() -> None:
     finally:
         first.stop()
         second.stop()
+
+
+def test_a_frame_for_one_instance_is_refused_by_another_on_the_same_port() -> None:
+    """Every instance of a fleet listens on the same ports, on its own host: a frame sealed
+    for instance P-1's side channel (its engine id and port), captured and sent to P-2's
+    server on the same port number (another host, its own replay cache), is refused there as
+    misdirected and its handler never runs; the frame still works where it was going."""
+    assert auth.audience_of("tcp://10.0.0.5:17000", "P-1") == "engine:P-1|port:17000"
+    assert auth.audience_of("tcp://10.0.0.5:17000", "") == "port:17000"
+    seen: list[str] = []
+
+    def record(msg: Message) -> Message:
+        assert isinstance(msg, Echo)
+        seen.append(msg.text)
+        return Echo(text=msg.text.upper())
+
+    p1 = RpcServer(tcp_endpoint("127.0.0.1", 0), CODEC, record, name="p-1",
+                   auth=Authenticator([NEW]), engine_id="P-1").start()
+    port = p1.endpoint.rsplit(":", 1)[1]
+    try:
+        client = RpcClient(p1.endpoint, CODEC, timeout_s=5, auth=Authenticator([NEW]),
+                           engine_id="P-1")
+        assert client.audience == p1.audience == f"engine:P-1|port:{port}"
+        assert client.call(Echo(text="claim")) == Echo(text="CLAIM")
+        client.close()
+        captured, _ = Authenticator([NEW]).seal(CODEC.encode(Echo(text="done r1")),
+                                                audience=p1.audience)
+        # P-2: same port number (this test's host cannot bind it twice: the audience P-2's
+        # server checks is what differs), its own authenticator
+        p2_auth = Authenticator([NEW])
+        with pytest.raises(AuthError) as err:
+            p2_auth.open(captured, audience=auth.audience_of(p1.endpoint, "P-2"))
+        assert err.value.reason == "misdirected"
+        # nor does a client that names no engine reach an engine-bound server, but for a
+        # Ping (what `doctor --peer host:port` sends, not knowing the engine id)
+        anonymous = RpcClient(p1.endpoint, CODEC, timeout_s=5, auth=Authenticator([NEW]))
+        before = refused("p-1", "misdirected")
+        with pytest.raises(RemoteError) as refused_err:
+            anonymous.call(Echo(text="hello"))
+        assert refused_err.value.code == "auth_refused"
+        assert refused("p-1", "misdirected") == before + 1
+        assert anonymous.call(Ping()) == Pong(name="p-1")
+        anonymous.close()
+        # and a Ping under another key is refused as any frame is
+        guesser = RpcClient(p1.endpoint, CODEC, timeout_s=5, auth=Authenticator([OLD]))
+        with pytest.raises(RemoteError):
+            guesser.call(Ping())
+        guesser.close()
+        assert seen == ["claim"]
+    finally:
+        p1.stop()
 
 
 def test_unsigned_success_reply_is_refused_by_a_keyed_client() -> None:

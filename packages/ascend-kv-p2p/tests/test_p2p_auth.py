@@ -76,13 +76,20 @@ def keyed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(auth, "_cached", None)
 
 
-def outsiders(endpoint: str, codec: Any) -> dict[str, RpcClient[Any]]:
+def outsiders(endpoint: str, codec: Any, engine_id: str = "") -> dict[str, RpcClient[Any]]:
+    """Clients that each fail the key check in one way (the frames name the right receiver,
+    ``engine_id`` an engine-bound server's)."""
     return {
         "unauthenticated": RpcClient(endpoint, codec, timeout_s=5, auth=None),
-        "bad_mac": RpcClient(endpoint, codec, timeout_s=5,
+        "bad_mac": RpcClient(endpoint, codec, timeout_s=5, engine_id=engine_id,
                              auth=Authenticator([b"an-outsiders-guess-at-the-key"])),
-        "stale": RpcClient(endpoint, codec, timeout_s=5,
+        "stale": RpcClient(endpoint, codec, timeout_s=5, engine_id=engine_id,
                            auth=Authenticator([KEY.encode()], clock=lambda: time.time() - 120)),
+        # the right key, the frame sealed for another instance at the same port (a frame
+        # captured on its way to another host of the fleet)
+        "misdirected": RpcClient(endpoint, codec, timeout_s=5,
+                                 engine_id=f"not-{engine_id}" if engine_id else "x",
+                                 auth=Authenticator([KEY.encode()])),
     }
 
 
@@ -126,7 +133,7 @@ def test_pull_side_channel_refuses_outsiders_and_serves_the_keyed_d(keyed: None)
         msgs = [GetMeta(requester="x"), Claim(request_id="r", block_ids=[3, 5], reader="x",
                                               token=token),
                 Renew(request_ids=["r"]), Done(request_id="r", reader="x", token=token)]
-        for reason, client in outsiders(endpoint, CODEC).items():
+        for reason, client in outsiders(endpoint, CODEC, engine_id="P").items():
             for msg in msgs:
                 with pytest.raises(RemoteError) as err:
                     client.call(msg)
@@ -135,7 +142,7 @@ def test_pull_side_channel_refuses_outsiders_and_serves_the_keyed_d(keyed: None)
             client.close()
         # a captured frame of a keyed peer, replayed: refused, and it renews nothing
         frame, _ = Authenticator([KEY.encode()]).seal(CODEC.encode(
-            Renew(request_ids=["r"])), audience=auth.audience_of(endpoint))
+            Renew(request_ids=["r"])), audience=auth.audience_of(endpoint, "P"))
         assert replay(endpoint, frame).startswith(AUTH_MAGIC)
         assert b"auth_refused" in replay(endpoint, frame)
         assert refused(server, "replay") == before["replay"] + 1
@@ -144,7 +151,7 @@ def test_pull_side_channel_refuses_outsiders_and_serves_the_keyed_d(keyed: None)
         assert p.get_finished() == (None, None)  # nothing was freed
 
         # a keyed peer without the request's token cannot claim or free it either
-        insider = RpcClient(endpoint, CODEC, timeout_s=5)
+        insider = RpcClient(endpoint, CODEC, timeout_s=5, engine_id="P")
         for msg in (Claim(request_id="r", block_ids=[3, 5], reader="x"),
                     Claim(request_id="r", block_ids=[3, 5], reader="x", token="guess"),
                     Done(request_id="r", reader="x", token="guess")):
@@ -196,7 +203,7 @@ def test_layerwise_side_channel_refuses_outsiders(keyed: None) -> None:
                           block_ids=[1, 2], block_lens=[r.block_len for r in d.layout.regions])
         endpoint = tcp_endpoint("127.0.0.1", worker_port(d_port, tp_rank=0, tp_size=1))
         before = {r: refused(server, r) for r in auth.REASONS}
-        for reason, client in outsiders(endpoint, LAYERWISE_CODEC).items():
+        for reason, client in outsiders(endpoint, LAYERWISE_CODEC, engine_id="D").items():
             for msg in (GetMeta(requester="x"), begin):
                 with pytest.raises(RemoteError) as err:
                     client.call(msg)
@@ -204,7 +211,7 @@ def test_layerwise_side_channel_refuses_outsiders(keyed: None) -> None:
             assert refused(server, reason) == before[reason] + 2
             client.close()
         assert d.receiver.incoming["r"].senders == {}  # no write lease was granted
-        insider = RpcClient(endpoint, LAYERWISE_CODEC, timeout_s=5)
+        insider = RpcClient(endpoint, LAYERWISE_CODEC, timeout_s=5, engine_id="D")
         assert isinstance(insider.call(GetMeta(requester="p")), AgentMeta)
         insider.close()
     finally:

@@ -108,7 +108,7 @@ def pull(pd: Any, rid: str, src: list[int], dst: list[int]) -> None:
 @pytest.mark.parametrize("pd", ["keyed"], indirect=True)
 def test_keyed_p_gives_its_regions_only_with_a_claims_grant(pd: Any) -> None:
     assert pd.p.meta is not None and pd.p.meta.region_addrs
-    client = RpcClient(pd.endpoint, CODEC, timeout_s=5)
+    client = RpcClient(pd.endpoint, CODEC, timeout_s=5, engine_id="P")
     try:
         public = client.call(GetMeta(requester="insider"))
         assert isinstance(public, AgentMeta)

@@ -65,7 +65,7 @@ def pd(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
     p.register_kv_caches(cp)
     d.register_kv_caches(make_caches("cpu", 1, 0, fill=False))
     client = RpcClient(tcp_endpoint("127.0.0.1", worker_port(d_port, tp_rank=0, tp_size=1)),
-                       LAYERWISE_CODEC, timeout_s=5)
+                       LAYERWISE_CODEC, timeout_s=5, engine_id="D")  # D's engine, as P seals
     yield request.param == "keyed", p, d, cp, d_port, client
     client.close()
     p.shutdown()

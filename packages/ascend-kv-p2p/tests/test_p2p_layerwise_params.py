@@ -64,7 +64,7 @@ def test_what_d_posts_is_what_p_parses() -> None:
     t = parse_push_target(p, prompt_len=70, block_size=BS)
     assert (t.engine_id, t.host, t.port, t.request_id, t.block_ids, t.cached_tokens,
             t.tp_size) == ("d0", "127.0.0.1", 21000, "d-req", [5, 6, 7], BS, 2)
-    assert parse_push_endpoint(p) == ("127.0.0.1", 21000, "d-req", 2)
+    assert parse_push_endpoint(p) == ("127.0.0.1", 21000, "d-req", 2, "d0")
 
 
 @pytest.mark.parametrize(("change", "needle"), [

@@ -386,7 +386,7 @@ def test_bad_prefill_params_tell_d_at_once_and_free_normally(model_dir: Path) ->
     out, eo = step(s)
     push = out.kv_connector_metadata.pushes["p"]
     assert push.target is None and "'remote_block_ids' has 2 blocks" in (push.abort or "")
-    assert push.endpoint == ("127.0.0.1", 31000, "d-req", 1)
+    assert push.endpoint == ("127.0.0.1", 31000, "d-req", 1, "engine-d")
     assert "p" in finished(eo)
     assert free_blocks(s) == start  # nothing was pushed: nothing to hold
 
@@ -398,7 +398,7 @@ def test_prefill_aborted_before_scheduling_tells_d(model_dir: Path) -> None:
     out = s.schedule()
     push = out.kv_connector_metadata.pushes["p"]
     assert push.abort and "before it was scheduled" in push.abort
-    assert push.endpoint == ("127.0.0.1", 31000, "d-req", 1)
+    assert push.endpoint == ("127.0.0.1", 31000, "d-req", 1, "engine-d")
 
 
 def test_decode_aborted_while_waiting_frees_only_after_the_worker_lets_go(

@@ -267,7 +267,7 @@ def test_a_layerwise_d_rank_that_does_not_answer_delays_no_other_d_renewals() ->
     servers = {name: side_channel(name) for name in arrivals}
     clients: dict[int, RpcClient[Any]] = {}
 
-    def client(host: str, port: int) -> RpcClient[Any]:
+    def client(host: str, port: int, engine_id: str = "") -> RpcClient[Any]:
         return clients.setdefault(port, RpcClient(tcp_endpoint(host, port), LAYERWISE_CODEC,
                                                   timeout_s=2.0))
 

@@ -72,10 +72,11 @@ class Clock:
 
 # ---------------------------------------------------------------- pull: P's holder
 def make_holder(*, lease_ttl_s: float = 30.0, max_hold_s: float = 600.0,
-                clock: Clock | None = None) -> LeaseHolder:
+                clock: Clock | None = None, engine_id: str = "") -> LeaseHolder:
     cfg = MooncakeP2PConfig.from_dict({"lease_ttl_s": lease_ttl_s, "max_hold_s": max_hold_s})
     shared: Any = types.SimpleNamespace(cfg=cfg, meta=None, host="127.0.0.1", port=0,
-                                        recorder=MetricsRecorder(P2P_METRICS))
+                                        recorder=MetricsRecorder(P2P_METRICS),
+                                        engine_id=engine_id)
     holder = LeaseHolder(shared)
     if clock is not None:
         holder.held = LeaseTable(lease_ttl_s, clock=clock, name="p2p-held")
@@ -171,8 +172,9 @@ def test_a_short_max_hold_caps_the_first_lease(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_the_renewer_presents_each_requests_token(keyed: None) -> None:
-    """What D's scheduler and the proxy send: every tracked request with its own token."""
-    holder = make_holder()
+    """What D's scheduler and the proxy send: every tracked request with its own token, to
+    the P instance the params name (its engine id: the frames are bound to it)."""
+    holder = make_holder(engine_id="P")
     holder.hold([SendMeta(request_id="a", block_ids=[1], token=TOKEN),
                  SendMeta(request_id="b", block_ids=[2], token=OTHER)])
     holder.serve()
@@ -223,7 +225,8 @@ def test_push_renew_needs_the_requests_token(key: str | None,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     set_deployment_key(monkeypatch, key)
     d = new_d({"load_timeout_s": 60.0})
-    client = RpcClient(tcp_endpoint("127.0.0.1", d.port), LAYERWISE_CODEC, timeout_s=5)
+    client = RpcClient(tcp_endpoint("127.0.0.1", d.port), LAYERWISE_CODEC, timeout_s=5,
+                       engine_id=d.engine_id)
     try:
         begin(d, client, "r")
         name = d.receiver.server.name
@@ -243,7 +246,8 @@ def test_push_renew_needs_the_requests_token(key: str | None,
 
 def test_push_renew_stops_at_the_load_deadline(no_key: None) -> None:
     d = new_d({"load_timeout_s": 0.6, "lease_ttl_s": 30.0})
-    client = RpcClient(tcp_endpoint("127.0.0.1", d.port), LAYERWISE_CODEC, timeout_s=5)
+    client = RpcClient(tcp_endpoint("127.0.0.1", d.port), LAYERWISE_CODEC, timeout_s=5,
+                       engine_id=d.engine_id)
     try:
         begin(d, client, "r")
         renew = PushRenew(request_ids=["r"], sender="p/tp0", tokens=[TOKEN])

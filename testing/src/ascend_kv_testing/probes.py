@@ -105,6 +105,26 @@ def kv_endpoints(llm: Any) -> dict[str, str]:
     return out
 
 
+def kv_audiences(llm: Any) -> dict[str, str]:
+    """What a keyed frame to each endpoint of :func:`kv_endpoints` must be sealed for: the
+    P/D side channels' servers bind this instance's engine id too (their ``audience``); the
+    pool's lookup and the offload metadata, on this instance's own host, their socket."""
+    from vllm_ascend.distributed.kv_transfer.core.auth import audience_of
+
+    out: dict[str, str] = {}
+    for conn in _worker_connectors(llm):
+        server = getattr(_worker_of(conn), "server", None)
+        name = type(conn).__name__
+        if name == "MooncakeConnector" and server is not None:
+            out["p2p_side_channel"] = server.audience
+        elif name == "MooncakeLayerwiseConnector" and server is not None:
+            out["layerwise_side_channel"] = server.audience
+    for role, endpoint in kv_endpoints(llm).items():
+        if role != "transfer_engine":
+            out.setdefault(role, audience_of(endpoint))
+    return out
+
+
 def leak_state(llm: Any) -> dict[str, int]:
     """What must go back to zero once an engine is idle: scheduler requests and used
     blocks, blocks P holds for D, loads D waits for, pushes in flight, pending pool saves;

@@ -9,7 +9,9 @@ control-plane frame (:mod:`.channel`, both directions) travels in an envelope::
 
 The MAC covers the envelope's header fields, a direction tag (a reply is bound
 to the nonce of the request it answers), a request's **receiver** (its *audience*: the
-socket it is sent to, e.g. ``port:17000``; the header carries a short tag of it) and the
+socket it is sent to, e.g. ``port:17000``, and the receiving instance's engine id where the
+sender knows it, e.g. ``engine:P-1|port:17000``: :func:`audience_of`; the header carries a
+short tag of it) and the
 :mod:`.wire` frame itself. A receiver refuses, with an :class:`AuthError` naming the
 reason, and counts in the ``auth_refused`` metric
 (``vllm:ascend_kv_auth_refused_total{socket,reason}``):
@@ -378,17 +380,21 @@ def audience_tag(audience: str) -> bytes:
         :AUDIENCE_TAG_BYTES]
 
 
-def audience_of(endpoint: str) -> str:
+def audience_of(endpoint: str, engine_id: str = "") -> str:
     """The receiver a frame sent to ``endpoint`` is bound to: ``port:N`` of a
     ``tcp://host:N`` endpoint (each rank of each instance on a host listens on its own
     port, and a client and its server name the port alike, whatever address or name the
     client dials); the transport alone otherwise (``ipc``, ``inproc``: a file or an object
-    of one process, whose path a client and its server may spell differently)."""
+    of one process, whose path a client and its server may spell differently).
+
+    With ``engine_id`` (the receiving instance's vLLM ``engine_id``, which a client learns
+    from the request's ``kv_transfer_params``): ``engine:<id>|port:N``, so a frame captured
+    on its way to one instance is refused by another listening on the same port number on
+    another host (every instance of a fleet usually has the same ports)."""
     transport, _, rest = endpoint.partition("://")
     port = rest.rsplit(":", 1)[-1]
-    if transport == "tcp" and port.isdigit():
-        return f"port:{int(port)}"
-    return transport
+    base = f"port:{int(port)}" if transport == "tcp" and port.isdigit() else transport
+    return f"engine:{engine_id}|{base}" if engine_id else base
 
 
 def _token(key: bytes, purpose: str) -> str:

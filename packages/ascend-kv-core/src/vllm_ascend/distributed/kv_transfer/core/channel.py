@@ -124,14 +124,15 @@ class RpcServer(Generic[M]):
             Without one, a ``tcp://`` server serves only peers on this host unless
             ``VLLM_ASCEND_KV_ALLOW_UNAUTHENTICATED=1`` (:mod:`.protected`, read here).
         audience: with a key, the receiver requests must be sealed for (default: this
-            server's port, :func:`.auth.audience_of`); another one is refused as
-            ``misdirected``.
+            server's port and ``engine_id``, :func:`.auth.audience_of`); another one is
+            refused as ``misdirected``.
+        engine_id: this instance's engine id, bound into ``audience`` (clients name it).
     """
 
     def __init__(self, endpoint: str, codec: Codec[M], handler: Handler, *, name: str = "rpc",
                  context: zmq.Context[Any] | None = None, poll_interval_ms: int = 100,
                  auth: _auth.Authenticator | None = FROM_ENV,
-                 audience: str | None = None) -> None:
+                 audience: str | None = None, engine_id: str = "") -> None:
         self.auth = _resolve(auth)
         self.codec = codec
         self.handler = handler
@@ -150,7 +151,10 @@ class RpcServer(Generic[M]):
             self._sock.close(0)
             raise
         #: what requests must be sealed for (a frame captured for another rank is refused)
-        self.audience = _auth.audience_of(self.endpoint) if audience is None else audience
+        self.audience = (_auth.audience_of(self.endpoint, engine_id) if audience is None
+                         else audience)
+        #: what a ``Ping`` may also be sealed for: this server's socket alone
+        self.port_audience = _auth.audience_of(self.endpoint)
         #: protected mode: without a key, only peers on this host are served
         self.gate = protected.PeerGate(name, keyed=self.auth is not None,
                                        endpoint=self.endpoint)
@@ -287,7 +291,7 @@ class RpcServer(Generic[M]):
         nonce: bytes | None = None
         if self.auth is not None:
             try:
-                payload, nonce = self.auth.open(payload, audience=self.audience)
+                payload, nonce = self._open(payload)
             except _auth.AuthError as exc:
                 self.stats["auth_refused"] += 1
                 _auth.count_refusal(self.name, exc.reason)
@@ -295,6 +299,27 @@ class RpcServer(Generic[M]):
                 return ErrorReply(code="auth_refused", message=f"refused ({exc.reason}): the "
                                   "deployment key check failed"), None
         return self._dispatch(payload), nonce
+
+    def _open(self, payload: memoryview) -> tuple[memoryview, bytes]:
+        """A keyed request's payload and nonce. A ``Ping`` may be sealed for this server's
+        port alone where the server binds its engine id too: who checks that a server
+        answers (``doctor --peer host:port``) does not know its engine id, and a ``Pong``
+        tells nothing more than that it answers. Any other request sealed that way is
+        refused as misdirected."""
+        assert self.auth is not None
+        try:
+            return self.auth.open(payload, audience=self.audience)
+        except _auth.AuthError as exc:
+            if exc.reason != "misdirected" or self.audience == self.port_audience:
+                raise
+            opened, nonce = self.auth.open(payload, audience=self.port_audience)
+            try:
+                request = self.codec.decode(opened)
+            except WireFormatError:
+                raise exc from None
+            if not isinstance(request, Ping):
+                raise exc from None
+            return opened, nonce
 
     def _dispatch(self, payload: memoryview) -> Message:
         try:
@@ -321,15 +346,17 @@ class RpcClient(Generic[M]):
     next request goes out and a late reply to the old one is discarded.
 
     With a key, each request is sealed for its receiver (``audience``, default the
-    endpoint's port: :func:`.auth.audience_of`), so no other server accepts it.
+    endpoint's port and the receiving instance's ``engine_id`` where given:
+    :func:`.auth.audience_of`), so no other server accepts it.
     """
 
     def __init__(self, endpoint: str, codec: Codec[M], *, timeout_s: float = 10.0,
                  context: zmq.Context[Any] | None = None,
                  auth: _auth.Authenticator | None = FROM_ENV,
-                 audience: str | None = None) -> None:
+                 audience: str | None = None, engine_id: str = "") -> None:
         self.auth = _resolve(auth)
-        self.audience = _auth.audience_of(endpoint) if audience is None else audience
+        self.audience = (_auth.audience_of(endpoint, engine_id) if audience is None
+                         else audience)
         self.endpoint = endpoint
         self.codec = codec
         self.timeout_s = timeout_s

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from .errors import KVParamsError
 from .rank_hosts import MULTI_NODES_KEY, multi_nodes_mapping, parse_rank_hosts
@@ -395,17 +395,32 @@ def push_token(params: Any) -> str:
     return token
 
 
-def parse_push_endpoint(params: Any) -> tuple[str, int, str, int]:
-    """``(host, port, request_id, tp_size)`` of D, enough to tell D that a push failed.
+class PushEndpoint(NamedTuple):
+    """Where D waits for a layerwise push: enough to tell D that it failed."""
+
+    host: str
+    port: int
+    request_id: str
+    tp_size: int
+    #: D's engine id (``remote_engine_id``; ``""`` where the params lack it): with a key,
+    #: frames to D's side channel are bound to it
+    engine_id: str = ""
+
+
+def parse_push_endpoint(params: Any) -> PushEndpoint:
+    """D's :class:`PushEndpoint` from a layerwise request's params.
 
     Raises:
         KVParamsError: a key is missing or of the wrong type.
     """
     if not isinstance(params, Mapping):
         raise KVParamsError(f"kv_transfer_params must be an object, got {type(params).__name__}")
-    return (_str(params, "remote_host"), _int(params, "remote_port", minimum=1, maximum=65535),
-            _str(params, "remote_request_id"),
-            _int(params, "remote_tp_size", default=1, minimum=1, maximum=4096))
+    engine_id = params.get("remote_engine_id")
+    return PushEndpoint(
+        _str(params, "remote_host"), _int(params, "remote_port", minimum=1, maximum=65535),
+        _str(params, "remote_request_id"),
+        _int(params, "remote_tp_size", default=1, minimum=1, maximum=4096),
+        engine_id if isinstance(engine_id, str) else "")
 
 
 def parse_push_target(params: Any, *, prompt_len: int, block_size: int) -> PushTarget:
@@ -421,7 +436,7 @@ def parse_push_target(params: Any, *, prompt_len: int, block_size: int) -> PushT
             exactly the prompt, or ``remote_cached_tokens`` is not a block-aligned count
             below the prompt length.
     """
-    host, port, request_id, tp_size = parse_push_endpoint(params)
+    host, port, request_id, tp_size, _engine = parse_push_endpoint(params)
     blocks, groups = _prompt_blocks(params, prompt_len, block_size)
     remote_bs = params.get("remote_block_size", block_size)
     if remote_bs != block_size:

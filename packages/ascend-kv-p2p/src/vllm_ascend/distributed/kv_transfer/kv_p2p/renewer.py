@@ -25,6 +25,8 @@ from .protocol import CODEC, Renew, worker_port
 logger = logging.getLogger(__name__)
 
 K = TypeVar("K", bound=Hashable)
+#: a P worker renewed: its side channel's endpoint and its instance's engine id
+Peer = tuple[str, str]
 
 
 class SideBySide(Generic[K]):
@@ -108,10 +110,11 @@ class LeaseRenewer:
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
         self._tracked: dict[str, RemotePrefill] = {}
-        self._clients: dict[str, RpcClient[Any]] = {}
+        #: (P worker's endpoint, P's engine id) -> its client (frames bound to both)
+        self._clients: dict[Peer, RpcClient[Any]] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._calls: SideBySide[str] = SideBySide(self.MAX_PARALLEL, "p2p-lease-renew")
+        self._calls: SideBySide[Peer] = SideBySide(self.MAX_PARALLEL, "p2p-lease-renew")
 
     def track(self, request_id: str, remote: RemotePrefill) -> None:
         with self._lock:
@@ -131,8 +134,8 @@ class LeaseRenewer:
         with self._lock:
             busy = self._calls.busy()
             # a client in a call is closed by its own thread when the call returns
-            for endpoint in [e for e in self._clients if e not in busy]:
-                self._clients.pop(endpoint).close()
+            for peer in [e for e in self._clients if e not in busy]:
+                self._clients.pop(peer).close()
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -147,24 +150,25 @@ class LeaseRenewer:
         """Send a ``Renew`` to every P worker with tracked requests and no call in flight;
         returns the calls sent (without waiting for them)."""
         with self._lock:
-            by_endpoint: dict[str, list[tuple[str, str]]] = {}
+            by_peer: dict[Peer, list[tuple[str, str]]] = {}
             for remote in self._tracked.values():
                 for rank in range(remote.tp_size):
                     port = worker_port(remote.port, tp_rank=rank, tp_size=remote.tp_size)
-                    by_endpoint.setdefault(tcp_endpoint(remote.host_of(rank), port), []).append(
-                        (remote.request_id, remote.token))
+                    peer = (tcp_endpoint(remote.host_of(rank), port), remote.engine_id)
+                    by_peer.setdefault(peer, []).append((remote.request_id, remote.token))
             if self._stop.is_set():
                 return []
-        return self._calls.send({endpoint: functools.partial(self._renew, endpoint, held)
-                                 for endpoint, held in by_endpoint.items()})
+        return self._calls.send({peer: functools.partial(self._renew, peer, held)
+                                 for peer, held in by_peer.items()})
 
-    def _renew(self, endpoint: str, held: list[tuple[str, str]]) -> None:
-        """Renew ``held`` (request id, its capability token) at ``endpoint``."""
+    def _renew(self, peer: Peer, held: list[tuple[str, str]]) -> None:
+        """Renew ``held`` (request id, its capability token) at ``peer``."""
+        endpoint, engine_id = peer
         with self._lock:
-            client = self._clients.get(endpoint)
+            client = self._clients.get(peer)
             if client is None:
-                client = self._clients.setdefault(
-                    endpoint, RpcClient(endpoint, CODEC, timeout_s=self.timeout_s))
+                client = self._clients.setdefault(peer, RpcClient(
+                    endpoint, CODEC, timeout_s=self.timeout_s, engine_id=engine_id))
         try:
             client.call(Renew(request_ids=[rid for rid, _ in held],
                               tokens=[token for _, token in held]))
@@ -173,6 +177,6 @@ class LeaseRenewer:
         finally:
             if self._stop.is_set():
                 with self._lock:
-                    if self._clients.get(endpoint) is client:
-                        del self._clients[endpoint]
+                    if self._clients.get(peer) is client:
+                        del self._clients[peer]
                 client.close()

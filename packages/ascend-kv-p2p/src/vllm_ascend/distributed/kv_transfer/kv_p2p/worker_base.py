@@ -132,7 +132,8 @@ class P2PWorkerBase:
         self.meta: AgentMeta | None = None
         #: whether this rank's KV cache is in host memory (same-host peers may copy it)
         self._kv_on_host = False
-        self._clients: dict[str, RpcClient[Message]] = {}
+        #: (endpoint, the peer's engine id) -> its client
+        self._clients: dict[tuple[str, str], RpcClient[Message]] = {}
         self._remote_meta: dict[str, AgentMeta] = {}
         self._mismatch: dict[str, str] = {}
         self._meta_lock = threading.Lock()
@@ -174,14 +175,21 @@ class P2PWorkerBase:
             self.te = None
 
     # ------------------------------------------------------------ peers
-    def client(self, host: str, port: int) -> RpcClient[Message]:
-        """The side-channel client of the peer rank at ``host:port`` (one a peer, kept)."""
+    def client(self, host: str, port: int, engine_id: str = "") -> RpcClient[Message]:
+        """The side-channel client of the peer rank at ``host:port`` (one a peer, kept).
+
+        Args:
+            engine_id: the peer instance's engine id (from the request's params): with a key
+                the frames are bound to it as well as to the port (:func:`~vllm_ascend.distributed.kv_transfer.core.auth.audience_of`),
+                so another instance on another host with the same port refuses them.
+        """
         endpoint = tcp_endpoint(host, port)
         with self._meta_lock:
-            client = self._clients.get(endpoint)
+            client = self._clients.get((endpoint, engine_id))
             if client is None:
-                client = RpcClient(endpoint, self.codec, timeout_s=self.cfg.handshake_timeout_s)
-                self._clients[endpoint] = client
+                client = RpcClient(endpoint, self.codec, timeout_s=self.cfg.handshake_timeout_s,
+                                   engine_id=engine_id)
+                self._clients[(endpoint, engine_id)] = client
             return client
 
     def cached_peer_meta(self, host: str, port: int) -> AgentMeta | None:
@@ -195,8 +203,9 @@ class P2PWorkerBase:
             self._remote_meta.pop(tcp_endpoint(host, port), None)
 
     def peer_meta(self, host: str, port: int, *, peer: str,
-                  problem_of: Callable[[AgentMeta], str]) -> AgentMeta:
-        """A peer rank's metadata, fetched once and checked with ``problem_of``."""
+                  problem_of: Callable[[AgentMeta], str], engine_id: str = "") -> AgentMeta:
+        """A peer rank's metadata, fetched once and checked with ``problem_of`` (``engine_id``:
+        the peer instance's, as :meth:`client` takes it)."""
         endpoint = tcp_endpoint(host, port)
         with self._meta_lock:
             if endpoint in self._mismatch:
@@ -204,7 +213,7 @@ class P2PWorkerBase:
             cached = self._remote_meta.get(endpoint)
         if cached is not None:
             return cached
-        meta = self.client(host, port).call(GetMeta(requester=self.agent_id))
+        meta = self.client(host, port, engine_id).call(GetMeta(requester=self.agent_id))
         if not isinstance(meta, AgentMeta):
             raise RemoteKVUnavailable(f"{endpoint} answered GetMeta with {type(meta).__name__}")
         problem = problem_of(meta)

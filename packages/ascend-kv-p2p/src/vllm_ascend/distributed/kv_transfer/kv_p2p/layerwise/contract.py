@@ -26,7 +26,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from ..errors import KVParamsError
-from ..params import PushTarget, wants_virtual
+from ..params import PushEndpoint, PushTarget, wants_virtual
 
 __all__ = ["MooncakeLayerwiseConnectorMetadata", "PushReq", "RecvReq", "ReqMeta"]
 
@@ -78,8 +78,9 @@ class PushReq:
     last: bool = False
     #: the request ended on P before any push (or its params are bad): tell D it failed
     abort: str | None = None
-    #: ``(host, port, D request id, D TP size)`` when ``target`` could not be parsed
-    endpoint: tuple[str, int, str, int] | None = None
+    #: where D waits (its address, request id, TP size, engine id) when ``target`` could
+    #: not be parsed
+    endpoint: PushEndpoint | None = None
     #: D's capability for the request when only ``endpoint`` could be parsed
     token: str = ""
     #: D ranks on other hosts, when only ``endpoint`` could be parsed

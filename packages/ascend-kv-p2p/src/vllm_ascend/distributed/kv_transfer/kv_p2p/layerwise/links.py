@@ -57,6 +57,8 @@ LEASE_MARGIN = 0.2
 #: After a write failed, how long P waits for its kernel to deliver what the transfer engine
 #: left queued before it tells D the push's writes are not settled (D then fences).
 SETTLE_WAIT_S = 0.5
+#: Writes again after a write failed on a connection D shut, none of its bytes on the way
+WRITE_RETRIES = 3
 
 
 def write_window_end(te: MooncakeTransferEngine | None, sent: float, lease_s: float) -> float:
@@ -168,7 +170,7 @@ class PushLinks:
         self._on_revoked = on_revoked
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
-        self._calls: SideBySide[tuple[str, int]] = SideBySide(16, "layerwise-renew")
+        self._calls: SideBySide[tuple[str, int, str]] = SideBySide(16, "layerwise-renew")
 
     def start(self) -> None:
         """Start the renewer thread."""
@@ -211,11 +213,13 @@ class PushLinks:
         return session
 
     # ================================================================ one link
-    def remote_meta(self, host: str, port: int, *, expect_tp: int) -> AgentMeta:
+    def remote_meta(self, host: str, port: int, *, expect_tp: int,
+                    engine_id: str = "") -> AgentMeta:
         """D rank's metadata, fetched once and checked against this instance."""
         mine = self.shared.meta
         assert mine is not None
-        return self.shared.peer_meta(host, port, peer="D", problem_of=lambda m: (
+        return self.shared.peer_meta(host, port, peer="D", engine_id=engine_id,
+                                     problem_of=lambda m: (
             compatibility_problem(mine, m, expect_tp=expect_tp,
                                   configured_tp=self.cfg.decode.tp_size, me="P", them="D",
                                   verb="receive the KV cache of")))
@@ -226,14 +230,15 @@ class PushLinks:
         assert shared.layout is not None
         target = session.target
         host = target.host_of(link.d_rank)
-        link.meta = self.remote_meta(host, link.port, expect_tp=target.tp_size)
+        link.meta = self.remote_meta(host, link.port, expect_tp=target.tp_size,
+                                     engine_id=target.engine_id)
         msg = PushBegin(request_id=target.request_id, sender=shared.agent_id,
                         p_rank=shared.tp_rank, p_tp_size=shared.tp_size,
                         block_ids=[b for _, _, b in target.pushed(session.first_position)],
                         block_lens=[r.block_len for r in shared.layout.regions],
                         token=target.token,
                         te_host=shared.te.hostname if shared.te is not None else "")
-        client = shared.client(host, link.port)
+        client = shared.client(host, link.port, target.engine_id)
         # D's worker learns of the request with the step after its scheduler posted it to
         # the metaserver: "unknown request" is retried as push_retry says
         try:
@@ -264,7 +269,8 @@ class PushLinks:
 
     def renew_link(self, session: PushSession, link: PushLink) -> None:
         """Renew one lease now (the sender is about to write); raises if D refuses."""
-        client = self.shared.client(session.target.host_of(link.d_rank), link.port)
+        client = self.shared.client(session.target.host_of(link.d_rank), link.port,
+                                    session.target.engine_id)
         sent = time.monotonic()
         reply = client.call(PushRenew(request_ids=[session.target.request_id],
                                       sender=self.shared.agent_id,
@@ -341,22 +347,28 @@ class PushLinks:
                 raise RemoteKVUnavailable("D revoked the write lease", code="revoked")
             if time.monotonic() >= link.valid_until:
                 raise RemoteKVUnavailable("the write lease ran out", code="lease_lapsed")
-        try:
-            return te.write(d_meta.session, src, dst, lengths)
-        except TransferError as exc:
-            # A connection D shut (its fence of another push, a restart) fails the write and
-            # the reset drops its bytes: once P's kernel holds none for D, it goes again, once,
-            # on a fresh connection, if the lease still allows.
-            link.write_failed = True
-            host = session.target.host_of(link.d_rank)
-            if not self.writes_settled(link, host) or time.monotonic() >= link.valid_until:
-                raise
-            logger.info("request %s: write to D rank %d failed (%s); none of its bytes is left "
-                        "on the way, writing again", session.request_id, link.d_rank, exc)
-        self.recorder.inc("p2p_write_retries")
-        nbytes = te.write(d_meta.session, src, dst, lengths)  # raises again: write_failed holds
-        link.write_failed = False
-        return nbytes
+        # A connection D shut (its fence of another push, a restart) fails the write and the
+        # reset drops its bytes: once P's kernel holds none for D, it goes again on a fresh
+        # connection, if the lease still allows, up to WRITE_RETRIES times (a fence shuts
+        # every connection from this host, and the transport may pick several of them).
+        for retry in range(WRITE_RETRIES + 1):
+            if retry:
+                self.recorder.inc("p2p_write_retries")
+            try:
+                nbytes = te.write(d_meta.session, src, dst, lengths)
+            except TransferError as exc:
+                link.write_failed = True
+                host = session.target.host_of(link.d_rank)
+                if (retry == WRITE_RETRIES or not self.writes_settled(link, host)
+                        or time.monotonic() >= link.valid_until):
+                    raise
+                logger.info("request %s: write to D rank %d failed (%s); none of its bytes is "
+                            "left on the way, writing again", session.request_id, link.d_rank,
+                            exc)
+                continue
+            link.write_failed = False
+            return nbytes
+        raise AssertionError("unreachable")
 
     def stop_link(self, session: PushSession, link: PushLink, reason: str, *,
                   cause: str) -> None:
@@ -388,7 +400,8 @@ class PushLinks:
         host = target.host_of(link.d_rank)
         return self.send_done_to(host, link.port, target.request_id,
                                  success=success, reason=reason, nbytes=nbytes,
-                                 token=target.token, settled=self.writes_settled(link, host))
+                                 token=target.token, settled=self.writes_settled(link, host),
+                                 engine_id=target.engine_id)
 
     def writes_settled(self, link: PushLink, host: str) -> bool:
         """Whether no write of ``link`` can land on D any more (its writes returned): none
@@ -412,14 +425,15 @@ class PushLinks:
 
     def send_done_to(self, host: str, port: int, request_id: str, *, success: bool,
                      reason: str = "", nbytes: int = 0, token: str = "",
-                     settled: bool = True) -> bool:
-        """``PushDone`` to one D rank; whether D accepted it (False if D is unreachable).
+                     settled: bool = True, engine_id: str = "") -> bool:
+        """``PushDone`` to one D rank (of engine ``engine_id``); whether D accepted it (False
+        if D is unreachable).
 
         Sent by the sender thread once this sender's writes for the request returned:
         ``settled`` says none of them failed in the transfer engine (so none can land later).
         """
         try:
-            reply = self.shared.client(host, port).call(PushDone(
+            reply = self.shared.client(host, port, engine_id).call(PushDone(
                 request_id=request_id, sender=self.shared.agent_id, success=success,
                 reason=reason[:2000], nbytes=nbytes, token=token, settled=settled))
         except KVTransferError as exc:
@@ -446,24 +460,25 @@ class PushLinks:
         """Send a ``PushRenew`` to every D rank with granted leases and no renewal in flight
         (:class:`~.renewer.SideBySide`: a D rank slow to answer delays no other's); returns
         the calls sent."""
-        by_port: dict[tuple[str, int], list[tuple[PushSession, PushLink]]] = {}
+        by_port: dict[tuple[str, int, str], list[tuple[PushSession, PushLink]]] = {}
         with self.lock:
             for session in self.sessions.values():
                 for link in session.links:
                     if link.state == "granted":
-                        by_port.setdefault((session.target.host_of(link.d_rank), link.port),
+                        by_port.setdefault((session.target.host_of(link.d_rank), link.port,
+                                            session.target.engine_id),
                                            []).append((session, link))
         return self._calls.send({peer: functools.partial(self._renew, peer, pairs)
                                  for peer, pairs in by_port.items()})
 
-    def _renew(self, peer: tuple[str, int],
+    def _renew(self, peer: tuple[str, int, str],
                pairs: list[tuple[PushSession, PushLink]]) -> None:
         """Renew this D rank's leases (a renewal thread)."""
-        host, port = peer
+        host, port, engine_id = peer
         try:
             sent = time.monotonic()
             try:
-                reply = self.shared.client(host, port).call(PushRenew(
+                reply = self.shared.client(host, port, engine_id).call(PushRenew(
                     request_ids=[s.target.request_id for s, _ in pairs],
                     sender=self.shared.agent_id, tokens=[s.target.token for s, _ in pairs]))
             except KVTransferError as exc:

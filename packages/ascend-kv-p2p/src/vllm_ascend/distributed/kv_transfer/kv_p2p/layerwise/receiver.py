@@ -155,9 +155,11 @@ class PushReceiver:
     def serve(self) -> None:
         """Start the side channel on this rank's port."""
         shared = self.shared
+        # under a key, requests must be sealed for this rank's port and this instance's
+        # engine id (P takes it from the params D posted: remote_engine_id)
         self.server = RpcServer(tcp_endpoint(shared.host, shared.port), LAYERWISE_CODEC,
-                                self.handle, name=f"layerwise-side-channel-{shared.port}"
-                                ).start()
+                                self.handle, name=f"layerwise-side-channel-{shared.port}",
+                                engine_id=getattr(shared, "engine_id", "")).start()
 
     def stop(self) -> None:
         """Stop serving and release every staging buffer."""

@@ -41,6 +41,7 @@ from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeLayerwiseC
 
 from ..errors import KVParamsError
 from ..params import (
+    PushEndpoint,
     PushTarget,
     metaserver_url,
     params_for_prefill,
@@ -74,7 +75,7 @@ class _PushProgress:
 
     request: Any
     target: PushTarget | None
-    endpoint: tuple[str, int, str, int] | None
+    endpoint: PushEndpoint | None
     error: str | None
     #: D's capability and its ranks on other hosts, when only ``endpoint`` could be parsed
     token: str = ""
@@ -106,12 +107,12 @@ def isolate_from_prefix_cache(request: Request, *, first_block: int) -> None:
         hashes[i] = type(hashes[i])(hashlib.sha256(salt + bytes(hashes[i])).digest())
 
 
-def _lenient_hosts(params: Any, endpoint: tuple[str, int, str, int] | None) -> dict[int, str]:
+def _lenient_hosts(params: Any, endpoint: PushEndpoint | None) -> dict[int, str]:
     """D's ranks on other hosts, to tell them a request failed (``{}`` if unusable)."""
     if endpoint is None or not isinstance(params, dict):
         return {}
     try:
-        return parse_rank_hosts(params, tp_size=endpoint[3])
+        return parse_rank_hosts(params, tp_size=endpoint.tp_size)
     except KVParamsError:
         return {}
 

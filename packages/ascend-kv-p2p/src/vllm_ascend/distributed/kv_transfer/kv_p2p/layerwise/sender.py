@@ -34,7 +34,7 @@ from vllm_ascend.distributed.kv_transfer.core.kv_groups import KVGroups
 from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeLayerwiseConfig
 
 from ..errors import HandshakeMismatchError, RemoteKVUnavailable
-from ..params import PushTarget
+from ..params import PushEndpoint, PushTarget
 from ..protocol import worker_port
 from ..worker_base import P2PWorkerBase
 from .contract import MooncakeLayerwiseConnectorMetadata
@@ -74,7 +74,7 @@ class _FailNotice:
     """Tell D a request failed (no blocks are read)."""
 
     target: PushTarget | None
-    endpoint: tuple[str, int, str, int] | None
+    endpoint: PushEndpoint | None
     reason: str
     #: D's capability for the request (with ``endpoint``; ``target`` carries its own)
     token: str = ""
@@ -376,11 +376,12 @@ class PushSender:
     def _run_notice(self, task: _FailNotice) -> None:
         token, hosts = task.token, task.rank_hosts
         if task.target is not None:
-            host, port, rid, d_tp = (task.target.host, task.target.port, task.target.request_id,
-                                     task.target.tp_size)
+            host, port, rid, d_tp, engine = (task.target.host, task.target.port,
+                                             task.target.request_id, task.target.tp_size,
+                                             task.target.engine_id)
             token, hosts = task.target.token, task.target.rank_hosts
         elif task.endpoint is not None:
-            host, port, rid, d_tp = task.endpoint
+            host, port, rid, d_tp, engine = task.endpoint
         else:
             logger.error("a layerwise request with unusable params cannot be reported to D "
                          "(%s); D fails it at its deadline", task.reason)
@@ -389,7 +390,7 @@ class PushSender:
             self.links.send_done_to(hosts.get(d, host),
                                     worker_port(port, tp_rank=d, tp_size=d_tp), rid,
                                     success=False, reason=task.reason, token=token,
-                                    settled=task.settled)
+                                    settled=task.settled, engine_id=engine)
 
 
 def layer_slots(layout: Any, groups: KVGroups) -> tuple[list[tuple[int, int]], dict[str, int]]:

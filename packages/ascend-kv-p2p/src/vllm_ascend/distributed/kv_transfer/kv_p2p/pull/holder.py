@@ -123,8 +123,11 @@ class LeaseHolder:
     def serve(self) -> None:
         """Start the side channel on this rank's port."""
         s = self.shared
+        # under a key, requests must be sealed for this rank's port and this instance's
+        # engine id (D takes it from the request's params: remote_engine_id)
         self.server = RpcServer(tcp_endpoint(s.host, s.port), CODEC, self.handle,
-                                name=f"p2p-side-channel-{s.port}").start()
+                                name=f"p2p-side-channel-{s.port}",
+                                engine_id=getattr(s, "engine_id", "")).start()
 
     def stop(self) -> None:
         """Stop serving."""

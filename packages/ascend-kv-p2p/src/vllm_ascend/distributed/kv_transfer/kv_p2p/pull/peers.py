@@ -119,10 +119,12 @@ class PeerRanks:
         return cached
 
     # ------------------------------------------------------------ metadata, regions
-    def remote_meta(self, host: str, port: int, *, expect_tp: int) -> AgentMeta:
+    def remote_meta(self, host: str, port: int, *, expect_tp: int,
+                    engine_id: str = "") -> AgentMeta:
         """P rank's metadata, fetched once and checked against this instance."""
-        return self.shared.peer_meta(host, port, peer="P", problem_of=lambda m: (
-            self.compatibility_problem(m, expect_tp=expect_tp)))
+        return self.shared.peer_meta(
+            host, port, peer="P", engine_id=engine_id,
+            problem_of=lambda m: self.compatibility_problem(m, expect_tp=expect_tp))
 
     def compatibility_problem(self, remote: AgentMeta, *, expect_tp: int) -> str:
         """Why P's cache cannot be read into ours, naming both sides' values; '' if it can."""
@@ -135,7 +137,8 @@ class PeerRanks:
         engine start of P than the cached one (P restarted at the same address)."""
         for again in (False, True):
             metas = {r: self.remote_meta(remote.host_of(r), self.port_of(remote, r),
-                                         expect_tp=remote.tp_size) for r in p_ranks}
+                                         expect_tp=remote.tp_size, engine_id=remote.engine_id)
+                     for r in p_ranks}
             seen = (remote.endpoint_key(), remote.instance)
             if again or not remote.instance or same_instance(remote, metas) or (
                     seen in self._refetched):
@@ -229,7 +232,8 @@ class PeerRanks:
         the load's deadline."""
         remote = meta.remote
         assert remote is not None
-        client = self.shared.client(remote.host_of(p_rank), self.port_of(remote, p_rank))
+        client = self.shared.client(remote.host_of(p_rank), self.port_of(remote, p_rank),
+                                    remote.engine_id)
         msg = Claim(request_id=remote.request_id, block_ids=meta.remote_block_ids,
                     reader=self.shared.agent_id, num_readers=num_readers, token=remote.token)
         try:
@@ -250,7 +254,8 @@ class PeerRanks:
         """Tell P rank ``p_rank`` D is done with the request; whether P says its lease held."""
         remote = meta.remote
         assert remote is not None
-        client = self.shared.client(remote.host_of(p_rank), self.port_of(remote, p_rank))
+        client = self.shared.client(remote.host_of(p_rank), self.port_of(remote, p_rank),
+                                    remote.engine_id)
         reply = client.call(Done(request_id=remote.request_id, reader=self.shared.agent_id,
                                  success=success, num_readers=num_readers, token=remote.token))
         return isinstance(reply, DoneAck) and reply.valid

@@ -413,7 +413,7 @@ class ClaimAhead:
         self.reader = reader
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="p2p-claim-ahead")
         self._lock = threading.Lock()
-        self._clients: dict[str, RpcClient[Any]] = {}
+        self._clients: dict[tuple[str, str], RpcClient[Any]] = {}
         #: request id -> (block ids claimed, the answers by P rank)
         self._sent: dict[str, tuple[list[int], Future[Answers]]] = {}
         #: requests handed to the workers before their answers came
@@ -505,12 +505,13 @@ class ClaimAhead:
         for client in clients:
             client.close()
 
-    def _client(self, endpoint: str) -> RpcClient[Any]:
+    def _client(self, endpoint: str, engine_id: str) -> RpcClient[Any]:
+        """P rank's client, its frames bound to P's engine id (``engine_id``) under a key."""
         with self._lock:
-            client = self._clients.get(endpoint)
+            client = self._clients.get((endpoint, engine_id))
             if client is None:
-                client = self._clients[endpoint] = RpcClient(endpoint, CODEC,
-                                                             timeout_s=self.timeout_s)
+                client = self._clients[(endpoint, engine_id)] = RpcClient(
+                    endpoint, CODEC, timeout_s=self.timeout_s, engine_id=engine_id)
             return client
 
     def _claim_all(self, remote: RemotePrefill, block_ids: list[int],
@@ -523,7 +524,8 @@ class ClaimAhead:
                         num_readers=counts[rank], token=remote.token)
             sent = time.time()
             try:
-                reply = self._client(tcp_endpoint(remote.host_of(rank), port)).call(msg)
+                reply = self._client(tcp_endpoint(remote.host_of(rank), port),
+                                     remote.engine_id).call(msg)
             except RemoteError as exc:
                 out[rank] = EarlyClaim(ok=False, error=exc.code or "refused")
                 continue
