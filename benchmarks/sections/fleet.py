@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from ._common import (
@@ -27,6 +28,7 @@ from ._common import (
     md_table,
     median_cell,
     num,
+    ratio_cell,
     worst,
 )
 
@@ -96,7 +98,8 @@ def per_round(runs: Iterable[Mapping[str, Any]], name: str) -> list[float]:
 
 # ---------------------------------------------------------------------- the body
 def section_fleet(d: dict[str, Any], images: Images) -> str:
-    """Body of the section: one table of the runs without churn, one of the churn runs."""
+    """Body of the section: the cost model the instances slept by, a table of the runs without
+    churn, each router at its best policy beside the other's, and a table of the churn runs."""
     del images
     cfg = d.get("config") or {}
     cost = cfg.get("cost_model") or {}
@@ -114,6 +117,8 @@ def section_fleet(d: dict[str, Any], images: Images) -> str:
            + ("Cells: median over the rounds [95% bootstrap interval]. " if rounds > 1
               else "One round a point: no interval. ")
            + "Every figure from the run's per-request samples.\n\n"]
+    if cost:
+        out.append(_cost_line(cost))
     rows = []
     for k, runs in sorted(points.items()):
         if k[5]:
@@ -130,6 +135,17 @@ def section_fleet(d: dict[str, Any], images: Images) -> str:
                             ["N", "trace", "router:policy", "rate/s", "rounds", "done/s",
                              "failed", "router-added p50 ms", "p99 ms", "CPU ms/request",
                              "hit / best", "modelled TTFT p99 ms"]))
+    best = _best_rows(points)
+    if best:
+        out.append("\nEach router at its best policy (the policy of the highest median "
+                   "`hit / best` at the point) where both ran; `quality`: ours' `hit / best` "
+                   "over vllm-router's, the figure the routing-quality goal judges:\n\n")
+        out.append(md_table(best, ["n", "trace", "rate", "o_pol", "o_hit", "o_done", "o_p99",
+                                   "o_cpu", "v_pol", "v_hit", "v_done", "v_p99", "v_cpu",
+                                   "quality"],
+                            ["N", "trace", "rate/s", "ours: policy", "hit / best", "done/s",
+                             "p99 ms", "CPU ms/request", "vllm-router: policy", "hit / best",
+                             "done/s", "p99 ms", "CPU ms/request", "quality"]))
     failed = [r for r in d.get("runs") or [] if isinstance(r, Mapping)
               and r.get("status") != "ok"]
     if failed:
@@ -140,12 +156,15 @@ def section_fleet(d: dict[str, Any], images: Images) -> str:
     if churn:
         out.append("\nUnder churn (10% of P added, drained and killed mid-run, at the highest "
                    "rate on the first trace): failed requests, seconds from the router's add "
-                   "to a new P's first request (– where the router refused the add), and "
-                   "from a P's death to the last request routed to it:\n\n")
-        out.append(md_table(churn, ["n", "router", "rate", "requests", "failed", "take_in",
-                                    "stop", "add"],
+                   "to a new P's first request (– where the router refused the add), "
+                   "from a P's death to the last request routed to it, and the requests "
+                   "routed to each killed P after its death (health probes not counted):"
+                   "\n\n")
+        out.append(md_table(churn, ["n", "router", "rate", "requests", "failed", "p99",
+                                    "take_in", "stop", "attempts", "add"],
                             ["N", "router:policy", "rate/s", "requests", "failed",
-                             "take-in s", "stop-routing s", "the router's answer to add"]))
+                             "router-added p99 ms", "take-in s", "stop-routing s",
+                             "requests to a dead P", "the router's answer to add"]))
     return "".join(out)
 
 
@@ -157,10 +176,12 @@ def _churn_rows(points: Mapping[Key, list[Mapping[str, Any]]]) -> list[dict[str,
         for r in runs:
             cf = r.get("churn_figures") or {}
             adds = [e for e in cf.get("events") or [] if e.get("what") == "add"]
+            kills = [e for e in cf.get("events") or [] if e.get("what") == "kill"]
             f = figures(r)
             rows.append({
                 "n": k[0], "router": f"{k[2]}:{k[3]}", "rate": k[4], "requests": f["requests"],
-                "failed": f["failed"],
+                "failed": f["failed"], "p99": f["router_p99_ms"],
+                "attempts": ", ".join(fmt(e.get("attempts_after_death")) for e in kills),
                 "take_in": ", ".join(fmt(num(x)) for x in cf.get("take_in_s") or []),
                 "stop": ", ".join(fmt(num(x)) for x in cf.get("stop_routing_s") or []),
                 "add": "ok" if adds and all(e.get("router_ok") for e in adds)
@@ -168,15 +189,55 @@ def _churn_rows(points: Mapping[Key, list[Mapping[str, Any]]]) -> list[dict[str,
     return rows
 
 
+def _cost_line(cost: Mapping[str, Any]) -> str:
+    """The cost model the run's instances slept by: the committed fit's coefficients (as the
+    run recorded them) and the scale."""
+    a, b, c = (num(cost.get(f)) for f in ("prefill_base_s", "prefill_s_per_token",
+                                          "prefill_s_per_token2"))
+    dec = num(cost.get("decode_s_per_token"))
+    return (f"Cost model (fit of `{Path(str(cost.get('fit') or 'costmodel.json')).name}`): "
+            f"prefill seconds {fmt(a)} + {fmt(b)} n + {fmt(c)} n² for n tokens computed, "
+            f"decode {fmt(dec * 1e3 if dec is not None else None)} ms a token; the instances "
+            f"sleep these times {fmt(num(cost.get('scale')))}.\n\n")
+
+
+def _best_rows(points: Mapping[Key, list[Mapping[str, Any]]]) -> list[dict[str, Any]]:
+    """A row per point (fleet size, trace, rate) both routers ran without churn: each at its
+    best policy, and the ratio of their hit rates over the offline best."""
+    rows = []
+    for where in sorted({(k[0], k[1], k[4]) for k in points if not k[5]}):
+        ours, peer = _best(points, where, OURS), _best(points, where, PEER)
+        if ours is None or peer is None:
+            continue
+        row: dict[str, Any] = {"n": where[0], "trace": where[1], "rate": where[2]}
+        for side, (policy, runs) in (("o", ours), ("v", peer)):
+            row[f"{side}_pol"] = policy
+            for name, f in (("hit", "hit_vs_best"), ("done", "done_per_s"),
+                            ("p99", "router_p99_ms"), ("cpu", "cpu_ms")):
+                row[f"{side}_{name}"] = median_cell(per_round(runs, f))
+        row["quality"] = ratio_cell(per_round(ours[1], "hit_vs_best"),
+                                    per_round(peer[1], "hit_vs_best"))
+        rows.append(row)
+    return rows
+
+
 # ---------------------------------------------------------------------- goals
+def _best(points: Mapping[Key, list[Mapping[str, Any]]], where: tuple[int, str, float],
+          router: str) -> tuple[str, list[Mapping[str, Any]]] | None:
+    """``router``'s best policy at one point and its runs: the policy of the highest median
+    hit / best over the rounds (each router at its own best)."""
+    cands = [(k[3], runs) for k, runs in points.items()
+             if (k[0], k[1], k[4]) == where and k[2] == router and not k[5]
+             and per_round(runs, "hit_vs_best")]
+    return max(cands, key=lambda c: statistics.median(per_round(c[1], "hit_vs_best")),
+               default=None)
+
+
 def _best_policy(points: Mapping[Key, list[Mapping[str, Any]]], where: tuple[int, str, float],
                  router: str) -> list[float] | None:
-    """The per-round hit / best of ``router``'s best policy at one point (the policy of the
-    highest median over the rounds: each router at its own best)."""
-    cands = [per_round(runs, "hit_vs_best") for k, runs in points.items()
-             if (k[0], k[1], k[4]) == where and k[2] == router and not k[5]]
-    cands = [c for c in cands if c]
-    return max(cands, key=statistics.median) if cands else None
+    """The per-round hit / best of ``router``'s best policy at one point."""
+    best = _best(points, where, router)
+    return per_round(best[1], "hit_vs_best") if best else None
 
 
 def quality_vs_vllm_router(entry: Mapping[str, Any]) -> Measured | None:

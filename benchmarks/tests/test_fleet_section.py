@@ -122,12 +122,41 @@ def test_the_section_renders_rounds_with_intervals_and_churn() -> None:
             for r in range(3)]
     runs.append({**_run("ours", "kv_aware", "conversation", hit=0.5, churn=True, rate=40.0),
                  "churn_figures": {"take_in_s": [0.5], "stop_routing_s": [0.3],
-                                   "events": [{"what": "add", "router_ok": True}]}})
+                                   "events": [{"what": "add", "router_ok": True},
+                                              {"what": "kill", "attempts_after_death": 2}]}})
     runs.append({"instances": 256, "trace": "conversation", "router": "vllm-router",
                  "policy": "kv_aware", "rate": 1000.0, "status": "failed",
                  "reason": "no binary"})
     body = fleet.section_fleet(_entry(runs, FULL)["result"], {})
     assert "| 256 | conversation | ours:kv_aware | 1e+03 | 3 |" in body
     assert "0.82 [0.8–0.84]" in body  # hit / best: median of the rounds [bootstrap]
-    assert "| 256 | ours:kv_aware | 40 | 100 | 0 | 0.5 | 0.3 | ok |" in body
+    # churn: failed, router-added p99 (the two slowest at 10 ms), take-in, stop-routing, the
+    # requests routed to the killed P after its death, the add's answer
+    assert "| 256 | ours:kv_aware | 40 | 100 | 0 | 10 | 0.5 | 0.3 | 2 | ok |" in body
     assert "did not start: N=256 vllm-router:kv_aware (no binary)" in body
+
+
+def test_the_section_shows_the_cost_model_and_each_router_at_its_best_policy() -> None:
+    runs = [_run("ours", "kv_aware", "zipf-scans", hit=0.45, rnd=r) for r in range(3)]
+    runs += [_run("ours", "round_robin", "zipf-scans", hit=0.2, rnd=r) for r in range(3)]
+    runs += [_run("vllm-router", "cache_aware", "zipf-scans", hit=0.5, router_ms=0.5, rnd=r)
+             for r in range(3)]
+    runs += [_run("vllm-router", "kv_aware", "zipf-scans", hit=0.3, rnd=r) for r in range(3)]
+    runs.append(_run("ours", "kv_aware", "conversation", hit=0.5))  # no peer: no best row
+    result = {"config": {"instances": [256], "traces": ["zipf-scans", "conversation"],
+                         "cost_model": {"prefill_base_s": 0.02, "prefill_s_per_token": 5e-4,
+                                        "prefill_s_per_token2": 4e-7,
+                                        "decode_s_per_token": 0.014, "scale": 0.02,
+                                        "fit": "/x/fleet/costmodel.json"}},
+              "runs": runs}
+    body = fleet.section_fleet(result, {})
+    assert ("prefill seconds 0.02 + 0.0005 n + 4e-07 n² for n tokens computed, decode 14 ms "
+            "a token; the instances sleep these times 0.02") in body
+    best = [line for line in body.splitlines()
+            if line.startswith("| 256 | zipf-scans | 1e+03 |") and "kv_aware | 0.9" in line]
+    # ours at kv_aware (0.45 / 0.5 of the best), the peer at cache_aware (1.0): quality 0.9;
+    # 100 answers in 2 s; each side's p99 is its two slowest requests' (10 times its usual)
+    assert best == ["| 256 | zipf-scans | 1e+03 | kv_aware | 0.9 [0.9–0.9] | 50 [50–50] "
+                    "| 10 [10–10] | 0.5 [0.5–0.5] | cache_aware | 1 [1–1] | 50 [50–50] "
+                    "| 5 [5–5] | 0.5 [0.5–0.5] | 0.9 [0.9–0.9] |"]
+    assert "| 256 | conversation | 1e+03 | kv_aware" not in body
