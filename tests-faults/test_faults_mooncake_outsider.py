@@ -45,6 +45,8 @@ pytestmark = pytest.mark.skipif(_problem is not None,
                                 reason=f"network namespaces are not available: {_problem}")
 
 KEY = "mooncake-outsider-test-deployment-key"
+#: P's engine id (a keyed client seals for it: what D takes from the request's params)
+P_ENGINE = "P-outsider"
 READ_BYTES = 64 << 10
 #: the outsider's run, at most (seconds)
 OUTSIDER_TIMEOUT_S = 120
@@ -72,7 +74,7 @@ cfg = SimpleNamespace(
                                     pipeline_parallel_size=1),
     cache_config=SimpleNamespace(block_size=16),
     model_config=SimpleNamespace(model="/models/outsider", get_total_num_kv_heads=lambda: 4))
-p = PullWorker(cfg, MooncakeP2PConfig.from_dict({}), "P-outsider", MetricsRecorder(P2P_METRICS),
+p = PullWorker(cfg, MooncakeP2PConfig.from_dict({}), sys.argv[3], MetricsRecorder(P2P_METRICS),
                tp_rank=0, pp_rank=0)
 caches, digests = {}, []
 for layer in range(2):
@@ -154,7 +156,7 @@ def keyed_p(net: VethPair) -> Iterator[dict[str, Any]]:
     port = free_port()
     proc = subprocess.Popen(
         ["ip", "netns", "exec", net.ns_a, "env", *_netns_env(net.addr_a, KEY), sys.executable,
-         "-c", P_SCRIPT, str(port), str(READ_BYTES)],
+         "-c", P_SCRIPT, str(port), str(READ_BYTES), P_ENGINE],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     line = proc.stdout.readline()
@@ -188,10 +190,10 @@ def _keyed_get_meta(net: VethPair, side_port: int) -> str:
     script = ("import sys\n"
               "from vllm_ascend.distributed.kv_transfer.core.channel import RpcClient\n"
               "from vllm_ascend.distributed.kv_transfer.kv_p2p.protocol import CODEC, GetMeta\n"
-              "c = RpcClient(sys.argv[1], CODEC, timeout_s=5)\n"
+              "c = RpcClient(sys.argv[1], CODEC, timeout_s=5, engine_id=sys.argv[2])\n"
               "print('{\"reply\": \"%s\"}' % type(c.call(GetMeta(requester='d'))).__name__)\n")
     return str(_run(net.ns_a, net.addr_a, KEY, script,
-                    f"tcp://{net.addr_a}:{side_port}")["reply"])
+                    f"tcp://{net.addr_a}:{side_port}", P_ENGINE)["reply"])
 
 
 def test_outsider_is_refused_by_the_key_and_reads_the_kv_through_mooncake(
