@@ -257,12 +257,15 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def typecheck(session: nox.Session) -> None:
-    """mypy over all packages, namespace packages resolved through mypy_path."""
+    """mypy over all packages, namespace packages resolved through mypy_path, and over the
+    report's renderer (benchmarks/render.py and its sections)."""
     uv_env(session)
     session.install("mypy>=1.10", "msgspec", "pyzmq", "numpy", "types-requests", TORCH_CPU,
                     *find_links())
     srcs = [str(PACKAGES[d] / "src" / "vllm_ascend") for d in PACKAGES if d != META]
     session.run("mypy", "--config-file", str(ROOT / "pyproject.toml"), *srcs)
+    session.run("mypy", "--config-file", str(ROOT / "pyproject.toml"),
+                str(ROOT / "benchmarks" / "render.py"), str(ROOT / "benchmarks" / "sections"))
 
 
 @nox.session(name="namespace-check", python=PYTHON)

@@ -60,8 +60,8 @@ def section_hybrid(d: dict[str, Any], images: Images) -> str:
             "window": fmt(window_share(int(r.get("prompt_tokens") or 1),
                                        int(d.get("block_size") or 1),
                                        int(d.get("window") or 1))),
-            "ttft_on": fmt(num(r.get("ttft_on")) and num(r.get("ttft_on")) * 1e3),
-            "ttft_off": fmt(num(r.get("ttft_off")) and num(r.get("ttft_off")) * 1e3),
+            "ttft_on": fmt(_ms(num(r.get("ttft_on")))),
+            "ttft_off": fmt(_ms(num(r.get("ttft_off")))),
             "ttft_ratio": f"{fmt(num(ttft.get('ratio')))} [{fmt(num(ttft.get('low')))}–"
                           f"{fmt(num(ttft.get('high')))}]",
             "fit_on": fmt(num(r.get("fit_on"))), "fit_off": fmt(num(r.get("fit_off"))),
@@ -90,3 +90,8 @@ GOALS = (GoalSpec("sliding-window model, hybrid KV cache manager on: KV bytes D 
 
 SECTION = Section("Hybrid models: a sliding window with and without vLLM's hybrid KV cache "
                   "manager (`bench hybrid`)", "issue 52", 45, section_hybrid, GOALS)
+
+
+def _ms(seconds: float | None) -> float | None:
+    """Seconds in milliseconds (``None`` stays ``None``)."""
+    return None if seconds is None else seconds * 1e3

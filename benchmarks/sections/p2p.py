@@ -110,8 +110,8 @@ def _series(entry: Mapping[str, Any], blocks: int, path: str) -> Mapping[str, An
 
 
 def _sizes(entry: Mapping[str, Any]) -> list[int]:
-    return sorted({int((s.get("tags") or {}).get("blocks")) for s in entry.get("samples") or []
-                   if (s.get("tags") or {}).get("blocks") is not None})
+    blocks = ((s.get("tags") or {}).get("blocks") for s in entry.get("samples") or [])
+    return sorted({int(b) for b in blocks if b is not None})
 
 
 def fixed_cost(entry: Mapping[str, Any]) -> Measured | None:
