@@ -3,23 +3,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from ascend_kv_testing.requires import require
-
-require("matplotlib", dist="matplotlib", why="the renderer draws with matplotlib")
-
-_spec = importlib.util.spec_from_file_location(
-    "bench_render", Path(__file__).resolve().parents[1] / "render.py")
-assert _spec is not None and _spec.loader is not None
-render = importlib.util.module_from_spec(_spec)
-sys.modules["bench_render"] = render  # dataclasses look their module up
-_spec.loader.exec_module(render)
+render = sys.modules["bench_render"]  # loaded by conftest.py
 
 MACHINE = {"platform": "Linux-x86_64", "cpus": 2, "torch": "2.13.0+cpu",
            "time": "2026-11-30T06:00:00Z"}

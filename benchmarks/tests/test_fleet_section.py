@@ -8,23 +8,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ascend_kv_testing.requires import require
-
-require("matplotlib", dist="matplotlib", why="the renderer draws with matplotlib")
-
-if "bench_render" in sys.modules:
-    render = sys.modules["bench_render"]
-else:
-    _spec = importlib.util.spec_from_file_location(
-        "bench_render", Path(__file__).resolve().parents[1] / "render.py")
-    assert _spec is not None and _spec.loader is not None
-    render = importlib.util.module_from_spec(_spec)
-    sys.modules["bench_render"] = render  # dataclasses look their module up
-    _spec.loader.exec_module(render)
+render = sys.modules["bench_render"]  # loaded by conftest.py
 
 ledger = render.ledger
-fleet = sys.modules.get("bench_sections.fleet") or __import__("importlib").import_module(
-    "bench_sections.fleet")
+fleet = importlib.import_module("bench_sections.fleet")
 HEAD = {"ascend-kv-core": "tree-c", "ascend-kv-p2p": "tree-p"}
 QUALITY = ("fleet routing quality: our proxy's prefix hit rate / offline best >= "
            "vllm-router's, each at its best policy, every trace")

@@ -9,19 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ascend_kv_testing.requires import require
-
-require("matplotlib", dist="matplotlib", why="the renderer draws with matplotlib")
-
-if "bench_render" in sys.modules:
-    render = sys.modules["bench_render"]
-else:
-    _spec = importlib.util.spec_from_file_location(
-        "bench_render", Path(__file__).resolve().parents[1] / "render.py")
-    assert _spec is not None and _spec.loader is not None
-    render = importlib.util.module_from_spec(_spec)
-    sys.modules["bench_render"] = render  # dataclasses look their module up
-    _spec.loader.exec_module(render)
+render = sys.modules["bench_render"]  # loaded by conftest.py
 
 ledger = render.ledger
 HEAD = {"ascend-kv-core": "tree-c", "ascend-kv-p2p": "tree-p", "ascend-kv-pool": "tree-s"}
