@@ -77,28 +77,32 @@ def _worker_of(conn: Any) -> Any:
     return None
 
 
-def kv_endpoints(llm: Any) -> dict[str, str]:
-    """Every endpoint this engine's connectors listen on, by role, and the transfer engine's
-    session (``host:rpc_port``)."""
-    from vllm_ascend.distributed.kv_transfer.core.transfer_engine import peek_transfer_engine
-
-    out: dict[str, str] = {}
+def _listeners(llm: Any) -> dict[str, Any]:
+    """This engine's connectors' servers, by role (each has an ``endpoint``)."""
+    out: dict[str, Any] = {}
     for conn in _worker_connectors(llm):
         worker = _worker_of(conn)
         name = type(conn).__name__
         server = getattr(worker, "server", None)
         if name == "MooncakeConnector" and server is not None:
-            out["p2p_side_channel"] = server.endpoint
+            out["p2p_side_channel"] = server
         elif name == "MooncakeLayerwiseConnector" and server is not None:
-            out["layerwise_side_channel"] = server.endpoint
+            out["layerwise_side_channel"] = server
         elif name == "AscendStoreConnector":
             lookup = getattr(worker, "lookup_server", None)
             if lookup is not None:
-                out["pool_lookup"] = lookup.endpoint
-        elif name == "CPUOffloadingConnector":
-            offload = getattr(worker, "server", None)
-            if offload is not None:
-                out["offload_metadata"] = offload.endpoint
+                out["pool_lookup"] = lookup
+        elif name == "CPUOffloadingConnector" and server is not None:
+            out["offload_metadata"] = server
+    return out
+
+
+def kv_endpoints(llm: Any) -> dict[str, str]:
+    """Every endpoint this engine's connectors listen on, by role, and the transfer engine's
+    session (``host:rpc_port``)."""
+    from vllm_ascend.distributed.kv_transfer.core.transfer_engine import peek_transfer_engine
+
+    out = {role: server.endpoint for role, server in _listeners(llm).items()}
     te = peek_transfer_engine()
     if te is not None:
         out["transfer_engine"] = te.session_id
@@ -106,23 +110,13 @@ def kv_endpoints(llm: Any) -> dict[str, str]:
 
 
 def kv_audiences(llm: Any) -> dict[str, str]:
-    """What a keyed frame to each endpoint of :func:`kv_endpoints` must be sealed for: the
-    P/D side channels' servers bind this instance's engine id too (their ``audience``); the
-    pool's lookup and the offload metadata, on this instance's own host, their socket."""
+    """What a keyed frame to each endpoint of :func:`kv_endpoints` must be sealed for: a
+    server's ``audience`` (the P/D side channels bind this instance's engine id too), else
+    its socket (the pool's lookup, on this instance's own host)."""
     from vllm_ascend.distributed.kv_transfer.core.auth import audience_of
 
-    out: dict[str, str] = {}
-    for conn in _worker_connectors(llm):
-        server = getattr(_worker_of(conn), "server", None)
-        name = type(conn).__name__
-        if name == "MooncakeConnector" and server is not None:
-            out["p2p_side_channel"] = server.audience
-        elif name == "MooncakeLayerwiseConnector" and server is not None:
-            out["layerwise_side_channel"] = server.audience
-    for role, endpoint in kv_endpoints(llm).items():
-        if role != "transfer_engine":
-            out.setdefault(role, audience_of(endpoint))
-    return out
+    return {role: getattr(server, "audience", None) or audience_of(server.endpoint)
+            for role, server in _listeners(llm).items()}
 
 
 def leak_state(llm: Any) -> dict[str, int]:

@@ -351,24 +351,24 @@ class PushLinks:
         # reset drops its bytes: once P's kernel holds none for D, it goes again on a fresh
         # connection, if the lease still allows, up to WRITE_RETRIES times (a fence shuts
         # every connection from this host, and the transport may pick several of them).
-        for retry in range(WRITE_RETRIES + 1):
-            if retry:
-                self.recorder.inc("p2p_write_retries")
+        retries = 0
+        while True:
             try:
                 nbytes = te.write(d_meta.session, src, dst, lengths)
             except TransferError as exc:
                 link.write_failed = True
                 host = session.target.host_of(link.d_rank)
-                if (retry == WRITE_RETRIES or not self.writes_settled(link, host)
+                if (retries == WRITE_RETRIES or not self.writes_settled(link, host)
                         or time.monotonic() >= link.valid_until):
                     raise
                 logger.info("request %s: write to D rank %d failed (%s); none of its bytes is "
                             "left on the way, writing again", session.request_id, link.d_rank,
                             exc)
+                retries += 1
+                self.recorder.inc("p2p_write_retries")
                 continue
             link.write_failed = False
             return nbytes
-        raise AssertionError("unreachable")
 
     def stop_link(self, session: PushSession, link: PushLink, reason: str, *,
                   cause: str) -> None:
