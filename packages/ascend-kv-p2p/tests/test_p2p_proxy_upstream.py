@@ -81,42 +81,46 @@ def test_each_instance_has_its_own_pool_and_keeps_its_connection() -> None:
     asyncio.run(run())
 
 
+async def _probe_rounds(n_instances: int, role: str, rounds: int,
+                        answer: tuple[bool, str] | None) -> list[list[int]]:
+    """Health rounds over ``n_instances`` test servers: each instance's probe count after
+    each of the first ``rounds`` rounds. ``answer``: after round 1, the first instance ends
+    a request so (``(ok, error)`` of ``InstanceSet.end``)."""
+    servers = Servers()
+    urls = await servers.start(n_instances)
+    metrics = Metrics()
+    policy = RoundRobin()
+    instances = InstanceSet(role, urls, policy)
+    upstream = Upstream(5.0, metrics)
+    upstream.open()
+    seen: list[list[int]] = []
+    done = asyncio.Event()
+
+    def after_round() -> None:
+        seen.append([servers.requests[(port(u), "/health")] for u in urls])
+        if len(seen) == 1 and answer is not None:
+            inst = instances.instances[0]
+            instances.begin(inst)
+            instances.end(inst, ok=answer[0], error=answer[1])
+        if len(seen) == rounds:
+            done.set()
+
+    checks = HealthChecks([instances], upstream, policy, metrics, 0.01, after_round)
+    task = asyncio.create_task(checks.run())
+    await asyncio.wait_for(done.wait(), 10)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await upstream.close()
+    servers.close()
+    return seen[:rounds]
+
+
 def test_an_instance_that_answered_since_the_last_round_is_not_probed() -> None:
     """Round 1 probes every instance; A answers a request after it, so round 2 probes only
     B; round 3 probes both again (A answered nothing since round 2 began)."""
-
-    async def run() -> tuple[list[int], list[int]]:
-        servers = Servers()
-        a, b = await servers.start(2)
-        metrics = Metrics()
-        policy = RoundRobin()
-        instances = InstanceSet("prefill", [a, b], policy)
-        upstream = Upstream(5.0, metrics)
-        upstream.open()
-        rounds: list[tuple[int, int]] = []
-        done = asyncio.Event()
-
-        def after_round() -> None:
-            rounds.append((servers.requests[(port(a), "/health")],
-                           servers.requests[(port(b), "/health")]))
-            if len(rounds) == 1:
-                inst = instances.instances[0]
-                instances.begin(inst)
-                instances.end(inst, ok=True)  # A answered a request
-            if len(rounds) == 3:
-                done.set()
-
-        checks = HealthChecks([instances], upstream, policy, metrics, 0.01, after_round)
-        task = asyncio.create_task(checks.run())
-        await asyncio.wait_for(done.wait(), 10)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        await upstream.close()
-        servers.close()
-        return [r[0] for r in rounds[:3]], [r[1] for r in rounds[:3]]
-
-    probes_a, probes_b = asyncio.run(run())
+    seen = asyncio.run(_probe_rounds(2, "prefill", 3, (True, "")))
+    probes_a, probes_b = [r[0] for r in seen], [r[1] for r in seen]
     assert probes_a == [1, 1, 2]  # skipped in round 2
     assert probes_b == [1, 2, 3]
 
@@ -124,35 +128,5 @@ def test_an_instance_that_answered_since_the_last_round_is_not_probed() -> None:
 def test_a_failed_answer_does_not_spare_the_probe() -> None:
     """An answer of HTTP 500 and up (``end(ok=False)``) says nothing of health: the next
     round probes the instance."""
-
-    async def run() -> list[int]:
-        servers = Servers()
-        (a,) = await servers.start(1)
-        metrics = Metrics()
-        policy = RoundRobin()
-        instances = InstanceSet("decode", [a], policy)
-        upstream = Upstream(5.0, metrics)
-        upstream.open()
-        rounds: list[int] = []
-        done = asyncio.Event()
-
-        def after_round() -> None:
-            rounds.append(servers.requests[(port(a), "/health")])
-            if len(rounds) == 1:
-                inst = instances.instances[0]
-                instances.begin(inst)
-                instances.end(inst, ok=False, error="HTTP 500")
-            if len(rounds) == 2:
-                done.set()
-
-        checks = HealthChecks([instances], upstream, policy, metrics, 0.01, after_round)
-        task = asyncio.create_task(checks.run())
-        await asyncio.wait_for(done.wait(), 10)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        await upstream.close()
-        servers.close()
-        return rounds[:2]
-
-    assert asyncio.run(run()) == [1, 2]
+    seen = asyncio.run(_probe_rounds(1, "decode", 2, (False, "HTTP 500")))
+    assert [r[0] for r in seen] == [1, 2]
