@@ -131,7 +131,10 @@ def installed(py: Path) -> dict[str, str]:
 def main() -> int:
     dist_dir = Path(sys.argv[1]).resolve()
     links = sys.argv[2:]
-    find = ["--find-links", str(dist_dir), *links]
+    # uv caches a wheel of a --find-links folder by its file name: a machine that installed
+    # an earlier build of 0.1.0 would get that build again, so ours are always read afresh.
+    fresh = [arg for name in packages() for arg in ("--refresh-package", name)]
+    find = [*fresh, "--find-links", str(dist_dir), *links]
     missing = missing_public_modules(PUBLIC_IMPORTS)
     if missing:
         raise SystemExit("public module paths that no package of this checkout has (a moved "
