@@ -353,9 +353,10 @@ BENCH_ARGS: dict[str, tuple[str, ...]] = {
     "serve": ("--rounds", "9", "--repeats", "1"),
     # then 9 alternating rounds of our P/D pull pair and vLLM's MooncakeConnector pair
     "client": ("--rounds", "9"),
-    # the quick model on all 200 requests, 2 rounds (about 6 minutes; the 8-layer model takes
-    # about 21): fewer requests share too little of the trace to tell the policies apart
-    "router": ("--quick", "--num-requests", "200", "--rounds", "2"),
+    # the quick model on all 200 requests, 9 rounds (the report's rule; about 3 minutes a
+    # round, the 8-layer model takes about 10): fewer requests share too little of the trace
+    # to tell the policies apart
+    "router": ("--quick", "--num-requests", "200", "--rounds", "9"),
 }
 
 
