@@ -360,6 +360,28 @@ BENCH_ARGS: dict[str, tuple[str, ...]] = {
 }
 
 
+_FLEET_ROUTERS = "ours:round_robin,ours:kv_aware,vllm-router:round_robin,vllm-router:cache_aware"
+#: Runs of `nox -s bench` beyond one of each benchmark (not in bench-smoke: each takes
+#: minutes), one per goal row that reads a run of other options.
+BENCH_MORE: tuple[tuple[str, ...], ...] = (
+    # the pull's goals at 64 layers too (real models have 32-80)
+    ("p2p", "--rounds", "9", "--layers", "64"),
+    # the connectors' scheduler halves at 1k-16k in flight against NixlConnector's (seconds)
+    ("control",),
+    # a sliding-window model with the hybrid KV cache manager on and off (4 minutes)
+    ("hybrid",),
+    # routing quality on every trace, both routers at each policy (about 20 minutes)
+    ("fleet", "--instances", "64", "--rates", "100", "--rounds", "9", "--routers",
+     _FLEET_ROUTERS, "--traces", "conversation,deep-prefix-tree,zipf-scans"),
+    # churn: 10% of P added, drained, killed mid-run
+    ("fleet", "--churn", "only", "--instances", "64", "--rates", "100", "--rounds", "9",
+     "--routers", "ours:kv_aware"),
+    # the router-added p99 goal's point: 256 instances at 1,000 requests a second
+    ("fleet", "--instances", "256", "--rates", "1000", "--rounds", "9", "--routers",
+     "ours:kv_aware", "--traces", "conversation"),
+)
+
+
 #: bench-smoke (default set, checks that each benchmark runs): the client benchmark drives
 #: one P/D target behind the proxy (its API servers dominate the smoke run's time); the router
 #: benchmark (3 engines, minutes) writes its workload and best rate only, starting nothing
@@ -461,9 +483,12 @@ def bench(session: nox.Session) -> None:
         extra["serve"] = (*extra["serve"], "--nixl-python", nixl)
     BENCH_DIR.mkdir(exist_ok=True)
     bad = _run_benchmarks(session, BENCH_DIR, quick=False, extra=extra, ledger=LEDGER_DIR)
-    # the pull's goals at 64 layers too (real models have 32-80)
-    session.run("vllm-ascend-kv", "bench", "p2p", "--rounds", "9", "--layers", "64", "--out",
-                str(Path(session.create_tmp()) / "p2p-64"), "--ledger", str(LEDGER_DIR))
+    for name, *args in BENCH_MORE:
+        try:
+            session.run("vllm-ascend-kv", "bench", name, *args, "--out",
+                        str(Path(session.create_tmp()) / "more"), "--ledger", str(LEDGER_DIR))
+        except nox.command.CommandFailed:
+            bad.append(f"{name} {' '.join(args)} (crashed)")
     session.run("python", str(ROOT / "benchmarks" / "render.py"), "--ledger", str(LEDGER_DIR),
                 "--docs", str(ROOT / "docs"))
     if bad:

@@ -258,3 +258,39 @@ def test_serve_rows_from_each_rounds_times_each_side_at_its_best_binding(
     assert hit.met is True and hit.measured.where == "pool/ours-mooncake"
     assert _serve_row(tmp_path / "h", entry, "offload hit TTFT").why == \
         "not measured by this run"
+
+
+CONTROL_VS_NIXL = ("control plane: per-step scheduler cost <= vLLM NixlConnector's at every "
+                   "role and count in flight (1k to 16k)")
+CONTROL_GROWTH = ("control plane: nothing O(all held) per step: a step at 16x the requests in "
+                  "flight costs <= 2x")
+
+
+def test_control_rows_judge_every_role_and_count_and_the_growth(tmp_path: Path) -> None:
+    def samples(ours_us: dict[tuple[str, int], float]) -> list[dict[str, Any]]:
+        out = []
+        for (role, n), t in ours_us.items():
+            for conn, us in (("ours", t), ("peer", 100.0)):
+                out.append(ledger.series({"role": role, "in_flight": n, "connector": conn,
+                                          "metric": "step"}, [[x] * 5 for x in
+                                                              [r[0] for r in _wobble(us)]]))
+        out.append(ledger.series({"held": 1024, "metric": "claims_per_s"}, _wobble(2e5)))
+        return out
+
+    flat = {("P", 1024): 80.0, ("P", 16384): 84.0, ("D", 1024): 90.0, ("D", 16384): 95.0}
+    row = _row(tmp_path, _entry("control", samples(flat)), CONTROL_VS_NIXL)
+    assert row.met is True and row.measured.rounds == 9
+    assert abs(row.measured.value - 0.95) < 1e-9 and "D, 16384" in row.measured.where
+    grow = _row(tmp_path / "g", _entry("control", samples(flat)), CONTROL_GROWTH)
+    assert grow.met is True and abs(grow.measured.value - 95 / 90) < 1e-9
+    # one role 4x the peer at one count fails the row; a step growing with what is held
+    # (8x from 1k to 16k) fails the other
+    bad = {**flat, ("D", 16384): 400.0, ("P", 16384): 640.0}
+    row = _row(tmp_path / "b", _entry("control", samples(bad)), CONTROL_VS_NIXL)
+    assert row.met is False and "P, 16384" in row.measured.where
+    grow = _row(tmp_path / "bg", _entry("control", samples(bad)), CONTROL_GROWTH)
+    assert grow.met is False and abs(grow.measured.value - 8.0) < 1e-9
+    body = importlib.import_module("bench_sections.control").section_samples(
+        _entry("control", samples(bad)))
+    assert "| P | 16384 | 0.64 [" in body and "| held | claims k/s |" in body
+    assert "| 1024 | 200 [" in body
