@@ -342,6 +342,9 @@ BENCHMARKS = ("engine", "kernels", "p2p", "layerwise", "pool", "trace", "offload
 BENCH_TOOLS = ("matplotlib>=3.7",)
 NIXL = "nixl==1.5.1"
 TRACE_NAME = "data/mooncake-traces/conversation_trace.jsonl"
+#: A trace the pool's eviction policies were not tuned on, beside the conversation trace when
+#: there is one (Mooncake's FAST25-release/traces/synthetic_trace.jsonl; benchmarks/README.md)
+HELD_OUT_TRACE = "synthetic_trace.jsonl"
 #: The fixed configuration of `nox -s bench` (minutes on the 2-core machine).
 BENCH_ARGS: dict[str, tuple[str, ...]] = {
     "offload": ("--repeats", "2"),
@@ -478,6 +481,9 @@ def bench(session: nox.Session) -> None:
     _bench_env(session)
     extra = dict(BENCH_ARGS)
     extra["trace"] = (_trace_file(Path(session.create_tmp())),)
+    held_out = Path(extra["trace"][0]).with_name(HELD_OUT_TRACE)
+    if held_out.is_file():
+        extra["trace"] += ("--held-out", f"mooncake-synthetic={held_out}")
     nixl = _nixl_python(session)
     if nixl:
         extra["serve"] = (*extra["serve"], "--nixl-python", nixl)

@@ -71,6 +71,31 @@ def test_trace_command_writes_results(tmp_path: Path) -> None:
                 row[policy]["hit_rate"]
 
 
+def test_a_held_out_trace_is_replayed_beside_the_others_with_its_digest(tmp_path: Path) -> None:
+    import hashlib
+
+    path = _trace(tmp_path, [[0, 1, 2], [0, 1, 3], [0, 4], [5, 6], [0, 1, 2]] * 10)
+    other = tmp_path / "held"
+    other.mkdir()
+    held = _trace(other, [[7, 8], [7, 9], [7, 8, 10]] * 20)
+    args = argparse.Namespace(trace=str(path), quick=True, block_bytes=256,
+                              out=str(tmp_path / "out"), ledger=str(tmp_path / "ledger"),
+                              held_out=[f"mooncake-synthetic={held}"])
+    assert bench._run("trace", bench.run_trace, args) == 0
+    result = json.loads((tmp_path / "out" / "trace.json").read_text())
+    about = result["config"]["held_out"]["mooncake-synthetic"]
+    assert about["sha256"] == hashlib.sha256(held.read_bytes()).hexdigest()
+    assert result["traces"]["mooncake-synthetic"]["unbounded"]["blocks"] == 7 * 20
+    from vllm_ascend.distributed.kv_transfer.bench import ledger
+
+    (entry,) = ledger.read_entries(tmp_path / "ledger", "trace")
+    assert ledger.entry_samples(entry, trace="mooncake-synthetic", what="blocks")
+    for bad, says in ((["x"], "expected NAME=PATH"), ([f"conversation={held}"], "taken"),
+                      ([f"a={held}", f"a={held}"], "taken"), (["a=/no/such"], "no file")):
+        with pytest.raises(ValueError, match=says):
+            bench.held_out_traces(bad)
+
+
 def test_trace_command_without_a_trace_says_what_to_pass(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     from vllm_ascend.distributed.kv_transfer.core.tooling.cli import main

@@ -49,12 +49,12 @@ from .benchutil import (
 )
 from .ledger import series
 from .mooncake_store import MooncakeMaster
-from .trace_replay import SEGMENTS, TRACE_ENV, load_trace, replay, run_trace
+from .trace_replay import SEGMENTS, TRACE_ENV, held_out_traces, load_trace, replay, run_trace
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SEGMENTS", "TRACE_ENV", "add_pool_command", "add_trace_command", "load_trace",
-           "replay", "run_pool", "run_trace"]
+__all__ = ["SEGMENTS", "TRACE_ENV", "add_pool_command", "add_trace_command", "held_out_traces",
+           "load_trace", "replay", "run_pool", "run_trace"]
 
 
 # ---------------------------------------------------------------------- helpers
@@ -421,6 +421,10 @@ def add_trace_command(sub: Any) -> None:
                    help=f"trace file (default: ${TRACE_ENV})")
     p.add_argument("--block-bytes", type=int, default=4096,
                    help="bytes stored per 512-token block (scaled down; default %(default)s)")
+    p.add_argument("--held-out", action="append", metavar="NAME=PATH", default=[],
+                   help="a trace the eviction policies were not tuned on, replayed beside the "
+                        "others (repeatable; e.g. Mooncake's FAST25-release/traces/"
+                        "synthetic_trace.jsonl)")
     p.set_defaults(func=lambda a: _run("trace", run_trace, a))
 
 

@@ -172,6 +172,9 @@ def run_trace(args: argparse.Namespace) -> dict[str, Any]:
     traces = {"conversation": load_trace(path, limit=n)}
     for name, gen in GENERATORS.items():
         traces[name] = gen(n or 4000, 0)
+    held_out = held_out_traces(getattr(args, "held_out", None) or [])
+    for name, about in held_out.items():
+        traces[name] = load_trace(about["path"], limit=n)
     fractions = [0.25, 0.5] if args.quick else [0.1, 0.25, 0.5]
     block_bytes = args.block_bytes
     results = {name: compare_policies(reqs, fractions, block_bytes)
@@ -188,9 +191,35 @@ def run_trace(args: argparse.Namespace) -> dict[str, Any]:
             "config": {"trace": str(path), "requests": conv["requests"],
                        "unique_blocks": conv["unique_blocks"], "block_bytes": block_bytes,
                        "tokens_per_block": 512, "fractions": fractions,
+                       "held_out": held_out,
                        "goal": f">= {GOAL_VS_UNBOUNDED} of unbounded at {GOAL_FRACTION} capacity"},
             "unbounded": conv["unbounded"], "rows": rows, "traces": results,
             "table": summary_table(results)}
+
+
+def held_out_traces(specs: list[str]) -> dict[str, dict[str, str]]:
+    """``NAME=PATH`` options as ``{name: {"path", "sha256"}}``: traces the eviction policies
+    were not tuned on, replayed beside the others (the digest says which file it was).
+
+    Raises:
+        ValueError: a spec is not ``NAME=PATH``, reuses a name, or its file is missing.
+    """
+    import hashlib
+
+    from .trace_gen import GENERATORS
+
+    out: dict[str, dict[str, str]] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--held-out {spec!r}: expected NAME=PATH")
+        if name in out or name == "conversation" or name in GENERATORS:
+            raise ValueError(f"--held-out {spec!r}: the name {name!r} is taken")
+        if not Path(path).is_file():
+            raise ValueError(f"--held-out {spec!r}: no file {path!r}")
+        digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+        out[name] = {"path": str(path), "sha256": digest}
+    return out
 
 
 def ledger_series(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
