@@ -16,7 +16,7 @@ PYPROJECT = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml
 DECLARED = PYPROJECT["project"]["entry-points"]
 #: Every ``vllm-ascend-kv bench`` subcommand of the project (``nox -s bench`` runs them all
 #: but ``fleet``, run by hand: docs/fleet-simulation.md).
-BENCHMARKS = {"auth", "client", "control", "engine", "fleet", "hybrid", "kernels", "layerwise", "offload", "p2p",
+BENCHMARKS = {"auth", "client", "control", "engine", "fleet", "hybrid", "index", "kernels", "layerwise", "offload", "p2p",
               "pool", "router", "serve", "trace"}
 
 

@@ -62,6 +62,7 @@ MEASURED: dict[str, tuple[str, ...]] = {
     "client": (_CORE, _P2P),
     "router": (_CORE, _P2P),
     "fleet": (_CORE, _P2P),
+    "index": (_P2P,),
     "pool": (_CORE, _POOL),
     "trace": (_POOL,),
     "offload": (_CORE, _OFFLOAD),
