@@ -294,3 +294,54 @@ def test_control_rows_judge_every_role_and_count_and_the_growth(tmp_path: Path) 
         _entry("control", samples(bad)))
     assert "| P | 16384 | 0.64 [" in body and "| held | claims k/s |" in body
     assert "| 1024 | 200 [" in body
+
+
+INDEX_POOL = ("prefix index: the shared pool index holds at most its bound (the proxy's "
+              "POOL_MAX_BLOCKS, 2^20 blocks) after twice as many were stored")
+INDEX_LOOKUP = ("prefix index: a routing lookup (64-block prompt) at 10^7 blocks tracked costs "
+                "<= 2x the one at 10^5")
+
+
+def test_index_rows_judge_the_pool_bound_and_the_lookup_growth(tmp_path: Path) -> None:
+    bound = 1 << 20
+
+    def samples(held: float, lookup_1e7: float, stored: int = 2 * bound) -> list[dict[str, Any]]:
+        out = []
+        for n, t in ((100_000, 4e-6), (10_000_000, lookup_1e7)):
+            tags = {"index": "instance", "blocks_tracked": n}
+            out += [ledger.series({**tags, "metric": "lookup", "prompt_blocks": 64},
+                                  [[x] * 5 for x in [r[0] for r in _wobble(t)]]),
+                    ledger.series({**tags, "metric": "store", "blocks": 64}, _wobble(4e-4)),
+                    ledger.series({**tags, "metric": "held", "stored_minus_removed": n},
+                                  [[n]] * 9, unit="blocks"),
+                    ledger.series({**tags, "metric": "rss_per_block"}, [[400.0]], unit="B")]
+        ptags = {"index": "pool", "bound": bound, "stored": stored}
+        out += [ledger.series({**ptags, "metric": "held"}, [[held]] * 9, unit="blocks"),
+                ledger.series({**ptags, "metric": "newest_matched"}, [[64]] * 9),
+                ledger.series({**ptags, "metric": "rss_added"}, [[2.0 * 2**28]], unit="B")]
+        return out
+
+    result = {"pool_default_bound": bound}
+    good = samples(float(bound), 6e-6)
+    row = _row(tmp_path, _entry("index", good, result), INDEX_POOL)
+    assert row.met is True and row.measured.rounds == 9 and row.measured.value == bound
+    look = _row(tmp_path / "l", _entry("index", good, result), INDEX_LOOKUP)
+    assert look.met is True and abs(look.measured.value - 1.5) < 1e-9
+    # one block over the bound, or fewer than twice the bound stored, fails the pool row;
+    # a lookup 3x slower at 10^7 fails the other
+    over = _row(tmp_path / "o", _entry("index", samples(bound + 1.0, 6e-6), result), INDEX_POOL)
+    assert over.met is False
+    few = _row(tmp_path / "f", _entry("index", samples(float(bound), 6e-6, bound), result),
+               INDEX_POOL)
+    assert few.met is False
+    slow = _row(tmp_path / "s", _entry("index", samples(float(bound), 12e-6), result),
+                INDEX_LOOKUP)
+    assert slow.met is False and abs(slow.measured.value - 3.0) < 1e-9
+    # a run without 10^5 and 10^7 (--quick) is not measured for the lookup row
+    quick = [s for s in good if s["tags"].get("blocks_tracked") != 10_000_000]
+    none = _row(tmp_path / "q", _entry("index", quick, result), INDEX_LOOKUP)
+    assert none.met is False and none.why == "not measured by this run"
+    body = importlib.import_module("bench_sections.index").section_samples(
+        _entry("index", good, result))
+    assert "| 100000 | 400 | 160 [" in body and "| 1048576 | 2097152 | 1048576 | 64 | 512 |" in body
+    assert "A lookup at 10000000 blocks tracked / at 100000 (rounds paired): 1.5 [" in body
