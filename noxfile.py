@@ -371,6 +371,9 @@ BENCH_MORE: tuple[tuple[str, ...], ...] = (
     ("p2p", "--rounds", "9", "--layers", "64"),
     # the connectors' scheduler halves at 1k-16k in flight against NixlConnector's (seconds)
     ("control",),
+    # the proxy's prefix indexes at 10^5-10^7 blocks tracked, the pool index stored twice
+    # its bound (minutes; the 10^7 child holds a few GiB)
+    ("index",),
     # a sliding-window model with the hybrid KV cache manager on and off (4 minutes)
     ("hybrid",),
     # routing quality on every trace, both routers at each policy (about 20 minutes)
