@@ -224,3 +224,32 @@ def test_rounds_take_turns_and_each_point_is_one_series_of_rounds() -> None:
     assert series["ours", "router_s"]["rounds"] == [[0.001, 0.002], [0.002, 0.004]]
     assert series["vllm-router", "router_s"]["rounds"] == [[0.003, 0.006], [0.004, 0.008]]
     assert series["ours", "router_s"]["tags"]["rate"] == 50.0
+
+
+def test_a_router_that_never_gets_ready_is_stopped(tmp_path: Path) -> None:
+    """A router not ready in time is stopped before the error is raised: a 9-round run whose
+    routers were left behind had them eat the cores of every later run."""
+    import os
+    import sys
+
+    from vllm_ascend.distributed.kv_transfer.bench.fleet.routers import Router
+    from vllm_ascend.distributed.kv_transfer.core.net import free_port
+
+    pidfile = tmp_path / "pid"
+    router = Router("ours", "round_robin", [], [], tmp_path, free_port())
+    # a process that never answers /health
+    router.cmd = [sys.executable, "-c", f"import os, time; open({str(pidfile)!r}, 'w')"
+                  f".write(str(os.getpid())); time.sleep(120)"]
+    with pytest.raises(RuntimeError, match="not ready after"):
+        router.start(timeout=2.0)
+    assert router.proc is None
+    pid = int(pidfile.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the router process {pid} is still running")

@@ -130,8 +130,9 @@ class Router:
             if _call(self.url + "/health", timeout=2)[0] == 200 and self._streams_live():
                 return self
             time.sleep(0.5)
-        raise RuntimeError(f"{self.kind} {self.policy} not ready after {timeout:.0f}s: "
-                           f"{self.tail()}")
+        tail = self.tail()
+        self.stop()
+        raise RuntimeError(f"{self.kind} {self.policy} not ready after {timeout:.0f}s: {tail}")
 
     def _streams_live(self) -> bool:
         if not (self.kind == "ours" and self.policy == "kv_aware"):
