@@ -244,6 +244,30 @@ def test_a_changed_prefix_hit_is_not_handed_over() -> None:
         ahead.stop()
 
 
+def test_stop_drops_every_claim_not_sent_to_a_p_that_does_not_answer() -> None:
+    """Claims to a P that never answers, one per request, most of them no longer waited for
+    (their prefix hit changed): after stop the claim thread ends after the one in flight,
+    it does not work through the queue (a process exiting waited for all of them)."""
+    import threading
+    import time
+
+    timeout_s = 1.0
+    ahead = ClaimAhead(lambda p_tp: {0: 1}, timeout_s, reader="x")
+    port = free_port()  # nothing listens: every call waits out its timeout
+    for i in range(40):
+        remote = RemotePrefill(engine_id="P", host="127.0.0.1", port=port,
+                               request_id=f"r{i}", block_ids=[1, 2], tp_size=1, pcp_size=1,
+                               dcp_size=1)
+        assert ahead.start(f"r{i}", remote, [1, 2])
+        if i % 2:
+            assert ahead.hand_over(f"r{i}", [2]) == (False, None)
+    ahead.stop()
+    deadline = time.monotonic() + 4 * timeout_s + 3.0
+    while any(t.name.startswith("p2p-claim-ahead") for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "the claim thread still works through its queue"
+        time.sleep(0.05)
+
+
 # ------------------------------------------------------------ D's scheduler
 
 

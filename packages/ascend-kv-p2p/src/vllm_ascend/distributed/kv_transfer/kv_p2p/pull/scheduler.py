@@ -421,6 +421,10 @@ class ClaimAhead:
         #: requests whose claims were answered since the last :meth:`take_answers`: a step
         #: looks at these, not at every request still owed its answers
         self._answered: list[str] = []
+        #: every claim submitted and not done yet (also those no request waits for any more):
+        #: :meth:`stop` cancels them, so the claim thread never works through a queue of
+        #: claims to a P that does not answer while the process exits
+        self._pending: set[Future[Answers]] = set()
         if engine_id:
             register_claimer(engine_id, self)
 
@@ -438,11 +442,13 @@ class ClaimAhead:
         fut = self._pool.submit(self._claim_all, remote, list(block_ids), counts)
         with self._lock:
             self._sent[request_id] = (list(block_ids), fut)
+            self._pending.add(fut)
         fut.add_done_callback(lambda f: self._deliver_locally(request_id, f))
         return True
 
     def _deliver_locally(self, request_id: str, fut: Future[Answers]) -> None:
         with self._lock:
+            self._pending.discard(fut)
             self._answered.append(request_id)
         inbox = local_inbox(self.engine_id)
         if inbox is not None and not fut.cancelled():
@@ -457,12 +463,15 @@ class ClaimAhead:
             if sent is None:
                 return False, None
             claimed, fut = sent
-            if claimed != list(block_ids):
-                return False, None  # vLLM's prefix hit changed since: the workers claim
-            if fut.done():
-                return True, _result(fut)
-            self._owed[request_id] = fut
-            return True, None
+            if claimed == list(block_ids):
+                if fut.done():
+                    return True, _result(fut)
+                self._owed[request_id] = fut
+                return True, None
+        # vLLM's prefix hit changed since: the workers claim; this claim, not sent yet, never
+        # will be (cancelled outside the lock: a cancel runs its done callback, which takes it)
+        fut.cancel()
+        return False, None
 
     def take_answers(self) -> dict[str, Answers]:
         """Answers that came since, of requests handed to the workers without them."""
@@ -488,7 +497,7 @@ class ClaimAhead:
         in flight (a socket is never closed under a call on another thread)."""
         unregister_claimer(self.engine_id, self)
         with self._lock:
-            pending = [fut for _b, fut in self._sent.values()] + list(self._owed.values())
+            pending = list(self._pending)
             self._sent.clear()
             self._owed.clear()
         for fut in pending:
