@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The child process of ``bench index``: one of the proxy's prefix indexes, fed through its
-subscriber's decode-and-apply path, measured round by round.
+"""The child process of ``bench index``: one prefix index of the proxy, measured by rounds.
 
-A child holds one index in fresh memory (its resident set is what the index costs): a
+It is fed through the subscriber's decode-and-apply path. A child holds one index in fresh
+memory (its resident set is what the index costs): a
 :class:`~vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.prefix_index.PrefixIndex` (one
 instance's device cache) filled to a number of blocks tracked, or a
 :class:`~vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.prefix_index.PoolIndex` (a KV pool
