@@ -117,8 +117,7 @@ def one_run(fleet: FleetProc, kind: str, policy: str, prompts: list[list[int]],
                            "churn": churn is not None}
     try:
         router.start(args.startup_timeout)
-    except Exception as exc:  # recorded, never fatal; the process goes (it would load the
-        router.stop()  # next runs: routers left behind ate the cores of a 9-round run)
+    except Exception as exc:  # recorded, never fatal (start stopped the process)
         return {**row, "status": "failed", "reason": str(exc)[-800:]}
     cpu_before = router.cpu_seconds()
     try:

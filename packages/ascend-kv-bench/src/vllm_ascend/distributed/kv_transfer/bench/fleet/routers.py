@@ -125,13 +125,13 @@ class Router:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.kind} exited with {self.proc.returncode}: "
-                                   f"{self.tail()}")
+                code, self.proc = self.proc.returncode, None
+                raise RuntimeError(f"{self.kind} exited with {code}: {self.tail()}")
             if _call(self.url + "/health", timeout=2)[0] == 200 and self._streams_live():
                 return self
             time.sleep(0.5)
         tail = self.tail()
-        self.stop()
+        self.stop()  # a router left running would load every later run
         raise RuntimeError(f"{self.kind} {self.policy} not ready after {timeout:.0f}s: {tail}")
 
     def _streams_live(self) -> bool:
