@@ -260,7 +260,8 @@ def typecheck(session: nox.Session) -> None:
     """mypy over all packages, namespace packages resolved through mypy_path, and over the
     report's renderer (benchmarks/render.py and its sections)."""
     uv_env(session)
-    session.install("mypy>=1.10", "msgspec", "pyzmq", "numpy", "types-requests", TORCH_CPU,
+    session.install("mypy>=1.10", "msgspec", "pyzmq", "numpy", "cryptography>=42",
+                    "types-requests", TORCH_CPU,
                     *find_links())
     srcs = [str(PACKAGES[d] / "src" / "vllm_ascend") for d in PACKAGES if d != META]
     session.run("mypy", "--config-file", str(ROOT / "pyproject.toml"), *srcs)
@@ -273,7 +274,7 @@ def namespace_check(session: nox.Session) -> None:
     """No namespace-level __init__.py in sources or wheels; a foreign namespace module imports."""
     uv_env(session)
     session.install("build>=1", "hatchling>=1.24", TORCH_CPU, "numpy", "msgspec", "pyzmq",
-                    *find_links())
+                    "cryptography>=42", *find_links())
     session.run("python", str(ROOT / "tools" / "namespace_check.py"))
 
 

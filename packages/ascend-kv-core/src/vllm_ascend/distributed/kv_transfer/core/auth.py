@@ -2,29 +2,35 @@
 """The deployment secret that authenticates the control plane.
 
 Every instance of one deployment shares a key. With a key configured, every
-control-plane frame (:mod:`.channel`, both directions) travels in an envelope::
+control-plane frame (:mod:`.channel`, both directions) travels **encrypted** in an
+envelope::
 
-    b"VAKA" | version (1) | timestamp ms (8) | nonce (16) | receiver tag (8) | HMAC-SHA256 (32)
-    | wire frame
+    b"VAKA" | version (1) | timestamp ms (8) | nonce (16) | receiver tag (8)
+    | AES-256-GCM(wire frame) | GCM tag (16)
 
-The MAC covers the envelope's header fields, a direction tag (a reply is bound
-to the nonce of the request it answers), a request's **receiver** (its *audience*: the
-socket it is sent to, e.g. ``port:17000``, and the receiving instance's engine id where the
-sender knows it, e.g. ``engine:P-1|port:17000``: :func:`audience_of`; the header carries a
-short tag of it) and the
-:mod:`.wire` frame itself. A receiver refuses, with an :class:`AuthError` naming the
-reason, and counts in the ``auth_refused`` metric
-(``vllm:ascend_kv_auth_refused_total{socket,reason}``):
+The :mod:`.wire` frame is encrypted and authenticated with AES-256-GCM (``cryptography``'s
+AEAD, the 16-byte random nonce as its IV) under a key derived from the deployment key with
+HKDF-SHA256 (:data:`AEAD_INFO`); nobody without the key reads a grant, a request id or a
+capability token on the wire. The tag also covers, as associated data, the envelope's
+header fields, a direction tag (a reply is bound to the nonce of the request it answers)
+and a request's **receiver** (its *audience*: the socket it is sent to, e.g.
+``port:17000``, and the receiving instance's engine id where the sender knows it, e.g.
+``engine:P-1|port:17000``: :func:`audience_of`; the header carries a short tag of it). A
+receiver refuses, with an :class:`AuthError` naming the reason, and counts in the
+``auth_refused`` metric (``vllm:ascend_kv_auth_refused_total{socket,reason}``):
 
 * ``unauthenticated``: a plain wire frame (no envelope) where a key is configured;
-* ``bad_mac``: the MAC matches none of the active keys;
+* ``bad_mac``: the tag checks under none of the active keys (another key, or a byte of the
+  envelope changed);
 * ``stale``: the timestamp is further than the window (default 30 s) from the clock;
 * ``replay``: a nonce already seen within the window (or too old to tell, once the
   bounded replay cache overflowed);
 * ``misdirected``: a request sealed for another receiver (a frame captured on its way to
   one rank or instance and sent to another: each process keeps its own replay cache, the
   binding is what refuses it there);
-* ``malformed``: an envelope too short to hold its header.
+* ``malformed``: an envelope too short to hold its header and tag, or of another version
+  (version 2, HMAC-SHA256 over a frame in clear, is no longer accepted: every instance of a
+  deployment upgrades together).
 
 Configuration (environment, read once per process):
 
@@ -56,6 +62,11 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
 from .errors import ConfigError, WireFormatError
 from .metrics import MetricSpec, MetricsRecorder
 
@@ -68,16 +79,20 @@ ENV_WINDOW = "VLLM_ASCEND_KV_AUTH_WINDOW_S"
 ENV_ALLOW_UNAUTHENTICATED = "VLLM_ASCEND_KV_ALLOW_UNAUTHENTICATED"
 
 AUTH_MAGIC = b"VAKA"
-#: 2: the receiver (audience) in the MAC and its tag in the header (1 had neither)
-AUTH_VERSION = 2
+#: 3: the frame encrypted (AES-256-GCM); 2: HMAC-SHA256, the receiver (audience) in the MAC
+#: and its tag in the header; 1 had neither
+AUTH_VERSION = 3
 NONCE_BYTES = 16
 AUDIENCE_TAG_BYTES = 8
-MAC_BYTES = 32
-#: magic, version, timestamp (ms since the epoch), nonce, receiver tag, MAC
-_HEADER = struct.Struct(f">4sBQ{NONCE_BYTES}s{AUDIENCE_TAG_BYTES}s{MAC_BYTES}s")
+#: the GCM authentication tag after the encrypted frame
+TAG_BYTES = 16
+#: magic, version, timestamp (ms since the epoch), nonce, receiver tag (all associated data)
+_HEADER = struct.Struct(f">4sBQ{NONCE_BYTES}s{AUDIENCE_TAG_BYTES}s")
 HEADER_BYTES = _HEADER.size
-#: The part of the header the MAC covers (all but the MAC).
-_SIGNED = struct.Struct(f">4sBQ{NONCE_BYTES}s{AUDIENCE_TAG_BYTES}s")
+#: bytes an envelope adds to a wire frame
+OVERHEAD_BYTES = HEADER_BYTES + TAG_BYTES
+#: HKDF's ``info``: the control plane's AEAD key is derived from each deployment key with it
+AEAD_INFO = b"vllm-ascend-kv control plane AES-256-GCM v3"
 MIN_KEY_BYTES = 16
 DEFAULT_WINDOW_S = 30.0
 DEFAULT_MAX_NONCES = 1 << 17
@@ -272,6 +287,8 @@ class Authenticator:
         self.window_s = window_s
         self.clock = clock
         self.replays = ReplayCache(window_s, max_nonces)
+        #: the AEAD of each key, the sealing key's first
+        self._aeads = tuple(_aead(k) for k in self.keys)
 
     # ------------------------------------------------------------ frames
     @staticmethod
@@ -282,16 +299,9 @@ class Authenticator:
             return b"R" + reply_to
         return b"Q" + audience.encode()
 
-    def _mac(self, key: bytes, signed: bytes, context: bytes, payload: bytes | memoryview
-             ) -> bytes:
-        h = hmac.new(key, signed, hashlib.sha256)
-        h.update(context)
-        h.update(payload)
-        return h.digest()
-
     def seal(self, payload: bytes, *, reply_to: bytes | None = None,
              audience: str = "") -> tuple[bytes, bytes]:
-        """Wrap a wire frame in a signed envelope.
+        """Encrypt a wire frame into an envelope.
 
         Args:
             payload: the encoded :mod:`.wire` frame.
@@ -304,13 +314,15 @@ class Authenticator:
         """
         nonce = secrets.token_bytes(NONCE_BYTES)
         tag = audience_tag(audience if reply_to is None else "")
-        signed = _SIGNED.pack(AUTH_MAGIC, AUTH_VERSION, int(self.clock() * 1000), nonce, tag)
-        mac = self._mac(self.keys[0], signed, self._context(reply_to, audience), payload)
-        return signed + mac + payload, nonce
+        header = _HEADER.pack(AUTH_MAGIC, AUTH_VERSION, int(self.clock() * 1000), nonce, tag)
+        sealed = self._aeads[0].encrypt(nonce, bytes(payload),
+                                        header + self._context(reply_to, audience))
+        return header + sealed, nonce
 
     def open(self, frame: bytes | memoryview, *, reply_to: bytes | None = None,
              audience: str = "") -> tuple[memoryview, bytes]:
-        """Check an envelope; returns the wire frame inside and the envelope's nonce.
+        """Check and decrypt an envelope; returns the wire frame inside and the envelope's
+        nonce.
 
         Requests (``reply_to`` None) must be sealed for ``audience`` (this receiver) and go
         through the replay cache; a reply is bound to its request's nonce instead.
@@ -322,10 +334,11 @@ class Authenticator:
         if len(view) < 4 or bytes(view[:4]) != AUTH_MAGIC:
             raise AuthError("frame is not authenticated (no deployment-key envelope); "
                             "the peer has no key configured", reason="unauthenticated")
-        if len(view) < HEADER_BYTES:
+        if len(view) < OVERHEAD_BYTES:
             raise AuthError(f"authenticated frame of {len(view)} bytes is shorter than its "
-                            f"{HEADER_BYTES}-byte header", reason="malformed")
-        _magic, version, ts_ms, nonce, tag, mac = _HEADER.unpack_from(view)
+                            f"{HEADER_BYTES}-byte header and {TAG_BYTES}-byte tag",
+                            reason="malformed")
+        _magic, version, ts_ms, nonce, tag = _HEADER.unpack_from(view)
         if version != AUTH_VERSION:
             raise AuthError(f"envelope version {version} is not supported (this side speaks "
                             f"{AUTH_VERSION}): every instance of a deployment must run a "
@@ -334,20 +347,25 @@ class Authenticator:
             raise AuthError(f"frame was sealed for another receiver, not this one "
                             f"({audience or 'no audience'}): a frame captured on its way to "
                             "another rank or instance", reason="misdirected")
-        signed = bytes(view[:_SIGNED.size])
-        payload = view[HEADER_BYTES:]
-        context = self._context(reply_to, audience)
-        if not any(hmac.compare_digest(self._mac(k, signed, context, payload), mac)
-                   for k in self.keys):
-            raise AuthError("frame MAC matches none of the configured keys",
-                            reason="bad_mac")
+        associated = bytes(view[:HEADER_BYTES]) + self._context(reply_to, audience)
+        sealed = bytes(view[HEADER_BYTES:])
+        payload = None
+        for aead in self._aeads:
+            try:
+                payload = aead.decrypt(nonce, sealed, associated)
+                break
+            except InvalidTag:
+                continue
+        if payload is None:
+            raise AuthError("frame's authentication tag checks under none of the configured "
+                            "keys", reason="bad_mac")
         now_ms = int(self.clock() * 1000)
         if abs(now_ms - ts_ms) > self.window_s * 1000:
             raise AuthError(f"frame timestamp is {(now_ms - ts_ms) / 1000:.1f}s from this "
                             f"clock, outside the {self.window_s:g}s window", reason="stale")
         if reply_to is None and not self.replays.add(nonce, ts_ms, now_ms):
             raise AuthError("frame nonce was already seen (replay)", reason="replay")
-        return payload, nonce
+        return memoryview(payload), nonce
 
     # ------------------------------------------------------------ bearer tokens
     def bearer_token(self, purpose: str) -> str:
@@ -372,6 +390,13 @@ class Authenticator:
             return False
         scheme, _, token = header.partition(" ")
         return scheme.lower() == "bearer" and self.check_bearer(token.strip(), purpose)
+
+
+def _aead(key: bytes) -> AESGCM:
+    """The control plane's AEAD under ``key``: AES-256-GCM with a key derived by HKDF."""
+    derived = HKDF(algorithm=hashes.SHA256(), length=32, salt=None,
+                   info=AEAD_INFO).derive(key)
+    return AESGCM(derived)
 
 
 def audience_tag(audience: str) -> bytes:
