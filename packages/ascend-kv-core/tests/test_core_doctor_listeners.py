@@ -105,3 +105,35 @@ def test_doctor_runs_the_probe_only_when_asked(monkeypatch: pytest.MonkeyPatch) 
     assert seen == []
     Doctor({"kv_connector": "X", "kv_role": "kv_both"}, probe_listeners=True).run()
     assert len(seen) == 1
+
+
+@pytest.mark.parametrize("where", ["option", "multi", "env"])
+def test_under_protocol_local_no_mooncake_port_is_opened_or_probed(
+        monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    import subprocess
+
+    def no_probe(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a probe engine was started under protocol local")
+
+    monkeypatch.setattr(subprocess, "run", no_probe)
+    monkeypatch.delenv("VLLM_ASCEND_KV_PROTOCOL", raising=False)
+    cfg: dict[str, Any] = {"kv_connector": "MooncakeConnectorV1", "kv_role": "kv_producer"}
+    if where == "option":
+        cfg["kv_connector_extra_config"] = {"protocol": "local"}
+    elif where == "multi":
+        cfg = {"kv_connector": "MultiConnector", "kv_connector_extra_config": {"connectors": [
+            {"kv_connector": "MooncakeConnectorV1",
+             "kv_connector_extra_config": {"protocol": "local"}}]}}
+    else:
+        monkeypatch.setenv("VLLM_ASCEND_KV_PROTOCOL", "local")
+    report = _Report()
+    report.kv_config = cfg  # type: ignore[attr-defined]
+    doctor_listeners.check(report, "127.0.0.1", keyed=True)
+    [(status, what, detail)] = report.checks
+    assert (status, what) == ("ok", "Mooncake ports reachable")
+    assert "no Mooncake port is opened" in detail
+    # a config with another protocol is probed
+    monkeypatch.setenv("VLLM_ASCEND_KV_PROTOCOL", "tcp")
+    assert doctor_listeners.transfer_protocol({"kv_connector_extra_config": {}}) == "tcp"
+    with pytest.raises(AssertionError, match="probe engine"):
+        doctor_listeners.check(_Report(), "127.0.0.1")

@@ -4,7 +4,8 @@
 :func:`get_transfer_engine` creates the engine lazily and thread-safely the
 first time a connector (or the pool's Mooncake backend) needs it, with the
 protocol of the device (``ascend`` on NPU, ``rdma`` on CUDA, ``tcp`` on CPU)
-unless overridden. Memory is registered once even when asked twice (the
+unless overridden; protocol ``local`` (:mod:`.local_protocol`) starts no Mooncake engine
+and opens no port, reading same-host peers only. Memory is registered once even when asked twice (the
 P/D connector and the pool backend may both register the KV cache). Batches
 are coalesced (adjacent ranges merged) and chunked (the engine rejects
 batches of thousands of descriptors), and a negative return code becomes a
@@ -26,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from . import local_reads, own_sockets, transfer_polling
+from . import local_protocol, local_reads, own_sockets, transfer_polling
 from .errors import TransferError
 from .transfer_polling import PendingTransfer
 from .vllm_compat import optional_dependency
@@ -153,7 +154,8 @@ class MooncakeTransferEngine:
 
     Args:
         hostname: address advertised to peers (also the TCP bind address).
-        protocol: ``tcp``, ``rdma`` or ``ascend``.
+        protocol: ``tcp``, ``rdma``, ``ascend``, or ``local``: no Mooncake engine and no
+            port, peers read only from their memory on this host (:mod:`.local_protocol`).
         device_name: RDMA device name(s), empty for auto.
         metadata_server: ``P2PHANDSHAKE`` (default) or an HTTP metadata URL.
         max_batch: descriptors per engine call.
@@ -161,11 +163,15 @@ class MooncakeTransferEngine:
 
     def __init__(self, hostname: str, protocol: str, *, device_name: str = "",
                  metadata_server: str = "P2PHANDSHAKE", max_batch: int = DEFAULT_MAX_BATCH) -> None:
-        module = optional_dependency(
-            "mooncake.engine", extra="cpu", package="ascend-kv-core",
-            feature="the Mooncake transfer engine (use the [cuda] or [npu] extra on those "
-                    "platforms)")
-        if _is_ip(hostname):
+        local = protocol == local_protocol.LOCAL_PROTOCOL
+        if local:
+            local_protocol.refuse_unavailable()
+        else:
+            module = optional_dependency(
+                "mooncake.engine", extra="cpu", package="ascend-kv-core",
+                feature="the Mooncake transfer engine (use the [cuda] or [npu] extra on those "
+                        "platforms)")
+        if _is_ip(hostname) and not local:
             # Mooncake binds its TCP transport here and advertises it; without it the
             # engine may advertise (and listen on) another interface.
             os.environ.setdefault("MC_TCP_BIND_ADDRESS", hostname)
@@ -186,17 +192,25 @@ class MooncakeTransferEngine:
         # (op, peer) -> bytes per second of its last large transfers (replaced, not changed:
         # pull threads read and time transfers at once)
         self._rates: dict[tuple[str, str], tuple[float, ...]] = {}
-        self._engine = module.TransferEngine()
-        listening = own_sockets.listening_ports()
-        rc = self._engine.initialize(hostname, metadata_server, protocol, device_name)
         #: the TCP ports the engine opened here (its RPC port, the TCP transport's data port):
-        #: the connections peers' transfers arrive on (:mod:`.own_sockets`; empty off Linux)
-        self.listen_ports: set[int] = own_sockets.listening_ports() - listening
-        if rc != 0:
-            raise TransferError(
-                f"Mooncake transfer engine failed to start on {hostname} with protocol "
-                f"{protocol!r} (metadata {metadata_server!r}): rc={rc}", op="initialize", rc=rc)
-        self.rpc_port = int(self._engine.get_rpc_port())
+        #: the connections peers' transfers arrive on (:mod:`.own_sockets`; empty off Linux,
+        #: and under protocol ``local``, which starts no Mooncake engine: ``_engine`` None)
+        self.listen_ports: set[int] = set()
+        self._engine: Any = None
+        self.rpc_port = 0
+        self._session = local_protocol.session_name(hostname)
+        if not local:
+            self._engine = module.TransferEngine()
+            listening = own_sockets.listening_ports()
+            rc = self._engine.initialize(hostname, metadata_server, protocol, device_name)
+            self.listen_ports = own_sockets.listening_ports() - listening
+            if rc != 0:
+                raise TransferError(
+                    f"Mooncake transfer engine failed to start on {hostname} with protocol "
+                    f"{protocol!r} (metadata {metadata_server!r}): rc={rc}", op="initialize",
+                    rc=rc)
+            self.rpc_port = int(self._engine.get_rpc_port())
+            self._session = f"{hostname}:{self.rpc_port}"
         self._lock = threading.Lock()
         # sorted (start, end) of memory registered with the engine
         self._segments: list[tuple[int, int]] = []
@@ -206,13 +220,15 @@ class MooncakeTransferEngine:
         # (:mod:`.local_reads`)
         self._local_peers: dict[str, local_reads.Peer] = {}
         self.stats = TransferStats()
-        logger.info("Mooncake transfer engine up: %s protocol=%s", self.session_id, protocol)
+        logger.info("%s: %s protocol=%s", "no Mooncake engine, no port (same-host reads only)"
+                    if local else "Mooncake transfer engine up", self.session_id, protocol)
 
     # ------------------------------------------------------------ identity
     @property
     def session_id(self) -> str:
-        """``host:rpc_port``, the name peers use to reach this engine."""
-        return f"{self.hostname}:{self.rpc_port}"
+        """``host:rpc_port``, the name peers use to reach this engine (under protocol
+        ``local``: ``host:local-<pid>-<random>``, :func:`.local_protocol.session_name`)."""
+        return self._session
 
     @property
     def stall_bound_s(self) -> float:
@@ -223,7 +239,13 @@ class MooncakeTransferEngine:
 
     @property
     def raw(self) -> Any:
-        """The underlying ``mooncake.engine.TransferEngine``."""
+        """The underlying ``mooncake.engine.TransferEngine``.
+
+        Raises:
+            TransferError: protocol ``local`` runs none.
+        """
+        if self._engine is None:
+            raise local_protocol.no_engine("using the Mooncake engine itself")
         return self._engine
 
     # ------------------------------------------------------------ same-host peers
@@ -249,7 +271,10 @@ class MooncakeTransferEngine:
                if not local_reads.available() else "")
         if why:
             self.forget_local_peer(peer)  # what the peer (or this process) says now wins
-            logger.info("peer %s is read over the transfer engine: %s", peer, why)
+            logger.log(logging.INFO if self._engine is not None else logging.WARNING,
+                       "peer %s is read over the transfer engine: %s" if self._engine
+                       is not None else "peer %s cannot be read under protocol local: %s",
+                       peer, why)
             return False
         known = self._local_peers.get(peer)
         if known is not None and known.pid == pid and known.alive():
@@ -304,8 +329,9 @@ class MooncakeTransferEngine:
                 return False
             gaps = self._gaps(*key)
             done: list[tuple[int, int]] = []
-            for start, end in gaps:
-                rc = self._engine.register_memory(start, end - start)
+            for start, end in gaps:  # protocol local: only recorded (no engine)
+                rc = (self._engine.register_memory(start, end - start)
+                      if self._engine is not None else 0)
                 if rc != 0:
                     for s, _e in done:
                         self._engine.unregister_memory(s)
@@ -344,7 +370,8 @@ class MooncakeTransferEngine:
                 if heir is not None:
                     self._regs[heir][1].append(seg)  # still needed by another range
                     continue
-                rc = self._engine.unregister_memory(seg[0])
+                rc = (self._engine.unregister_memory(seg[0])
+                      if self._engine is not None else 0)
                 self._segments.remove(seg)
                 if rc != 0:
                     raise TransferError(f"unregistering {seg[0]:#x} failed: rc={rc}",
@@ -410,6 +437,10 @@ class MooncakeTransferEngine:
                 total = process.read(loc, rem, lens)
             except local_reads.LocalReadError as exc:
                 self.forget_local_peer(peer)
+                if self._engine is None:
+                    self.stats.failures += 1
+                    raise local_protocol.not_readable(op, peer, self.protocol,
+                                                      str(exc)) from exc
                 logger.warning("reading %s (pid %d) from its memory failed (%s): it is read "
                                "over the transfer engine from now on", peer, process.pid, exc)
             else:
@@ -419,6 +450,9 @@ class MooncakeTransferEngine:
                 self.stats.bytes_read_local += total
                 self.stats.seconds += time.perf_counter() - start
                 return total
+        if self._engine is None or local_protocol.is_local_session(peer):
+            self.stats.failures += 1  # no Mooncake engine here, or none to dial there
+            raise local_protocol.not_readable(op, peer, self.protocol)
         total = 0
         for i in range(0, len(loc), self.max_batch):
             chunk = slice(i, i + self.max_batch)
@@ -458,7 +492,9 @@ class MooncakeTransferEngine:
         adjacent to the next on both sides), as a caller that merged them to count them has
         them: they are not merged again.
         """
-        if not transfer_polling.can_poll(self._engine, "read") or peer in self._local_peers:
+        if (self._engine is None or local_protocol.is_local_session(peer)
+                or not transfer_polling.can_poll(self._engine, "read")
+                or peer in self._local_peers):
             return None
         loc, rem, lens = ((local, remote, lengths) if merged
                           else coalesce(local, remote, lengths))

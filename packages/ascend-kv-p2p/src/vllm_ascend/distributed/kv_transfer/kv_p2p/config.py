@@ -89,8 +89,11 @@ class MooncakeP2PConfig(ConfigSection):
     decode: ParallelSpec = option(default_factory=ParallelSpec,
                                   doc="Parallel layout of the decode (D) instances.")
     protocol: str | None = option(
-        None, choices=("tcp", "rdma", "ascend"),
-        doc="Mooncake transport; default: 'ascend' on NPU, 'rdma' on CUDA, 'tcp' on CPU.")
+        None, choices=("tcp", "rdma", "ascend", "local"),
+        doc="Mooncake transport; default: 'ascend' on NPU, 'rdma' on CUDA, 'tcp' on CPU. "
+            "'local': no Mooncake engine and no port at all, D reads P's KV from P's memory "
+            "(process_vm_readv): P and D on one host, KV caches in host memory, D with "
+            "ptrace rights over P; MooncakeConnectorV1 only (the layerwise push is refused).")
     device_name: str = option("", doc="RDMA device name(s) handed to the transfer engine.")
     lease_ttl_s: float = option(
         30.0, minimum=0.1,

@@ -28,7 +28,7 @@ from vllm_ascend.distributed.kernels.heads import (
     partners_per_remote_rank,
     plan_head_slices,
 )
-from vllm_ascend.distributed.kv_transfer.core import local_reads
+from vllm_ascend.distributed.kv_transfer.core import local_protocol, local_reads
 from vllm_ascend.distributed.kv_transfer.core.channel import RpcClient, tcp_endpoint
 from vllm_ascend.distributed.kv_transfer.core.errors import ConfigError
 from vllm_ascend.distributed.kv_transfer.core.kv_groups import TOKEN_KINDS, KVGroups
@@ -45,7 +45,10 @@ from vllm_ascend.distributed.kv_transfer.core.transfer_engine import (
     get_transfer_engine,
 )
 from vllm_ascend.distributed.kv_transfer.core.wire import Codec, Message
-from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig
+from vllm_ascend.distributed.kv_transfer.kv_p2p.config import (
+    MooncakeLayerwiseConfig,
+    MooncakeP2PConfig,
+)
 
 from .errors import HandshakeMismatchError, RemoteKVUnavailable
 from .params import engine_instance
@@ -144,12 +147,17 @@ class P2PWorkerBase:
         if self.is_mla:
             kv_caches = {name: _latent_view(t) for name, t in kv_caches.items()}
         self.layout = KVCacheLayout.from_kv_caches(kv_caches, block_size=self.block_size)
-        self.te = get_transfer_engine(self.host, self.cfg.protocol,
-                                      device_name=self.cfg.device_name)
-        for addr, length in self.layout.memory_ranges():
-            self.te.register_memory(addr, length)
         self._kv_on_host = all(getattr(getattr(t, "device", None), "type", "") == "cpu"
                                for t in kv_caches.values())
+        self.te = get_transfer_engine(self.host, self.cfg.protocol,
+                                      device_name=self.cfg.device_name)
+        if self.te.protocol == local_protocol.LOCAL_PROTOCOL:  # no Mooncake engine, no port
+            if isinstance(self.cfg, MooncakeLayerwiseConfig):
+                local_protocol.refuse_writes(type(self).__name__)
+            if not self._kv_on_host:
+                local_protocol.refuse_device_kv(type(self).__name__)
+        for addr, length in self.layout.memory_ranges():
+            self.te.register_memory(addr, length)
         local_host = local_reads.host_identity() if self._kv_on_host else ""
         self.meta = AgentMeta(
             protocol_version=PROTOCOL_VERSION, engine_id=self.engine_id, model=self.model,

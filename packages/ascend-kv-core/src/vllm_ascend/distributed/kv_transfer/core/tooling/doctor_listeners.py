@@ -24,6 +24,10 @@ of a running ``vllm serve``: what it checks is an engine of its own, started the
 connector starts one (same Mooncake build, same ``MC_*`` environment, same address), which
 listens where the instance's engine would.
 
+Under protocol ``local`` (a connector's ``protocol`` option, else
+``VLLM_ASCEND_KV_PROTOCOL``; :mod:`..local_protocol`) no Mooncake engine is started and no
+Mooncake port is opened: the probe says so and starts none.
+
 The probe runs in a child process (``python -m ...doctor_listeners HOST``), so that an
 engine that hangs or crashes cannot take ``doctor`` with it, and its ports close with it.
 """
@@ -42,7 +46,7 @@ import subprocess
 import sys
 from typing import Any
 
-from .. import auth
+from .. import auth, local_protocol
 
 logger = logging.getLogger(__name__)
 
@@ -131,12 +135,34 @@ def probe(host: str) -> dict[str, Any]:
             "bind_env": os.environ.get("MC_TCP_BIND_ADDRESS", "")}
 
 
+def transfer_protocol(kv_config: Any) -> str:
+    """The transfer protocol a ``kv_transfer_config`` runs: its (or a MultiConnector child's)
+    ``protocol`` option, else ``VLLM_ASCEND_KV_PROTOCOL``; ``""``: the device's default."""
+    extra = kv_config.get("kv_connector_extra_config") if isinstance(kv_config, dict) else None
+    extras = [extra] if isinstance(extra, dict) else []
+    if extras and isinstance(extras[0].get("connectors"), list):
+        extras += [c.get("kv_connector_extra_config") or {}
+                   for c in extras[0]["connectors"] if isinstance(c, dict)]
+    for ex in extras:
+        if isinstance(ex, dict) and isinstance(ex.get("protocol"), str) and ex["protocol"]:
+            return str(ex["protocol"]).strip().lower()
+    from ..transfer_engine import PROTOCOL_ENV
+
+    return os.environ.get(PROTOCOL_ENV, "").strip().lower()
+
+
 def check(doctor: Any, host: str, *, timeout_s: float = 30.0,
           keyed: bool | None = None) -> None:
     """Run :func:`probe` in a child and report through ``doctor.ok`` / ``warn`` / ``fail``
     (``fail`` for an exposed port when a deployment key is set: ``keyed``, default from the
-    environment)."""
+    environment). Under protocol ``local`` (:func:`transfer_protocol` of ``doctor``'s
+    ``kv_config``) nothing is probed: no Mooncake port is opened."""
     what = "Mooncake ports reachable"
+    if transfer_protocol(getattr(doctor, "kv_config", None)) == local_protocol.LOCAL_PROTOCOL:
+        doctor.ok(what, "protocol local: no Mooncake transfer engine is started and no "
+                        "Mooncake port is opened (D reads P's KV from P's memory on this "
+                        "host; not probed)")
+        return
     keyed = auth.configured() if keyed is None else keyed
     try:
         proc = subprocess.run([sys.executable, "-m", __name__, host], capture_output=True,
