@@ -12,7 +12,8 @@ and no role. It
 2. then does what needs no key: for every TCP port P listens on (what a port scan finds;
    the side channel's left out), asks Mooncake for the first buffer address of the segment
    ``<P's address>:<port>`` (``TransferEngine.get_first_buffer_address``) and, where it
-   gets one, reads 64 KiB there with a transfer engine of its own.
+   gets one, reads 64 KiB there with a transfer engine of its own
+   (:mod:`ascend_kv_testing.outsider`).
 
 The test checks the refusal (1), that P serves on afterwards (a keyed client in P's own
 namespace gets its metadata) and nothing P holds changed, and records (2): which ports gave
@@ -26,7 +27,6 @@ netcut tests.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -38,7 +38,7 @@ import pytest
 
 from ascend_kv_testing.faults import listening_sockets
 from ascend_kv_testing.netns import VethPair, netns_problem
-from vllm_ascend.distributed.kv_transfer.core import auth
+from ascend_kv_testing.outsider import OUTSIDER, OUTSIDER_TIMEOUT_S, netns_env, run_in_netns
 
 _problem = netns_problem()
 pytestmark = pytest.mark.skipif(_problem is not None,
@@ -48,8 +48,6 @@ KEY = "mooncake-outsider-test-deployment-key"
 #: P's engine id (a keyed client seals for it: what D takes from the request's params)
 P_ENGINE = "P-outsider"
 READ_BYTES = 64 << 10
-#: the outsider's run, at most (seconds)
-OUTSIDER_TIMEOUT_S = 120
 SECURITY_DOC = Path(__file__).resolve().parents[1] / "docs" / "security.md"
 #: what docs/security.md says of Mooncake's ports (checked against what the outsider got)
 DOC_CLAIM = "Only the network protects"
@@ -88,61 +86,6 @@ sys.stdin.read()
 p.shutdown()
 """
 
-# The outsider: no key, no role. GetMeta from P's side channel, then Mooncake's ports.
-OUTSIDER = r"""
-import ctypes, hashlib, json, sys
-from mooncake.engine import TransferEngine
-from vllm_ascend.distributed.kv_transfer.core.channel import RpcClient
-from vllm_ascend.distributed.kv_transfer.core.errors import KVTransferError, RemoteError
-from vllm_ascend.distributed.kv_transfer.kv_p2p.protocol import CODEC, GetMeta
-
-p_host, side_port, me, nbytes = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
-ports = json.loads(sys.argv[5])
-out = {"get_meta": "", "ports": {}}
-client = RpcClient(f"tcp://{p_host}:{side_port}", CODEC, timeout_s=5, auth=None)
-try:
-    reply = client.call(GetMeta(requester="outsider"))
-    out["get_meta"] = "answered " + type(reply).__name__
-except RemoteError as exc:
-    out["get_meta"] = f"refused: {exc.code}"
-except KVTransferError as exc:
-    out["get_meta"] = f"no answer: {exc}"
-client.close()
-te = TransferEngine()
-assert te.initialize(me, "P2PHANDSHAKE", "tcp", "") == 0
-buf = ctypes.create_string_buffer(nbytes)
-assert te.register_memory(ctypes.addressof(buf), nbytes) == 0
-for port in ports:
-    segment = f"{p_host}:{port}"
-    try:
-        addr = int(te.get_first_buffer_address(segment))
-    except Exception as exc:
-        out["ports"][port] = {"error": f"{type(exc).__name__}: {exc}"}
-        continue
-    got = {"address": addr}
-    if addr:
-        rc = te.transfer_sync_read(segment, ctypes.addressof(buf), addr, nbytes)
-        got["read_rc"] = rc
-        if rc == 0:
-            got["sha256"] = hashlib.sha256(buf.raw).hexdigest()
-            got["nonzero"] = sum(1 for b in buf.raw if b)
-    out["ports"][port] = got
-print(json.dumps(out), flush=True)
-"""
-
-
-def _netns_env(ns_host: str, key: str | None) -> list[str]:
-    """``env`` arguments of a child in a namespace: the addresses it binds and advertises,
-    the deployment key or none."""
-    hosts = {"VLLM_HOST_IP": ns_host, "VLLM_ASCEND_KV_HOST": ns_host,
-             "MC_TCP_BIND_ADDRESS": ns_host, "MOONCAKE_REQUESTER_LOCAL_HOSTNAME": ns_host,
-             "PYTHONPATH": os.pathsep.join(sys.path)}
-    args = [f"--unset={v}" for v in (auth.ENV_KEY_FILE, auth.ENV_ALLOW_UNAUTHENTICATED)]
-    args += [f"{k}={v}" for k, v in hosts.items()]
-    args += [f"{auth.ENV_KEY}={key}"] if key else [f"--unset={auth.ENV_KEY}"]
-    return args
-
-
 @pytest.fixture(scope="module")
 def net() -> Iterator[VethPair]:
     with VethPair(subnet="10.213.95") as pair:
@@ -155,7 +98,7 @@ def keyed_p(net: VethPair) -> Iterator[dict[str, Any]]:
 
     port = free_port()
     proc = subprocess.Popen(
-        ["ip", "netns", "exec", net.ns_a, "env", *_netns_env(net.addr_a, KEY), sys.executable,
+        ["ip", "netns", "exec", net.ns_a, "env", *netns_env(net.addr_a, KEY), sys.executable,
          "-c", P_SCRIPT, str(port), str(READ_BYTES), P_ENGINE],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
@@ -176,15 +119,6 @@ def keyed_p(net: VethPair) -> Iterator[dict[str, Any]]:
             proc.wait(10)
 
 
-def _run(ns: str, host: str, key: str | None, script: str, *args: str) -> dict[str, Any]:
-    res = subprocess.run(["ip", "netns", "exec", ns, "env", *_netns_env(host, key),
-                          sys.executable, "-c", script, *args],
-                         capture_output=True, text=True, timeout=OUTSIDER_TIMEOUT_S,
-                         check=False)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return json.loads(res.stdout.strip().splitlines()[-1])
-
-
 def _keyed_get_meta(net: VethPair, side_port: int) -> str:
     """A keyed client in P's own namespace: what P answers it."""
     script = ("import sys\n"
@@ -192,8 +126,8 @@ def _keyed_get_meta(net: VethPair, side_port: int) -> str:
               "from vllm_ascend.distributed.kv_transfer.kv_p2p.protocol import CODEC, GetMeta\n"
               "c = RpcClient(sys.argv[1], CODEC, timeout_s=5, engine_id=sys.argv[2])\n"
               "print('{\"reply\": \"%s\"}' % type(c.call(GetMeta(requester='d'))).__name__)\n")
-    return str(_run(net.ns_a, net.addr_a, KEY, script,
-                    f"tcp://{net.addr_a}:{side_port}", P_ENGINE)["reply"])
+    return str(run_in_netns(net.ns_a, net.addr_a, KEY, script,
+                            f"tcp://{net.addr_a}:{side_port}", P_ENGINE)["reply"])
 
 
 def test_outsider_is_refused_by_the_key_and_reads_the_kv_through_mooncake(
@@ -203,8 +137,8 @@ def test_outsider_is_refused_by_the_key_and_reads_the_kv_through_mooncake(
                     if s.kind != "unix" and s.port != side_port})
     assert ports, "P's transfer engine listens on no TCP port"
     start = time.monotonic()
-    got = _run(net.ns_b, net.addr_b, None, OUTSIDER, net.addr_a, str(side_port), net.addr_b,
-               str(READ_BYTES), json.dumps(ports))
+    got = run_in_netns(net.ns_b, net.addr_b, None, OUTSIDER, net.addr_a, str(side_port),
+                       net.addr_b, str(READ_BYTES), json.dumps(ports))
     took = time.monotonic() - start
     fault_report.check("deadline", took < OUTSIDER_TIMEOUT_S, f"{took:.0f}s")
 

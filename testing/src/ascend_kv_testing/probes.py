@@ -109,6 +109,20 @@ def kv_endpoints(llm: Any) -> dict[str, str]:
     return out
 
 
+def transfer_stats(llm: Any) -> dict[str, Any]:
+    """This process's transfer engine: its protocol, the ports it opened, its counters
+    (``local_reads``: reads copied from a same-host peer's memory); ``{}`` without one."""
+    import dataclasses
+
+    from vllm_ascend.distributed.kv_transfer.core.transfer_engine import peek_transfer_engine
+
+    te = peek_transfer_engine()
+    if te is None:
+        return {}
+    return {"protocol": te.protocol, "session": te.session_id,
+            "listen_ports": sorted(te.listen_ports), **dataclasses.asdict(te.stats)}
+
+
 def kv_audiences(llm: Any) -> dict[str, str]:
     """What a keyed frame to each endpoint of :func:`kv_endpoints` must be sealed for: a
     server's ``audience`` (the P/D side channels bind this instance's engine id too), else
