@@ -17,6 +17,7 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from p2p_worker_harness import numbered_caches, pd_vllm_config
@@ -153,7 +154,12 @@ def test_the_claim_sent_ahead_replaces_the_workers(pd: Any) -> None:
     assert pd.ahead.start("a", remote, [3, 5])  # vLLM asks again: no second claim
     answers = answers_of(pd, "a", [3, 5])
     assert answers[0].ok and answers[0].first_try
-    assert (answers[0].region_addrs is not None) is pd.keyed  # a keyed P's grant
+    assert (answers[0].block_addrs is not None) is pd.keyed  # a keyed P's grant
+    if pd.keyed:  # it names the claimed blocks, and D reads there without a claim of its own
+        m = pd.p.meta
+        assert np.frombuffer(answers[0].block_addrs, dtype="<u8").tolist() == [
+            base + b * stride for base, stride in zip(m.region_addrs, m.region_strides,
+                                                      strict=True) for b in (3, 5)]
     load(pd, RecvMeta("a", [1, 2], remote, remote_block_ids=[3, 5], claimed_ahead=True,
                       early_claims=answers))
     assert pd.claims == ["a"] and pd.own == []  # one claim, the scheduler's
@@ -341,8 +347,8 @@ def test_an_answer_is_trusted_from_when_its_claim_was_sent() -> None:
 
 
 def test_refusals_and_acceptances() -> None:
-    ok = EarlyClaim(ok=True, first_try=True, sent_wall=time.time(), region_addrs=[1, 2],
-                    region_strides=[3, 4])
+    ok = EarlyClaim(ok=True, first_try=True, sent_wall=time.time(),
+                    block_addrs=bytes(range(16)), num_regions=2)
     no = EarlyClaim(ok=False, error="released")
     assert not refused_ahead(None) and not refused_ahead({0: ok}) and refused_ahead({0: no, 1: ok})
     assert accepted_ahead(None, [0]) is None
@@ -350,7 +356,7 @@ def test_refusals_and_acceptances() -> None:
     assert got is not None and list(got) == [0]
     claimed = got[0].result()
     assert claimed.first_try and claimed.grant is not None
-    assert claimed.grant.region_addrs == [1, 2] and claimed.grant.region_strides == [3, 4]
+    assert claimed.grant.block_addrs == bytes(range(16)) and claimed.grant.num_regions == 2
 
 
 def test_a_step_that_runs_no_token_is_idle_for_the_worker() -> None:

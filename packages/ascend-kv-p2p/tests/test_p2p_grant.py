@@ -1,12 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The regions a D needs travel with a request's grant, not to whoever asks.
+"""A keyed grant names the request's blocks, not where P's KV cache lives.
 
 Real P and D pull workers (their side channels, the real transfer engine on loopback).
 With a deployment key, P's ``GetMeta`` leaves out the region addresses and an accepted
-``Claim`` is answered ``ClaimGrant`` carrying them; D reads with them, claims before its
-first read of a P rank, and later overlaps its claims with the read under the regions of
-the last grant (reading again when the new grant moved them). Without a key ``GetMeta`` and
-``ClaimOK`` are those of before.
+``Claim`` is answered ``ClaimGrant``, which names the address of each claimed block in each
+region (the addresses an unkeyed P's bases and strides give for those blocks), and nothing
+else; D reads exactly there, claims before every read (it keeps no grant past its request),
+and refuses a grant that does not match its claim: the load fails (recompute), counted, and
+P's blocks are released. Without a key ``GetMeta`` and ``ClaimOK`` are those of before.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import msgspec
+import numpy as np
 import pytest
 import torch
 from p2p_worker_harness import numbered_caches, pd_vllm_config
@@ -27,6 +29,7 @@ from vllm_ascend.distributed.kv_transfer.core.errors import RemoteError
 from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
 from vllm_ascend.distributed.kv_transfer.core.net import free_port
 from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig
+from vllm_ascend.distributed.kv_transfer.kv_p2p.grants import BlockAddresser, granted_table
 from vllm_ascend.distributed.kv_transfer.kv_p2p.p2p_metrics import P2P_METRICS
 from vllm_ascend.distributed.kv_transfer.kv_p2p.params import RemotePrefill
 from vllm_ascend.distributed.kv_transfer.kv_p2p.protocol import (
@@ -38,6 +41,7 @@ from vllm_ascend.distributed.kv_transfer.kv_p2p.protocol import (
     GetMeta,
     worker_port,
 )
+from vllm_ascend.distributed.kv_transfer.kv_p2p.pull import holder as holder_module
 from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.contract import (
     MooncakeConnectorMetadata,
     RecvMeta,
@@ -105,9 +109,22 @@ def pull(pd: Any, rid: str, src: list[int], dst: list[int]) -> None:
         torch.testing.assert_close(value[dst], pd.cp[name][src], rtol=0, atol=0)
 
 
+def expected_addresses(meta: AgentMeta, block_ids: list[int]) -> list[list[int]]:
+    """The addresses of ``block_ids`` in each region, from an unkeyed P's bases and strides."""
+    return [[base + b * stride for b in block_ids]
+            for base, stride in zip(meta.region_addrs, meta.region_strides, strict=True)]
+
+
+def grant_addresses(grant: ClaimGrant, blocks: int) -> list[list[int]]:
+    return granted_table(grant.block_addrs, grant.num_regions, regions=grant.num_regions,
+                         blocks=blocks, who="P").tolist()
+
+
 @pytest.mark.parametrize("pd", ["keyed"], indirect=True)
-def test_keyed_p_gives_its_regions_only_with_a_claims_grant(pd: Any) -> None:
+def test_keyed_p_grants_only_the_claimed_blocks_addresses(pd: Any) -> None:
     assert pd.p.meta is not None and pd.p.meta.region_addrs
+    assert {f.name for f in msgspec.structs.fields(ClaimGrant)} == {
+        "lease_s", "block_addrs", "num_regions"}  # no base, no stride on the wire
     client = RpcClient(pd.endpoint, CODEC, timeout_s=5, engine_id="P")
     try:
         public = client.call(GetMeta(requester="insider"))
@@ -116,48 +133,106 @@ def test_keyed_p_gives_its_regions_only_with_a_claims_grant(pd: Any) -> None:
         assert public.layout == pd.p.meta.layout and public.session == pd.p.meta.session
         token = auth.capability_token()
         pd.p.start_load_kv(MooncakeConnectorMetadata(
-            requests_to_send={"g": SendMeta("g", [2, 4], token)}))
-        with pytest.raises(RemoteError) as err:  # no token, no regions
-            client.call(Claim(request_id="g", block_ids=[2, 4], reader="x"))
+            requests_to_send={"g": SendMeta("g", [2, 4, 6], token)}))
+        with pytest.raises(RemoteError) as err:  # no token, no addresses
+            client.call(Claim(request_id="g", block_ids=[4, 6], reader="x"))
         assert err.value.code == "bad_token"
-        grant = client.call(Claim(request_id="g", block_ids=[2, 4], reader="x", token=token))
+        grant = client.call(Claim(request_id="g", block_ids=[4, 6], reader="x", token=token))
         assert isinstance(grant, ClaimGrant)
-        assert grant.region_addrs == pd.p.meta.region_addrs
-        assert grant.region_strides == pd.p.meta.region_strides
+        regions = len(pd.p.meta.region_addrs)
+        assert grant.num_regions == regions and len(grant.block_addrs) == 8 * regions * 2
+        assert grant_addresses(grant, 2) == expected_addresses(pd.p.meta, [4, 6])
+        named = set(np.frombuffer(grant.block_addrs, dtype="<u8").tolist())
+        assert not named & set(pd.p.meta.region_addrs)  # no region base (block 0) given away
+        whole = client.call(Claim(request_id="g", block_ids=[2, 4, 6], reader="x",
+                                  token=token))
+        assert isinstance(whole, ClaimGrant)
+        assert grant_addresses(whole, 3) == expected_addresses(pd.p.meta, [2, 4, 6])
     finally:
         client.close()
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["claim-first", "overlapped"])
 @pytest.mark.parametrize("pd", ["keyed"], indirect=True)
-def test_keyed_d_reads_with_the_grants_regions(pd: Any, overlap: bool) -> None:
+def test_keyed_d_claims_then_reads_at_the_grants_addresses(pd: Any, overlap: bool) -> None:
     pd.d.overlap_claims = overlap
     reader = pd.d.reader
-    reads: list[list[int]] = []
-    original = reader._read
+    events: list[Any] = []
+    read, claim = reader._read, reader.peers.claim
 
-    def spy(meta: Any, remotes: Any, plan: Any) -> int:
-        reads.append(list(remotes[0].region_addrs))
-        return original(meta, remotes, plan)
+    def read_spy(meta: Any, remotes: Any, plan: Any, grants: Any = None) -> int:
+        events.append(("read", remotes[0].region_addrs, {r: g.tolist() for r, g in
+                                                         (grants or {}).items()}))
+        return read(meta, remotes, plan, grants)
 
-    reader._read = spy
-    pull(pd, "a", [3, 5], [1, 2])  # first request: claims, then reads with the grant
-    assert reads == [pd.p.meta.region_addrs]
-    (granted,) = reader.peers._granted.values()
-    assert granted.region_addrs == pd.p.meta.region_addrs
-    pull(pd, "b", [6], [4])  # later: the last grant's regions (overlapped: before the claim)
-    assert reads[1:] == [pd.p.meta.region_addrs]
-    if overlap:
-        # a grant that moves the regions (say P restarted) makes D read again with the new
-        reader.peers._granted = {k: _moved_meta(v) for k, v in reader.peers._granted.items()}
-        pull(pd, "c", [7], [5])
-        assert len(reads) == 4 and reads[3] == pd.p.meta.region_addrs
-        assert reads[2] != pd.p.meta.region_addrs
+    def claim_spy(*args: Any) -> Any:
+        events.append(("claim",))
+        return claim(*args)
+
+    reader._read = read_spy
+    reader.peers.claim = claim_spy
+    for rid, src, dst in (("a", [3, 5], [1, 2]), ("b", [6], [4]), ("c", [7, 1], [5, 0])):
+        events.clear()
+        pull(pd, rid, src, dst)  # checks the bytes landed
+        # every keyed load: its claim, then one read at its grant's addresses only
+        assert events == [("claim",), ("read", [], {0: expected_addresses(pd.p.meta, src)})]
+    # D kept nothing that says where P's cache is
+    cached = pd.d.cached_peer_meta("127.0.0.1", worker_port(pd.p_port, tp_rank=0, tp_size=1))
+    assert cached is not None and cached.region_addrs == []
+    assert reader.peers.known_regions({0: cached}) is None
 
 
-def _moved_meta(meta: AgentMeta) -> AgentMeta:
-    return msgspec.structs.replace(meta, region_addrs=[a + (1 << 40) for a in
-                                                       meta.region_addrs])
+class _Short(BlockAddresser):
+    """P's addresses with the last one left out."""
+
+    def of(self, block_ids: Any, *, skip: Any = None) -> bytes:
+        return super().of(block_ids, skip=skip)[:-8]
+
+
+class _MoreRegions(BlockAddresser):
+    """A grant that claims one region more than P has (same addresses)."""
+
+    @property
+    def num_regions(self) -> int:
+        return super().num_regions + 1
+
+
+@pytest.mark.parametrize("tamper", [_Short, _MoreRegions], ids=["short", "regions"])
+@pytest.mark.parametrize("pd", ["keyed"], indirect=True)
+def test_d_refuses_a_grant_that_does_not_match_its_claim(pd: Any, tamper: type,
+                                                         monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    monkeypatch.setattr(holder_module, "BlockAddresser", tamper)
+    reads: list[Any] = []
+    original = pd.d.reader._read
+    pd.d.reader._read = lambda *a: reads.append(a) or original(*a)
+    before = pd.d.recorder.total("p2p_failures", cause="bad_grant")
+    token = auth.capability_token()
+    pd.p.start_load_kv(MooncakeConnectorMetadata(
+        requests_to_send={"m": SendMeta("m", [3, 5], token)}))
+    remote = RemotePrefill(engine_id="P", host="127.0.0.1", port=pd.p_port, request_id="m",
+                           block_ids=[3, 5], tp_size=1, pcp_size=1, dcp_size=1, token=token)
+    pd.d.start_load_kv(MooncakeConnectorMetadata(requests={"d-m": RecvMeta(
+        "d-m", [1, 2], remote, remote_block_ids=[3, 5])}))
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        _s, recving = pd.d.get_finished()
+        if recving and "d-m" in recving:
+            break
+        time.sleep(0.01)
+    else:
+        pytest.fail("the load did not end")
+    assert pd.d.get_block_ids_with_load_errors() == {1, 2}  # recomputed
+    assert pd.d.recorder.total("p2p_failures", cause="bad_grant") == before + 1
+    assert reads == []  # nothing was read
+    for value in pd.cd.values():
+        assert value[[1, 2]].abs().sum() == 0
+    # D released the claim: P holds nothing for the request any more
+    deadline = time.monotonic() + 10
+    while pd.p.holder.held.get("m") is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pd.p.holder.held.get("m") is None
+    assert len(pd.d.loads) == 0
 
 
 @pytest.mark.parametrize("pd", ["unkeyed"], indirect=True)
@@ -174,4 +249,3 @@ def test_without_a_key_getmeta_and_the_claim_reply_are_as_before(pd: Any) -> Non
     finally:
         client.close()
     pull(pd, "v", [2, 3], [6, 7])
-    assert pd.d.reader.peers._granted == {}

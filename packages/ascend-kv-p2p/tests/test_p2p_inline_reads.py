@@ -2,11 +2,12 @@
 """``inline_reads``: D starts a window read on the caller's thread and polls its end.
 
 Real P and D pull workers (side channels, the real transfer engine on loopback, same-host
-reads off so that bytes go through the engine), with and without a deployment key. The
-read of a request inside P's read window goes out from ``start_load_kv`` and ends in
-``get_finished``; one that ended after the window, or failed, is pulled again on a pull
-thread (claimed first once the window is over); anything else takes the pull threads as
-without the option.
+reads off so that bytes go through the engine). The read of a request inside P's read
+window goes out from ``start_load_kv`` and ends in ``get_finished``; one that ended after
+the window, or failed, is pulled again on a pull thread (claimed first once the window is
+over); anything else takes the pull threads as without the option. A P with a deployment key
+tells D where a request's blocks are only in a claim's grant: its loads are claimed first, on
+a pull thread, never read inline.
 """
 
 from __future__ import annotations
@@ -90,9 +91,9 @@ def make_pd(monkeypatch: pytest.MonkeyPatch, keyed: bool) -> Any:
     return ns
 
 
-@pytest.fixture(params=["unkeyed", "keyed"])
-def pd(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
-    ns = make_pd(monkeypatch, request.param == "keyed")
+@pytest.fixture
+def pd(monkeypatch: pytest.MonkeyPatch) -> Any:
+    ns = make_pd(monkeypatch, False)
     try:
         yield ns
     finally:
@@ -137,8 +138,7 @@ def finish(pd: Any, rid: str, remote: RemotePrefill, local: list[int],
 
 
 def warm_up(pd: Any) -> None:
-    """D's first request goes to a pull thread: D has no metadata of P yet (and a keyed P
-    gives its regions with a claim's grant)."""
+    """D's first request goes to a pull thread: D has no metadata of P yet."""
     remote = hold(pd, "warm", [0])
     start(pd, "warm", remote, [0])
     assert len(pd.d.reader.inline) == 0
@@ -184,7 +184,7 @@ def test_a_read_seen_after_the_window_is_claimed_and_read_again_on_a_pull_thread
         time.sleep(0.05)
     finish(pd, "old", remote, [4])
     assert pd.pulls == ["warm", "old"] and pd.claims == ["old"]
-    assert pd.d.recorder.total("p2p_window_reads") == (0 if pd.keyed else 1)  # the warm-up's
+    assert pd.d.recorder.total("p2p_window_reads") == 1  # the warm-up's
 
 
 def test_the_worker_reads_on_the_scheduler_s_verdict_and_claims_when_the_clock_passed_it(
@@ -215,15 +215,9 @@ def misplace_p_regions(pd: Any) -> None:
     """Make D's knowledge of P's regions wrong (as after P re-registered its cache)."""
     d = pd.d
     endpoint = tcp_endpoint("127.0.0.1", worker_port(pd.p_port, tp_rank=0, tp_size=1))
-    if pd.keyed:  # the regions of the last grant
-        key = ("127.0.0.1", worker_port(pd.p_port, tp_rank=0, tp_size=1))
-        good = d.reader.peers._granted[key]
-        d.reader.peers._granted[key] = msgspec.structs.replace(
-            good, region_addrs=[a + (1 << 44) for a in good.region_addrs])
-    else:
-        good = d._remote_meta[endpoint]
-        d._remote_meta[endpoint] = msgspec.structs.replace(
-            good, region_addrs=[a + (1 << 44) for a in good.region_addrs])
+    good = d._remote_meta[endpoint]
+    d._remote_meta[endpoint] = msgspec.structs.replace(
+        good, region_addrs=[a + (1 << 44) for a in good.region_addrs])
 
 
 def test_a_failed_inline_read_is_pulled_again_on_a_pull_thread(pd: Any) -> None:
@@ -327,3 +321,26 @@ def test_a_p_read_from_its_memory_on_this_host_is_read_on_a_pull_thread(
     finish(pd, "here", remote, [2])
     assert pd.pulls == ["warm", "here"]
     assert pd.d.recorder.total("p2p_inline_reads") == 0
+
+
+def test_a_keyed_p_s_loads_are_claimed_first_never_read_inline(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """D keeps no region address of a keyed P (its grants name only the claimed blocks):
+    every load, within P's window or not, goes to a pull thread and is claimed before it is
+    read: one claim round trip per load, no window read."""
+    pd = make_pd(monkeypatch, True)
+    try:
+        warm_up(pd)
+        for rid, src, dst in (("a", [3, 5], [1, 2]), ("b", [6], [7])):
+            remote = hold(pd, rid, src)
+            start(pd, rid, remote, dst)
+            assert len(pd.d.reader.inline) == 0
+            finish(pd, rid, remote, dst)
+            assert pd.pulls[-1] == rid and pd.claims[-1] == rid
+        assert pd.claims == ["a", "b"]
+        assert pd.d.recorder.total("p2p_inline_reads") == 0
+        assert pd.d.recorder.total("p2p_window_reads") == 0
+    finally:
+        pd.p.shutdown()
+        pd.d.shutdown()
+        monkeypatch.setattr(auth, "_cached", None)

@@ -5,7 +5,9 @@ Real P and D pull workers (side channels, the real transfer engine on loopback),
 without a deployment key: P stamps the params with its hold and its engine start and keeps
 the blocks for ``read_window_s`` whatever D says; D trusts a read that ends within the
 window, claims one that ends after it, and reads unclaimed only from the engine start that
-holds the request (a P restarted at the same address is fetched again).
+holds the request (a P restarted at the same address is fetched again). A keyed P's blocks
+are where its claim's grant says, and D keeps no grant: its requests are claimed before they
+are read, window or not.
 """
 
 from __future__ import annotations
@@ -172,8 +174,9 @@ def released_at(pd: Any, rid: str, timeout: float = 15.0) -> float:
 
 
 def warm_up(pd: Any) -> None:
-    """D's first request: it fetches P's metadata; a keyed P gives its regions only with a
-    grant, so that request is claimed (an unkeyed P's is read in the window)."""
+    """D's first request: it fetches P's metadata; a keyed P names the blocks' addresses
+    only in a claim's grant, so its requests are claimed (an unkeyed P's is read in the
+    window)."""
     remote, _t = hold(pd, "warm", [0])
     load(pd, "warm", remote, [0])
     assert pd.claims == (["warm"] if pd.keyed else []) and pd.get_meta == 1
@@ -186,6 +189,7 @@ def window_reads(pd: Any) -> float:
     return pd.d.recorder.total("p2p_window_reads") - pd.window_base
 
 
+@pytest.mark.parametrize("pd", ["unkeyed"], indirect=True)
 def test_a_read_within_the_window_claims_nothing_and_p_keeps_the_blocks(pd: Any) -> None:
     warm_up(pd)
     remote, stamped = hold(pd, "a", [3, 5])
@@ -196,6 +200,7 @@ def test_a_read_within_the_window_claims_nothing_and_p_keeps_the_blocks(pd: Any)
     assert pd.p.recorder.gauge("p2p_held_requests") == 0
 
 
+@pytest.mark.parametrize("pd", ["unkeyed"], indirect=True)
 def test_a_second_reader_within_the_window_reads_the_request_then_a_late_one_is_refused(
         pd: Any) -> None:
     """A request read twice (a proxy retrying on another D): within the window the second
@@ -213,6 +218,23 @@ def test_a_second_reader_within_the_window_reads_the_request_then_a_late_one_is_
     assert pd.d.recorder.total("p2p_failures", cause="released") == 1
 
 
+@pytest.mark.parametrize("pd", ["keyed"], indirect=True)
+def test_a_keyed_ps_request_within_the_window_is_claimed_before_it_is_read(pd: Any) -> None:
+    """D knows where a keyed P's blocks are only from this request's grant: within the
+    window too it claims, then reads; P still keeps the blocks for the whole window."""
+    warm_up(pd)
+    events: list[str] = []
+    read, claim = pd.d.reader._read, pd.d.reader.peers.claim
+    pd.d.reader._read = lambda *a: events.append("read") or int(read(*a))
+    pd.d.reader.peers.claim = lambda *a: events.append("claim") or claim(*a)
+    remote, stamped = hold(pd, "a", [3, 5])
+    assert in_window(remote, margin_s=0.0)
+    load(pd, "a", remote, [1, 2])
+    assert events == ["claim", "read"] and pd.claims == ["a"] and window_reads(pd) == 0
+    assert released_at(pd, "a") - stamped >= WINDOW_S
+
+
+@pytest.mark.parametrize("pd", ["unkeyed"], indirect=True)
 def test_a_read_ending_after_the_window_is_claimed_after_it(pd: Any) -> None:
     warm_up(pd)
     events: list[str] = []
@@ -272,6 +294,7 @@ def test_params_changed_on_the_way_are_claimed_and_refused(
     assert servable or "bad" not in pd.reads  # refused: never read
 
 
+@pytest.mark.parametrize("pd", ["unkeyed"], indirect=True)
 def test_a_done_before_p_registered_the_request_is_kept(pd: Any) -> None:
     """D read in the window and was done before P's next engine step registered the
     request: P applies that Done when it does (no lease left to lapse)."""

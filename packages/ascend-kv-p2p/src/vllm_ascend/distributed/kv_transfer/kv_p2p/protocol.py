@@ -9,9 +9,10 @@ One ZeroMQ REQ/ROUTER channel per P worker rank, msgspec on the wire
 * ``Claim`` -> ``ClaimOK``: D asks to read blocks of a request; P answers only
   if it holds exactly those blocks for that request, and renews the lease.
   With a deployment key configured P answers ``ClaimGrant`` instead, which also
-  carries the region addresses D reads the request's blocks from: a keyed P's
-  ``AgentMeta`` leaves them out (``region_addrs`` empty), so P's memory map goes
-  only to a D that holds a request's capability, with that request's grant.
+  carries the addresses of the claimed blocks in each region (:mod:`.grants`): a keyed
+  P's ``AgentMeta`` leaves its region bases out (``region_addrs`` empty) and no message
+  carries them, so a D that holds a request's capability learns where that request's
+  blocks are, not P's memory map.
 * ``Renew`` -> ``RenewReply``: D (and the proxy) keep P's leases alive while D waits,
   presenting each request's capability; P renews only up to the request's hold limit
   (``max_hold_s``), so no peer keeps blocks held indefinitely.
@@ -49,8 +50,8 @@ class AgentMeta(Message):
     pp_rank: int
     total_num_kv_heads: int
     layout: LayoutDescriptor
-    #: base address of each registered KV region (empty from a P with a deployment key:
-    #: its claims' :class:`ClaimGrant` carries them)
+    #: base address of each registered KV region (empty from a worker with a deployment
+    #: key: its grants name the addresses of each request's blocks instead)
     region_addrs: list[int]
     region_strides: list[int]
     vllm_version: str = ""
@@ -92,17 +93,17 @@ class ClaimOK(Message):
 
 
 class ClaimGrant(Message):
-    """``ClaimOK`` of a P with a deployment key: the lease, and where the blocks are.
+    """``ClaimOK`` of a P with a deployment key: the lease, and where the claimed blocks are.
 
-    ``region_addrs[i] + block_id * region_strides[i]`` is the address of a block of
-    region ``i`` in P's registered KV cache (what an unkeyed P's ``AgentMeta`` carries).
+    ``block_addrs`` names, for each of P's ``num_regions`` regions, the address of each
+    block of the claim, in the claim's order (little-endian u64, region-major:
+    :mod:`.grants`): ``8 * num_regions * len(block_ids)`` bytes. Nothing else of P's
+    memory (no region base, no stride); D refuses a grant of another size (``bad_grant``).
     """
 
     lease_s: float
-    region_addrs: list[int]
-    region_strides: list[int]
-    #: the engine start whose regions these are (``AgentMeta.instance``)
-    instance: str = ""
+    block_addrs: bytes = b""
+    num_regions: int = 0
 
 
 class Renew(Message):
@@ -137,8 +138,13 @@ class DoneAck(Message):
     valid: bool
 
 
+#: The largest side-channel message. A keyed grant names 8 bytes a block and region: 1 MiB
+#: for a 128k-token prompt in blocks of 128 at 128 regions (64 layers' K and V); 16 MiB fits
+#: 2M addresses (a claim larger than that fails, and is recomputed).
+MAX_MESSAGE_BYTES = 1 << 24
+
 CODEC: Codec[Message] = Codec([GetMeta, AgentMeta, Claim, ClaimOK, ClaimGrant, Renew,
-                               RenewReply, Done, DoneAck], max_size=1 << 22)
+                               RenewReply, Done, DoneAck], max_size=MAX_MESSAGE_BYTES)
 
 
 def side_channel_port(kv_port: int, *, dp_rank: int, tp_size: int, pp_size: int) -> int:
@@ -158,7 +164,8 @@ def worker_port(base_port: int, *, tp_rank: int, tp_size: int, pp_rank: int = 0)
 #   (:func:`compatibility_problem`) before the first write.
 # * ``PushBegin`` -> ``PushGrant``: P will write ``block_ids`` of D's request ``request_id``;
 #   D answers only if it is waiting for that very request with exactly those blocks, and
-#   grants a write lease. P writes only while it holds the lease.
+#   grants a write lease. P writes only while it holds the lease. A keyed D answers
+#   ``PushBlocksGrant``, which also names the addresses of those blocks in D's cache.
 # * ``PushRenew`` -> ``PushRenewReply``: P keeps its leases alive; a lease D no longer
 #   grants (deadline passed, request aborted, another sender failed) means "stop writing".
 # * ``PushDone`` -> ``PushDoneAck``: P finished (or gave up on) a request; D counts these
@@ -200,10 +207,24 @@ class PushGrant(Message):
     num_senders: int
     staging_addrs: list[int]
     staging_strides: list[int]
-    #: from a D with a deployment key: the base address and block stride of each of D's
-    #: registered regions (its keyed ``AgentMeta`` leaves them out); empty otherwise
+    #: always empty (the bytes of an unkeyed D's grant as before); a keyed D answers
+    #: :class:`PushBlocksGrant`
     region_addrs: list[int] = []
     region_strides: list[int] = []
+
+
+class PushBlocksGrant(PushGrant):
+    """``PushGrant`` of a D with a deployment key (its ``AgentMeta`` leaves its region bases
+    out): also where P writes each block of the push in D's cache.
+
+    ``block_addrs`` names, for each of D's ``num_regions`` regions, the address of each
+    block of ``PushBegin.block_ids``, in that order (little-endian u64, region-major:
+    :mod:`.grants`); 0 for a region P writes into staging instead. P refuses a grant of
+    another size (``bad_grant``).
+    """
+
+    block_addrs: bytes = b""
+    num_regions: int = 0
 
 
 class PushRenew(Message):
@@ -251,8 +272,8 @@ class PushDoneAck(Message):
 
 
 LAYERWISE_CODEC: Codec[Message] = Codec(
-    [GetMeta, AgentMeta, PushBegin, PushGrant, PushRenew, PushRenewReply, PushDone, PushDoneAck],
-    max_size=1 << 22)
+    [GetMeta, AgentMeta, PushBegin, PushGrant, PushBlocksGrant, PushRenew, PushRenewReply,
+     PushDone, PushDoneAck], max_size=MAX_MESSAGE_BYTES)
 
 
 def compatibility_problem(mine: AgentMeta, theirs: AgentMeta, *, expect_tp: int,

@@ -33,10 +33,12 @@ from vllm_ascend.distributed.kv_transfer.core.transfer_engine import MooncakeTra
 from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeLayerwiseConfig
 
 from ..errors import HandshakeMismatchError, RemoteKVUnavailable, unknown_request
+from ..grants import granted_table
 from ..params import PushTarget
 from ..protocol import (
     AgentMeta,
     PushBegin,
+    PushBlocksGrant,
     PushDone,
     PushDoneAck,
     PushGrant,
@@ -93,9 +95,12 @@ class PushLink:
     lease_s: float = 0.0
     staging_addrs: list[int] = field(default_factory=list)
     staging_strides: list[int] = field(default_factory=list)
-    #: D's region base addresses and strides from a keyed D's grant (else from its meta)
+    #: an unkeyed D's region base addresses and strides (from its meta)
     region_addrs: list[int] = field(default_factory=list)
     region_strides: list[int] = field(default_factory=list)
+    #: a keyed D's grant: the address of each block of the push (by its slot,
+    #: ``PushSession.slot_of``) in each of D's regions; ``None``: an unkeyed D
+    block_addrs: list[list[int]] | None = None
     nbytes: int = 0
     #: a write failed in the transfer engine: its bytes may still reach D (TCP delivers what
     #: the engine's closed connection had queued once the network is back)
@@ -255,17 +260,34 @@ class PushLinks:
             link.valid_until = write_window_end(shared.te, sent, reply.lease_s)
             link.staging_addrs = list(reply.staging_addrs)
             link.staging_strides = list(reply.staging_strides)
-            if reply.region_addrs:  # a keyed D: its regions come with the grant only
-                link.region_addrs = list(reply.region_addrs)
-                link.region_strides = list(reply.region_strides)
-            else:
-                link.region_addrs = list(link.meta.region_addrs)
-                link.region_strides = list(link.meta.region_strides)
-            if len(link.region_addrs) != len(shared.layout.regions) or \
-                    len(link.region_strides) != len(link.region_addrs):
-                raise RemoteKVUnavailable(f"D rank {link.d_rank} gave {len(link.region_addrs)} "
-                                          f"region addresses for {len(shared.layout.regions)} "
-                                          "regions", code="mismatch")
+            self._take_addresses(link, reply, len(msg.block_ids))
+
+    def _take_addresses(self, link: PushLink, grant: PushGrant, blocks: int) -> None:
+        """Where P writes into D rank ``link``: a keyed D's grant names the address of each
+        of the push's ``blocks`` (:mod:`..grants`), an unkeyed D's metadata its regions.
+
+        Raises:
+            RemoteKVUnavailable: ``bad_grant``: a keyed D's grant names other addresses than
+                those of the push's blocks in each region, or region bases; ``mismatch``: an
+                unkeyed D's regions are not this cache's.
+        """
+        assert link.meta is not None and self.shared.layout is not None
+        regions = len(self.shared.layout.regions)
+        if isinstance(grant, PushBlocksGrant) or not link.meta.region_addrs:
+            if not isinstance(grant, PushBlocksGrant) or grant.region_addrs:
+                raise RemoteKVUnavailable(f"D rank {link.d_rank} has a deployment key but its "
+                                          "grant does not name the push's blocks",
+                                          code="bad_grant")
+            link.block_addrs = granted_table(grant.block_addrs, grant.num_regions,
+                                             regions=regions, blocks=blocks,
+                                             who=f"D rank {link.d_rank}").tolist()
+            return
+        link.region_addrs = list(link.meta.region_addrs)
+        link.region_strides = list(link.meta.region_strides)
+        if len(link.region_addrs) != regions or len(link.region_strides) != regions:
+            raise RemoteKVUnavailable(f"D rank {link.d_rank} gave {len(link.region_addrs)} "
+                                      f"region addresses for {regions} regions",
+                                      code="mismatch")
 
     def renew_link(self, session: PushSession, link: PushLink) -> None:
         """Renew one lease now (the sender is about to write); raises if D refuses."""
@@ -303,7 +325,9 @@ class PushLinks:
         for gi, group in region_ids:
             region = regions[gi]
             d_len = d_meta.layout.block_lens[gi]
-            d_base, d_stride = link.region_addrs[gi], link.region_strides[gi]
+            granted = link.block_addrs[gi] if link.block_addrs is not None else None
+            d_base, d_stride = ((link.region_addrs[gi], link.region_strides[gi])
+                                if granted is None else (0, 0))
             staged = bool(link.staging_addrs and link.staging_addrs[gi])
             d_heads = int(d_meta.layout.num_kv_heads)
             for pos, pb, g in zip(item.positions, item.local_block_ids, groups, strict=True):
@@ -325,7 +349,8 @@ class PushLinks:
                     dst.append(link.staging_addrs[gi] + k * link.staging_strides[gi])
                     lengths.append(region.block_len)
                     continue
-                d_addr = d_base + db * d_stride
+                d_addr = (d_base + db * d_stride if granted is None
+                          else granted[session.slot_of[(g, pos)]])
                 for sl in link.slices:
                     if region.head_axis is None or (sl.num_heads == d_heads
                                                     and d_len == region.block_len):

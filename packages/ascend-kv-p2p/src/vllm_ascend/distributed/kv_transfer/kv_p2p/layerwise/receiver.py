@@ -24,7 +24,8 @@ renews nothing for that request), so a peer that holds the deployment key but no
 request's params can neither write into its blocks, nor keep them, nor fail it. No write
 lease is renewed at or past the request's deadline (``load_timeout_s``), so a lease ends
 at most one ``lease_ttl_s`` after it. With a key the token is required, and ``GetMeta`` leaves out D's region
-addresses: they travel with each ``PushGrant``. Without a key a message without a
+addresses: each grant (:class:`~.protocol.PushBlocksGrant`) names the address of each block
+of its push in each region D lets P write (:mod:`..grants`), never a region's base. Without a key a message without a
 token is served as before (older P instances), a wrong one is still refused.
 """
 
@@ -46,12 +47,15 @@ from vllm_ascend.distributed.kv_transfer.core.errors import TransferError
 from vllm_ascend.distributed.kv_transfer.core.wire import ErrorReply, Message
 
 from ..errors import HandshakeMismatchError
+from ..grants import BlockAddresser
 from ..params import push_order
 from ..protocol import (
     LAYERWISE_CODEC,
     LAYERWISE_PROTOCOL_VERSION,
+    AgentMeta,
     GetMeta,
     PushBegin,
+    PushBlocksGrant,
     PushDone,
     PushDoneAck,
     PushGrant,
@@ -146,6 +150,8 @@ class PushReceiver:
         self._ended: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._cv = threading.Condition()
         self.virtual_request: set[str] = set()
+        # the addresses of D's blocks for keyed grants, and the metadata they were made of
+        self._addresses: tuple[AgentMeta, BlockAddresser] | None = None
         self._done_recving: set[str] = set()
         self._failed_blocks: set[int] = set()
         #: requests that failed (not aborted) and are not reported yet
@@ -258,16 +264,29 @@ class PushReceiver:
                 return ErrorReply(code="closed", message=f"{msg.sender} already finished "
                                   f"request {msg.request_id!r}")
             sender.lease_until = now + self.cfg.lease_ttl_s
-            meta = shared.meta
-            assert meta is not None
-            keyed = self._keyed
-            return PushGrant(
+            grant = PushGrant(
                 lease_s=self.cfg.lease_ttl_s, num_senders=len(ranks),
                 staging_addrs=[t.data_ptr() if t is not None else 0 for t in sender.staging],
                 staging_strides=[t[0].numel() * t.element_size() if t is not None else 0
-                                 for t in sender.staging],
-                region_addrs=list(meta.region_addrs) if keyed else [],
-                region_strides=list(meta.region_strides) if keyed else [])
+                                 for t in sender.staging])
+            if not self._keyed:
+                return grant
+            # a keyed D: where each block of the push is (none where P writes the staging)
+            addresser = self._addresser()
+            return PushBlocksGrant(
+                **msgspec.structs.asdict(grant), num_regions=addresser.num_regions,
+                block_addrs=addresser.of(inc.push_blocks,
+                                         skip=[t is not None for t in sender.staging]))
+
+    def _addresser(self) -> BlockAddresser:
+        """The addresses of D's blocks for keyed grants (made once a registration)."""
+        meta = self.shared.meta
+        assert meta is not None
+        made = self._addresses
+        if made is None or made[0] is not meta:
+            made = self._addresses = (meta, BlockAddresser(meta.region_addrs,
+                                                           meta.region_strides))
+        return made[1]
 
     def _on_renew(self, msg: PushRenew) -> Message:
         """Renew ``msg.sender``'s leases of the requests whose token matches, none at or past

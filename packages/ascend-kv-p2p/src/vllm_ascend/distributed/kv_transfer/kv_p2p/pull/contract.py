@@ -135,12 +135,11 @@ class EarlyClaim:
     #: accepted at the first ``Claim`` sent (no "unknown request" before)
     first_try: bool = False
     sent_wall: float = 0.0
-    #: a keyed P's grant: where its KV cache is (``None``: an unkeyed P's ``ClaimOK``)
-    region_addrs: list[int] | None = None
-    region_strides: list[int] | None = None
+    #: a keyed P's grant: the claimed blocks' addresses (``ClaimGrant.block_addrs``, of
+    #: ``num_regions`` regions; ``None``: an unkeyed P's ``ClaimOK``)
+    block_addrs: bytes | None = None
+    num_regions: int = 0
     error: str = ""
-    #: the grant's P engine start (``ClaimGrant.instance``)
-    instance: str = ""
 
 
 @dataclass

@@ -20,11 +20,12 @@ wrong token is still refused: without a key anyone who reaches the side channel 
 P's memory map anyway, so a mandatory token would buy no security there, only break
 compatibility; it still catches misrouted or stale params.
 
-Regions travel with the grant: with a key, ``GetMeta`` (answered only to a keyed peer)
-leaves out the base addresses of P's registered KV cache, and an accepted ``Claim`` is
-answered :class:`~.protocol.ClaimGrant`, which carries them. So only a D that presents a
-held request's token learns where P's KV lives. Without a key ``GetMeta`` and ``ClaimOK``
-are the messages (and bytes) of before.
+Grants name only the claimed blocks: with a key, ``GetMeta`` (answered only to a keyed
+peer) leaves out the base addresses of P's registered KV cache, and an accepted ``Claim``
+is answered :class:`~.protocol.ClaimGrant`, which names the address of each claimed block
+in each region (:mod:`..grants`), never a region's base or stride. So a D that presents a
+held request's token learns where that request's blocks are, and nothing else of P's
+memory. Without a key ``GetMeta`` and ``ClaimOK`` are the messages (and bytes) of before.
 
 The read window: the scheduler stamps each request's params with the wall time it began
 holding the blocks and ``read_window_s``; this worker keeps them at least that long from
@@ -51,6 +52,7 @@ from vllm_ascend.distributed.kv_transfer.core.channel import RpcServer, tcp_endp
 from vllm_ascend.distributed.kv_transfer.core.leases import LeaseTable
 from vllm_ascend.distributed.kv_transfer.core.wire import ErrorReply, Message
 
+from ..grants import BlockAddresser
 from ..protocol import (
     CODEC,
     AgentMeta,
@@ -118,6 +120,8 @@ class LeaseHolder:
         # signalled when the scheduler's metadata registers new held requests
         self._held_cv = threading.Condition()
         self.server: RpcServer[Message] | None = None
+        # the addresses of P's blocks for keyed grants, and the metadata they were made of
+        self._addresser: tuple[AgentMeta, BlockAddresser] | None = None
 
     # ------------------------------------------------------------ life cycle
     def serve(self) -> None:
@@ -273,8 +277,13 @@ class LeaseHolder:
             return ClaimOK(lease_s=lease_s)
         meta = self.shared.meta
         assert meta is not None
-        return ClaimGrant(lease_s=lease_s, region_addrs=list(meta.region_addrs),
-                          region_strides=list(meta.region_strides), instance=meta.instance)
+        made = self._addresser
+        if made is None or made[0] is not meta:  # (a cache registered again: its regions)
+            made = self._addresser = (meta, BlockAddresser(meta.region_addrs,
+                                                           meta.region_strides))
+        addresser = made[1]
+        return ClaimGrant(lease_s=lease_s, block_addrs=addresser.of(msg.block_ids),
+                          num_regions=addresser.num_regions)
 
     def _on_done(self, msg: Done) -> Message:
         if self.held.get(msg.request_id) is None:

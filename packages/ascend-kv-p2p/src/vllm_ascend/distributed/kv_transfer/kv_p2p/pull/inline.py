@@ -14,7 +14,8 @@ Only the plainest load takes this path, every other one goes to the pull threads
 (:class:`~.reader.PullReader`, which starts these reads, polls them, and takes back those
 that cannot end here), before or after its read:
 
-* taken: P's metadata (and a keyed P rank's last grant) already known, of the engine start
+* taken: P's metadata already known with its regions (an unkeyed P: a keyed P's blocks are
+  where its claim's grant says, so its loads are claimed first), of the engine start
   that holds the request, inside the window now, every P rank read by some D rank, no
   pipeline stages, no heads to stage, the P rank not read from its memory on this host, and
   at most :data:`INLINE_MAX_RANGES` byte ranges once ranges adjacent on both sides are
@@ -180,7 +181,7 @@ class InlineReads:
         metas = self.peers.cached_metas(remote, p_ranks)
         if metas is None:
             return None
-        early = self.peers.known_regions(remote, metas)
+        early = self.peers.known_regions(metas)
         if early is None or not same_instance(remote, early):
             return None
         blocks = LoadBlocks(meta.local_block_ids, meta.remote_block_ids)

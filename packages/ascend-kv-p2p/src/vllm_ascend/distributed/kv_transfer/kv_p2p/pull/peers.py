@@ -3,8 +3,8 @@
 
 :class:`PeerRanks` owns that knowledge: where each P rank listens, which of its heads this D
 rank reads (the head plan, over P's pipeline stages), its ``AgentMeta`` (fetched once,
-checked for compatibility, fetched again after P restarted), and where its KV cache is (its
-metadata, or a keyed P rank's last grant). And the calls, for one request: ``Claim``,
+checked for compatibility, fetched again after P restarted), and where its KV cache is (an
+unkeyed P's metadata, or the grants of this request's claims). And the calls, for one request: ``Claim``,
 ``Done``, the releases of a request D will not read (or whose P ranks no D rank reads), and
 the probe that tells a P that is gone from one that is slow.
 
@@ -13,11 +13,12 @@ started on vLLM's thread) both go through its public methods; the fault and wind
 hook :meth:`PeerRanks.claim`. The answers of the claims D's scheduler sent ahead stand in for
 D's own claims through :func:`accepted_ahead`.
 
-A P with a deployment key hands out its region addresses only with a claim's grant
-(:class:`~..protocol.ClaimGrant`), not in ``GetMeta``: D reads with the addresses of a
-grant. It keeps the last grant of each P rank, so later requests can still read before
-their claims are answered; a read under addresses the new grant does not confirm is read
-again (:func:`regions_moved`).
+A P with a deployment key tells no one its region addresses: a claim's grant
+(:class:`~..protocol.ClaimGrant`) names the address of each claimed block in each region
+(:mod:`..grants`), and D reads exactly those (:meth:`PeerRanks.grants`). D keeps no grant
+past its request, so a keyed load is claimed before it is read (or read under the answers
+of the claims its scheduler sent ahead); a grant of another size than the claim is refused
+(``bad_grant``: the load fails and is recomputed, the claimed ranks are released).
 """
 
 from __future__ import annotations
@@ -31,12 +32,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
+import numpy as np
 
 from vllm_ascend.distributed.kernels.heads import HeadSlice
 from vllm_ascend.distributed.kv_transfer.core.errors import KVTransferError, RemoteError
 
 from ..errors import RemoteKVUnavailable, unknown_request
+from ..grants import granted_table
 from ..protocol import (
     AgentMeta,
     Claim,
@@ -57,10 +59,6 @@ logger = logging.getLogger(__name__)
 #: retry, whether P is still there.
 PROBE_TIMEOUT_S = 1.0
 
-#: keyed P ranks, ``(host, side-channel port)`` -> their metadata with the regions of their
-#: last grant
-Granted = dict[tuple[str, int], AgentMeta]
-
 
 @dataclass(frozen=True)
 class Claimed:
@@ -71,8 +69,8 @@ class Claimed:
     #: ``time.monotonic()`` when the accepted ``Claim`` was sent; P renewed the lease to a
     #: full ``lease_ttl_s`` when it answered, which is later
     sent_at: float
-    #: where P's blocks are, from a keyed P's grant (``None``: an unkeyed P's ``ClaimOK``;
-    #: its ``AgentMeta`` has them)
+    #: where the claimed blocks are, from a keyed P's grant (``None``: an unkeyed P's
+    #: ``ClaimOK``; its ``AgentMeta`` has its regions)
     grant: ClaimGrant | None = None
 
 
@@ -89,8 +87,6 @@ class PeerRanks:
         self.loads = loads
         # (P's TP size, MLA) -> this rank's head plan and the readers of each P rank
         self._plans: dict[tuple[int, bool], tuple[tuple[HeadSlice, ...], Mapping[int, int]]] = {}
-        # keyed P ranks: (host, port) -> their AgentMeta with the regions of the last grant
-        self._granted: Granted = {}
         # (P endpoint, engine start) whose metadata was fetched again for that start
         self._refetched: set[tuple[tuple[str, int], str]] = set()
 
@@ -159,53 +155,47 @@ class PeerRanks:
         return out
 
     def forget_session(self, remote: Any, p_ranks: Iterable[int]) -> None:
-        """Drop what D cached of these P ranks (their ``AgentMeta`` and last grant), so a
+        """Drop what D cached of these P ranks (their ``AgentMeta``), so a
         retry fetches it again: a P rank that restarted its transfer engine has a new
         session and new regions. (Mooncake's Python engine keeps its segment handle per
         session name and offers no way to close it; the read itself goes out as a new
         transfer on a new connection, the stalled one having been dropped.)"""
         for r in p_ranks:
-            host, port = remote.host_of(r), self.port_of(remote, r)
-            self._granted.pop((host, port), None)
-            self.shared.forget_peer_meta(host, port)
+            self.shared.forget_peer_meta(remote.host_of(r), self.port_of(remote, r))
 
-    def known_regions(self, remote: Any, metas: Mapping[int, AgentMeta]
-                      ) -> dict[int, AgentMeta] | None:
-        """P ranks' metadata with region addresses known before this request's claims (an
-        unkeyed P's ``GetMeta``, or a keyed P rank's last grant); ``None`` if a rank's are
-        not known yet."""
-        out: dict[int, AgentMeta] = {}
-        for r, m in metas.items():
-            known = m if m.region_addrs else self._granted.get(
-                (remote.host_of(r), self.port_of(remote, r)))
-            if known is None:
-                return None
-            out[r] = known
-        return out
+    @staticmethod
+    def known_regions(metas: Mapping[int, AgentMeta]) -> dict[int, AgentMeta] | None:
+        """P ranks' metadata if it says where their KV caches are before this request's
+        claims (an unkeyed P's ``GetMeta``); ``None`` for a keyed P (its grants say where
+        the request's blocks are, and only they)."""
+        return dict(metas) if all(m.region_addrs for m in metas.values()) else None
 
-    def granted_metas(self, remote: Any, metas: Mapping[int, AgentMeta],
-                      claims: Mapping[int, Future[Claimed]], *,
-                      partial: bool = False) -> dict[int, AgentMeta]:
-        """P ranks' metadata with the regions of this request's grants (every claim has been
-        accepted; ``partial``: only the ranks in ``claims``); remembers each keyed rank's
-        grant (with its engine start) for later requests."""
-        out: dict[int, AgentMeta] = {}
-        for r, m in metas.items():
-            if partial and r not in claims:
-                out[r] = m
-                continue
-            grant = claims[r].result().grant
+    @staticmethod
+    def grants(meta: RecvMeta, metas: Mapping[int, AgentMeta],
+               claims: Mapping[int, Future[Claimed]]) -> dict[int, np.ndarray]:
+        """The block addresses of this request's grants, by P rank (every claim in
+        ``claims`` has been accepted): a row per P region, a column per block of
+        ``meta.remote_block_ids`` (the claim's). An unkeyed P's ``ClaimOK`` has none (its
+        metadata has its regions).
+
+        Raises:
+            RemoteKVUnavailable: ``bad_grant``: a grant does not name the claimed blocks of
+                each of P's regions (:func:`~..grants.granted_table`); ``no_regions``: a P
+                rank told D neither its regions nor the blocks' addresses.
+        """
+        out: dict[int, np.ndarray] = {}
+        for r, fut in claims.items():
+            grant = fut.result().grant
+            m = metas[r]
             if grant is None:
                 if not m.region_addrs:
                     raise RemoteKVUnavailable(
                         f"P rank {r} accepted the claim without saying where its KV cache is "
-                        "(no region addresses in GetMeta nor in the grant)", code="no_regions")
-                out[r] = m
+                        "(no region addresses in GetMeta, no grant)", code="no_regions")
                 continue
-            out[r] = self._granted[(remote.host_of(r), self.port_of(remote, r))] = (
-                msgspec.structs.replace(m, region_addrs=list(grant.region_addrs),
-                                        region_strides=list(grant.region_strides),
-                                        instance=grant.instance))
+            out[r] = granted_table(grant.block_addrs, grant.num_regions,
+                                   regions=len(m.layout.block_lens),
+                                   blocks=len(meta.remote_block_ids), who=f"P rank {r}")
         return out
 
     # ------------------------------------------------------------ calls
@@ -299,13 +289,10 @@ class PeerRanks:
                             remote.request_id, r, exc)
 
 
-def regions_moved(read: Mapping[int, AgentMeta] | None,
-                  granted: Mapping[int, AgentMeta]) -> bool:
-    """Whether the regions a read used differ from those of the request's grants."""
-    if read is None:
-        return True
-    return any((read[r].region_addrs, read[r].region_strides)
-               != (g.region_addrs, g.region_strides) for r, g in granted.items())
+def grants_moved(read: Mapping[int, np.ndarray], granted: Mapping[int, np.ndarray]) -> bool:
+    """Whether the block addresses a read used differ from those of the request's grants."""
+    return read.keys() != granted.keys() or any(
+        not np.array_equal(read[r], g) for r, g in granted.items())
 
 
 def claim_sent_at(answer: EarlyClaim, *, now_mono: float | None = None,
@@ -338,9 +325,8 @@ def accepted_ahead(answers: Mapping[int, EarlyClaim] | None,
         a = answers.get(r)
         if a is None or not a.ok:
             continue
-        grant = (None if a.region_addrs is None else ClaimGrant(
-            lease_s=0.0, region_addrs=list(a.region_addrs),
-            region_strides=list(a.region_strides or []), instance=a.instance))
+        grant = (None if a.block_addrs is None else ClaimGrant(
+            lease_s=0.0, block_addrs=a.block_addrs, num_regions=a.num_regions))
         fut: Future[Claimed] = Future()
         fut.set_result(Claimed(first_try=a.first_try, sent_at=claim_sent_at(a), grant=grant))
         out[r] = fut

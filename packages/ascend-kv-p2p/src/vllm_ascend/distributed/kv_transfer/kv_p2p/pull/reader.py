@@ -8,8 +8,9 @@ their side channel are :class:`~.peers.PeerRanks`'. With enough CPUs the claims 
 out on claim threads while the pull thread reads; the read's data is then used
 only when every claim was accepted at its first try, otherwise it is read again
 under the accepted claims (see :meth:`PullReader._pull`). How each load ends is
-kept by :class:`~.loads.LoadTracker`. A keyed P rank's very first request claims before it
-reads (its regions come with the grant only).
+kept by :class:`~.loads.LoadTracker`. A keyed P's load is claimed before it is read: its
+blocks' addresses come with the claim's grant only (or with the answer of the claim D's
+scheduler sent ahead).
 
 A read that stalls or drops (Mooncake's TCP transport fails a transfer without progress
 for ``MC_TCP_PROGRESS_TIMEOUT_SEC``: rc=-1), or a side-channel call to a P starved of CPU
@@ -30,6 +31,8 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import numpy as np
+
 from vllm_ascend.distributed.kernels.heads import HeadSlice
 from vllm_ascend.distributed.kv_transfer.core.device import usable_cpus
 from vllm_ascend.distributed.kv_transfer.core.errors import (
@@ -44,7 +47,7 @@ from ..worker_base import P2PWorkerBase
 from .contract import ClaimInbox, RecvMeta, read_until, same_instance
 from .inline import POLL_SLEEP_S, InlineReads
 from .loads import LoadTracker
-from .peers import Claimed, PeerRanks, accepted_ahead, refused_ahead, regions_moved
+from .peers import Claimed, PeerRanks, accepted_ahead, grants_moved, refused_ahead
 from .transfer import AddressPlans, read_request
 
 logger = logging.getLogger(__name__)
@@ -55,8 +58,8 @@ logger = logging.getLogger(__name__)
 #: them), and the claim needs a thread and ZeroMQ's I/O thread: with fewer CPUs the claim
 #: only slows the read down (measured on 2 CPUs: 1-block loads ~10% slower overlapped).
 OVERLAP_MIN_CPUS = 4
-#: How long a pull of a request claimed ahead waits for the answer that carries a keyed P
-#: rank's regions (its first request only; later ones use the last grant), or, with fewer
+#: How long a pull of a request claimed ahead waits for the answers that carry a keyed P's
+#: block addresses (else it claims before it reads), or, with fewer
 #: than :data:`OVERLAP_MIN_CPUS`, for an answer from a scheduler in this process, before it
 #: reads (and claims itself after the read if the answer is still not in).
 AHEAD_WAIT_S = 0.05
@@ -225,10 +228,11 @@ class PullReader:
           restarted or forgot the id): that read's data is never used. A failed claim
           fails the request (P's error decides the cause); a claim accepted after a retry
           makes this thread read again, after every claim was accepted.
-        * A keyed P gives its region addresses only with a claim's grant. The read before
-          the claims are answered uses the last grant of each P rank (none yet: no overlap,
-          claim first); if this request's grant names other regions, that read's data (or
-          failure) is dropped and the blocks are read again under the new grant.
+        * A keyed P names the addresses of the claimed blocks only in a claim's grant, and D
+          keeps none past its request: its load is claimed first (no overlap, no window
+          read), or read under the answers of the claims sent ahead. Should an accepted
+          claim's grant name other addresses than the read used, that read's data (or
+          failure) is dropped and the blocks are read again under the grant.
         * The claims are always awaited before the request ends, so every rank that
           accepted one gets ``Done(success=False)`` on failure, and ``begin_read`` /
           ``end_read`` keep the blocks from vLLM while any read into them can land.
@@ -317,9 +321,10 @@ class PullReader:
         assert remote is not None
         peers = self.peers
         metas = peers.metas(remote, p_ranks)
-        # where to read before the claims are answered (None: a keyed P rank not granted
-        # before, whose addresses come only with this claim's grant)
-        early = peers.known_regions(remote, metas)
+        # where to read before the claims are answered (None: a keyed P, whose blocks'
+        # addresses come only with the grants; early_grants: those of claims sent ahead)
+        early = peers.known_regions(metas)
+        early_grants: dict[int, np.ndarray] = {}
         # within P's read window (contract): read at once, claim only a read ending after
         # (P's tag checked once, by D's scheduler: its verdict comes in meta.window_until)
         until = (read_until(remote, meta.window_until)
@@ -334,10 +339,13 @@ class PullReader:
             # from the scheduler in this process within a round trip of its sending
             self.inbox.get(meta.request_id, AHEAD_WAIT_S)
         ahead = ahead and not refused_ahead(self.inbox.get(meta.request_id))
-        if ahead and early is None:  # the grant of a keyed P rank is with the answer
+        if ahead and early is None:  # a keyed P: its grants are with the answers
             answers = accepted_ahead(self.inbox.get(meta.request_id, AHEAD_WAIT_S), p_ranks)
-            early = peers.known_regions(remote, peers.granted_metas(
-                remote, metas, answers or {}, partial=True))
+            if answers is not None and len(answers) == len(p_ranks):
+                try:
+                    early_grants, early = peers.grants(meta, metas, answers), metas
+                except RemoteKVUnavailable:  # claimed again: that claim's grant decides
+                    early_grants = {}
             ahead = early is not None
         overlapped = early is not None and not fresh and (ahead or self.overlap_claims)
         claims = ({} if ahead else
@@ -349,9 +357,10 @@ class PullReader:
             if not any(f.done() and f.exception() is not None for f in claims.values()):
                 try:
                     # not overlapped: every claim was answered, the grants are in
-                    nbytes = self._read_all(
-                        meta, early if overlapped and early is not None
-                        else peers.granted_metas(remote, metas, claims), plan)
+                    nbytes = (self._read_all(meta, early, plan, early_grants)
+                              if overlapped and early is not None else
+                              self._read_all(meta, metas, plan,
+                                             peers.grants(meta, metas, claims)))
                 except TransferError as exc:
                     if not overlapped:
                         raise
@@ -372,17 +381,16 @@ class PullReader:
             # (P's refusal says more than the failed read of blocks it does not hold).
             first_try, claimed_at = self._await_claims(claims, claimed)
         if overlapped:
-            # no claims: read within the window, under the regions it used
-            granted = (peers.granted_metas(remote, metas, claims) if claims
-                       else early or {})
-            moved = regions_moved(early, granted)
+            # no claims: read within the window, under the addresses it used
+            granted = peers.grants(meta, metas, claims) if claims else early_grants
+            moved = grants_moved(early_grants, granted)
             if early_error is not None and not moved:
                 raise early_error
             if not first_try or moved:
                 logger.info("request %s: a claim was accepted only after a retry, or P's "
-                            "grant moved its regions; reading again under the accepted "
-                            "claims", meta.request_id)
-                nbytes = self._read_all(meta, granted, plan)
+                            "grant named other addresses than the read used; reading again "
+                            "under the accepted claims", meta.request_id)
+                nbytes = self._read_all(meta, metas, plan, granted)
         if time.monotonic() - claimed_at < self.shared.cfg.lease_ttl_s / 2:
             # The leases were held for the whole read: the data is the request's. P
             # learns it can free the blocks off the critical path, once the load was
@@ -425,15 +433,16 @@ class PullReader:
         return out
 
     def _read_all(self, meta: RecvMeta, metas: dict[int, AgentMeta],
-                  plan: Sequence[HeadSlice]) -> int:
-        """Read every P rank's slices into the local blocks; returns bytes. The blocks are
+                  plan: Sequence[HeadSlice], grants: Mapping[int, np.ndarray]) -> int:
+        """Read every P rank's slices into the local blocks (a keyed P rank's at its grant's
+        addresses, ``grants``); returns bytes. The blocks are
         written by the transfer engine: they must not go back to vLLM while a read into them
         can still land (see :meth:`~.loads.LoadTracker.collect_finished`)."""
         if not self.loads.begin_read(meta):
             raise RemoteKVUnavailable("the load ended (deadline) before its read started",
                                       code="deadline")
         try:
-            nbytes = self._read(meta, metas, plan)
+            nbytes = self._read(meta, metas, plan, grants)
         finally:
             wanted = self.loads.end_read(meta)
         if not wanted:
@@ -461,11 +470,13 @@ class PullReader:
         return first_try, sent_at if claimed else time.monotonic()
 
     def _read(self, meta: RecvMeta, remotes: dict[int, AgentMeta],
-              plan: Sequence[HeadSlice]) -> int:
-        """Read this rank's head slices of every P rank in ``remotes`` into the local blocks;
-        returns bytes. (One call a read of the request: the fault tests hook it.)"""
+              plan: Sequence[HeadSlice], grants: Mapping[int, np.ndarray] | None = None) -> int:
+        """Read this rank's head slices of every P rank in ``remotes`` into the local blocks
+        (a keyed P rank's at the addresses of its grant in ``grants``); returns bytes. (One
+        call a read of the request: the fault tests hook it.)"""
         s = self.shared
         assert s.layout is not None and s.te is not None
         return read_request(s.te, s.layout, meta, remotes, plan,
-                            stages=getattr(s, "p_stages", None), plans=self.plans)
+                            stages=getattr(s, "p_stages", None), plans=self.plans,
+                            grants=grants)
 

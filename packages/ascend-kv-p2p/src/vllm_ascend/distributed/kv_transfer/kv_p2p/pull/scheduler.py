@@ -543,9 +543,8 @@ class ClaimAhead:
                 continue
             if isinstance(reply, ClaimGrant):
                 out[rank] = EarlyClaim(ok=True, first_try=True, sent_wall=sent,
-                                       region_addrs=list(reply.region_addrs),
-                                       region_strides=list(reply.region_strides),
-                                       instance=reply.instance)
+                                       block_addrs=reply.block_addrs,
+                                       num_regions=reply.num_regions)
             elif isinstance(reply, ClaimOK):
                 out[rank] = EarlyClaim(ok=True, first_try=True, sent_wall=sent)
             else:

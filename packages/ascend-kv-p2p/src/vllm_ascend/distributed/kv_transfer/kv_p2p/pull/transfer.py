@@ -9,7 +9,10 @@ rank. Its address arithmetic is done once per P rank's metadata and head plan
 (:class:`DirectPlan`, kept by :class:`AddressPlans`): a load only multiplies each segment
 by its runs of blocks (:class:`LoadBlocks`: blocks consecutive on both sides make one
 range where a segment is a whole block), with numpy from :data:`VECTOR_MIN_RANGES` ranges
-on, so no per-block Python loop and no sort of the ranges. Heads that are not contiguous in a block (the NPU layout under
+on, so no per-block Python loop and no sort of the ranges. A keyed P's blocks are where its
+claim's grant says (:mod:`..grants`: an address a block and region, no region base): the
+same plan takes each P address from the grant's table instead (:meth:`DirectPlan.granted_ranges`).
+Heads that are not contiguous in a block (the NPU layout under
 heterogeneous TP) are staged: P's whole blocks are read into a buffer, then
 :mod:`ascend-kernels' head ops <vllm_ascend.distributed.kernels.heads>` select
 each P rank's part, merge the parts in head order, and the merged blocks are
@@ -56,9 +59,10 @@ class LoadBlocks:
         remote_ids: P's block ids, one for each local id.
     """
 
-    __slots__ = ("pairs", "runs", "_arrays")
+    __slots__ = ("pairs", "runs", "_arrays", "_ids")
 
     def __init__(self, local_ids: Sequence[int], remote_ids: Sequence[int]) -> None:
+        self._ids = (local_ids, remote_ids)
         if len(local_ids) == 1:  # the common small load: no sort
             self.pairs = [(local_ids[0], remote_ids[0])]
             self.runs = [(local_ids[0], remote_ids[0], 1)]
@@ -84,6 +88,12 @@ class LoadBlocks:
             self._arrays = (runs[:, 0], runs[:, 1], runs[:, 2], pairs[:, 0], pairs[:, 1])
         return self._arrays
 
+    def positions(self) -> np.ndarray:
+        """Where each pair of :attr:`pairs` stands in the load's lists: its column in a
+        grant's table, which follows the claim's (the load's) order."""
+        local, remote = (np.asarray(ids, dtype=np.int64) for ids in self._ids)
+        return np.lexsort((remote, local))  # the order of sorted(zip(local, remote))
+
 
 class DirectPlan:
     """A P rank's direct segments, ready to be multiplied by a load's blocks: each segment's
@@ -95,13 +105,21 @@ class DirectPlan:
     Ranges of different segments are not merged (regions are separate tensors: adjacent only
     by chance of the allocator, when merging would save a range, not bytes).
 
+    Args:
+        segments: the segments.
+        p_regions: P's region of each segment (its row in a grant's table); ``None``: the
+            plan is not read under a grant.
+
     Attributes:
         segments: the segments it was made of.
         whole_blocks: every segment is a whole block on both sides.
     """
 
-    def __init__(self, segments: Sequence[Segment]) -> None:
+    def __init__(self, segments: Sequence[Segment],
+                 p_regions: Sequence[int] | None = None) -> None:
         self.segments = tuple(segments)
+        self._p_regions = (None if p_regions is None
+                           else np.asarray(p_regions, dtype=np.int64).reshape(-1))
         rows = [(lb + ol, ls, rb + orr, rs, n, n == ls == rs)
                 for lb, ls, ol, rb, rs, orr, n in self.segments]
         self._rows = rows
@@ -113,6 +131,11 @@ class DirectPlan:
         self._whole = tuple(cols[whole].T.copy())
         self._part = tuple(cols[~whole].T.copy())
         self._n_whole = int(whole.sum())
+        # (local first, local stride, P offset in the block, length) of every segment, as
+        # columns of one row each: what a read under a grant needs
+        self._granted = (cols[:, 0:1], cols[:, 1:2],
+                         np.asarray([seg[5] for seg in self.segments], dtype=np.int64)[:, None],
+                         cols[:, 4:5])
 
     def count(self, blocks: LoadBlocks) -> int:
         """How many ranges :meth:`ranges` makes of ``blocks``."""
@@ -154,6 +177,26 @@ class DirectPlan:
             loc, rem, lens = (np.concatenate(col) for col in zip(*parts, strict=True))
         return loc.tolist(), rem.tolist(), lens.tolist()
 
+    def granted_ranges(self, blocks: LoadBlocks, table: np.ndarray
+                       ) -> tuple[list[int], list[int], list[int]]:
+        """The load's byte ranges under a keyed P's grant: P's address of each block is the
+        grant's (``table``: a row per P region, a column per block of the claim, which is
+        the load's order), plus the segment's offset in the block. Ranges of a segment
+        adjacent on both sides are merged, as :meth:`ranges` merges runs."""
+        assert self._p_regions is not None, "a plan made without P's regions"
+        if not self.segments:
+            return [], [], []
+        lf, ls, off, n = self._granted
+        loc = lf + ls * blocks.arrays()[3][None, :]
+        rem = table[self._p_regions][:, blocks.positions()] + off
+        lens = np.broadcast_to(n, loc.shape)
+        start = np.ones(loc.shape, dtype=bool)  # a range starts here (not merged backwards)
+        start[:, 1:] = ((loc[:, 1:] != loc[:, :-1] + lens[:, :-1])
+                        | (rem[:, 1:] != rem[:, :-1] + lens[:, :-1]))
+        first = np.flatnonzero(start.ravel())
+        merged = np.add.reduceat(lens.ravel(), first)
+        return loc.ravel()[first].tolist(), rem.ravel()[first].tolist(), merged.tolist()
+
 
 class RankPlan:
     """What D reads of one P rank, computed once per P rank's metadata and head plan
@@ -167,8 +210,9 @@ class RankPlan:
     __slots__ = ("direct", "staged")
 
     def __init__(self, segments: Sequence[Segment],
-                 staged: dict[int, tuple[int, list[HeadSlice]]]) -> None:
-        self.direct = DirectPlan(segments)
+                 staged: dict[int, tuple[int, list[HeadSlice]]],
+                 p_regions: Sequence[int] | None = None) -> None:
+        self.direct = DirectPlan(segments, p_regions)
         self.staged = staged
 
 
@@ -212,7 +256,8 @@ class AddressPlans:
 def read_request(te: MooncakeTransferEngine, layout: KVCacheLayout, meta: RecvMeta,
                  remotes: Mapping[int, AgentMeta], plan: Sequence[HeadSlice], *,
                  stages: Sequence[range] | None = None,
-                 plans: AddressPlans | None = None) -> int:
+                 plans: AddressPlans | None = None,
+                 grants: Mapping[int, np.ndarray] | None = None) -> int:
     """Read every P rank's slices of the request into the local blocks; returns bytes.
 
     Args:
@@ -226,20 +271,51 @@ def read_request(te: MooncakeTransferEngine, layout: KVCacheLayout, meta: RecvMe
             ``None``: P is one stage. Each P rank is read for its stage's layers only.
         plans: where the P ranks' read plans are kept between requests (``None``: computed
             for this read only).
+        grants: the block addresses of keyed P ranks, by P rank (:func:`~..grants.
+            granted_table` of each claim's grant: a row per P region, a column per block
+            of ``meta.remote_block_ids``); a rank in it is read at those addresses only.
+
+    Raises:
+        RemoteKVUnavailable: (``no_regions``) a P rank's metadata has no region addresses
+            and no grant names its blocks.
     """
     layout.check_block_ids(meta.local_block_ids, what="local block ids")
+    grants = grants or {}
     staged: dict[int, tuple[int, list[HeadSlice]]] = {}
     moved = 0
     blocks = LoadBlocks(meta.local_block_ids, meta.remote_block_ids)
     for p_rank, remote in remotes.items():
+        if p_rank not in grants and not remote.region_addrs:
+            raise RemoteKVUnavailable(f"P rank {p_rank} told D neither its regions nor where "
+                                      "the request's blocks are", code="no_regions")
         rank_plan = (plans.get(layout, remote, p_rank, plan, stages) if plans is not None
                      else _rank_plan(layout, remote, p_rank, plan, stages))
-        moved += _read_direct(te, meta, remote, rank_plan.direct, blocks)
+        check_remote_blocks(meta, remote)
+        if rank_plan.direct.segments:
+            table = grants.get(p_rank)
+            ranges = (rank_plan.direct.ranges(blocks) if table is None
+                      else rank_plan.direct.granted_ranges(blocks, table))
+            moved += te.read(remote.session, *ranges, merged=True)
         for i, (j, slices) in rank_plan.staged.items():
             staged.setdefault(i, (j, []))[1].extend(slices)
     for i, (j, slices) in staged.items():
-        moved += _read_staged(te, layout.regions[i], j, meta, remotes, slices)
+        moved += _read_staged(te, layout.regions[i], j, meta, remotes, slices, grants)
     return moved
+
+
+def p_region_count(remote: AgentMeta) -> int:
+    """How many KV regions P rank ``remote`` registered (its layout's, so also known from a
+    keyed P whose metadata leaves the addresses out).
+
+    Raises:
+        HandshakeMismatchError: an unkeyed P's addresses do not match its layout.
+    """
+    n = len(remote.layout.block_lens)
+    if remote.region_addrs and (len(remote.region_addrs) != n
+                                or len(remote.region_strides) != n):
+        raise HandshakeMismatchError(
+            f"P describes {n} KV regions but gives {len(remote.region_addrs)} addresses")
+    return n
 
 
 def _region_pairs(layout: KVCacheLayout, remote: AgentMeta, p_rank: int,
@@ -258,9 +334,9 @@ def _region_pairs(layout: KVCacheLayout, remote: AgentMeta, p_rank: int,
                 f"P runs {remote.pp_size} pipeline stages, but D was configured with "
                 "prefill.pp_size=1: set prefill.pp_size (and prefill.pp_layer_partition) on D "
                 "as P runs")
-        if len(remote.region_addrs) != n_local:
+        if p_region_count(remote) != n_local:
             raise HandshakeMismatchError(
-                f"P has {len(remote.region_addrs)} KV regions, D has {n_local}")
+                f"P has {p_region_count(remote)} KV regions, D has {n_local}")
         return [(i, i) for i in range(n_local)]
     s = p_rank // remote.tp_size
     stage = stages[s]
@@ -272,9 +348,9 @@ def _region_pairs(layout: KVCacheLayout, remote: AgentMeta, p_rank: int,
             f"stage {s} with layers [{stage.start}, {stage.stop}) of pp_size={len(stages)}: "
             "set prefill.pp_size and prefill.pp_layer_partition on D as P runs")
     per_layer = n_local // layout.num_layers
-    if len(remote.region_addrs) != len(stage) * per_layer:
+    if p_region_count(remote) != len(stage) * per_layer:
         raise HandshakeMismatchError(
-            f"P has {len(remote.region_addrs)} KV regions, D has {len(stage) * per_layer} "
+            f"P has {p_region_count(remote)} KV regions, D has {len(stage) * per_layer} "
             f"for layers [{stage.start}, {stage.stop})")
     first = stage.start * per_layer
     return [(first + j, j) for j in range(len(stage) * per_layer)]
@@ -292,11 +368,14 @@ def _rank_plan(layout: KVCacheLayout, remote: AgentMeta, p_rank: int,
     slices = [s for s in plan if s.remote_rank == p_rank]
     local_regions = layout.regions
     segments: list[Segment] = []
+    p_regions: list[int] = []
     staged: dict[int, tuple[int, list[HeadSlice]]] = {}
     for i, j in _region_pairs(layout, remote, p_rank, stages):
         region = local_regions[i]
         r_len = remote.layout.block_lens[j]
-        r_base, r_stride = remote.region_addrs[j], remote.region_strides[j]
+        # a keyed P: no base, no stride (each block's address comes with the claim's grant)
+        r_base, r_stride = ((remote.region_addrs[j], remote.region_strides[j])
+                            if remote.region_addrs else (0, 0))
         if region.head_axis is not None and any(
                 s.local_offset + s.num_heads > heads_in_block(region) for s in slices):
             # a plan of more heads than the block holds would read into the next blocks
@@ -317,17 +396,8 @@ def _rank_plan(layout: KVCacheLayout, remote: AgentMeta, p_rank: int,
                 continue
             segments.append((region.base_addr, region.block_stride, off_l, r_base, r_stride,
                              off_r, length))
-    return RankPlan(segments, staged)
-
-
-def _read_direct(te: MooncakeTransferEngine, meta: RecvMeta, remote: AgentMeta,
-                 direct: DirectPlan, blocks: LoadBlocks) -> int:
-    """Read the request's blocks of P rank ``remote``'s direct segments (one batched read);
-    returns bytes."""
-    check_remote_blocks(meta, remote)
-    if not direct.segments:
-        return 0
-    return te.read(remote.session, *direct.ranges(blocks), merged=True)
+            p_regions.append(j)
+    return RankPlan(segments, staged, p_regions)
 
 
 def check_remote_blocks(meta: RecvMeta, remote: AgentMeta) -> None:
@@ -350,7 +420,8 @@ def direct_ranges(meta: RecvMeta, segments: Sequence[Segment]
 
 
 def _read_staged(te: MooncakeTransferEngine, region: KVRegion, index: int, meta: RecvMeta,
-                 remotes: Mapping[int, AgentMeta], slices: list[HeadSlice]) -> int:
+                 remotes: Mapping[int, AgentMeta], slices: list[HeadSlice],
+                 grants: Mapping[int, np.ndarray]) -> int:
     """A region's heads that are not contiguous in a block (NPU layout; ``index``: the
     region's index in P's ranks, those of one pipeline stage): read the
     whole P blocks into staging buffers, select each slice's heads, merge them in local
@@ -368,16 +439,18 @@ def _read_staged(te: MooncakeTransferEngine, region: KVRegion, index: int, meta:
     buffers: dict[int, torch.Tensor] = {}
     for p_rank in sorted({s.remote_rank for s in slices}):
         remote = remotes[p_rank]
+        table = grants.get(p_rank)
+        p_addrs = (table[index].tolist() if table is not None else
+                   [remote.region_addrs[index] + rb * remote.region_strides[index]
+                    for rb in meta.remote_block_ids])
         shape = list(region.block_shape)
         shape[axis] = remote.layout.block_lens[index] // per_head
         buf = torch.empty((n, *shape), dtype=region.tensor.dtype, device=region.tensor.device)
         nbytes = buf[0].numel() * buf.element_size()
         te.register_memory(buf.data_ptr(), buf.numel() * buf.element_size())
         try:
-            moved += te.read(
-                remote.session, [buf.data_ptr() + k * nbytes for k in range(n)],
-                [remote.region_addrs[index] + rb * remote.region_strides[index]
-                 for rb in meta.remote_block_ids], [nbytes] * n)
+            moved += te.read(remote.session, [buf.data_ptr() + k * nbytes for k in range(n)],
+                             p_addrs, [nbytes] * n)
         finally:
             te.unregister_memory(buf.data_ptr())
         buffers[p_rank] = buf
