@@ -91,6 +91,8 @@ class LoadBlocks:
     def positions(self) -> np.ndarray:
         """Where each pair of :attr:`pairs` stands in the load's lists: its column in a
         grant's table, which follows the claim's (the load's) order."""
+        if len(self.pairs) == 1:
+            return np.zeros(1, dtype=np.int64)
         local, remote = (np.asarray(ids, dtype=np.int64) for ids in self._ids)
         return np.lexsort((remote, local))  # the order of sorted(zip(local, remote))
 
@@ -186,6 +188,13 @@ class DirectPlan:
         assert self._p_regions is not None, "a plan made without P's regions"
         if not self.segments:
             return [], [], []
+        if len(blocks.pairs) == 1:  # the common small load: no numpy beyond the table
+            (lb, _rb), = blocks.pairs
+            col = table[:, 0].tolist()
+            return ([lf + ls * lb for lf, ls, *_ in self._rows],
+                    [col[j] + seg[5] for j, seg in zip(self._p_regions.tolist(), self.segments,
+                                                       strict=True)],
+                    [row[4] for row in self._rows])
         lf, ls, off, n = self._granted
         loc = lf + ls * blocks.arrays()[3][None, :]
         rem = table[self._p_regions][:, blocks.positions()] + off
