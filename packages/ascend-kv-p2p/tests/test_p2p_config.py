@@ -33,7 +33,7 @@ def test_p2p_config_defaults_and_nested_values() -> None:
     ({"prefill": {"pp_size": 2, "pp_layer_partition": [4]}}, "has 1 entries but pp_size is 2"),
     ({"decode": {"pp_size": 2}}, "decode.pp_size must be 1"),
     ({"prefill": {"pp_size": 2, "pp_layer_partition": "0,8"}}, "must be positive"),
-    ({"protocol": "udp"}, "expected one of 'tcp', 'rdma', 'ascend', got 'udp'"),
+    ({"protocol": "udp"}, "expected one of 'tcp', 'rdma', 'ascend', 'local', got 'udp'"),
     ({"prefill": [1, 2]}, "expected an object"),
     ({"lease_ttl_s": "soon"}, "lease_ttl_s: expected a number, got 'soon'"),
 ])
