@@ -314,7 +314,8 @@ def docs(session: nox.Session) -> None:
     the configuration and metrics references are rendered from the code at build time;
     architecture.md's module tables are committed and checked against the code (as in lint).
     """
-    session.install(*DOCS_TOOLS, "pytest>=8")
+    # cryptography: core.auth (whose metrics the reference lists) imports it
+    session.install(*DOCS_TOOLS, "pytest>=8", "cryptography>=42")
     session.env["NO_MKDOCS_2_WARNING"] = "1"
     session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider",
                 str(ROOT / "tools" / "test_gen_config_docs.py"),
