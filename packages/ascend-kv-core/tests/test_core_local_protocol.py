@@ -9,10 +9,8 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
-import subprocess
-import sys
 import types
-from collections.abc import Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -26,25 +24,10 @@ from vllm_ascend.distributed.kv_transfer.core.transfer_engine import MooncakeTra
 pytestmark = pytest.mark.skipif(not local_reads.available(),
                                 reason="process_vm_readv needs Linux 3.2 or later")
 
-_CHILD = """
-import ctypes, os, sys
-buf = ctypes.create_string_buffer(bytes((i * 5 + 1) % 256 for i in range(1 << 16)), 1 << 16)
-print(ctypes.addressof(buf), os.getpid(), flush=True)
-sys.stdin.read()
-"""
-
-
-def _expected(start: int, n: int) -> bytes:
-    return bytes((i * 5 + 1) % 256 for i in range(start, start + n))
-
-
 @pytest.fixture(scope="module")
-def child() -> Iterator[tuple[int, int]]:
-    """A process holding 64 KiB of known bytes: (address, pid)."""
-    proc = subprocess.Popen([sys.executable, "-c", _CHILD], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    addr, pid = map(int, proc.stdout.readline().split())
+def child(child: tuple[int, int]) -> tuple[int, int]:
+    """conftest's child process, once the kernel lets this process read it."""
+    addr, pid = child
     try:
         out = ctypes.create_string_buffer(1)
         local_reads.read_from(pid, [ctypes.addressof(out)], [addr], [1])
@@ -53,12 +36,7 @@ def child() -> Iterator[tuple[int, int]]:
             pytest.skip("the kernel refuses process_vm_readv here (Yama ptrace_scope or no "
                         "ptrace rights over a child)")
         raise
-    try:
-        yield addr, pid
-    finally:
-        assert proc.stdin is not None
-        proc.stdin.close()
-        proc.wait(10)
+    return child
 
 
 def _no_mooncake(*args: Any, **kwargs: Any) -> Any:
@@ -104,14 +82,15 @@ def test_registrations_are_recorded_and_counted(local: MooncakeTransferEngine) -
 
 
 def test_a_same_host_peer_is_read_from_its_memory(local: MooncakeTransferEngine,
-                                                  child: tuple[int, int]) -> None:
+                                                  child: tuple[int, int],
+        child_bytes: Callable[[int, int], bytes]) -> None:
     addr, pid = child
     out = ctypes.create_string_buffer(8192)
     base = ctypes.addressof(out)
     assert local.add_local_peer("127.0.0.1:local-1-ab", host_identity(), pid)
     got = local.read("127.0.0.1:local-1-ab", [base, base + 4096], [addr + 7, addr + 4103],
                      [4096, 4096])
-    assert got == 8192 and out.raw == _expected(7, 8192)
+    assert got == 8192 and out.raw == child_bytes(7, 8192)
     assert (local.stats.reads, local.stats.local_reads, local.stats.bytes_read_local) == (
         1, 1, 8192)
     # never polled asynchronously: there is no engine to poll
@@ -178,7 +157,8 @@ class _Engine:
 
 
 def test_a_tcp_engine_reads_a_local_peer_from_its_memory_and_never_dials_it(
-        monkeypatch: pytest.MonkeyPatch, child: tuple[int, int]) -> None:
+        monkeypatch: pytest.MonkeyPatch, child: tuple[int, int],
+        child_bytes: Callable[[int, int], bytes]) -> None:
     """A D running tcp beside a P running local: P's memory, or a clear error."""
     monkeypatch.setattr(te_mod, "optional_dependency",
                         lambda *a, **k: types.SimpleNamespace(TransferEngine=_Engine))
@@ -189,7 +169,7 @@ def test_a_tcp_engine_reads_a_local_peer_from_its_memory_and_never_dials_it(
     peer = "127.0.0.1:local-4-01"
     assert tcp.add_local_peer(peer, host_identity(), pid)
     assert tcp.read(peer, [ctypes.addressof(out)], [addr + 3], [64]) == 64
-    assert out.raw == _expected(3, 64) and tcp.stats.local_reads == 1
+    assert out.raw == child_bytes(3, 64) and tcp.stats.local_reads == 1
     assert not tcp.add_local_peer(peer, "another-boot/1", pid)
     with pytest.raises(TransferError, match="runs protocol 'local' \\(no Mooncake port"):
         tcp.read(peer, [ctypes.addressof(out)], [addr], [64])

@@ -12,7 +12,7 @@ import os
 import subprocess
 import sys
 import types
-from collections.abc import Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -30,33 +30,6 @@ from vllm_ascend.distributed.kv_transfer.core.transfer_engine import MooncakeTra
 pytestmark = pytest.mark.skipif(not local_reads.available(),
                                 reason="process_vm_readv needs Linux 3.2 or later")
 
-_CHILD = """
-import ctypes, os, sys
-buf = ctypes.create_string_buffer(bytes((i * 7 + 3) % 256 for i in range(1 << 20)), 1 << 20)
-print(ctypes.addressof(buf), os.getpid(), flush=True)
-sys.stdin.read()
-"""
-
-
-def _expected(start: int, n: int) -> bytes:
-    return bytes((i * 7 + 3) % 256 for i in range(start, start + n))
-
-
-@pytest.fixture(scope="module")
-def child() -> Iterator[tuple[int, int]]:
-    """A process holding 1 MiB of known bytes: (address, pid)."""
-    proc = subprocess.Popen([sys.executable, "-c", _CHILD], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    addr, pid = map(int, proc.stdout.readline().split())
-    try:
-        yield addr, pid
-    finally:
-        assert proc.stdin is not None
-        proc.stdin.close()
-        proc.wait(10)
-
-
 def _read_or_skip(pid: int, local: list[int], remote: list[int], lengths: list[int]) -> int:
     try:
         return read_from(pid, local, remote, lengths)
@@ -67,7 +40,8 @@ def _read_or_skip(pid: int, local: list[int], remote: list[int], lengths: list[i
         raise
 
 
-def test_reads_scattered_ranges_of_another_process(child: tuple[int, int]) -> None:
+def test_reads_scattered_ranges_of_another_process(child: tuple[int, int],
+        child_bytes: Callable[[int, int], bytes]) -> None:
     addr, pid = child
     out = ctypes.create_string_buffer(1 << 20)
     base = ctypes.addressof(out)
@@ -76,11 +50,12 @@ def test_reads_scattered_ranges_of_another_process(child: tuple[int, int]) -> No
                         [addr + off for off, _ in ranges], [n for _, n in ranges])
     assert got == sum(n for _, n in ranges)
     for off, n in ranges:
-        assert out.raw[off:off + n] == _expected(off, n)
+        assert out.raw[off:off + n] == child_bytes(off, n)
     assert out.raw[4096:10_000] == b"\0" * (10_000 - 4096)  # nothing else was written
 
 
-def test_more_ranges_than_one_call_takes(child: tuple[int, int]) -> None:
+def test_more_ranges_than_one_call_takes(child: tuple[int, int],
+        child_bytes: Callable[[int, int], bytes]) -> None:
     addr, pid = child
     n = local_reads.IOV_MAX * 2 + 5
     out = ctypes.create_string_buffer(n * 16)
@@ -90,7 +65,7 @@ def test_more_ranges_than_one_call_takes(child: tuple[int, int]) -> None:
                         [addr + 32 * i for i in range(n)], [16] * n)
     assert got == n * 16
     for i in (0, local_reads.IOV_MAX, n - 1):
-        assert out.raw[16 * i:16 * i + 16] == _expected(32 * i, 16)
+        assert out.raw[16 * i:16 * i + 16] == child_bytes(32 * i, 16)
 
 
 def test_unmapped_remote_memory_and_a_dead_pid_are_errors(child: tuple[int, int]) -> None:
@@ -149,7 +124,8 @@ def engine(monkeypatch: pytest.MonkeyPatch) -> MooncakeTransferEngine:
 
 
 def test_a_same_host_peer_is_read_from_its_memory(engine: MooncakeTransferEngine,
-                                                  child: tuple[int, int]) -> None:
+                                                  child: tuple[int, int],
+        child_bytes: Callable[[int, int], bytes]) -> None:
     addr, pid = child
     out = ctypes.create_string_buffer(8192)
     base = ctypes.addressof(out)
@@ -159,7 +135,7 @@ def test_a_same_host_peer_is_read_from_its_memory(engine: MooncakeTransferEngine
     # two adjacent ranges: coalesced into one
     got = engine.read("127.0.0.1:1", [base, base + 4096], [addr + 100, addr + 4196],
                       [4096, 4096])
-    assert got == 8192 and out.raw == _expected(100, 8192)
+    assert got == 8192 and out.raw == child_bytes(100, 8192)
     assert engine.raw.reads == []  # not through the engine
     assert (engine.stats.reads, engine.stats.local_reads) == (1, 1)
     assert engine.stats.bytes_read == engine.stats.bytes_read_local == 8192
@@ -203,14 +179,15 @@ def test_a_refused_read_goes_over_the_engine_and_the_peer_stays_there(
     assert len(engine.raw.reads) == 2 and engine.stats.local_reads == 0
 
 
-def test_a_peer_read_counts_only_while_the_process_lives(child: tuple[int, int]) -> None:
+def test_a_peer_read_counts_only_while_the_process_lives(child: tuple[int, int],
+        child_bytes: Callable[[int, int], bytes]) -> None:
     addr, pid = child
     out = ctypes.create_string_buffer(64)
     _read_or_skip(pid, [ctypes.addressof(out)], [addr], [64])
     peer = local_reads.Peer(pid)
     assert peer.alive()
     assert peer.read([ctypes.addressof(out)], [addr + 64], [64]) == 64
-    assert out.raw == _expected(64, 64)
+    assert out.raw == child_bytes(64, 64)
     peer.close()
     assert not peer.alive()  # its descriptor is gone: never taken for alive
     with pytest.raises(LocalReadError) as info:
@@ -218,10 +195,11 @@ def test_a_peer_read_counts_only_while_the_process_lives(child: tuple[int, int])
     assert info.value.errno == errno.ESRCH
     # a process that exited: its pid names nobody, and a descriptor opened while it lived
     # says so after its pid was read
-    proc = subprocess.Popen([sys.executable, "-c", _CHILD], stdin=subprocess.PIPE,
+    waits = "import os, sys; print(os.getpid(), flush=True); sys.stdin.read()"
+    proc = subprocess.Popen([sys.executable, "-c", waits], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None and proc.stdin is not None
-    _addr2, pid2 = map(int, proc.stdout.readline().split())
+    pid2 = int(proc.stdout.readline())
     gone = local_reads.Peer(pid2)
     proc.stdin.close()
     proc.wait(10)
