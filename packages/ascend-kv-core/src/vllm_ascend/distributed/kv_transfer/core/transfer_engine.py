@@ -4,10 +4,10 @@
 :func:`get_transfer_engine` creates the engine lazily and thread-safely the
 first time a connector (or the pool's Mooncake backend) needs it, with the
 protocol of the device (``ascend`` on NPU, ``rdma`` on CUDA, ``tcp`` on CPU)
-unless overridden; protocol ``local`` (:mod:`.local_protocol`) starts no Mooncake
-engine and opens no port, reading same-host peers only. Memory is registered once even
-when asked twice (the P/D connector and the pool backend may both register the KV
-cache). Batches are coalesced (adjacent ranges merged) and chunked (the engine rejects
+unless overridden; protocol ``local`` (:mod:`.local_protocol`) starts no Mooncake engine
+and opens no port, reading same-host peers only. Memory is registered once even when asked twice (the
+P/D connector and the pool backend may both register the KV cache). Batches
+are coalesced (adjacent ranges merged) and chunked (the engine rejects
 batches of thousands of descriptors), and a negative return code becomes a
 :class:`~vllm_ascend.distributed.kv_transfer.core.errors.TransferError` that
 says what failed and with whom.
@@ -198,9 +198,8 @@ class MooncakeTransferEngine:
         self.listen_ports: set[int] = set()
         self._engine: Any = None
         self.rpc_port = 0
-        if local:
-            self._session = local_protocol.session_name(hostname)
-        else:
+        self._session = local_protocol.session_name(hostname)
+        if not local:
             self._engine = module.TransferEngine()
             listening = own_sockets.listening_ports()
             rc = self._engine.initialize(hostname, metadata_server, protocol, device_name)
@@ -272,10 +271,10 @@ class MooncakeTransferEngine:
                if not local_reads.available() else "")
         if why:
             self.forget_local_peer(peer)  # what the peer (or this process) says now wins
-            if self._engine is None:
-                logger.warning("peer %s cannot be read under protocol local: %s", peer, why)
-            else:
-                logger.info("peer %s is read over the transfer engine: %s", peer, why)
+            logger.log(logging.INFO if self._engine is not None else logging.WARNING,
+                       "peer %s is read over the transfer engine: %s" if self._engine
+                       is not None else "peer %s cannot be read under protocol local: %s",
+                       peer, why)
             return False
         known = self._local_peers.get(peer)
         if known is not None and known.pid == pid and known.alive():
