@@ -70,15 +70,18 @@ def batch(*events: Any) -> Any:
 class Publisher:
     """vLLM's ZmqEventPublisher on loopback ports."""
 
-    def __init__(self, port: int | None = None, replay: bool = True) -> None:
+    def __init__(self, port: int | None = None, replay: bool = True,
+                 buffer_steps: int = 10_000) -> None:
         self.port = port or free_port()
         self.replay_port = free_port() if replay else None
+        self.buffer_steps = buffer_steps
         self.pub = self._make()
 
     def _make(self) -> Any:
         return kv_events.ZmqEventPublisher(
             0, endpoint=f"tcp://*:{self.port}",
-            replay_endpoint=f"tcp://*:{self.replay_port}" if self.replay_port else None)
+            replay_endpoint=f"tcp://*:{self.replay_port}" if self.replay_port else None,
+            buffer_steps=getattr(self, "buffer_steps", 10_000))
 
     @property
     def where(self) -> EventsEndpoint:
@@ -214,6 +217,65 @@ def test_a_lost_batch_is_replayed(publisher: Publisher) -> None:
         assert bare.counts.get("gaps_rebuilt") == 1 and len(bare.index) == 0
     finally:
         ctx.term()
+
+
+def one_block(i: int) -> list[int]:
+    return [1000 * i + j for j in range(BS)]
+
+
+def test_a_stream_started_after_the_buffer_wrapped_goes_live_from_it() -> None:
+    """vLLM keeps its last ``buffer_steps`` batches: a subscriber that starts after an
+    instance sent more cannot have the first ones. It must go live on what the buffer holds
+    (not wait for a batch 0 that never comes, asking again and again), while the instance
+    stays idle."""
+    pub = Publisher(buffer_steps=4)
+    try:
+        for i in range(10):
+            pub.publish(stored(one_block(i)))
+        time.sleep(0.5)  # all sent: the buffer holds batches 6..9
+        s = EventStream("p0", pub.where, PrefixIndex(), PrefixCacheHasher()).start()
+        try:
+            assert wait_for(lambda: s.state == "live", 15), s.as_dict()
+            assert s.last_seq == 9 and s.counts.get("gaps_partial") == 1
+            held = [i for i in range(10) if s.index.matched(keys(one_block(i))) == 1]
+            assert held == [6, 7, 8, 9]
+            assert s.usable
+            pub.publish(stored(one_block(10)))
+            assert wait_for(lambda: s.index.matched(keys(one_block(10))) == 1)
+            assert s.last_seq == 10 and s.counts.get("gaps_partial") == 1
+        finally:
+            s.stop()
+    finally:
+        pub.close()
+
+
+def test_a_gap_older_than_the_buffer_clears_what_it_may_have_removed() -> None:
+    """A gap the buffer no longer covers may hide a removal: the index forgets what it
+    knew and is rebuilt from the buffered batches."""
+    pub = Publisher(buffer_steps=3)
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(pub.where.endpoint)
+    time.sleep(0.3)
+    ctx = zmq.Context()
+    try:
+        pub.publish(stored(one_block(0)))
+        pub.publish(kv_events.BlockRemoved(block_hashes=vllm_block_hashes(one_block(0)),
+                                           medium="GPU"))
+        for i in range(1, 6):
+            pub.publish(stored(one_block(i)))
+        frames = [sub.recv_multipart() for _ in range(7)]
+        s = EventStream("p0", pub.where, PrefixIndex(), PrefixCacheHasher())
+        s.handle(frames[0], ctx)
+        assert s.index.matched(keys(one_block(0))) == 1
+        s.handle(frames[6], ctx)  # batches 1..5 lost; the buffer holds 4..6
+        assert s.counts.get("gaps_partial") == 1 and s.last_seq == 6 and s.state == "live"
+        held = [i for i in range(6) if s.index.matched(keys(one_block(i))) == 1]
+        assert held == [3, 4, 5]  # block 0's removal was lost with batch 1: forgotten
+    finally:
+        sub.close(linger=0)
+        ctx.term()
+        pub.close()
 
 
 def test_restarted_publisher_clears_the_index(publisher: Publisher) -> None:

@@ -14,8 +14,13 @@ as a lost batch; an event of an unknown type is counted and skipped.
 Sequence handling, so that no stale knowledge steers a request:
 
 - the first batch, or a gap (``seq > last + 1``): the missed batches are asked for on the
-  replay socket; without one, or when it does not answer in time or no longer holds them,
-  the index is cleared and rebuilt from the live events (it can then only under-predict);
+  replay socket; without one, or when it does not answer in time, the index is cleared and
+  rebuilt from the live events (it can then only under-predict);
+- a replay that starts later than asked (vLLM keeps only its last ``buffer_steps`` batches,
+  10,000 by default: a subscriber that starts, or comes back, after an instance has sent
+  more has lost the batches before): the index is cleared and rebuilt from the batches the
+  buffer holds, and the stream is live (it misses at most blocks stored before the buffer,
+  never holds one removed); counted ``gaps_partial``;
 - ``seq <= last`` that is not a replayed duplicate: the publisher restarted (its cache is
   empty): the index is cleared and the new publisher's history replayed;
 - ``AllBlocksCleared``: the index is cleared;
@@ -57,6 +62,9 @@ logger = logging.getLogger(__name__)
 END_SEQ = -1
 #: How often a stream that has not heard from its publisher asks the replay socket again.
 SYNC_RETRY_S = 3.0
+#: The longest one replay may take, however steadily its batches come (the wait for each
+#: next batch is the stream's ``replay_timeout_s``).
+REPLAY_LIMIT_S = 60.0
 #: Stream states; only ``live`` lets the policy use the index.
 STATES = ("connecting", "replaying", "live", "dropped", "stopped")
 
@@ -126,8 +134,9 @@ class EventStream:
         index: the index fed.
         hasher: checks stored blocks' hashes against ours (``index.aligned``); None: no check.
         on_event: called with a counter name (``batches``, ``bad_frames``, ``unknown_events``,
-            ``gaps_replayed``, ``gaps_rebuilt``, ``restarts``, ``cleared``, ``drops``).
-        replay_timeout_s: how long to wait for the replay socket.
+            ``gaps_replayed``, ``gaps_partial``, ``gaps_rebuilt``, ``restarts``,
+            ``cleared``, ``drops``).
+        replay_timeout_s: how long to wait for the replay socket's next batch.
         pool: the shared index of the KV pool the instance writes to; None: its pool
             events go to ``index`` like any medium.
         pool_medium: the ``medium`` of the pool's events.
@@ -348,7 +357,11 @@ class EventStream:
 
     def _replay(self, start: int, until: int, ctx: Any) -> bool:
         """Ask the replay socket for batches ``start`` .. ``until - 1`` and apply them.
-        True if they all came (the publisher still buffered them)."""
+
+        True when the index is consistent through ``until - 1`` afterwards: every batch
+        came, or the publisher's buffer no longer held the first ones and the index was
+        rebuilt from what it holds (``gaps_partial``). False: no answer in time, or batches
+        that do not follow one another."""
         if not self.where.replay or ctx is None:
             return False
         import zmq
@@ -358,15 +371,17 @@ class EventStream:
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(self.where.replay)
             sock.send_multipart((b"", start.to_bytes(8, "big")))
-            deadline = time.monotonic() + self.replay_timeout_s
+            limit = time.monotonic() + REPLAY_LIMIT_S
             got: list[tuple[int, bytes]] = []
             while True:
-                left = deadline - time.monotonic()
+                # each next batch within the timeout: a full buffer takes longer than one
+                left = min(self.replay_timeout_s, limit - time.monotonic())
                 if left <= 0 or not sock.poll(int(left * 1000)):
                     # at start the instance may not be up yet: not worth a warning
                     logger.log(logging.INFO if self.last_seq is None else logging.WARNING,
-                               "KV events of %s: replay socket %s did not answer in %.1fs",
-                               self.name, self.where.replay, self.replay_timeout_s)
+                               "KV events of %s: replay socket %s did not answer in %.1fs "
+                               "(%d batches received)", self.name, self.where.replay,
+                               self.replay_timeout_s, len(got))
                     return False
                 frames = sock.recv_multipart()
                 if len(frames) != 4 or len(frames[2]) != 8:
@@ -380,8 +395,19 @@ class EventStream:
             sock.close(linger=0)
         if not got:
             return until <= start
-        if got[0][0] != start:
-            return False  # the publisher's buffer no longer holds the start
+        first = got[0][0]
+        if first < start:
+            return False  # not what was asked: not the publisher we know
+        if first > start:
+            # the buffer no longer holds start .. first - 1: what they said is lost (a
+            # removal among them would leave a stale block), rebuild from the buffer
+            logger.log(logging.INFO if self.last_seq is None else logging.WARNING,
+                       "KV events of %s: the publisher no longer buffers batches %d..%d; "
+                       "prefix index rebuilt from its %d buffered ones", self.name, start,
+                       first - 1, len(got))
+            self._lost()
+            self._count("gaps_partial")
+            self.last_seq = first - 1
         for seq, payload in got:
             if self.last_seq is not None and seq <= self.last_seq:
                 continue

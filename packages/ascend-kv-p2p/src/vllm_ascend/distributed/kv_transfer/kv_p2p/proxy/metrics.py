@@ -34,8 +34,8 @@ class Metrics:
                                  registry=self.registry)
         self.kv_events = Counter("vllm_ascend_pd_proxy_kv_events",
                                  "KV event stream happenings per P instance (batches, "
-                                 "bad_frames, unknown_events, gaps_replayed, gaps_rebuilt, "
-                                 "restarts, cleared, drops).", ["instance", "event"],
+                                 "bad_frames, unknown_events, gaps_replayed, gaps_partial, "
+                                 "gaps_rebuilt, restarts, cleared, drops).", ["instance", "event"],
                                  registry=self.registry)
         self.prompt_tokens = Counter("vllm_ascend_pd_proxy_routed_prompt_tokens",
                                      "Prompt tokens routed by kv_aware, per P instance.",
