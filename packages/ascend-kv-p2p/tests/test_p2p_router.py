@@ -145,6 +145,36 @@ def test_prefix_index_media_and_prefix() -> None:
     assert len(ix) == 0 and ix.cleared == 1
 
 
+def test_prefix_index_is_bounded_and_forgets_the_oldest_first() -> None:
+    """An instance whose removals never come cannot grow its index past the bound: the
+    oldest stored keys go (a 16th of the bound at once), the newest prompt stays whole."""
+    ix = PrefixIndex(16, max_blocks=64)
+    for start in range(0, 10_000, 8):
+        ix.store(list(range(start, start + 8)), "GPU", 16)
+        assert len(ix) <= 64
+    assert ix.matched(list(range(10_000 - 56, 10_000))) == 56  # the newest prompts whole
+    assert ix.matched([0, 1]) == 0 and ix.evicted == 10_000 - len(ix)
+    assert ix.as_dict()["max_blocks"] == 64 and ix.as_dict()["evicted"] == ix.evicted
+    ix.store([10_000 - 1], "CPU", 16)  # an existing key on another medium: nothing evicted
+    assert ix.evicted == 10_000 - len(ix)
+    unbounded = PrefixIndex(max_blocks=None)
+    unbounded.store(list(range(100_000)), "GPU", 16)
+    assert len(unbounded) == 100_000 and unbounded.evicted == 0
+
+
+def test_the_proxy_bounds_each_instance_index() -> None:
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.cli import build_parser, kv_settings
+
+    args = build_parser().parse_args(["--prefill", "http://p:1", "--decode", "http://d:1",
+                                      "--kv-index-max-blocks", "1000"])
+    router = KvRouter(kv_settings(build_parser(), args))
+    router.add("http://p:1", None)
+    assert router.indexes["http://p:1"].max_blocks == 1000
+    with pytest.raises(SystemExit):
+        kv_settings(build_parser(), build_parser().parse_args(
+            ["--prefill", "http://p:1", "--decode", "http://d:1", "--kv-index-max-blocks", "0"]))
+
+
 # ---------------------------------------------------------------- the event stream
 def stream_for(pub: Publisher, **kw: Any) -> EventStream:
     return EventStream("p0", pub.where, PrefixIndex(), PrefixCacheHasher(), **kw).start()

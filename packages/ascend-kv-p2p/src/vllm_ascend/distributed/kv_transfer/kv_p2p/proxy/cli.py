@@ -12,7 +12,7 @@ from .app import ProxyConfig, build_app
 from .events import EventsEndpoint
 from .model import MODES
 from .policies import policy_class, policy_names
-from .prefix_index import HASH_ALGOS, POOL_MAX_BLOCKS, POOL_MEDIUM
+from .prefix_index import HASH_ALGOS, POOL_MAX_BLOCKS, POOL_MEDIUM, PREFIX_MAX_BLOCKS
 from .router import KvAwareSettings
 
 
@@ -88,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="blocks a pool index keeps at most, the most recently stored "
                          "(Mooncake Store and Memcache do not announce their evictions; "
                          "default: %(default)s)")
+    kv.add_argument("--kv-index-max-blocks", type=int, default=PREFIX_MAX_BLOCKS,
+                    help="blocks the index of one P instance keeps at most, the most "
+                         "recently stored (an instance whose removals never come cannot "
+                         "grow it further; default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="seconds to wait for an instance's answer (default: %(default)s)")
     parser.add_argument("--lease-renew-interval", type=float, default=5.0,
@@ -133,11 +137,14 @@ def kv_settings(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Kv
              if name.strip() not in ("", "-")}
     if args.pool_max_blocks <= 0:
         parser.error("--pool-max-blocks must be positive")
+    if args.kv_index_max_blocks <= 0:
+        parser.error("--kv-index-max-blocks must be positive")
     return KvAwareSettings(hash_algo=args.kv_hash_algo, hash_seed=args.kv_hash_seed,
                            block_size=args.kv_block_size, load_weight=args.kv_load_weight,
                            topic=args.kv_events_topic, events=events,
                            pool_shared=args.pool_shared, pools=pools,
-                           pool_medium=args.pool_medium, pool_max_blocks=args.pool_max_blocks)
+                           pool_medium=args.pool_medium, pool_max_blocks=args.pool_max_blocks,
+                           index_max_blocks=args.kv_index_max_blocks)
 
 
 def metaserver_url(args: argparse.Namespace) -> str:

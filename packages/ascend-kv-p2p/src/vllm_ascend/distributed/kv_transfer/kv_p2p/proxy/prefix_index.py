@@ -18,6 +18,7 @@ several instances share (fed by the pool's events on their streams).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
@@ -35,6 +36,12 @@ HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 POOL_MEDIUM = "cpu"
 #: Blocks a shared pool index remembers at most (the oldest stored are forgotten first).
 POOL_MAX_BLOCKS = 1 << 20
+#: Blocks one instance's index remembers at most (the oldest stored are forgotten first):
+#: more than a device cache and an offload tier of millions of blocks hold; only a stream
+#: whose removals never come (an instance that does not publish them) reaches it.
+PREFIX_MAX_BLOCKS = 1 << 22
+#: Share of the bound forgotten at once when it is passed (one pass over the oldest keys).
+_EVICT_SHARE = 16
 
 
 def block_key(block_hash: bytes | int) -> int:
@@ -143,16 +150,25 @@ class PrefixIndex(_KeyIndex):
 
     A block may be held on several media (``GPU``, ``CPU`` from an offload tier): it stays
     in the index until removed from all of them.
+
+    Bounded: past ``max_blocks`` keys the oldest stored ones (a 16th of the bound, in one
+    pass) are forgotten and counted in ``evicted``; a forgotten key only under-predicts.
+    None: unbounded (benchmarks of the structure alone).
     """
 
-    def __init__(self, block_size: int | None = None) -> None:
+    def __init__(self, block_size: int | None = None,
+                 max_blocks: int | None = PREFIX_MAX_BLOCKS) -> None:
         #: configured block size; None: learned from the first BlockStored
         self.block_size = block_size
-        self._blocks: dict[int, set[str]] = {}
+        self.max_blocks = None if max_blocks is None else max(1, int(max_blocks))
+        #: key -> the media holding it, one bit each (a small int: no set a block)
+        self._blocks: dict[int, int] = {}
+        self._media: dict[str, int] = {}
         self._lock = threading.Lock()
         self.stored = 0
         self.removed = 0
         self.cleared = 0
+        self.evicted = 0
         #: hash checks of stored blocks: recomputed here from the event's tokens
         self.hash_verified = 0
         self.hash_mismatched = 0
@@ -167,20 +183,40 @@ class PrefixIndex(_KeyIndex):
                 self.block_size_mismatch = block_size
         where = medium or "GPU"
         with self._lock:
+            bit = self._media.get(where)
+            if bit is None:
+                bit = self._media[where] = 1 << len(self._media)
+            blocks = self._blocks
             for k in keys:
-                self._blocks.setdefault(k, set()).add(where)
+                blocks[k] = blocks.get(k, 0) | bit
             self.stored += len(keys)
+            if self.max_blocks is not None and len(self._blocks) > self.max_blocks:
+                self._evict()
+
+    def _evict(self) -> None:
+        """Forget the oldest stored keys down to the bound less a 16th (lock held): in one
+        pass, as deleting a dict's first key one at a time rescans the deleted slots."""
+        assert self.max_blocks is not None
+        blocks = self._blocks
+        n = len(blocks) - self.max_blocks + self.max_blocks // _EVICT_SHARE
+        for k in list(itertools.islice(iter(blocks), n)):
+            del blocks[k]
+        self.evicted += n
 
     def remove(self, keys: Sequence[int], medium: str | None) -> None:
-        where = medium or "GPU"
         with self._lock:
-            for k in keys:
-                media = self._blocks.get(k)
-                if media is None:
-                    continue
-                media.discard(where)
-                if not media:
-                    del self._blocks[k]
+            bit = self._media.get(medium or "GPU")
+            if bit is not None:  # else: no block was ever stored there
+                blocks = self._blocks
+                for k in keys:
+                    media = blocks.get(k)
+                    if media is None:
+                        continue
+                    media &= ~bit
+                    if media:
+                        blocks[k] = media
+                    else:
+                        del blocks[k]
             self.removed += len(keys)
 
     def clear(self) -> None:
@@ -189,8 +225,9 @@ class PrefixIndex(_KeyIndex):
             self.cleared += 1
 
     def as_dict(self) -> dict[str, Any]:
-        return {"blocks": len(self), "block_size": self.block_size, "stored": self.stored,
-                "removed": self.removed, "cleared": self.cleared,
+        return {"blocks": len(self), "max_blocks": self.max_blocks,
+                "block_size": self.block_size, "stored": self.stored,
+                "removed": self.removed, "cleared": self.cleared, "evicted": self.evicted,
                 "hash_verified": self.hash_verified, "hash_mismatched": self.hash_mismatched,
                 "block_size_mismatch": self.block_size_mismatch, "aligned": self.aligned}
 

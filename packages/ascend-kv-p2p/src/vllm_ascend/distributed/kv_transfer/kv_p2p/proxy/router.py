@@ -52,6 +52,7 @@ from .events import EventsEndpoint, EventStream
 from .prefix_index import (
     POOL_MAX_BLOCKS,
     POOL_MEDIUM,
+    PREFIX_MAX_BLOCKS,
     PoolIndex,
     PrefixCacheHasher,
     PrefixIndex,
@@ -91,6 +92,8 @@ class KvAwareSettings:
     pool_medium: str = POOL_MEDIUM
     #: blocks a pool index keeps at most
     pool_max_blocks: int = POOL_MAX_BLOCKS
+    #: blocks one instance's index keeps at most
+    index_max_blocks: int = PREFIX_MAX_BLOCKS
 
     def pool_of(self, url: str) -> str | None:
         """The shared pool ``url`` writes to (None: none)."""
@@ -135,7 +138,7 @@ class KvRouter:
         (default: the settings')."""
         # a re-added instance: its pool's forgetting must not race its new stream's replay
         self.remove(url, forget_now=True)
-        index = PrefixIndex(self.settings.block_size)
+        index = PrefixIndex(self.settings.block_size, self.settings.index_max_blocks)
         self.indexes[url] = index
         group = pool or self.settings.pool_of(url)
         pool_index = None
