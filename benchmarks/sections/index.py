@@ -66,7 +66,19 @@ def section_index(d: dict[str, Any], images: Images) -> str:
     """Body of the section: what was driven, at which sizes, and the bound's facts."""
     del images
     pool = d.get("pool") or {}
-    bounded = d.get("instance_index_bounded")
+    bound = num(d.get("instance_default_bound"))
+    fills = [f for f in d.get("fills") or [] if num(f.get("rss_bytes_per_block"))]
+    per_block = num(fills[-1].get("rss_bytes_per_block")) if fills else None
+    if bound is None:
+        bounded = ("has no bound of its own: it holds what its instance's events stored and "
+                   "did not remove (as much as the instance's caches hold while its events "
+                   "arrive)")
+    else:
+        bounded = (f"keeps at most {int(bound)} blocks (the proxy's `--kv-index-max-blocks`, "
+                   f"the oldest stored forgotten first: a forgotten block only "
+                   f"under-predicts), measured here without that bound to see the structure "
+                   f"at every size; at the {fmt(per_block)} B a block of the most tracked, "
+                   f"{fmt(per_block and bound * per_block / 2**20)} MiB an instance at most")
     return (f"Driven: {d.get('driven', '–')}; batches of {d.get('blocks_per_batch', '–')} "
             f"blocks ({d.get('blocks_per_event', '–')} a `BlockStored`, blocks of "
             f"{d.get('block_size', '–')} tokens), {d.get('batches_per_round', '–')} stored and "
@@ -74,9 +86,7 @@ def section_index(d: dict[str, Any], images: Images) -> str:
             f"{d.get('prompt_blocks', '–')}-block prompt, {d.get('rounds', '–')} rounds, the "
             f"sizes in turns, at {', '.join(str(n) for n in d.get('sizes') or [])} blocks "
             f"tracked; memory: {d.get('memory', '–')}. The per-instance `PrefixIndex` "
-            f"{'has a bound' if bounded else 'has no bound of its own'}: it holds what its "
-            f"instance's events stored and did not remove (as much as the instance's caches "
-            f"hold while its events arrive). The shared pool's `PoolIndex`, bound "
+            f"{bounded}. The shared pool's `PoolIndex`, bound "
             f"{pool.get('bound', '–')} blocks, was stored {pool.get('stored_per_round', '–')} "
             f"blocks a round.\n")
 

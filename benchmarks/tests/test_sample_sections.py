@@ -345,3 +345,15 @@ def test_index_rows_judge_the_pool_bound_and_the_lookup_growth(tmp_path: Path) -
         _entry("index", good, result))
     assert "| 100000 | 400 | 160 [" in body and "| 1048576 | 2097152 | 1048576 | 64 | 512 |" in body
     assert "A lookup at 10000000 blocks tracked / at 100000 (rounds paired): 1.5 [" in body
+
+
+def test_index_section_states_the_instance_bound_in_memory() -> None:
+    """The run's bound (``instance_default_bound``) times the bytes a block of the most
+    tracked: the memory an instance's index may take, computed, not typed."""
+    section = importlib.import_module("bench_sections.index").section_index
+    fills = [{"blocks": 100_000, "rss_bytes_per_block": 300.0},
+             {"blocks": 10_000_000, "rss_bytes_per_block": 100.0}]
+    body = section({"instance_default_bound": 1 << 22, "fills": fills}, None)
+    assert "keeps at most 4194304 blocks" in body and "400 MiB an instance at most" in body
+    old = section({"instance_index_bounded": False, "fills": fills}, None)
+    assert "has no bound of its own" in old

@@ -14,7 +14,10 @@ import msgspec
 import pytest
 
 from vllm_ascend.distributed.kv_transfer.bench import index, index_child
-from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.prefix_index import POOL_MAX_BLOCKS
+from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.prefix_index import (
+    POOL_MAX_BLOCKS,
+    PREFIX_MAX_BLOCKS,
+)
 
 SPEC: dict[str, Any] = {"block_size": 16, "blocks_per_batch": 8, "blocks_per_event": 1,
                         "batches": 3, "lookups": 5}
@@ -77,7 +80,8 @@ def test_a_small_run_writes_its_json_and_a_ledger_entry(tmp_path: Path,
                  "--ledger", str(ledger))
     assert args.func(args) == 0
     doc = json.loads((tmp_path / "out" / "index.json").read_text())
-    assert doc["sizes"] == [2000, 4000] and doc["instance_index_bounded"] is False
+    assert doc["sizes"] == [2000, 4000] and doc["instance_index_bounded"] is True
+    assert doc["instance_default_bound"] == PREFIX_MAX_BLOCKS
     assert doc["pool_default_bound"] == POOL_MAX_BLOCKS
     assert [r["held"] for r in doc["rows"]] == [[2000, 2000], [4000, 4000]]
     assert doc["pool"]["held"] == [256, 256] and doc["pool"]["held_at_most_bound"] is True

@@ -25,8 +25,11 @@ round at each size:
   64-block prompt the index holds whole, starting at a random held block, each timed (the
   prompt's block hashes are computed before: hashing does not depend on what is tracked).
 
-``PrefixIndex`` has no bound of its own: every round records what it holds against the
-blocks stored minus removed. The shared pool's bound is measured in another child: each
+The proxy bounds each ``PrefixIndex`` at ``PREFIX_MAX_BLOCKS`` (``--kv-index-max-blocks``,
+the oldest stored forgotten first), below 10^7: the instance indexes here are built without
+it, to measure the structure at every size, and every round records what one holds against
+the blocks stored minus removed; the report states the bound's memory at the measured
+bytes a block. The shared pool's bound is measured in another child: each
 round a fresh ``PoolIndex`` of bound ``--pool-bound`` (default the proxy's
 ``POOL_MAX_BLOCKS``; ``--quick`` 2^14) is stored twice as many blocks (its pool's events,
 ``medium`` ``cpu``); recorded: what it holds after, its evictions, the time of each batch
@@ -188,7 +191,10 @@ def run_pool(spec: dict[str, Any], rounds: int, logs: Path) -> list[dict[str, An
 
 def run(args: argparse.Namespace) -> int:
     """Run the section; print and write the results."""
-    from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.prefix_index import POOL_MAX_BLOCKS
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.prefix_index import (
+        POOL_MAX_BLOCKS,
+        PREFIX_MAX_BLOCKS,
+    )
 
     check_args(args)
     sizes = tuple(args.sizes or (QUICK_SIZES if args.quick else SIZES))
@@ -219,7 +225,8 @@ def run(args: argparse.Namespace) -> int:
                "lookups_per_round": lookups, "block_size": args.block_size,
                "blocks_per_batch": bpb, "blocks_per_event": args.blocks_per_event,
                "prompt_blocks": 64, "memory": "RSS delta (/proc/self/statm) over the fill",
-               "pool_default_bound": POOL_MAX_BLOCKS, "instance_index_bounded": False,
+               "pool_default_bound": POOL_MAX_BLOCKS, "instance_index_bounded": True,
+               "instance_default_bound": PREFIX_MAX_BLOCKS,
                "fills": [fills[n] for n in sizes], "rows": rows, "pool": pool_summary}
     samples = []
     for n in sizes:

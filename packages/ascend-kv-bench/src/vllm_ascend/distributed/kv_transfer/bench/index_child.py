@@ -129,7 +129,8 @@ class InstanceIndex:
         self.blocks = int(spec["blocks"])
         self.feed = Feed(spec["block_size"], spec["blocks_per_batch"],
                          spec["blocks_per_event"], "GPU")
-        self.index = PrefixIndex(spec["block_size"])
+        # without the proxy's bound (PREFIX_MAX_BLOCKS, below 10^7): the structure alone
+        self.index = PrefixIndex(spec["block_size"], max_blocks=None)
         self.stream = _stream(self.index)
         self.rng = random.Random(spec.get("seed", 0))
         #: the blocks held: numbers lo .. hi - 1 (stored in order, removed oldest first)
