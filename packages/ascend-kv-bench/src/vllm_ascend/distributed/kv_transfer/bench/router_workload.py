@@ -1,7 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The shared-prefix workload of ``bench router`` and ``bench fleet``: a Mooncake trace's
-``hash_ids`` (or a synthetic trace of its shape) made token-id prompts, and the best prefix
-hit rate any router could reach on it."""
+"""The shared-prefix workload of ``bench router`` and ``bench fleet``.
+
+A Mooncake trace's ``hash_ids`` (or a synthetic trace of its shape) made token-id prompts,
+and the best prefix hit rate any router could reach on it.
+"""
 
 from __future__ import annotations
 
