@@ -193,6 +193,8 @@ def section_client(d: dict[str, Any], images: Images) -> str:
 # ---------------------------------------------------------------------- raw samples
 #: Our pull pair and the peers of the alternating rounds (``bench client --rounds``).
 OURS, MOONCAKE, NIXL = "pd-pull", "pd-vllm-mooncake", "pd-vllm-nixl"
+#: Targets of vLLM's own connectors (no ``kv_loaded`` counter of ours on their D).
+PEERS = (MOONCAKE, NIXL)
 
 
 def _round_medians(entry: Mapping[str, Any], target: str, what: str
@@ -230,17 +232,19 @@ def ttft_ahead_of(peer_target: str) -> Any:
 
 
 def no_failure_kv_moved(entry: Mapping[str, Any]) -> Measured | None:
-    """Failed requests over every run of the entry (single runs and rounds), met only at 0
-    with every P/D run's D having loaded KV for each completed request; a count, its
-    interval itself, over the run's alternating rounds."""
+    """Failed requests over every run of the entry (single runs and rounds, peers' too),
+    met only at 0 with every run of our P/D targets having D load KV for each completed
+    request (vLLM's connectors, the peers, have no such counter: their runs are not judged
+    on it); a count, its interval itself, over the run's alternating rounds."""
     d = entry.get("result") or {}
-    runs = [r for e in (d.get("targets") or {}).values() for r in e.get("runs") or []]
+    runs = [(t, r) for t, e in (d.get("targets") or {}).items() for r in e.get("runs") or []]
     rounds = d.get("rounds") or {}
-    runs += [r for by in (rounds.get("runs") or {}).values() for rs in by.values() for r in rs]
+    runs += [(t, r) for t, by in (rounds.get("runs") or {}).items() for rs in by.values()
+             for r in rs]
     if not runs:
         return None
-    failed = sum(int(r.get("failed") or 0) for r in runs)
-    unmoved = [r for r in runs if isinstance(r.get("transfers"), Mapping)
+    failed = sum(int(r.get("failed") or 0) for _, r in runs)
+    unmoved = [r for t, r in runs if t not in PEERS and isinstance(r.get("transfers"), Mapping)
                and (num(r["transfers"].get("kv_loaded")) or 0) < int(r.get("completed") or 0)]
     where = f"{len(runs)} runs" + (f", {len(unmoved)} with requests D recomputed"
                                    if unmoved else "")

@@ -184,8 +184,11 @@ def _client(ours_ttft: float, ours_tpot: float, failed: int = 0) -> dict[str, An
     samples = [s("pd-pull", "ttft_s", ours_ttft), s("pd-pull", "tpot_s", ours_tpot),
                s("pd-vllm-mooncake", "ttft_s", 0.5), s("pd-vllm-mooncake", "tpot_s", 0.02)]
     run = {"completed": 8, "failed": failed, "transfers": {"kv_loaded": 8}}
-    result = {"targets": {"pd-pull": {"runs": [run]}},
-              "rounds": {"rounds": 9, "runs": {"pd-pull": {"4": [run] * 9}}}}
+    # vLLM's MooncakeConnector has no kv_loaded counter of ours: not judged on it
+    peer = {"completed": 8, "failed": 0, "transfers": {"kv_tokens": 8000.0}}
+    result = {"targets": {"pd-pull": {"runs": [run]}, "pd-vllm-mooncake": {"runs": [peer]}},
+              "rounds": {"rounds": 9, "runs": {"pd-pull": {"4": [run] * 9},
+                                               "pd-vllm-mooncake": {"4": [peer] * 9}}}}
     return _entry("client", samples, result)
 
 
@@ -200,7 +203,13 @@ def test_client_rows_from_every_requests_ttft_and_tpot(tmp_path: Path) -> None:
     slower = _client(0.4, 0.022, failed=1)
     assert _row(tmp_path / "e", slower, CLIENT_TPOT).met is False  # 0.909 of the peer's
     lost = _row(tmp_path / "f", slower, CLIENT_FAILED)
-    assert lost.met is False and lost.measured.value == 10.0  # one a run, 10 runs
+    assert lost.met is False and lost.measured.value == 10.0  # one a run of ours, 10 runs
+    # a run of ours whose D loaded fewer requests than completed: recomputed, not met
+    recomputed = _client(0.4, 0.02)
+    recomputed["result"]["rounds"]["runs"]["pd-pull"]["4"][3] = {
+        "completed": 8, "failed": 0, "transfers": {"kv_loaded": 7}}
+    row = _row(tmp_path / "g", recomputed, CLIENT_FAILED)
+    assert row.met is False and "1 with requests D recomputed" in row.measured.where
     body = importlib.import_module("bench_sections.client").samples_client(entry)
     assert "| 4 | 10 | 4" in body
 
