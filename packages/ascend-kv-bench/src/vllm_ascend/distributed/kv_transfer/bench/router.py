@@ -47,6 +47,7 @@ from .benchutil import (
     write_results,
 )
 from .client.procs import Server, scrape, warm_up
+from .fleet.routers import POLICIES as FLEET_POLICIES
 from .ledger import series_of_rounds
 from .router_workload import (
     best_achievable,
@@ -60,9 +61,9 @@ logger = logging.getLogger(__name__)
 
 NAME = "router"
 POLICIES = ("round_robin", "least_loaded", "kv_aware")
-#: vLLM's router's policies (``--policies vllm-router:NAME``).
+#: vLLM's router's policies (``--policies vllm-router:NAME``), those ``bench fleet`` runs.
 VLLM_ROUTER = "vllm-router:"
-VLLM_ROUTER_POLICIES = ("round_robin", "cache_aware", "kv_aware")
+VLLM_ROUTER_POLICIES = FLEET_POLICIES["vllm-router"]
 NUM_REQUESTS, QUICK_REQUESTS = 200, 24
 BLOCK_SIZE = 32
 MAX_BLOCKS = 16
