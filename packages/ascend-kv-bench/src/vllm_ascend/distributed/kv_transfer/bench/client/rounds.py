@@ -1,15 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 """``bench client --rounds N``: our P/D pull pair against vLLM's own, alternating.
 
-Our pair and vLLM's own ``MooncakeConnector`` pair under vLLM's client, in alternating
-rounds.
+Our pair, vLLM's own ``MooncakeConnector`` pair and vLLM's ``NixlConnector`` pair (those of
+the two that can run here: :func:`~.deploy.peer_missing`) under vLLM's client, in
+alternating rounds.
 
-Both pairs stay up for the whole comparison (both P's on core 0, both D's on core 1; the
-pair not measured is idle). Each round runs vLLM's client against one pair, then the other
-(who goes first flips every round), at each concurrency, with the same prompts for both
-(one dataset seed per round and concurrency, new to both pairs). Per concurrency and metric
-(TTFT mean and p50, TPOT p50, output tokens/s): ours / theirs as the ratio of the medians
-over the rounds, the per-round min-max and the paired bootstrap interval
+Every pair stays up for the whole comparison (the P's on core 0, the D's on core 1; the
+pairs not measured are idle). Each round runs vLLM's client against one pair after the
+other (who goes first rotates every round), at each concurrency, with the same prompts for
+all (one dataset seed per round and concurrency, new to every pair). Per peer, concurrency
+and metric (TTFT mean and p50, TPOT p50, output tokens/s): ours / theirs as the ratio of
+the medians over the rounds, the per-round min-max and the paired bootstrap interval
 (:func:`~vllm_ascend.distributed.kv_transfer.bench.stats.compare`). A run with
 a failed request is left out of the ratios and counted.
 """
@@ -23,13 +24,13 @@ from typing import Any
 from ..benchutil import Steps
 from ..ledger import series
 from ..stats import compare, spread
-from .deploy import VLLM_PEERS_MISSING, one_run, peers_dir, start_target, targets
+from .deploy import one_run, peer_missing, start_target, targets
 from .procs import warm_up
 
 logger = logging.getLogger(__name__)
 
-#: ours, then the peer
-PAIR = ("pd-pull", "pd-vllm-mooncake")
+#: ours, then the peers
+PAIR = ("pd-pull", "pd-vllm-mooncake", "pd-vllm-nixl")
 #: (metric of a run, True when higher is better)
 METRICS = (("ttft_mean_ms", False), ("ttft_p50_ms", False), ("tpot_p50_ms", False),
            ("output_tok_per_s", True))
@@ -37,25 +38,29 @@ METRICS = (("ttft_mean_ms", False), ("ttft_p50_ms", False), ("tpot_p50_ms", Fals
 SEED0 = 1000
 
 
-def round_order(names: tuple[str, str], r: int) -> tuple[str, str]:
-    """Who runs first in round ``r``: ours in even rounds, the peer in odd ones."""
-    return names if r % 2 == 0 else (names[1], names[0])
+def round_order(names: tuple[str, ...], r: int) -> tuple[str, ...]:
+    """Who runs in which turn in round ``r``: the names rotated by ``r`` (two of them: ours
+    first in even rounds, the peer in odd ones)."""
+    k = r % len(names)
+    return (*names[k:], *names[:k])
 
 
 def summarize_rounds(runs: dict[str, dict[int, list[dict[str, Any]]]],
                      concurrency: tuple[int, ...]) -> list[dict[str, Any]]:
-    """Ours / the peer per concurrency and metric, from each round's run of each
-    (``runs[target][concurrency]``, one row a round, in round order)."""
-    ours, peer = PAIR
+    """Ours / each peer per concurrency and metric, from each round's run of each
+    (``runs[target][concurrency]``, one row a round, in round order; ours is the first)."""
+    ours, *peers = list(runs)
     out = []
-    for conc in concurrency:
-        a_rows, b_rows = runs[ours][conc], runs[peer][conc]
-        for metric, higher in METRICS:
-            a = [None if r.get("failed") else r.get(metric) for r in a_rows]
-            b = [None if r.get("failed") else r.get(metric) for r in b_rows]
-            stats = compare(a, b)
-            out.append({"concurrency": conc, "metric": metric, "higher_is_better": higher,
-                        **stats.as_dict(), "ours": spread(a), "peer": spread(b)})
+    for peer_name in peers:
+        for conc in concurrency:
+            a_rows, b_rows = runs[ours][conc], runs[peer_name][conc]
+            for metric, higher in METRICS:
+                a = [None if r.get("failed") else r.get(metric) for r in a_rows]
+                b = [None if r.get("failed") else r.get(metric) for r in b_rows]
+                stats = compare(a, b)
+                out.append({"peer_target": peer_name, "concurrency": conc, "metric": metric,
+                            "higher_is_better": higher, **stats.as_dict(),
+                            "ours": spread(a), "peer": spread(b)})
     return out
 
 
@@ -63,31 +68,35 @@ def run_rounds(cfg: Any, steps: Steps, work: Path, rounds: int) -> dict[str, Any
     """The alternating rounds (``cfg``: the run's ``ClientConfig``); their entry of the
     results."""
     chosen = {t.name: t for t in targets() if t.name in PAIR}
-    entry: dict[str, Any] = {"pair": list(PAIR), "rounds": rounds,
-                             "concurrency": list(cfg.concurrency)}
-    if peers_dir() is None:
-        steps.note(f"rounds: {VLLM_PEERS_MISSING}")
-        return {**entry, "status": "not run", "reason": VLLM_PEERS_MISSING}
+    missing = {n: why for n in PAIR[1:] if (why := peer_missing(chosen[n], cfg))}
+    names = tuple(n for n in PAIR if n not in missing)
+    entry: dict[str, Any] = {"pair": list(names), "rounds": rounds,
+                             "concurrency": list(cfg.concurrency), "not_run": missing}
+    for n, why in missing.items():
+        steps.note(f"rounds: {n}: {why}")
+    if len(names) < 2:
+        reason = "; ".join(missing.values())
+        return {**entry, "status": "not run", "reason": reason}
     logs = cfg.out / "client-logs"
     logs.mkdir(parents=True, exist_ok=True)
     deps: dict[str, Any] = {}
     runs: dict[str, dict[int, list[dict[str, Any]]]] = {
-        n: {c: [] for c in cfg.concurrency} for n in PAIR}
+        n: {c: [] for c in cfg.concurrency} for n in names}
     try:
-        for name in PAIR:
+        for name in names:
             deps[name] = start_target(chosen[name], cfg, logs)
             warm_up(deps[name].url, cfg.model, cfg.vocab, cfg.input_len, seed=7)
-        steps.note(f"rounds: {' and '.join(PAIR)} up")
+        steps.note(f"rounds: {' and '.join(names)} up")
         for r in range(rounds):
             for ci, conc in enumerate(cfg.concurrency):
-                for name in round_order(PAIR, r):
+                for name in round_order(names, r):
                     row = one_run(deps[name], cfg, conc, seed=SEED0 + 100 * r + ci, extra=(),
                                   work=work / "rounds" / name, tag=f"-r{r}")
                     runs[name][conc].append({"round": r, **row})
             steps.note(f"rounds: round {r + 1} of {rounds}: " + "; ".join(
                 f"{n} c{c} TTFT p50 {runs[n][c][-1].get('ttft_p50_ms') or 0:.0f} ms, "
                 f"{runs[n][c][-1].get('failed')} failed"
-                for c in cfg.concurrency for n in PAIR))
+                for c in cfg.concurrency for n in names))
     except Exception as exc:  # recorded, not fatal, as the single runs are
         logger.exception("client rounds failed")
         return {**entry, "status": "failed", "reason": str(exc)[-2000:], "runs": runs}
@@ -96,7 +105,7 @@ def run_rounds(cfg: Any, steps: Steps, work: Path, rounds: int) -> dict[str, Any
             for s in reversed(dep.servers):
                 s.stop()
     failed = {n: sum(int(row.get("failed") or 0) for c in runs[n] for row in runs[n][c])
-              for n in PAIR}
+              for n in names}
     return {**entry, "status": "ok" if not any(failed.values()) else "failed requests",
             "failed": failed, "runs": runs,
             "comparisons": summarize_rounds(runs, tuple(cfg.concurrency))}
