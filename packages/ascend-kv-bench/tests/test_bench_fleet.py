@@ -201,6 +201,54 @@ def test_churn_behind_our_proxy_loses_nothing(tmp_path: Path) -> None:
     assert time.monotonic() - start < 60
 
 
+def test_replicas_of_our_proxy_share_only_the_instances_kv_events(tmp_path: Path) -> None:
+    """Two replicas of our ``kv_aware`` proxy (``ours*2``), each subscribed to every P's KV
+    events and sharing nothing else: a prompt sent through one replica and again through the
+    other goes to the P that cached it, and hits."""
+    from vllm_ascend.distributed.kv_transfer.bench.fleet.routers import parse_spec
+    from vllm_ascend.distributed.kv_transfer.core.net import free_port
+
+    assert parse_spec("ours*2:kv_aware") == ("ours", "kv_aware", 2)
+    assert parse_spec("vllm-router:cache_aware") == ("vllm-router", "cache_aware", 1)
+    for bad in ("vllm-router*2:kv_aware", "ours*0:kv_aware", "ours*x:kv_aware", "ours",
+                "ours:cache_aware"):
+        with pytest.raises(ValueError):
+            parse_spec(bad)
+    # six prompts of six blocks, no block shared between them
+    prompts = [[100 * i + t for t in range(96)] for i in range(6)]
+    # the second pass sends them in reverse order: each through the other replica than the
+    # first pass did, and, with 3 P, not where a round robin would send it again
+    swapped = prompts[::-1]
+
+    async def main() -> tuple[list[Any], list[Any], list[int], float | None]:
+        fleet, prefill, decode = await _fleet(3, 1)
+        loop = asyncio.get_running_loop()
+        router = Router("ours", "kv_aware", prefill, decode, tmp_path, free_port(), replicas=2)
+        try:
+            await loop.run_in_executor(None, router.start, 60.0)
+            pids = [p.pid for p in router.procs]
+            kw = {"fleet_url": fleet.control.url, "prefill": prefill, "decode": decode,
+                  "output_len": 2}
+            first, _, _ = await drive(router, prompts, 5.0, **kw)
+            await asyncio.sleep(1.0)  # the P's events reach both replicas
+            second, _, _ = await drive(router, swapped, 5.0, **kw)
+            return first, second, pids, router.cpu_seconds()
+        finally:
+            await loop.run_in_executor(None, router.stop)
+            await fleet.stop()
+
+    first, second, pids, cpu = asyncio.run(main())
+    assert len(set(pids)) == 2 and cpu is not None and cpu > 0
+    rows1 = [s.row(0.0) for s in first]
+    rows2 = {5 - i: s.row(0.0) for i, s in enumerate(second)}
+    assert all(r["status"] == 200 for r in rows1 + list(rows2.values()))
+    assert len({r["p"] for r in rows1}) >= 2  # the first pass spread over the P
+    for i, r in enumerate(rows1):
+        assert rows2[i]["p"] == r["p"], (i, r, rows2[i])
+        assert (rows2[i]["cached_tokens"] or 0) >= 64  # its leading blocks, cached on that P
+    assert (tmp_path / "router-oursx2-kv_aware-1.log").exists()
+
+
 def test_rounds_take_turns_and_each_point_is_one_series_of_rounds() -> None:
     routers = [("ours", "kv_aware"), ("vllm-router", "cache_aware")]
     assert list(turns(routers, 3)) == [(0, routers[0]), (0, routers[1]), (1, routers[1]),

@@ -34,7 +34,7 @@ from typing import Any
 from ..benchutil import Steps, add_common_args, format_table, write_results
 from ..ledger import series
 from .load import Churn, churn_figures, drive, fleet_stats, summarize
-from .routers import POLICIES, Router
+from .routers import Router, parse_spec
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +112,8 @@ def one_run(fleet: FleetProc, kind: str, policy: str, prompts: list[list[int]],
 
     fleet.reset()
     time.sleep(0.3)  # the cleared events reach the subscribers before the router starts
-    router = Router(kind, policy, fleet.prefill, fleet.decode, logs, free_port())
+    base, _, replicas = parse_spec(f"{kind}:{policy}")
+    router = Router(base, policy, fleet.prefill, fleet.decode, logs, free_port(), replicas)
     row: dict[str, Any] = {"router": kind, "policy": policy, "rate": rate,
                            "churn": churn is not None}
     try:
@@ -147,10 +148,11 @@ def run(args: argparse.Namespace) -> int:
         args.instances, args.rates, args.traces = "4", "20", "deep-prefix-tree"
         args.routers, args.duration = "none:round_robin,ours:round_robin", 2.0
     routers = [tuple(r.split(":", 1)) for r in args.routers.split(",")]
-    for kind, policy in routers:
-        if kind not in POLICIES or policy not in POLICIES[kind]:
-            raise SystemExit(f"unknown router:policy {kind}:{policy}; known: "
-                             + ", ".join(f"{k}:{p}" for k, ps in POLICIES.items() for p in ps))
+    for spec in args.routers.split(","):
+        try:
+            parse_spec(spec)
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
     sizes = [int(n) for n in args.instances.split(",")]
     rates = [float(r) for r in args.rates.split(",")]
     traces = args.traces.split(",")
@@ -280,7 +282,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--traces", default=",".join(TRACES), help="traces, comma-separated")
     p.add_argument("--routers", default=",".join(DEFAULT_ROUTERS),
                    help="ROUTER:POLICY, comma-separated; routers: ours, vllm-router, none "
-                        "(the client routes, the baseline) (default: %(default)s)")
+                        "(the client routes, the baseline), ours*N (N replicas of our proxy, "
+                        "the requests spread over them in turn) (default: %(default)s)")
     p.add_argument("--duration", type=float, default=8.0,
                    help="seconds of load a run (rate * duration requests)")
     p.add_argument("--output-len", type=int, default=16, help="tokens each request decodes")

@@ -226,9 +226,12 @@ async def drive(router: Router, prompts: Sequence[list[int]], rate: float, *, fl
                     body["kv_transfer_params"] = json.loads(data)["kv_transfer_params"]
                     status, data = await client(d_url).request("POST", "/v1/completions",
                                                                body, timeout)
-            else:
-                status, data = await client(router.url).request("POST", "/v1/completions",
-                                                                body, timeout)
+            else:  # replicas of our proxy take the requests in turn
+                i = rr[0]
+                rr[0] += 1
+                url = router.urls[i % len(router.urls)]
+                status, data = await client(url).request("POST", "/v1/completions", body,
+                                                         timeout)
             s.latency_s = time.monotonic() - s.sent
             s.status = status
             if status == 200:

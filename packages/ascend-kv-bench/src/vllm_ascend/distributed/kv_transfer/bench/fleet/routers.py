@@ -10,6 +10,11 @@
   through its ``/add_worker`` and ``/remove_worker``;
 * ``none``: no router process; the driver sends each request to a P and then a D itself, in
   turn (the baseline of what the client, loopback and the fleet's event loop cost).
+
+``ours*N`` (a router spec of ``bench fleet``, :func:`parse_spec`): N replicas of our proxy
+with the same options, sharing nothing but the instances (each its own health rounds, each
+``kv_aware`` replica its own subscription to every P's KV events); the driver spreads the
+requests over them in turn, as a TCP load balancer in front of them would.
 """
 
 from __future__ import annotations
@@ -35,6 +40,27 @@ POLICIES: dict[str, tuple[str, ...]] = {
     "vllm-router": ("round_robin", "cache_aware", "kv_aware"),
     "none": ("round_robin",),
 }
+
+
+def parse_spec(spec: str) -> tuple[str, str, int]:
+    """``kind:policy`` or ``ours*N:policy`` -> (kind, policy, replicas).
+
+    Raises:
+        ValueError: an unknown kind or policy, replicas of another router than ours, or a
+            count below 1.
+    """
+    kind, sep, policy = spec.partition(":")
+    base, star, count = kind.partition("*")
+    try:
+        replicas = int(count) if star else 1
+    except ValueError:
+        raise ValueError(f"{spec!r}: replicas are a number (ours*2:kv_aware)") from None
+    if not sep or base not in POLICIES or policy not in POLICIES[base]:
+        raise ValueError(f"unknown router:policy {spec!r}; known: " + ", ".join(
+            f"{k}:{p}" for k, ps in POLICIES.items() for p in ps) + " (ours*N: N replicas)")
+    if star and (base != "ours" or replicas < 1):
+        raise ValueError(f"{spec!r}: only ours runs as replicas, at least 1")
+    return base, policy, replicas
 
 
 def vllm_router_binary() -> str | None:
@@ -63,21 +89,56 @@ class Router:
         kind: ``ours``, ``vllm-router`` or ``none``.
         policy: one of :data:`POLICIES` of ``kind``.
         logs: where its output goes.
+        port: the (first) router's port.
+        replicas: processes of our proxy with the same options (``ours`` only), the others
+            on free ports.
     """
 
     def __init__(self, kind: str, policy: str, prefill: Sequence[dict[str, Any]],
-                 decode: Sequence[dict[str, Any]], logs: Path, port: int) -> None:
+                 decode: Sequence[dict[str, Any]], logs: Path, port: int,
+                 replicas: int = 1) -> None:
         if policy not in POLICIES[kind]:
             raise ValueError(f"{kind} has no policy {policy!r}")
-        self.kind, self.policy = kind, policy
+        if replicas < 1 or (replicas > 1 and kind != "ours"):
+            raise ValueError(f"{kind} cannot run {replicas} replicas (ours only, at least 1)")
+        self.kind, self.policy, self.replicas = kind, policy, replicas
+        if replicas > 1:
+            from vllm_ascend.distributed.kv_transfer.core.net import free_port
+
+            self.ports = [port, *(free_port() for _ in range(replicas - 1))]
+        else:
+            self.ports = [port]
         self.port = port
-        self.log = logs / f"router-{kind}-{policy}.log"
+        name = kind if replicas == 1 else f"{kind}x{replicas}"
+        self.logs = [logs / (f"router-{name}-{policy}.log" if i == 0
+                             else f"router-{name}-{policy}-{i}.log") for i in range(replicas)]
+        self.log = self.logs[0]
         self.proc: Any = None
-        self.cmd = self._command(list(prefill), list(decode), port)
+        self.procs: list[Any] = []
+        self.cmds = [self._command(list(prefill), list(decode), p) for p in self.ports]
+
+    @property
+    def cmd(self) -> list[str]:
+        """The (first) router's command line."""
+        return self.cmds[0]
+
+    @cmd.setter
+    def cmd(self, cmd: list[str]) -> None:
+        self.cmds[0] = cmd
+
+    @property
+    def name(self) -> str:
+        """The router as runs name it: ``ours``, ``vllm-router``, ``none``, ``ours*2``."""
+        return self.kind if self.replicas == 1 else f"{self.kind}*{self.replicas}"
 
     @property
     def url(self) -> str:
         return f"http://{HOST}:{self.port}"
+
+    @property
+    def urls(self) -> list[str]:
+        """Every replica's URL (one for a single router)."""
+        return [f"http://{HOST}:{p}" for p in self.ports]
 
     def _command(self, prefill: list[dict[str, Any]], decode: list[dict[str, Any]],
                  port: int) -> list[str]:
@@ -116,51 +177,64 @@ class Router:
         return cmd
 
     def start(self, timeout: float = 120.0) -> Router:
-        """Start it and wait until ``/health`` answers 200 (and, for our ``kv_aware``, until
-        every event stream is live)."""
+        """Start it (every replica) and wait until each ``/health`` answers 200 (and, for our
+        ``kv_aware``, until each has every event stream live)."""
         if self.kind == "none":
             return self
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = spawn(self.cmd, log=self.log, env=env)
+        self.procs = [spawn(cmd, log=log, env=env) for cmd, log in zip(self.cmds, self.logs,
+                                                                        strict=True)]
+        self.proc = self.procs[0]
+        waiting = set(range(len(self.procs)))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                code, self.proc = self.proc.returncode, None
-                raise RuntimeError(f"{self.kind} exited with {code}: {self.tail()}")
-            if _call(self.url + "/health", timeout=2)[0] == 200 and self._streams_live():
+            for i in sorted(waiting):
+                if self.procs[i].poll() is not None:
+                    code = self.procs[i].returncode
+                    tail = self.tail()
+                    self.stop()
+                    raise RuntimeError(f"{self.name} exited with {code}: {tail}")
+                url = self.urls[i]
+                if _call(url + "/health", timeout=2)[0] == 200 and self._streams_live(url):
+                    waiting.discard(i)
+            if not waiting:
                 return self
             time.sleep(0.5)
         tail = self.tail()
         self.stop()  # a router left running would load every later run
-        raise RuntimeError(f"{self.kind} {self.policy} not ready after {timeout:.0f}s: {tail}")
+        raise RuntimeError(f"{self.name} {self.policy} not ready after {timeout:.0f}s: {tail}")
 
-    def _streams_live(self) -> bool:
+    def _streams_live(self, url: str) -> bool:
         if not (self.kind == "ours" and self.policy == "kv_aware"):
             return True
         import json
 
-        status, text = _call(self.url + "/status")
+        status, text = _call(url + "/status")
         if status != 200:
             return False
         prefill = json.loads(text).get("prefill") or []
         return all((p.get("events") or {}).get("state") == "live" for p in prefill)
 
     def tail(self, chars: int = 2000) -> str:
-        try:
-            return self.log.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
+        out = []
+        for log in self.logs:
+            try:
+                out.append(log.read_text(errors="replace")[-chars:])
+            except OSError:
+                pass
+        return "\n".join(out)[-chars:]
 
     def add_prefill(self, inst: dict[str, Any]) -> tuple[bool, str]:
-        """Take a new P into routing; (done, the router's answer)."""
+        """Take a new P into routing (every replica); (done, the router's answer)."""
         if self.kind == "ours":
             import json
 
             body = {"role": "prefill", "url": inst["url"]}
             if self.policy == "kv_aware":
                 body["events"] = f"{inst['events']},{inst['replay']}"
-            status, text = _call(self.url + "/admin/instances", "POST",
-                                 json.dumps(body).encode())
+            answers = [_call(u + "/admin/instances", "POST", json.dumps(body).encode())
+                       for u in self.urls]
+            status, text = max(answers, key=lambda a: not 200 <= a[0] < 300)
         elif self.kind == "vllm-router":
             q = urllib.parse.urlencode({"url": inst["url"], "worker_type": "prefill"})
             status, text = _call(f"{self.url}/add_worker?{q}", "POST")
@@ -169,10 +243,11 @@ class Router:
         return 200 <= status < 300, text[:300]
 
     def remove_prefill(self, inst: dict[str, Any]) -> tuple[bool, str]:
-        """Stop routing to a P; (done, the router's answer)."""
+        """Stop routing to a P (every replica); (done, the router's answer)."""
         if self.kind == "ours":
             q = urllib.parse.urlencode({"role": "prefill", "url": inst["url"]})
-            status, text = _call(f"{self.url}/admin/instances?{q}", "DELETE")
+            answers = [_call(f"{u}/admin/instances?{q}", "DELETE") for u in self.urls]
+            status, text = max(answers, key=lambda a: not 200 <= a[0] < 300)
         elif self.kind == "vllm-router":
             q = urllib.parse.urlencode({"url": inst["url"]})
             status, text = _call(f"{self.url}/remove_worker?{q}", "POST")
@@ -181,17 +256,20 @@ class Router:
         return 200 <= status < 300, text[:300]
 
     def cpu_seconds(self) -> float | None:
-        """CPU seconds (user and system) the router process has used so far (Linux's
-        ``/proc``; None: no process or not readable)."""
-        if self.proc is None:
+        """CPU seconds (user and system) the router's processes have used so far, every
+        replica's (Linux's ``/proc``; None: no process or not readable)."""
+        if not self.procs:
             return None
-        try:
-            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            return None
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        total = 0.0
+        for proc in self.procs:
+            try:
+                fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                return None
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return total
 
     def stop(self) -> None:
-        if self.proc is not None:
-            stop(self.proc, timeout=10)
-            self.proc = None
+        for proc in self.procs:
+            stop(proc, timeout=10)
+        self.procs, self.proc = [], None
