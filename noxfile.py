@@ -388,6 +388,12 @@ BENCH_MORE: tuple[tuple[str, ...], ...] = (
     # churn: 10% of P added, drained, killed mid-run
     ("fleet", "--churn", "only", "--instances", "64", "--rates", "100", "--rounds", "9",
      "--routers", "ours:kv_aware"),
+    # the rate one router process sustains before its p99 doubles, against vllm-router's
+    # (each at its best policy of the routing-quality run), beside 2 replicas of our proxy
+    # and the client routing alone (about 20 minutes)
+    ("fleet", "--instances", "64", "--rates", "50,100,200,400", "--rounds", "9", "--duration",
+     "4", "--routers", "none:round_robin,ours:kv_aware,ours*2:kv_aware,vllm-router:cache_aware",
+     "--traces", "conversation"),
     # the router-added p99 goal's point: 256 instances at 1,000 requests a second
     ("fleet", "--instances", "256", "--rates", "1000", "--rounds", "9", "--routers",
      "ours:kv_aware", "--traces", "conversation"),

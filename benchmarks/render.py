@@ -209,6 +209,55 @@ def goal_table(rows: Sequence[Row]) -> str:
                     ["goal", "value (95% interval)", "against", "verdict", "run"])
 
 
+#: The time the whole set may take on the 2-core machine (issue 54: "a working day").
+SET_BUDGET_MIN = 120.0
+
+
+def _minutes(entry: Mapping[str, Any]) -> float | None:
+    """A run's wall time in minutes, from its start and end in the ledger."""
+    import datetime as dt
+
+    try:
+        start, end = (dt.datetime.strptime(str(entry.get(k)), "%Y-%m-%dT%H:%M:%SZ")
+                      for k in ("started", "ended"))
+    except ValueError:
+        return None
+    return (end - start).total_seconds() / 60.0
+
+
+def set_time(rows: Sequence[Row], entries: Sequence[Mapping[str, Any]],
+             names: Sequence[str]) -> str:
+    """What the runs behind the page took: every run a goal row reads and the latest run of
+    each section (``names``), their wall times from the ledger, the sum against
+    :data:`SET_BUDGET_MIN`."""
+    runs: dict[str, Mapping[str, Any]] = {}
+    for r in rows:
+        if r.entry is not None:
+            runs[str(r.entry.get("id"))] = r.entry
+    for n in names:
+        last = ledger.latest(entries, n)
+        if last is not None:
+            runs.setdefault(str(last.get("id")), last)
+    if not runs:
+        return ""
+    timed = [(str(e.get("section")), _minutes(e)) for e in runs.values()]
+    by: dict[str, list[float]] = {}
+    for sec, m in timed:
+        by.setdefault(sec, []).append(m if m is not None else float("nan"))
+    total = sum(m for ms in by.values() for m in ms if m == m)
+    parts = ", ".join(f"{sec} {' + '.join(f'{m:.1f}' for m in sorted(ms, reverse=True))}"
+                      for sec, ms in sorted(by.items(), key=lambda kv: -sum(kv[1])))
+    missing = [n for n in names if n not in by]
+    within = total <= SET_BUDGET_MIN
+    return (f"**What these runs took.** The {len(runs)} runs the page shows (those the goal "
+            f"rows read and the latest of each section) took {total:.0f} minutes of wall time "
+            f"together, by section: {parts} minutes; "
+            + ("within" if within else "**over**")
+            + f" the {SET_BUDGET_MIN:.0f} minutes the whole set may take on the 2-core machine"
+            + (f" (sections without a run, not counted: {', '.join(missing)})" if missing
+               else "") + ".\n\n")
+
+
 # ---------------------------------------------------------------------- plots
 def _plt() -> Any:
     import matplotlib
@@ -421,7 +470,8 @@ def render(entries: Sequence[Mapping[str, Any]], head: Mapping[str, str | None],
              "`nox -s bench-report`. What the results mean, and the investigations behind "
              "them: [benchmarks-notes.md](benchmarks-notes.md).\n\n",
              RULE.format(rounds=MIN_ROUNDS), "\n\n",
-             f"## Goals\n\n{met} of {len(rows)} met.\n\n", goal_table(rows), "\n"]
+             f"## Goals\n\n{met} of {len(rows)} met.\n\n", goal_table(rows), "\n",
+             set_time(rows, entries, benchmark_names(sections))]
     plots = [(title, plot(fn, f)) for title, fn, f in (
         ("Throughput against block size", plot_throughput, "bench-throughput-vs-block.png"),
         ("Ratio to memcpy against block size", plot_ratios, "bench-ratio-vs-memcpy.png"),

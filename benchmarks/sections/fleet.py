@@ -146,6 +146,7 @@ def section_fleet(d: dict[str, Any], images: Images) -> str:
                             ["N", "trace", "rate/s", "ours: policy", "hit / best", "done/s",
                              "p99 ms", "CPU ms/request", "vllm-router: policy", "hit / best",
                              "done/s", "p99 ms", "CPU ms/request", "quality"]))
+    out.append(_sweep_part(points))
     failed = [r for r in d.get("runs") or [] if isinstance(r, Mapping)
               and r.get("status") != "ok"]
     if failed:
@@ -221,6 +222,101 @@ def _best_rows(points: Mapping[Key, list[Mapping[str, Any]]]) -> list[dict[str, 
     return rows
 
 
+# ---------------------------------------------------------------------- rate sweep
+#: The growth of the router-added p99 over that at the lowest rate that counts as "doubled".
+DOUBLED = 2.0
+#: The share of the offered rate a router must answer for the rate to count as sustained.
+KEEPS_UP = 0.95
+
+
+def _by_round(runs: Iterable[Mapping[str, Any]], name: str) -> dict[int, float]:
+    """Figure ``name`` of each round, by round number (rounds without it left out)."""
+    out = {}
+    for r in runs:
+        v = figures(r)[name]
+        if v is not None:
+            out[int(r.get("round") or 0)] = v
+    return out
+
+
+def sweeps(points: Mapping[Key, list[Mapping[str, Any]]]
+           ) -> dict[tuple[int, str, str, str], list[dict[str, Any]]]:
+    """Every router and policy run at three or more rates (fleet size and trace the same,
+    no churn): per rate, its runs, the router-added p99 over the lowest rate's (rounds
+    paired) with its interval, whether that interval lies wholly below :data:`DOUBLED`, and
+    whether the router answered :data:`KEEPS_UP` of the offered rate."""
+    from vllm_ascend.distributed.kv_transfer.bench.stats import compare
+
+    groups: dict[tuple[int, str, str, str], dict[float, list[Mapping[str, Any]]]] = {}
+    for k, runs in points.items():
+        if not k[5]:
+            groups.setdefault((k[0], k[1], k[2], k[3]), {})[k[4]] = runs
+    out = {}
+    for g, by_rate in sorted(groups.items()):
+        if len(by_rate) < 3:
+            continue
+        rates = sorted(by_rate)
+        base = _by_round(by_rate[rates[0]], "router_p99_ms")
+        rows = []
+        for rate in rates:
+            p99 = _by_round(by_rate[rate], "router_p99_ms")
+            both = sorted(set(p99) & set(base))
+            st = compare([p99[r] for r in both], [base[r] for r in both])
+            done = per_round(by_rate[rate], "done_per_s")
+            rows.append({"rate": rate, "runs": by_rate[rate], "p99_growth": st,
+                         "below": st.high is not None and st.high < DOUBLED,
+                         "keeps_up": bool(done) and statistics.median(done) >= KEEPS_UP * rate})
+        out[g] = rows
+    return out
+
+
+def sustained(rows: Sequence[Mapping[str, Any]]) -> float | None:
+    """The highest rate up to which every rate run kept the p99's growth wholly below
+    :data:`DOUBLED` and was kept up with (None: not even the lowest)."""
+    best = None
+    for row in rows:
+        if not (row["below"] and row["keeps_up"]):
+            break
+        best = row["rate"]
+    return best
+
+
+def _sweep_part(points: Mapping[Key, list[Mapping[str, Any]]]) -> str:
+    found = sweeps(points)
+    if not found:
+        return ""
+    rows = []
+    for (n, trace, router, policy), rs in found.items():
+        for r in rs:
+            st = r["p99_growth"]
+            rows.append({"n": n, "trace": trace, "router": f"{router}:{policy}",
+                         "rate": r["rate"], "rounds": st.rounds,
+                         "done": median_cell(per_round(r["runs"], "done_per_s")),
+                         "p99": median_cell(per_round(r["runs"], "router_p99_ms")),
+                         "growth": (f"{fmt(st.ratio)} [{fmt(st.low)}–{fmt(st.high)}]"
+                                    if st.ratio is not None else "–"),
+                         "ok": "yes" if r["below"] and r["keeps_up"] else "no"})
+    lines = "".join(
+        f"- `{router}:{policy}` (N={n}, {trace}): "
+        + (f"up to {fmt(rate)}/s of the rates run" if (rate := sustained(rs)) is not None
+           else "not at the lowest rate run")
+        + "\n" for (n, trace, router, policy), rs in found.items())
+    return ("\nThe rate one router process sustains: each router and policy run at rising "
+            "rates, its router-added p99 over the one at the lowest rate (rounds paired, "
+            f"median [95% bootstrap interval]); a rate counts as sustained while that growth "
+            f"lies wholly below {DOUBLED:g}x and the router answered at least "
+            f"{KEEPS_UP:.0%} of the offered rate, at it and every lower rate. `ours*N`: N "
+            "replicas of our proxy, the requests spread over them in turn, sharing nothing "
+            "but the instances' KV events; the row `none` is what the client and the fleet "
+            "sustain alone.\n\n"
+            + md_table(rows, ["n", "trace", "router", "rate", "rounds", "done", "p99",
+                              "growth", "ok"],
+                       ["N", "trace", "router:policy", "rate/s", "rounds", "done/s",
+                        "router-added p99 ms", "p99 / p99 at the lowest rate",
+                        "sustained"])
+            + "\nSustained, each:\n\n" + lines)
+
+
 # ---------------------------------------------------------------------- goals
 def _best(points: Mapping[Key, list[Mapping[str, Any]]], where: tuple[int, str, float],
           router: str) -> tuple[str, list[Mapping[str, Any]]] | None:
@@ -288,6 +384,28 @@ def no_request_lost(entry: Mapping[str, Any]) -> Measured | None:
     return worst(found, at_least=False)
 
 
+def sustains_vllm_routers_rate(entry: Mapping[str, Any]) -> Measured | None:
+    """The rate one process of our proxy sustains (:func:`sustained`, its best policy of
+    those run) over vllm-router's (its best), at each fleet size and trace both were swept;
+    the lowest decides. A count of the rates run, not an estimate: its interval is itself."""
+    found = sweeps(by_point(entry.get("result") or {}))
+    out = []
+    for n, trace in sorted({(g[0], g[1]) for g in found}):
+        best: dict[str, float] = {}
+        rounds = 0
+        for (gn, gt, router, _policy), rs in found.items():
+            if (gn, gt) == (n, trace) and router in (OURS, PEER):
+                rate = sustained(rs) or 0.0
+                best[router] = max(best.get(router, 0.0), rate)
+                rounds = max(rounds, min(r["p99_growth"].rounds for r in rs))
+        if len(best) == 2 and best[PEER] > 0:
+            v = best[OURS] / best[PEER]
+            out.append(Measured(v, v, v, rounds, v >= 1.0,
+                                f"{fmt(best[OURS])}/s against {fmt(best[PEER])}/s, N={n}, "
+                                f"{trace}"))
+    return worst(out, at_least=True)
+
+
 def _listed(want: Callable[[list[str]], bool]) -> Callable[[Any], bool]:
     """A test of a comma-separated option of the run's command line (never of its result)."""
     return lambda have: isinstance(have, str) and want(have.split(","))
@@ -308,6 +426,13 @@ GOALS = (
     GoalSpec("fleet under churn (10% of P added, drained, killed mid-run): no request lost "
              "through our proxy", "fleet", "(absolute)", no_request_lost,
              {"churn": lambda c: c in ("also", "only")}, rank=72),
+    GoalSpec("fleet: one process of our proxy sustains at least vllm-router's request rate "
+             "before its router-added p99 doubles", "fleet",
+             "vllm-router (its best policy)", sustains_vllm_routers_rate,
+             {"rates": _listed(lambda xs: len(xs) >= 3),
+              "routers": _listed(lambda xs: any(x.startswith(OURS + ":") for x in xs)
+                                and any(x.startswith(PEER + ":") for x in xs)),
+              "churn": lambda c: c != "only"}, rank=73),
 )
 
 

@@ -413,3 +413,26 @@ def test_non_inferiority_needs_the_median_and_the_low_end() -> None:
         peer, (1.0, 0.8, 1.2, 0.99, 1.0, 0.85, 1.1, 0.98, 1.0), strict=True)], peer)
     assert noisy.value is not None and noisy.value >= 0.97
     assert noisy.low is not None and noisy.low < 0.95 and noisy.met is False
+
+
+def test_the_page_says_what_its_runs_took_against_the_sets_budget(tmp_path: Path) -> None:
+    """The wall time of every run the page shows, summed by section from the ledger's start
+    and end, against the 2 hours the whole set may take; sections without a run named."""
+    def timed(section: str, start: str, end: str) -> dict[str, Any]:
+        return {**_entry(section, {}, ended=end), "started": start}
+
+    entries = _stored(tmp_path, [timed("kernels", "2026-12-06T10:00:00Z", "2026-12-06T10:30:00Z"),
+                                 timed("p2p", "2026-12-06T11:00:00Z", "2026-12-06T11:45:30Z")])
+    rows = render.evaluate_goals(entries, HEAD)
+    names = render.benchmark_names()
+    text = render.set_time(rows, entries, names)
+    assert "The 2 runs the page shows" in text and "took 76 minutes" in text
+    assert "p2p 45.5, kernels 30.0 minutes; within the 120 minutes" in text
+    assert "sections without a run, not counted: " in text and "serve" in text
+    over = _stored(tmp_path / "o", [timed("kernels", "2026-12-06T10:00:00Z",
+                                          "2026-12-06T12:01:00Z")])
+    assert "; **over** the 120 minutes" in render.set_time(
+        render.evaluate_goals(over, HEAD), over, names)
+    assert render.set_time([], [], names) == ""
+    page = render.render(entries, HEAD, tmp_path / "docs", draw=False)
+    assert text in page

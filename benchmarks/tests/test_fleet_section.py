@@ -147,3 +147,59 @@ def test_the_section_shows_the_cost_model_and_each_router_at_its_best_policy() -
                     "| 10 [10–10] | 0.5 [0.5–0.5] | cache_aware | 1 [1–1] | 50 [50–50] "
                     "| 5 [5–5] | 0.5 [0.5–0.5] | 0.9 [0.9–0.9] |"]
     assert "| 256 | conversation | 1e+03 | kv_aware" not in body
+
+
+SUSTAINS = ("fleet: one process of our proxy sustains at least vllm-router's request rate "
+            "before its router-added p99 doubles")
+
+
+def _sweep(growth: dict[str, list[float]], rates: list[float], *, rounds: int = 9,
+           slow: tuple[str, float] | None = None) -> list[dict[str, Any]]:
+    """Runs of each router at each rate, 9 rounds: its router-added times ``growth[router]``
+    at each rate (a little noise a round); ``slow``: a router and rate it answers only 80%
+    of."""
+    runs = []
+    for rnd in range(rounds):
+        for router, gs in growth.items():
+            kind, policy = router.split(":")
+            for rate, g in zip(rates, gs, strict=True):
+                run = _run(kind, policy, "conversation", hit=0.4, router_ms=g * (1 + 0.01 * (rnd % 3)),
+                           n=64, rate=rate, rnd=rnd)
+                run["wall_s"] = 100 / rate / (0.8 if slow == (router, rate) else 1.0)
+                runs.append(run)
+    return runs
+
+
+def test_the_rate_one_process_sustains_before_its_p99_doubles(tmp_path: Path) -> None:
+    rates = [50.0, 100.0, 200.0, 400.0]
+    runs = _sweep({"ours:kv_aware": [1.0, 1.2, 1.5, 5.0],
+                   "ours*2:kv_aware": [1.0, 1.0, 1.1, 1.2],
+                   "vllm-router:cache_aware": [1.0, 1.0, 1.1, 1.2]}, rates)
+    found = fleet.sweeps(fleet.by_point({"runs": runs}))
+    by = {g[2]: rs for g, rs in found.items()}
+    assert fleet.sustained(by["ours"]) == 200.0  # p99 at 5x at 400/s
+    assert fleet.sustained(by["vllm-router"]) == 400.0
+    assert fleet.sustained(by["ours*2"]) == 400.0
+    assert abs(by["ours"][3]["p99_growth"].ratio - 5.0) < 1e-9
+    cfg = {"instances": "64", "rates": "50,100,200,400", "traces": "conversation",
+           "routers": "ours:kv_aware,ours*2:kv_aware,vllm-router:cache_aware", "churn": "no"}
+    row = _rows([_entry(runs, cfg)], tmp_path / "a")[SUSTAINS]
+    # one process of ours: 200/s against vllm-router's 400/s (replicas do not count)
+    assert row.met is False and row.measured.value == 0.5 and row.measured.rounds == 9
+    assert row.measured.where == "200/s against 400/s, N=64, conversation"
+    # a router that answers only 80% of the offered rate does not sustain it
+    slow = _sweep({"ours:kv_aware": [1.0, 1.0, 1.1, 1.2],
+                   "vllm-router:cache_aware": [1.0, 1.0, 1.1, 1.2]}, rates,
+                  slow=("vllm-router:cache_aware", 200.0))
+    by = {g[2]: rs for g, rs in fleet.sweeps(fleet.by_point({"runs": slow})).items()}
+    assert fleet.sustained(by["vllm-router"]) == 100.0
+    row = _rows([_entry(slow, {**cfg, "routers": "ours:kv_aware,vllm-router:cache_aware"})],
+                tmp_path / "b")[SUSTAINS]
+    assert row.met is True and row.measured.value == 4.0
+    # a run of two rates is no sweep: the row reads no such run
+    two = _rows([_entry(runs, {**cfg, "rates": "50,100"})], tmp_path / "c")[SUSTAINS]
+    assert two.entry is None and two.met is False
+    body = fleet.section_fleet({"config": {}, "runs": runs}, {})
+    assert "The rate one router process sustains" in body
+    assert "- `ours:kv_aware` (N=64, conversation): up to 200/s of the rates run" in body
+    assert "| 64 | conversation | ours*2:kv_aware | 400 | 9 |" in body
