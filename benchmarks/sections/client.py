@@ -124,8 +124,11 @@ def section_rounds(d: dict[str, Any]) -> str:
     head = ("**Ours against vLLM's own connectors under vLLM's client** "
             f"(`--rounds {r.get('rounds')}`): our P/D pull pair (`pd-pull`) and vLLM's "
             f"({peers}) " + ("both" if len(pair) == 2 else "all") + " kept up (the P's on "
-            "core 0, the D's on core 1, the "
-            "pairs not measured idle); each round runs the client against one after the "
+            "core 0, the D's on core 1, "
+            + (f"the pairs not measured paused: SIGSTOP, continued {fmt(r.get('settle_s'))} s "
+               f"and one request of {r.get('settle_tokens')} tokens before their run"
+               if r.get("idle_pairs") == "paused" else "the pairs not measured idle")
+            + "); each round runs the client against one after the "
             "other (who goes first "
             + ("flips" if len(pair) == 2 else "rotates") + " every round), at each "
             "concurrency, with the same fresh prompts for all. `ours / theirs`: the ratio of "

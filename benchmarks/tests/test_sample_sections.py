@@ -239,6 +239,10 @@ def test_client_rounds_with_the_nixl_pair(tmp_path: Path) -> None:
     assert "| `pd-vllm-nixl` | 4 | TTFT p50 | 1.3 |" in text and "| behind |" in text
     assert "Not in the rounds: `pd-vllm-mooncake`: not run: no harness" in text
     assert "both kept up" in text and "flips every round" in text
+    assert "the pairs not measured idle" in text
+    d["rounds"].update(idle_pairs="paused", settle_s=2.0, settle_tokens=32)
+    assert ("the pairs not measured paused: SIGSTOP, continued 2 s and one request of 32 "
+            "tokens before their run" in mod.section_rounds(d))
 
 
 def _serve(ours_d: float, nixl_external: int = 2048) -> dict[str, Any]:

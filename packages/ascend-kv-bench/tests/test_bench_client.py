@@ -405,10 +405,18 @@ def test_rounds_alternate_with_the_same_prompts_and_compare(
 
     calls: list[tuple[str, int, int]] = []
     stopped: list[str] = []
+    servers: dict[str, Any] = {}
 
     class Srv:
         def __init__(self, name: str) -> None:
-            self.name = name
+            self.name, self.paused = name, False
+            servers[name] = self
+
+        def pause(self) -> None:
+            self.paused = True
+
+        def resume(self) -> None:
+            self.paused = False
 
         def stop(self) -> None:
             stopped.append(self.name)
@@ -419,6 +427,8 @@ def test_rounds_alternate_with_the_same_prompts_and_compare(
 
     def one_run(dep: Any, cfg: Any, conc: int, *, seed: int, **_: Any) -> dict[str, Any]:
         name = dep.url.removeprefix("http://")
+        # the pair measured runs; every other pair is paused meanwhile
+        assert {n: s.paused for n, s in servers.items()} == {n: n != name for n in servers}
         calls.append((name, conc, seed))
         r = sum(1 for c in calls if c[0] == name and c[1] == conc) - 1
         ours = name == "pd-pull"
@@ -433,6 +443,7 @@ def test_rounds_alternate_with_the_same_prompts_and_compare(
     monkeypatch.setattr(rr, "start_target", start)
     monkeypatch.setattr(rr, "one_run", one_run)
     monkeypatch.setattr(rr, "warm_up", lambda *a, **k: None)
+    monkeypatch.setattr(rr, "SETTLE_S", 0.0)
     cfg = bc.ClientConfig(model="/m", vocab=64, num_prompts=4, concurrency=(4, 8),
                           input_len=10, output_len=2, block_size=32, out=tmp_path)
     entry = rr.run_rounds(cfg, Steps(1, "t"), tmp_path, rounds=4)
@@ -447,6 +458,7 @@ def test_rounds_alternate_with_the_same_prompts_and_compare(
     assert len(calls) == 16 and all(v == set(pair) for v in seeds.values())
     assert sorted(stopped) == sorted(pair)
     assert entry["pair"] == list(pair) and entry["not_run"] == {"pd-vllm-nixl": "no nixl"}
+    assert all(s.paused for s in servers.values())  # paused after their last run
     assert entry["status"] == "failed requests" and entry["failed"] == {
         "pd-pull": 1, "pd-vllm-mooncake": 0}
     by = {(c["concurrency"], c["metric"]): c for c in entry["comparisons"]}
@@ -500,6 +512,7 @@ def test_rounds_with_both_peers_rotate_and_compare_ours_with_each(
     monkeypatch.setattr(rr, "start_target", start)
     monkeypatch.setattr(rr, "one_run", one_run)
     monkeypatch.setattr(rr, "warm_up", lambda *a, **k: None)
+    monkeypatch.setattr(rr, "SETTLE_S", 0.0)
     cfg = bc.ClientConfig(model="/m", vocab=64, num_prompts=4, concurrency=(4,),
                           input_len=10, output_len=2, block_size=32, out=tmp_path)
     entry = rr.run_rounds(cfg, Steps(1, "t"), tmp_path, rounds=3)
@@ -511,6 +524,46 @@ def test_rounds_with_both_peers_rotate_and_compare_ours_with_each(
     assert by[("pd-vllm-nixl", "ttft_p50_ms")]["ratio"] == 2.0
     assert by[("pd-vllm-nixl", "output_tok_per_s")]["ratio"] == 0.5
     assert len(entry["comparisons"]) == 2 * len(rr.METRICS)
+
+
+def test_a_paused_server_takes_no_cpu_and_stops(tmp_path: Path) -> None:
+    """``Server.pause`` stops the server's whole process group (an engine's worker process
+    too), ``resume`` continues it, and a paused server still stops at once."""
+    import time as _time
+
+    busy = ("import subprocess, sys, time\n"
+            "subprocess.Popen([sys.executable, '-c', 'while True: pass'])\n"
+            "while True: time.sleep(0.01)\n")
+    srv = procs.Server("busy", [sys.executable, "-c", busy], 1, tmp_path, dict(procs.os.environ))
+
+    def states() -> list[str]:
+        """The state letter of each process of the server's group (``T``: stopped)."""
+        out = []
+        for path in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = path.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == srv.proc.pid:  # its process group
+                out.append(fields[0])
+        return out
+
+    try:
+        deadline = _time.monotonic() + 30
+        while len(states()) < 2 and _time.monotonic() < deadline:  # the child started
+            _time.sleep(0.1)
+        assert len(states()) == 2
+        srv.pause()
+        _time.sleep(0.2)
+        assert states() == ["T", "T"]
+        srv.resume()
+        _time.sleep(0.2)
+        assert "T" not in states() and len(states()) == 2
+        srv.pause()
+        start = _time.monotonic()
+    finally:
+        srv.stop()
+    assert _time.monotonic() - start < 10 and srv.proc.poll() is not None
 
 
 def test_nixl_target_needs_nixl_and_its_harness(tmp_path: Path,

@@ -5,8 +5,10 @@ Our pair, vLLM's own ``MooncakeConnector`` pair and vLLM's ``NixlConnector`` pai
 the two that can run here: :func:`~.deploy.peer_missing`) under vLLM's client, in
 alternating rounds.
 
-Every pair stays up for the whole comparison (the P's on core 0, the D's on core 1; the
-pairs not measured are idle). Each round runs vLLM's client against one pair after the
+Every pair stays up for the whole comparison (the P's on core 0, the D's on core 1), the
+pairs not measured paused (SIGSTOP: vLLM's NixlConnector engine spins while idle, which
+took the cores from the pair measured); a pair continued gets :data:`SETTLE_S` and one
+short request before its run. Each round runs vLLM's client against one pair after the
 other (who goes first rotates every round), at each concurrency, with the same prompts for
 all (one dataset seed per round and concurrency, new to every pair). Per peer, concurrency
 and metric (TTFT mean and p50, TPOT p50, output tokens/s): ours / theirs as the ratio of
@@ -36,6 +38,21 @@ METRICS = (("ttft_mean_ms", False), ("ttft_p50_ms", False), ("tpot_p50_ms", Fals
            ("output_tok_per_s", True))
 #: the first dataset seed of the rounds (the single runs use 100 + i)
 SEED0 = 1000
+#: seconds a continued pair gets (its proxy's health round, every second) before its
+#: short request and its run
+SETTLE_S = 2.0
+#: prompt tokens of that request (random ids: no run's prompt shares its blocks)
+SETTLE_TOKENS = 32
+
+
+def settle(dep: Any, cfg: Any, seed: int) -> None:
+    """Continue a paused pair and let it settle: :data:`SETTLE_S`, then one short request
+    through its proxy (answered: every server of the pair runs again)."""
+    import time
+
+    dep.resume()
+    time.sleep(SETTLE_S)
+    warm_up(dep.url, cfg.model, cfg.vocab, SETTLE_TOKENS, seed=seed)
 
 
 def round_order(names: tuple[str, ...], r: int) -> tuple[str, ...]:
@@ -71,7 +88,9 @@ def run_rounds(cfg: Any, steps: Steps, work: Path, rounds: int) -> dict[str, Any
     missing = {n: why for n in PAIR[1:] if (why := peer_missing(chosen[n], cfg))}
     names = tuple(n for n in PAIR if n not in missing)
     entry: dict[str, Any] = {"pair": list(names), "rounds": rounds,
-                             "concurrency": list(cfg.concurrency), "not_run": missing}
+                             "concurrency": list(cfg.concurrency), "not_run": missing,
+                             "idle_pairs": "paused", "settle_s": SETTLE_S,
+                             "settle_tokens": SETTLE_TOKENS}
     for n, why in missing.items():
         steps.note(f"rounds: {n}: {why}")
     if len(names) < 2:
@@ -86,12 +105,17 @@ def run_rounds(cfg: Any, steps: Steps, work: Path, rounds: int) -> dict[str, Any
         for name in names:
             deps[name] = start_target(chosen[name], cfg, logs)
             warm_up(deps[name].url, cfg.model, cfg.vocab, cfg.input_len, seed=7)
+            deps[name].pause()
         steps.note(f"rounds: {' and '.join(names)} up")
         for r in range(rounds):
             for ci, conc in enumerate(cfg.concurrency):
                 for name in round_order(names, r):
-                    row = one_run(deps[name], cfg, conc, seed=SEED0 + 100 * r + ci, extra=(),
-                                  work=work / "rounds" / name, tag=f"-r{r}")
+                    settle(deps[name], cfg, seed=SEED0 + 100 * r + ci + 50)
+                    try:
+                        row = one_run(deps[name], cfg, conc, seed=SEED0 + 100 * r + ci,
+                                      extra=(), work=work / "rounds" / name, tag=f"-r{r}")
+                    finally:
+                        deps[name].pause()
                     runs[name][conc].append({"round": r, **row})
             steps.note(f"rounds: round {r + 1} of {rounds}: " + "; ".join(
                 f"{n} c{c} TTFT p50 {runs[n][c][-1].get('ttft_p50_ms') or 0:.0f} ms, "
