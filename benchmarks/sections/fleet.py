@@ -224,9 +224,8 @@ def _best_rows(points: Mapping[Key, list[Mapping[str, Any]]]) -> list[dict[str, 
 
 # ---------------------------------------------------------------------- rate sweep
 #: The growth of the router-added p99 over that at the lowest rate that counts as "doubled".
+#: (Open loop: a router that does not keep up queues, and its p99 grows with the queue.)
 DOUBLED = 2.0
-#: The share of the offered rate a router must answer for the rate to count as sustained.
-KEEPS_UP = 0.95
 
 
 def _by_round(runs: Iterable[Mapping[str, Any]], name: str) -> dict[int, float]:
@@ -243,8 +242,8 @@ def sweeps(points: Mapping[Key, list[Mapping[str, Any]]]
            ) -> dict[tuple[int, str, str, str], list[dict[str, Any]]]:
     """Every router and policy run at three or more rates (fleet size and trace the same,
     no churn): per rate, its runs, the router-added p99 over the lowest rate's (rounds
-    paired) with its interval, whether that interval lies wholly below :data:`DOUBLED`, and
-    whether the router answered :data:`KEEPS_UP` of the offered rate."""
+    paired) with its interval, and whether that interval lies wholly below
+    :data:`DOUBLED`."""
     from vllm_ascend.distributed.kv_transfer.bench.stats import compare
 
     groups: dict[tuple[int, str, str, str], dict[float, list[Mapping[str, Any]]]] = {}
@@ -262,20 +261,18 @@ def sweeps(points: Mapping[Key, list[Mapping[str, Any]]]
             p99 = _by_round(by_rate[rate], "router_p99_ms")
             both = sorted(set(p99) & set(base))
             st = compare([p99[r] for r in both], [base[r] for r in both])
-            done = per_round(by_rate[rate], "done_per_s")
             rows.append({"rate": rate, "runs": by_rate[rate], "p99_growth": st,
-                         "below": st.high is not None and st.high < DOUBLED,
-                         "keeps_up": bool(done) and statistics.median(done) >= KEEPS_UP * rate})
+                         "below": st.high is not None and st.high < DOUBLED})
         out[g] = rows
     return out
 
 
 def sustained(rows: Sequence[Mapping[str, Any]]) -> float | None:
     """The highest rate up to which every rate run kept the p99's growth wholly below
-    :data:`DOUBLED` and was kept up with (None: not even the lowest)."""
+    :data:`DOUBLED` (None: not even the lowest)."""
     best = None
     for row in rows:
-        if not (row["below"] and row["keeps_up"]):
+        if not row["below"]:
             break
         best = row["rate"]
     return best
@@ -295,7 +292,7 @@ def _sweep_part(points: Mapping[Key, list[Mapping[str, Any]]]) -> str:
                          "p99": median_cell(per_round(r["runs"], "router_p99_ms")),
                          "growth": (f"{fmt(st.ratio)} [{fmt(st.low)}–{fmt(st.high)}]"
                                     if st.ratio is not None else "–"),
-                         "ok": "yes" if r["below"] and r["keeps_up"] else "no"})
+                         "ok": "yes" if r["below"] else "no"})
     lines = "".join(
         f"- `{router}:{policy}` (N={n}, {trace}): "
         + (f"up to {fmt(rate)}/s of the rates run" if (rate := sustained(rs)) is not None
@@ -304,8 +301,10 @@ def _sweep_part(points: Mapping[Key, list[Mapping[str, Any]]]) -> str:
     return ("\nThe rate one router process sustains: each router and policy run at rising "
             "rates, its router-added p99 over the one at the lowest rate (rounds paired, "
             f"median [95% bootstrap interval]); a rate counts as sustained while that growth "
-            f"lies wholly below {DOUBLED:g}x and the router answered at least "
-            f"{KEEPS_UP:.0%} of the offered rate, at it and every lower rate. `ours*N`: N "
+            f"lies wholly below {DOUBLED:g}x, at it and every lower rate (open loop: a router "
+            "that does not keep up queues, and its p99 grows with the queue; `done/s` "
+            "below the rate says so too, though a short run's Poisson arrivals and its last "
+            "answers' latency keep it a little below the rate for any router). `ours*N`: N "
             "replicas of our proxy, the requests spread over them in turn, sharing nothing "
             "but the instances' KV events; the row `none` is what the client and the fleet "
             "sustain alone.\n\n"
