@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from ascend_kv_testing.procs import group_states
 from ascend_kv_testing.requires import require
 from vllm_ascend.distributed.kv_transfer.bench.client import command as bc
 from vllm_ascend.distributed.kv_transfer.bench.client import deploy, procs
@@ -516,9 +517,9 @@ def test_rounds_with_both_peers_rotate_and_compare_ours_with_each(
     cfg = bc.ClientConfig(model="/m", vocab=64, num_prompts=4, concurrency=(4,),
                           input_len=10, output_len=2, block_size=32, out=tmp_path)
     entry = rr.run_rounds(cfg, Steps(1, "t"), tmp_path, rounds=3)
-    assert entry["status"] == "ok" and entry["pair"] == list(rr.PAIR)
+    assert entry["status"] == "ok" and entry["pair"] == list(rr.ROUND_TARGETS)
     # who goes first rotates: each pair first once in three rounds
-    assert [order[i] for i in (0, 3, 6)] == list(rr.PAIR)
+    assert [order[i] for i in (0, 3, 6)] == list(rr.ROUND_TARGETS)
     by = {(c["peer_target"], c["metric"]): c for c in entry["comparisons"]}
     assert by[("pd-vllm-mooncake", "ttft_p50_ms")]["ratio"] == 0.5
     assert by[("pd-vllm-nixl", "ttft_p50_ms")]["ratio"] == 2.0
@@ -538,15 +539,7 @@ def test_a_paused_server_takes_no_cpu_and_stops(tmp_path: Path) -> None:
 
     def states() -> list[str]:
         """The state letter of each process of the server's group (``T``: stopped)."""
-        out = []
-        for path in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                fields = path.read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == srv.proc.pid:  # its process group
-                out.append(fields[0])
-        return out
+        return group_states(srv.proc.pid)
 
     try:
         deadline = _time.monotonic() + 30

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ascend_kv_testing.procs import group_states
 from vllm_ascend.distributed.kv_transfer.bench.benchutil import Steps
 from vllm_ascend.distributed.kv_transfer.bench.serve.child import EngineChild
 from vllm_ascend.distributed.kv_transfer.bench.serve.scenarios import Run
@@ -22,18 +23,6 @@ BUSY = ("import subprocess, sys, time\n"
 def state(pid: int) -> str:
     """The process state letter of ``pid`` (``T``: stopped)."""
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-
-
-def group_states(pgid: int) -> list[str]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid:
-            out.append(fields[0])
-    return out
 
 
 def fake_engine() -> EngineChild:

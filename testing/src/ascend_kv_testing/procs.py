@@ -47,6 +47,20 @@ def stop(proc: subprocess.Popen[bytes] | None, timeout: float = 5.0) -> None:
     impl(proc, timeout)
 
 
+def group_states(pgid: int) -> list[str]:
+    """The state letter of each live process of process group ``pgid`` (``T``: stopped,
+    ``Z``: a zombie), read from Linux's ``/proc``."""
+    out = []
+    for path in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = path.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:
+            out.append(fields[0])
+    return out
+
+
 def spawn(cmd: list[str], *, log: Path | None = None,
           env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     """Start ``cmd`` in its own process group, output to ``log`` (or discarded)."""

@@ -49,6 +49,35 @@ def spawn(cmd: list[str], *, log: Path | None = None,
             out.close()  # type: ignore[union-attr]
 
 
+class PausableGroup:
+    """A child process leading its own session (:func:`spawn`), its whole process group
+    stopped (SIGSTOP) while other processes are measured, so an idle one takes no CPU time
+    from them, and continued (SIGCONT). A subclass sets ``self.proc``."""
+
+    proc: subprocess.Popen[bytes]
+    #: stopped (SIGSTOP): :meth:`pause`
+    paused: bool = False
+
+    def _signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            try:  # the group: its worker processes get the signal too
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def pause(self) -> None:
+        """Stop the process group (SIGSTOP)."""
+        if not self.paused:
+            self._signal(signal.SIGSTOP)
+            self.paused = True
+
+    def resume(self) -> None:
+        """Continue a paused process group (SIGCONT)."""
+        if self.paused:
+            self._signal(signal.SIGCONT)
+            self.paused = False
+
+
 def stop(proc: subprocess.Popen[bytes] | None, timeout: float = 5.0) -> None:
     """SIGTERM, then SIGKILL the whole process group after ``timeout``."""
     if proc is None or proc.poll() is not None:

@@ -15,13 +15,14 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from ..procs import PausableGroup, spawn, stop
 
 logger = logging.getLogger(__name__)
 
@@ -97,18 +98,16 @@ def failed_row(num_prompts: int, reason: str) -> dict[str, Any]:
 
 
 # ====================================================================== processes
-class Server:
-    """An HTTP server process (API server or proxy), its output in a log file."""
+class Server(PausableGroup):
+    """An HTTP server process (API server or proxy), its output in a log file; paused
+    (:meth:`pause`, SIGSTOP of its process group) while another target is measured, as
+    vLLM's NixlConnector engine spins while idle."""
 
     def __init__(self, name: str, cmd: list[str], port: int, logs: Path,
                  env: dict[str, str]) -> None:
-        from ..procs import spawn
-
         self.name, self.port = name, port
         self.log = logs / f"{name}.log"
         self.proc = spawn(cmd, log=self.log, env=env)
-        #: stopped (SIGSTOP) while other targets are measured: :meth:`pause`
-        self.paused = False
 
     @property
     def url(self) -> str:
@@ -145,30 +144,8 @@ class Server:
         except OSError:
             return ""
 
-    def _signal(self, sig: int) -> None:
-        if self.proc.poll() is None:
-            try:  # the server leads its own session: its engine processes get it too
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                pass
-
-    def pause(self) -> None:
-        """Stop the server's processes (SIGSTOP), so an idle target takes no CPU time from
-        the one being measured (vLLM's NixlConnector engine spins while idle)."""
-        if not self.paused:
-            self._signal(signal.SIGSTOP)
-            self.paused = True
-
-    def resume(self) -> None:
-        """Continue a paused server (SIGCONT)."""
-        if self.paused:
-            self._signal(signal.SIGCONT)
-            self.paused = False
-
     def stop(self) -> None:
         """Stop the process group (a paused one is continued first, to take SIGTERM)."""
-        from ..procs import stop
-
         self.resume()
         stop(self.proc, timeout=20)
 

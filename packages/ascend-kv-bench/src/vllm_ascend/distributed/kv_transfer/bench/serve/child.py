@@ -25,6 +25,7 @@ from typing import Any
 from vllm_ascend.distributed.kv_transfer.core.tooling.cpu_binding import OMP_BIND_ENV, bound_cpus
 
 from ..engine_env import ENGINE_ENV
+from ..procs import PausableGroup
 
 logger = logging.getLogger(__name__)
 
@@ -268,8 +269,10 @@ class EngineError(RuntimeError):
     """An engine process failed to start or to answer; the message holds its error."""
 
 
-class EngineChild:
-    """A ``vllm.LLM`` in a child process (``python -m ...bench.serve.child``).
+class EngineChild(PausableGroup):
+    """A ``vllm.LLM`` in a child process (``python -m ...bench.serve.child``), paused
+    (:meth:`pause`, SIGSTOP of its process group) while other engines are measured; the
+    next :meth:`call` (or :meth:`resume`) continues it.
 
     Args:
         llm_kwargs: keyword arguments of ``vllm.LLM``.
@@ -292,8 +295,6 @@ class EngineChild:
                 [python or sys.executable, "-m", __name__],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logf, env=child_env,
                 start_new_session=True)
-        #: stopped (SIGSTOP) while other engines are measured: :meth:`pause`
-        self.paused = False
         self._sel = selectors.DefaultSelector()
         assert self.proc.stdout is not None
         self._sel.register(self.proc.stdout, selectors.EVENT_READ)
@@ -331,26 +332,6 @@ class EngineChild:
             raise EngineError(f"engine process exited with {self.proc.returncode}; last log "
                               f"lines:\n{tail(self.log)}")
         raise EngineError(f"no answer from the engine within {timeout:.0f}s (log: {self.log})")
-
-    def _signal(self, sig: int) -> None:
-        if self.proc.poll() is None:
-            try:  # the engine leads its own session: its worker processes stop with it
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                pass
-
-    def pause(self) -> None:
-        """Stop the engine's processes (SIGSTOP) so an idle engine takes no CPU time from
-        the engines being measured; the next :meth:`call` (or :meth:`resume`) continues it."""
-        if not self.paused:
-            self._signal(signal.SIGSTOP)
-            self.paused = True
-
-    def resume(self) -> None:
-        """Continue a paused engine (SIGCONT)."""
-        if self.paused:
-            self._signal(signal.SIGCONT)
-            self.paused = False
 
     def call(self, op: str, timeout: float = 600.0, **args: Any) -> Any:
         """Send one command and return its answer's payload (a paused engine goes on first)."""
