@@ -80,7 +80,7 @@ from .deploy import (
 )
 from .model import make_served_model
 from .procs import failed_row, warm_up
-from .rounds import PAIR, ledger_series, run_rounds
+from .rounds import ROUND_TARGETS, ledger_series, run_rounds
 
 logger = logging.getLogger(__name__)
 
@@ -243,7 +243,7 @@ def run(args: argparse.Namespace) -> int:
         results[target.name] = run_target(target, cfg, steps, work)
     rounds = None
     if args.rounds:
-        steps.step(f"{args.rounds} alternating rounds of {', '.join(PAIR)} (those that run "
+        steps.step(f"{args.rounds} alternating rounds of {', '.join(ROUND_TARGETS)} (those that run "
                    "here)")
         rounds = run_rounds(cfg, steps, work, args.rounds)
     samples = ledger_series(results, rounds)  # takes the per-request samples out of the rows

@@ -20,6 +20,7 @@ a failed request is left out of the ratios and counted.
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +32,8 @@ from .procs import warm_up
 
 logger = logging.getLogger(__name__)
 
-#: ours, then the peers
-PAIR = ("pd-pull", "pd-vllm-mooncake", "pd-vllm-nixl")
+#: the P/D pairs of the rounds: ours, then the peers
+ROUND_TARGETS = ("pd-pull", "pd-vllm-mooncake", "pd-vllm-nixl")
 #: (metric of a run, True when higher is better)
 METRICS = (("ttft_mean_ms", False), ("ttft_p50_ms", False), ("tpot_p50_ms", False),
            ("output_tok_per_s", True))
@@ -48,8 +49,6 @@ SETTLE_TOKENS = 32
 def settle(dep: Any, cfg: Any, seed: int) -> None:
     """Continue a paused pair and let it settle: :data:`SETTLE_S`, then one short request
     through its proxy (answered: every server of the pair runs again)."""
-    import time
-
     dep.resume()
     time.sleep(SETTLE_S)
     warm_up(dep.url, cfg.model, cfg.vocab, SETTLE_TOKENS, seed=seed)
@@ -84,9 +83,9 @@ def summarize_rounds(runs: dict[str, dict[int, list[dict[str, Any]]]],
 def run_rounds(cfg: Any, steps: Steps, work: Path, rounds: int) -> dict[str, Any]:
     """The alternating rounds (``cfg``: the run's ``ClientConfig``); their entry of the
     results."""
-    chosen = {t.name: t for t in targets() if t.name in PAIR}
-    missing = {n: why for n in PAIR[1:] if (why := peer_missing(chosen[n], cfg))}
-    names = tuple(n for n in PAIR if n not in missing)
+    chosen = {t.name: t for t in targets() if t.name in ROUND_TARGETS}
+    missing = {n: why for n in ROUND_TARGETS[1:] if (why := peer_missing(chosen[n], cfg))}
+    names = tuple(n for n in ROUND_TARGETS if n not in missing)
     entry: dict[str, Any] = {"pair": list(names), "rounds": rounds,
                              "concurrency": list(cfg.concurrency), "not_run": missing,
                              "idle_pairs": "paused", "settle_s": SETTLE_S,

@@ -102,18 +102,12 @@ class Router:
         if replicas < 1 or (replicas > 1 and kind != "ours"):
             raise ValueError(f"{kind} cannot run {replicas} replicas (ours only, at least 1)")
         self.kind, self.policy, self.replicas = kind, policy, replicas
-        if replicas > 1:
-            from vllm_ascend.distributed.kv_transfer.core.net import free_port
+        from vllm_ascend.distributed.kv_transfer.core.net import free_port
 
-            self.ports = [port, *(free_port() for _ in range(replicas - 1))]
-        else:
-            self.ports = [port]
-        self.port = port
+        self.ports = [port, *(free_port() for _ in range(replicas - 1))]
         name = kind if replicas == 1 else f"{kind}x{replicas}"
         self.logs = [logs / (f"router-{name}-{policy}.log" if i == 0
                              else f"router-{name}-{policy}-{i}.log") for i in range(replicas)]
-        self.log = self.logs[0]
-        self.proc: Any = None
         self.procs: list[Any] = []
         self.cmds = [self._command(list(prefill), list(decode), p) for p in self.ports]
 
@@ -132,8 +126,13 @@ class Router:
         return self.kind if self.replicas == 1 else f"{self.kind}*{self.replicas}"
 
     @property
+    def proc(self) -> Any:
+        """The (first) router's process, None when not started."""
+        return self.procs[0] if self.procs else None
+
+    @property
     def url(self) -> str:
-        return f"http://{HOST}:{self.port}"
+        return self.urls[0]
 
     @property
     def urls(self) -> list[str]:
@@ -184,7 +183,6 @@ class Router:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.procs = [spawn(cmd, log=log, env=env) for cmd, log in zip(self.cmds, self.logs,
                                                                         strict=True)]
-        self.proc = self.procs[0]
         waiting = set(range(len(self.procs)))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -272,4 +270,4 @@ class Router:
     def stop(self) -> None:
         for proc in self.procs:
             stop(proc, timeout=10)
-        self.procs, self.proc = [], None
+        self.procs = []
