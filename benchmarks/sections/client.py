@@ -180,7 +180,8 @@ def section_client(d: dict[str, Any], images: Images) -> str:
            "connector's request protocol): P and D get each request at once, D's scheduler "
            "asks P through P's bootstrap server, and P writes the KV into D's blocks once it "
            "has prefilled. "
-           + (NIXL_TEXT if NIXL in (d.get("targets") or {}) else "") + "`D loaded "
+           + (NIXL_TEXT if NIXL in (d.get("targets") or {})
+              or NIXL in ((d.get("rounds") or {}).get("pair") or ()) else "") + "`D loaded "
            "KV`: requests whose KV D received from P over the run (D's "
            "`requests_loaded` counter; ours only), to be equal to `completed`; `prompt "
            "tokens from P`: the share of the run's prompt tokens D's connector loaded "

@@ -243,6 +243,11 @@ def test_client_rounds_with_the_nixl_pair(tmp_path: Path) -> None:
     d["rounds"].update(idle_pairs="paused", settle_s=2.0, settle_tokens=32)
     assert ("the pairs not measured paused: SIGSTOP, continued 2 s and one request of 32 "
             "tokens before their run" in mod.section_rounds(d))
+    # the Nixl pair in the rounds only (no single run of it): the section still says what it is
+    d["targets"] = {"plain": {"status": "ok", "runs": []}}
+    assert "`pd-vllm-nixl` is vLLM's own `NixlConnector`" in mod.section_client(d, {})
+    d["rounds"]["pair"] = ["pd-pull", "pd-vllm-mooncake"]
+    assert "`pd-vllm-nixl` is vLLM's own" not in mod.section_client(d, {})
 
 
 def _serve(ours_d: float, nixl_external: int = 2048) -> dict[str, Any]:
