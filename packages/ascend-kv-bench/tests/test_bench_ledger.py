@@ -137,6 +137,25 @@ def test_the_latest_run_with_the_rows_options() -> None:
     assert ledger.latest(runs, "kernels") is None
 
 
+def test_the_source_of_an_installed_copy_is_the_working_directorys_checkout(
+        tmp_path: Path, checkout: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A module run from a source tree is its own checkout's; an installed copy, even in a
+    virtual environment inside a checkout (nox's .nox), is the working directory's (a
+    worktree at the commit measured, run with that environment)."""
+    source = checkout / "packages" / "ascend-kv-core" / "src"
+    installed = checkout / ".nox" / "bench" / "lib" / "python3.11" / "site-packages" / "m"
+    installed.mkdir(parents=True)
+    worktree = tmp_path / "wt"
+    (worktree / "packages").mkdir(parents=True)
+    (worktree / "benchmarks").mkdir()
+    (worktree / "benchmarks" / "render.py").write_text("")
+    monkeypatch.chdir(worktree)
+    assert ledger.source_root(source) == checkout
+    assert ledger.source_root(installed) == worktree.resolve()
+    monkeypatch.chdir(tmp_path)  # outside any checkout: no source
+    assert ledger.source_root(installed) is None
+
+
 def test_where_a_run_goes(tmp_path: Path, checkout: Path) -> None:
     def args(**kw: Any) -> argparse.Namespace:
         return argparse.Namespace(**{"ledger": None, "quick": False, **kw})

@@ -293,10 +293,18 @@ def repo_root(start: Path | None = None) -> Path | None:
     return None
 
 
-def source_root() -> Path | None:
-    """The checkout whose sources this process runs: the one this module is in (run from
-    source trees), else the working directory's (packages installed from it)."""
-    return repo_root(Path(__file__).parent) or repo_root()
+def source_root(here: Path | None = None) -> Path | None:
+    """The checkout whose sources this process runs: the one this module (``here``: its
+    folder) is in when run from a source tree, else the working directory's (packages
+    installed from it). An installed copy (under ``site-packages``) is never its own source,
+    even in a virtual environment inside a checkout (nox's ``.nox``): a run from another
+    checkout (a worktree at the commit measured) with that environment records that one."""
+    here = here or Path(__file__).parent
+    if "site-packages" not in here.parts:
+        found = repo_root(here)
+        if found is not None:
+            return found
+    return repo_root()
 
 
 def _git(root: Path, *args: str, env: Mapping[str, str] | None = None) -> str | None:
