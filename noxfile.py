@@ -355,8 +355,14 @@ BENCH_ARGS: dict[str, tuple[str, ...]] = {
     "p2p": ("--auth", "--rounds", "15"),
     # 9 alternating rounds (engines kept up: the report's rule needs 9), one sample of each
     # hit a round; P/D at 2,048 prompt tokens only: P's prefill of 8,192 tokens took 20-60 s
-    # a scenario and round, most of the section's time (the whole set must fit 2 hours)
-    "serve": ("--rounds", "9", "--repeats", "1", "--pd-tokens", "2048"),
+    # a scenario and round, most of the section's time (the whole set must fit 2 hours).
+    # Only the scenarios a goal row reads and the peers they are compared with: the
+    # variants (our pull over TCP, as between hosts; the local backend with its pages
+    # prefaulted) and vLLM's ExampleConnector run with `bench serve --only` (about 8 of the
+    # section's 32 minutes)
+    "serve": ("--rounds", "9", "--repeats", "1", "--pd-tokens", "2048", "--only",
+              "pd/ours,pd/ours-layerwise,pd/vllm-mooncake,pd/vllm-nixl,pool/ours-local,"
+              "pool/ours-mooncake,pool/vllm-mooncake-store,offload/ours"),
     # 9 alternating rounds of our P/D pull pair, vLLM's MooncakeConnector pair and its
     # NixlConnector pair (from the environment with nixl, when it builds) at concurrency 4,
     # 16 prompts a run (each round's median of 16 requests); single runs of the targets the
