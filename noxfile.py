@@ -383,7 +383,7 @@ BENCH_ARGS: dict[str, tuple[str, ...]] = {
 #: Runs of `nox -s bench` beyond one of each benchmark (not in bench-smoke: each takes
 #: minutes), one per goal row that reads a run of other options. The fleet's runs are sized
 #: for the whole set's 2 hours: our proxy's start with 32 event streams (kv_aware) costs
-#: about 10 s a run, more than 4 s of load.
+#: about 10 s a run, more than 3 s of load.
 BENCH_MORE: tuple[tuple[str, ...], ...] = (
     # the pull's goals at 64 layers too (real models have 32-80)
     ("p2p", "--rounds", "9", "--layers", "64"),
@@ -394,21 +394,19 @@ BENCH_MORE: tuple[tuple[str, ...], ...] = (
     ("index",),
     # a sliding-window model with the hybrid KV cache manager on and off (4 minutes)
     ("hybrid",),
-    # routing quality on every trace, each router at its best policy (about 9 minutes)
-    ("fleet", "--instances", "64", "--rates", "100", "--rounds", "9", "--duration", "4",
+    # routing quality on every trace, each router at its best policy (about 8 minutes)
+    ("fleet", "--instances", "64", "--rates", "100", "--rounds", "9", "--duration", "3",
      "--routers", "ours:kv_aware,vllm-router:cache_aware", "--traces",
      "conversation,deep-prefix-tree,zipf-scans"),
     # churn: 10% of P added, drained, killed mid-run
     ("fleet", "--churn", "only", "--instances", "64", "--rates", "100", "--rounds", "9",
-     "--duration", "4", "--routers", "ours:kv_aware"),
+     "--routers", "ours:kv_aware"),
     # the rate one router process sustains before its p99 doubles, against vllm-router's
-    # (each at its best policy of the routing-quality run), beside the client routing alone
-    # (about 12 minutes)
+    # (each at its best policy of the routing-quality run; about 9 minutes)
     ("fleet", "--instances", "64", "--rates", "100,200,400", "--rounds", "9", "--duration",
-     "4", "--routers", "none:round_robin,ours:kv_aware,vllm-router:cache_aware",
-     "--traces", "conversation"),
+     "3", "--routers", "ours:kv_aware,vllm-router:cache_aware", "--traces", "conversation"),
     # the router-added p99 goal's point: 256 instances at 1,000 requests a second
-    ("fleet", "--instances", "256", "--rates", "1000", "--rounds", "9", "--duration", "2",
+    ("fleet", "--instances", "256", "--rates", "1000", "--rounds", "9", "--duration", "1",
      "--routers", "ours:kv_aware", "--traces", "conversation"),
 )
 
