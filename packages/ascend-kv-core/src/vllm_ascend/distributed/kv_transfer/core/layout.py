@@ -26,12 +26,14 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
-import torch
 
 from .errors import ConfigError, LayoutError
+
+if TYPE_CHECKING:  # imported where used: the wire-safe descriptor needs no torch (the
+    import torch  # P/D proxy imports it through the handshake messages)
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
@@ -184,6 +186,8 @@ class KVCacheLayout:
         counts = {r.num_blocks for layer in layers for r in layer.regions}
         if len(counts) != 1:
             raise LayoutError(f"layers disagree on the number of blocks: {sorted(counts)}")
+        import torch
+
         dtypes = {r.tensor.dtype for layer in layers for r in layer.regions}
         first = layers[0].regions[0]
         assert num_blocks is not None
@@ -243,6 +247,8 @@ class KVCacheLayout:
 def _page_owner(value: Any, layers: Sequence[LayerLayout]) -> str | None:
     """The layer whose blocks hold every tensor of ``value`` within them (same block count
     and stride, each block's bytes inside the owner's block), or None."""
+    import torch
+
     tensors = list(value) if isinstance(value, (list, tuple)) else [value]
     owner: str | None = None
     for t in tensors:
@@ -289,6 +295,8 @@ def _describe_layer(
     head_size: int | None,
 ) -> tuple[str, list[KVRegion], bool, int, int]:
     """Return ``(kind, regions, is_mla, num_kv_heads, head_size)`` of one layer."""
+    import torch
+
     if isinstance(value, (tuple, list)):
         parts = list(value)
         if not parts or not all(isinstance(p, torch.Tensor) for p in parts):
