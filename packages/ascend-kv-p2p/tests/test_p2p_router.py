@@ -112,8 +112,12 @@ TOKENS = list(range(100, 117))  # 4 full blocks and one token
 
 
 # ---------------------------------------------------------------- hashes and index
-@pytest.mark.parametrize("algo", ["sha256", "sha256_cbor"])
-def test_block_hashes_are_vllms(algo: str) -> None:
+@pytest.mark.parametrize("algo", ["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"])
+def test_block_hashes_are_vllms(algo: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Computed without vLLM, equal to what its scheduler computes, for every algorithm
+    (xxHash's with a seed both sides share, as vLLM requires)."""
+    if algo.startswith("xxhash"):
+        monkeypatch.setenv("PYTHONHASHSEED", "1234")
     mine = PrefixCacheHasher(algo).keys(TOKENS, BS)
     assert mine == [block_key(h) for h in vllm_block_hashes(TOKENS, algo)]
     assert len(mine) == 4 and PrefixCacheHasher(algo).keys(TOKENS, BS, limit=2) == mine[:2]

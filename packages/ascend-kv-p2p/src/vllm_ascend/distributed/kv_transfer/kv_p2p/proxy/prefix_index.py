@@ -1,12 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 """What each prefill instance holds in its prefix cache, and the block hashes of a prompt.
 
-The hashes are vLLM's own (:func:`vllm.v1.core.kv_cache_utils.hash_block_tokens` with the
-function :func:`vllm.utils.hashing.get_hash_fn_by_name` returns for the instance's
-``--prefix-caching-hash-algo``), chained from ``NONE_HASH = hash_fn(seed)`` exactly as
+The hashes are vLLM's (``vllm.v1.core.kv_cache_utils.hash_block_tokens``: the hash of
+``(parent, tuple(block's tokens), None)`` with the function of the instance's
+``--prefix-caching-hash-algo``, ``vllm.utils.hashing``: SHA-256 or xxHash-128 of the tuple
+pickled, or of its canonical CBOR), chained from ``NONE_HASH = hash_fn(seed)`` exactly as
 ``init_none_hash`` derives it; the seed is the instance's ``PYTHONHASHSEED`` (vLLM's fixed
-default seed for the sha256 algorithms when unset). vLLM is imported lazily: only the
-``kv_aware`` policy needs it.
+default seed for the sha256 algorithms when unset). Computed here, not with vLLM's
+functions: importing vLLM made the proxy's start take seconds more (10-20 on a loaded
+host). The tests check every algorithm against vLLM's own; a running proxy checks the first
+block of each stored event against its tokens (:meth:`.EventStream._verify`), and stops
+using an index whose hashes differ.
 
 Keys are the low 64 bits of a hash as an unsigned big-endian integer: that is what vLLM
 publishes with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1`` (``maybe_convert_block_hash``), and
@@ -18,9 +22,11 @@ several instances share (fed by the pool's events on their streams).
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import os
+import pickle
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -32,6 +38,9 @@ _MASK = (1 << 64) - 1
 #: Algorithms whose seed is random per process unless PYTHONHASHSEED is set (vLLM's rule).
 NON_CRYPTO_ALGOS = ("xxhash", "xxhash_cbor")
 HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+#: vLLM's ``kv_cache_utils.DEFAULT_NONE_HASH_SEED``: the sha256 algorithms' seed when
+#: ``PYTHONHASHSEED`` is unset.
+DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
 #: ``medium`` of the KV pool's events (``AscendStoreConnector``, as vLLM-Ascend's).
 POOL_MEDIUM = "cpu"
 #: Blocks a shared pool index remembers at most (the oldest stored are forgotten first).
@@ -42,6 +51,40 @@ POOL_MAX_BLOCKS = 1 << 20
 PREFIX_MAX_BLOCKS = 1 << 22
 #: Share of the bound forgotten at once when it is passed (one pass over the oldest keys).
 _EVICT_SHARE = 16
+
+
+def hash_function(algo: str) -> Callable[[Any], bytes]:
+    """vLLM's ``get_hash_fn_by_name(algo)``: the digest of an object pickled (``sha256``,
+    ``xxhash``) or in canonical CBOR (``*_cbor``). Pickling here only makes bytes to hash:
+    nothing is ever unpickled.
+
+    Raises:
+        ValueError: an unknown algorithm.
+        ImportError: ``cbor2`` or ``xxhash`` missing for the algorithms that use them.
+    """
+    if algo not in HASH_ALGOS:
+        raise ValueError(f"unknown prefix-caching hash algo {algo!r}")
+    if algo.endswith("_cbor"):
+        import cbor2
+
+        def encode(obj: Any) -> bytes:
+            return bytes(cbor2.dumps(obj, canonical=True))
+    else:
+        def encode(obj: Any) -> bytes:
+            return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    if algo.startswith("xxhash"):
+        import xxhash
+
+        def digest(data: bytes) -> bytes:
+            return bytes(xxhash.xxh3_128_digest(data))
+    else:
+        def digest(data: bytes) -> bytes:
+            return hashlib.sha256(data).digest()
+
+    def fn(obj: Any) -> bytes:
+        return digest(encode(obj))
+
+    return fn
 
 
 def block_key(block_hash: bytes | int) -> int:
@@ -62,19 +105,14 @@ class PrefixCacheHasher:
 
     Raises:
         ValueError: an unknown algorithm, or an xxhash algorithm without a seed.
-        ImportError: vLLM is not installed.
+        ImportError: the algorithm's module is not installed (``cbor2``, ``xxhash``: vLLM's
+            dependencies, there wherever its engines run).
     """
 
     def __init__(self, algo: str = "sha256", seed: str | None = None) -> None:
         if algo not in HASH_ALGOS:
             raise ValueError(f"unknown prefix-caching hash algo {algo!r}; expected one of "
                              f"{HASH_ALGOS}")
-        try:
-            from vllm.utils.hashing import get_hash_fn_by_name
-            from vllm.v1.core import kv_cache_utils
-        except ImportError as exc:  # pragma: no cover - vLLM is there wherever engines run
-            raise ImportError("the kv_aware policy computes vLLM's block hashes and needs "
-                              "vLLM installed beside the proxy") from exc
         if seed is None:
             seed = os.environ.get("PYTHONHASHSEED")
         if seed is None:
@@ -83,18 +121,16 @@ class PrefixCacheHasher:
                                  "vLLM process unless PYTHONHASHSEED is set: set the same "
                                  "PYTHONHASHSEED on the instances and give it to the proxy "
                                  "(--kv-hash-seed)")
-            seed = str(kv_cache_utils.DEFAULT_NONE_HASH_SEED)
+            seed = DEFAULT_NONE_HASH_SEED
         self.algo = algo
         self.seed = seed
-        self._fn: Callable[[Any], bytes] = get_hash_fn_by_name(algo)
-        self._hash_block = kv_cache_utils.hash_block_tokens
-        #: init_none_hash: NONE_HASH = hash_fn(seed); passed explicitly as the first parent,
-        #: so the proxy never touches vLLM's process-wide NONE_HASH
+        self._fn: Callable[[Any], bytes] = hash_function(algo)
+        #: init_none_hash: NONE_HASH = hash_fn(seed); passed explicitly as the first parent
         self.none_hash: bytes = self._fn(seed)
 
     def hash_block(self, parent: bytes | None, tokens: Sequence[int]) -> bytes:
         """The hash of one full block after ``parent`` (None: the first block)."""
-        return bytes(self._hash_block(self._fn, parent or self.none_hash, tokens, None))
+        return self._fn((parent or self.none_hash, tuple(tokens), None))
 
     def keys(self, tokens: Sequence[int], block_size: int, limit: int | None = None) -> list[int]:
         """Keys of the full blocks of ``tokens`` (at most ``limit`` of them)."""

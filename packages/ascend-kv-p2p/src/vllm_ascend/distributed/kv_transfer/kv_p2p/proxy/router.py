@@ -176,6 +176,8 @@ class KvRouter:
                                  name=f"pool-forget-{url}").start()
 
     def stop(self) -> None:
+        for stream in self.streams.values():  # every thread told first: they end together
+            stream.stop(wait=False)
         for url in list(self.streams):
             self.remove(url, wait=True)
 
