@@ -209,6 +209,60 @@ def test_run_client_records_a_crash_as_failed_requests(tmp_path: Path) -> None:
     assert "exited with 1" in row["errors"][0] and "Initial test run failed" in row["errors"][0]
 
 
+def _child(tmp_path: Path) -> procs.ClientProcess:
+    """A ClientProcess whose child serves runs with a stand-in of vLLM's client: it writes
+    the result (with its own pid as the TTFT p99), crashes on ``--seed 13``, hangs on 14."""
+    code = (
+        "import json, os, sys, time\n"
+        "from vllm_ascend.distributed.kv_transfer.bench.client import procs\n"
+        "def main(argv):\n"
+        "    seed = argv[argv.index('--seed') + 1]\n"
+        "    print('client run', seed)\n"
+        "    if seed == '13':\n"
+        "        raise ValueError('Initial test run failed')\n"
+        "    if seed == '14':\n"
+        "        time.sleep(60)\n"
+        "    d = argv[argv.index('--result-dir') + 1]\n"
+        "    f = argv[argv.index('--result-filename') + 1]\n"
+        f"    result = dict({RESULT!r}, p99_ttft_ms=float(os.getpid()))\n"
+        "    open(d + '/' + f, 'w').write(json.dumps(result))\n"
+        "    return 0\n"
+        "sys.exit(procs.serve_runs(main))\n")
+    return procs.ClientProcess(sys.executable, cmd=[sys.executable, "-c", code])
+
+
+def test_one_client_process_serves_every_run(tmp_path: Path) -> None:
+    """vLLM imported once: the runs go to one child, each its own log and result; a run
+    that fails is a failed row and the child serves the next; one past its timeout costs
+    the child, and the next run gets a new one."""
+    client = _child(tmp_path)
+
+    def run(seed: int, timeout: float = 60) -> dict[str, Any]:
+        return procs.run_client("/unused", "http://x", "/m", num_prompts=4, concurrency=4,
+                                input_len=10, output_len=2, seed=seed, work=tmp_path,
+                                timeout=timeout, client=client)
+
+    try:
+        first, second = run(1), run(2)
+        assert first["completed"] == 3 and second["completed"] == 3
+        assert first["ttft_p99_ms"] == second["ttft_p99_ms"]  # the same child's pid
+        assert client.started == 1
+        assert "client run 1" in (tmp_path / "client-c4-s1.log").read_text()
+        assert "client run 2" in (tmp_path / "client-c4-s2.log").read_text()
+        crashed = run(13)
+        assert crashed["failed"] == 4 and "exited with 1" in crashed["errors"][0]
+        assert "Initial test run failed" in crashed["errors"][0]
+        assert run(3)["ttft_p99_ms"] == first["ttft_p99_ms"] and client.started == 1
+        hung = run(14, timeout=2)
+        assert hung["failed"] == 4 and "ran past 2s" in hung["errors"][0]
+        after = run(4)
+        assert after["completed"] == 3 and after["ttft_p99_ms"] != first["ttft_p99_ms"]
+        assert client.started == 2
+    finally:
+        client.close()
+    assert client.proc is None
+
+
 def test_run_target_not_run_needs_no_engine(tmp_path: Path,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     from vllm_ascend.distributed.kv_transfer.bench.benchutil import Steps

@@ -79,7 +79,7 @@ from .deploy import (
     targets,
 )
 from .model import make_served_model
-from .procs import failed_row, warm_up
+from .procs import ClientProcess, failed_row, warm_up
 from .rounds import ROUND_TARGETS, ledger_series, run_rounds
 
 logger = logging.getLogger(__name__)
@@ -237,15 +237,19 @@ def run(args: argparse.Namespace) -> int:
     steps = Steps(len(chosen) + (1 if args.rounds else 0), NAME)
     results: dict[str, Any] = {}
     work = cfg.out / "client-logs"  # the servers' logs, the client's output and results
-    for target in chosen:
-        steps.step(f"{target.name}: {target.describe}")
-        (work / target.name).mkdir(parents=True, exist_ok=True)
-        results[target.name] = run_target(target, cfg, steps, work)
+    cfg.client = ClientProcess(cfg.python)  # vLLM imported once for every run
     rounds = None
-    if args.rounds:
-        steps.step(f"{args.rounds} alternating rounds of {', '.join(ROUND_TARGETS)} (those that run "
-                   "here)")
-        rounds = run_rounds(cfg, steps, work, args.rounds)
+    try:
+        for target in chosen:
+            steps.step(f"{target.name}: {target.describe}")
+            (work / target.name).mkdir(parents=True, exist_ok=True)
+            results[target.name] = run_target(target, cfg, steps, work)
+        if args.rounds:
+            steps.step(f"{args.rounds} alternating rounds of {', '.join(ROUND_TARGETS)} (those "
+                       "that run here)")
+            rounds = run_rounds(cfg, steps, work, args.rounds)
+    finally:
+        cfg.client.close()
     samples = ledger_series(results, rounds)  # takes the per-request samples out of the rows
     rows = table_rows(results)
     print(format_table(rows, ["target", "dataset", "conc", "status", "failed", "ttft_p50_ms",

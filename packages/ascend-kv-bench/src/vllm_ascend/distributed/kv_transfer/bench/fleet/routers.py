@@ -197,7 +197,7 @@ class Router:
                     waiting.discard(i)
             if not waiting:
                 return self
-            time.sleep(0.5)
+            time.sleep(0.1)  # a start is about 2 s: every run waits for it
         tail = self.tail()
         self.stop()  # a router left running would load every later run
         raise RuntimeError(f"{self.name} {self.policy} not ready after {timeout:.0f}s: {tail}")
