@@ -387,8 +387,8 @@ BENCH_ARGS: dict[str, tuple[str, ...]] = {
 
 #: Runs of `nox -s bench` beyond one of each benchmark (not in bench-smoke: each takes
 #: minutes), one per goal row that reads a run of other options. The fleet's runs are sized
-#: for the whole set's 2 hours: our proxy's start with 32 event streams (kv_aware) costs
-#: about 10 s a run, more than 3 s of load.
+#: for the whole set's 2 hours: a run starts its router anew (our proxy about 2 s, vLLM's
+#: router about 1), on the order of its 3 s of load.
 BENCH_MORE: tuple[tuple[str, ...], ...] = (
     # the pull's goals at 64 layers too (real models have 32-80)
     ("p2p", "--rounds", "9", "--layers", "64"),

@@ -8,7 +8,7 @@ instance's device cache) filled to a number of blocks tracked, or a
 :class:`~vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.prefix_index.PoolIndex` (a KV pool
 shared by instances) stored past its bound. Every event reaches it as the proxy's do: a
 ``(topic, seq, payload)`` frame handed to :meth:`.EventStream.handle` (sequence check, msgpack
-decode with vLLM's event classes when vLLM is importable, apply to the index), with no socket
+decode into the mirrors of vLLM's event classes, apply to the index), with no socket
 (the subscriber's thread is not started; its ZeroMQ loop only receives frames and hands them
 to this method). The payloads are what vLLM's ``ZmqEventPublisher`` sends, encoded with the
 fleet simulator's mirror of vLLM's classes (:mod:`.fleet.events`). Block hashes are distinct
@@ -245,7 +245,7 @@ def pool_round(spec: dict[str, Any], r: int) -> dict[str, Any]:
 
 
 def _warm_pool(spec: dict[str, Any]) -> None:
-    """Import and warm the decode path (vLLM's event classes) before a round measures the
+    """Import and warm the decode path (the event decoder) before a round measures the
     resident set a pool index adds."""
     from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.prefix_index import (
         POOL_MEDIUM,
