@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -183,3 +184,30 @@ def test_an_engine_that_outlives_its_kill_does_not_end_the_run(
     finally:
         eng.proc.kill()
         eng.proc.wait(10)
+
+
+class _Closing(_Eng):
+    """A kept engine whose close waits until every other one is closing too (a barrier):
+    closed one after the other, the first would wait out the barrier's timeout."""
+
+    def __init__(self, barrier: threading.Barrier, closed: list[_Closing]) -> None:
+        super().__init__()
+        self.barrier, self.closed = barrier, closed
+
+    def close(self) -> None:
+        self.barrier.wait()
+        self.closed.append(self)
+
+
+def test_close_live_stops_every_kept_engine_side_by_side() -> None:
+    """The family's rounds are done: its kept engines (8 for P/D) stop together, each
+    waiting for vLLM's shutdown, instead of one after the other."""
+    run: Any = object.__new__(Run)
+    run.live, run.steps, run.base_engine = {}, Steps("serve"), None
+    closed: list[_Closing] = []
+    barrier = threading.Barrier(4, timeout=10)
+    pairs = [run.kept(key, lambda: [_Closing(barrier, closed), _Closing(barrier, closed)])
+             for key in ("ours", "peer")]
+    run.close_live()
+    assert run.live == {} and sorted(map(id, closed)) == sorted(id(e) for p in pairs for e in p)
+    assert not barrier.broken

@@ -193,9 +193,13 @@ class Run:
             eng.close()
 
     def close_live(self) -> None:
-        """Stop every kept engine (the family's rounds are done)."""
-        for key in list(self.live):
-            self.drop(key)
+        """Stop every kept engine (the family's rounds are done), side by side: each waits
+        for vLLM's shutdown, seconds an engine one after the other (a family keeps 8)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        engines = [eng for key in list(self.live) for eng in reversed(self.live.pop(key))]
+        with ThreadPoolExecutor(max_workers=max(1, len(engines))) as pool:
+            list(pool.map(lambda eng: eng.close(), engines))
 
     def mooncake_store(self) -> LoopbackMooncakeStore:
         """The run's Mooncake Store (master + pool holder), started on first use, its
