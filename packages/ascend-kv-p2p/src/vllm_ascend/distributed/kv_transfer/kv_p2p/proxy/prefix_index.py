@@ -2,15 +2,15 @@
 """What each prefill instance holds in its prefix cache, and the block hashes of a prompt.
 
 The hashes are vLLM's (``vllm.v1.core.kv_cache_utils.hash_block_tokens``: the hash of
-``(parent, tuple(block's tokens), None)`` with the function of the instance's
-``--prefix-caching-hash-algo``, ``vllm.utils.hashing``: SHA-256 or xxHash-128 of the tuple
-pickled, or of its canonical CBOR), chained from ``NONE_HASH = hash_fn(seed)`` exactly as
-``init_none_hash`` derives it; the seed is the instance's ``PYTHONHASHSEED`` (vLLM's fixed
-default seed for the sha256 algorithms when unset). Computed here, not with vLLM's
-functions: importing vLLM made the proxy's start take seconds more (10-20 on a loaded
-host). The tests check every algorithm against vLLM's own; a running proxy checks the first
-block of each stored event against its tokens (:meth:`.EventStream._verify`), and stops
-using an index whose hashes differ.
+``(parent, tuple(block's tokens), None)`` with vLLM's own function of the instances'
+``--prefix-caching-hash-algo`` from ``vllm.utils.hashing``, :func:`hash_function`), chained
+from ``NONE_HASH = hash_fn(seed)`` exactly as ``init_none_hash`` derives it; the seed is the
+instance's ``PYTHONHASHSEED`` (vLLM's fixed default seed for the sha256 algorithms when
+unset). The chaining is done here and the hash module is loaded from its file: importing
+vLLM's packages made the proxy's start take seconds more. The tests check every algorithm
+against vLLM's scheduler; a running proxy checks the first block of each stored event
+against its tokens (:meth:`.EventStream._verify`), and stops using an index whose hashes
+differ.
 
 Keys are the low 64 bits of a hash as an unsigned big-endian integer: that is what vLLM
 publishes with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1`` (``maybe_convert_block_hash``), and
@@ -22,11 +22,10 @@ several instances share (fed by the pool's events on their streams).
 
 from __future__ import annotations
 
-import hashlib
+import functools
 import itertools
 import logging
 import os
-import pickle
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -54,37 +53,50 @@ _EVICT_SHARE = 16
 
 
 def hash_function(algo: str) -> Callable[[Any], bytes]:
-    """vLLM's ``get_hash_fn_by_name(algo)``: the digest of an object pickled (``sha256``,
-    ``xxhash``) or in canonical CBOR (``*_cbor``). Pickling here only makes bytes to hash:
-    nothing is ever unpickled.
+    """vLLM's ``get_hash_fn_by_name(algo)`` (``vllm.utils.hashing``), taken from vLLM's own
+    file without importing vLLM: that module needs only the standard library, ``cbor2`` and,
+    optionally, ``xxhash``, where importing its package loads torch and most of vLLM
+    (seconds of the proxy's start). Where that file cannot be loaded alone (another vLLM),
+    vLLM is imported.
 
     Raises:
         ValueError: an unknown algorithm.
-        ImportError: ``cbor2`` or ``xxhash`` missing for the algorithms that use them.
+        ImportError: vLLM is not installed, or the algorithm's module (``xxhash``) is not.
     """
     if algo not in HASH_ALGOS:
         raise ValueError(f"unknown prefix-caching hash algo {algo!r}")
-    if algo.endswith("_cbor"):
-        import cbor2
+    return _vllm_hashing().get_hash_fn_by_name(algo)  # type: ignore[no-any-return]
 
-        def encode(obj: Any) -> bytes:
-            return bytes(cbor2.dumps(obj, canonical=True))
-    else:
-        def encode(obj: Any) -> bytes:
-            return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    if algo.startswith("xxhash"):
-        import xxhash
 
-        def digest(data: bytes) -> bytes:
-            return bytes(xxhash.xxh3_128_digest(data))
-    else:
-        def digest(data: bytes) -> bytes:
-            return hashlib.sha256(data).digest()
+@functools.cache
+def _vllm_hashing() -> Any:
+    """The module ``vllm.utils.hashing``, loaded from its file (no ``vllm`` package run)."""
+    import importlib.util
 
-    def fn(obj: Any) -> bytes:
-        return digest(encode(obj))
+    try:
+        spec = importlib.util.find_spec("vllm")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("the kv_aware policy computes vLLM's block hashes with vLLM's hash "
+                          "functions and needs vLLM installed beside the proxy")
+    for root in spec.submodule_search_locations:
+        path = os.path.join(root, "utils", "hashing.py")
+        if not os.path.isfile(path):
+            continue
+        file_spec = importlib.util.spec_from_file_location("_vakv_vllm_hashing", path)
+        if file_spec is None or file_spec.loader is None:
+            continue
+        module = importlib.util.module_from_spec(file_spec)
+        try:
+            file_spec.loader.exec_module(module)
+        except ImportError:  # it imports vLLM itself in this version
+            break
+        if callable(getattr(module, "get_hash_fn_by_name", None)):
+            return module
+    import vllm.utils.hashing
 
-    return fn
+    return vllm.utils.hashing
 
 
 def block_key(block_hash: bytes | int) -> int:
