@@ -476,13 +476,14 @@ def _nixl_python(session: nox.Session) -> str | None:
 
 
 def _run_benchmarks(session: nox.Session, out: Path, *, quick: bool,
-                    extra: dict[str, tuple[str, ...]], ledger: Path) -> list[str]:
-    """Run every benchmark into ``out``, each appending its run to ``ledger``; return those
-    that crashed or wrote no JSON."""
+                    extra: dict[str, tuple[str, ...]], ledger: Path,
+                    only: tuple[str, ...] = BENCHMARKS) -> list[str]:
+    """Run every benchmark (of ``only``) into ``out``, each appending its run to ``ledger``;
+    return those that crashed or wrote no JSON."""
     import json
 
     bad = []
-    for name in BENCHMARKS:
+    for name in (n for n in BENCHMARKS if n in only):
         args = ["vllm-ascend-kv", "bench", name, "--out", str(out), "--ledger", str(ledger),
                 *extra.get(name, ())]
         before = len(list((ledger / name).glob("*.json.gz")))
@@ -510,20 +511,28 @@ def _run_benchmarks(session: nox.Session, out: Path, *, quick: bool,
 def bench(session: nox.Session) -> None:
     """Every benchmark in a small fixed configuration; writes bench-results/*.json, appends
     each run to the ledger (benchmarks/results/) and renders docs/benchmarks.md with its
-    plots from it. Never fails on a number."""
+    plots from it. Never fails on a number. ``nox -s bench -- serve fleet`` runs only the
+    sections named (each in the same configuration, the ``BENCH_MORE`` runs of a section
+    included)."""
+    sections = {*BENCHMARKS, *(more[0] for more in BENCH_MORE)}
+    only = tuple(session.posargs) or tuple(sorted(sections))
+    if unknown := sorted(set(only) - sections):
+        session.error(f"no bench section {', '.join(unknown)}; sections: "
+                      f"{', '.join(sorted(sections))}")
     _bench_env(session)
     extra = dict(BENCH_ARGS)
     extra["trace"] = (_trace_file(Path(session.create_tmp())),)
     held_out = Path(extra["trace"][0]).with_name(HELD_OUT_TRACE)
     if held_out.is_file():
         extra["trace"] += ("--held-out", f"mooncake-synthetic={held_out}")
-    nixl = _nixl_python(session)
+    nixl = _nixl_python(session) if {"serve", "client"} & set(only) else None
     if nixl:
         extra["serve"] = (*extra["serve"], "--nixl-python", nixl)
         extra["client"] = (*extra["client"], "--nixl-python", nixl)
     BENCH_DIR.mkdir(exist_ok=True)
-    bad = _run_benchmarks(session, BENCH_DIR, quick=False, extra=extra, ledger=LEDGER_DIR)
-    for name, *args in BENCH_MORE:
+    bad = _run_benchmarks(session, BENCH_DIR, quick=False, extra=extra, ledger=LEDGER_DIR,
+                          only=only)
+    for name, *args in (more for more in BENCH_MORE if more[0] in only):
         try:
             session.run("vllm-ascend-kv", "bench", name, *args, "--out",
                         str(Path(session.create_tmp()) / "more"), "--ledger", str(LEDGER_DIR))
