@@ -211,3 +211,65 @@ def test_close_live_stops_every_kept_engine_side_by_side() -> None:
     run.close_live()
     assert run.live == {} and sorted(map(id, closed)) == sorted(id(e) for p in pairs for e in p)
     assert not barrier.broken
+
+
+class _Starting(_Closing):
+    """An engine whose start waits until its pair's other engine is starting too."""
+
+    def __init__(self, barrier: threading.Barrier, closed: list[_Closing], name: str,
+                 fail: bool) -> None:
+        super().__init__(threading.Barrier(1), closed)
+        self.name = name
+        barrier.wait()
+        if fail:
+            raise RuntimeError(f"{name} did not start")
+
+
+def _pd_run(barrier: threading.Barrier, closed: list[_Closing], started: list[str],
+            fail: str = "") -> Any:
+    run: Any = object.__new__(Run)
+    run.live, run.steps, run.base_engine, run.binding = {}, Steps("serve"), None, "pinned"
+    run.cfg = type("Cfg", (), {"pd_threads_bind": None})()
+
+    def engine(name: str, kv: Any, **_kw: Any) -> _Starting:
+        started.append(name)
+        return _Starting(barrier, closed, name, fail=bool(fail) and name.endswith(fail))
+
+    run.engine = engine
+    return run
+
+
+def test_run_pd_starts_p_and_d_side_by_side() -> None:
+    """A pair's first round starts P and D together (each on its own core when pinned):
+    one after the other, P's start would wait out the barrier's timeout."""
+    from vllm_ascend.distributed.kv_transfer.bench.serve import pd as serve_pd
+
+    barrier, closed, started = threading.Barrier(2, timeout=10), [], []
+    run = _pd_run(barrier, closed, started)
+    seen: list[tuple[str, str]] = []
+
+    def flow(_run: Any, p: Any, d: Any, *_a: Any, **_kw: Any) -> dict[str, Any]:
+        seen.append((p.name, d.name))
+        return {"prompts": []}
+
+    import pytest
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(serve_pd, "pd_flow", flow)
+        assert serve_pd.run_pd(run, "pd/ours", {}, {}, None) == {"prompts": []}
+    assert seen == [("pd/ours-pinned-prefill", "pd/ours-pinned-decode")]
+    assert sorted(started) == ["pd/ours-pinned-decode", "pd/ours-pinned-prefill"]
+    assert not barrier.broken and list(run.live) == ["pd/ours[pinned]"]
+
+
+def test_run_pd_closes_p_when_d_fails_to_start() -> None:
+    """D fails to start while P comes up: P is closed, D's error raised, nothing kept."""
+    import pytest
+
+    from vllm_ascend.distributed.kv_transfer.bench.serve import pd as serve_pd
+
+    barrier, closed, started = threading.Barrier(2, timeout=10), [], []
+    run = _pd_run(barrier, closed, started, fail="decode")
+    with pytest.raises(RuntimeError, match="decode did not start"):
+        serve_pd.run_pd(run, "pd/ours", {}, {}, None)
+    assert [e.name for e in closed] == ["pd/ours-pinned-prefill"] and run.live == {}

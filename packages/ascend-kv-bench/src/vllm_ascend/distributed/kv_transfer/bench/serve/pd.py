@@ -12,6 +12,7 @@ once P had finished, with D's device-hit floor measured right after.
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..benchutil import median
@@ -114,15 +115,21 @@ def run_pd(run: Run, name: str, p_kv: dict[str, Any], d_kv: dict[str, Any],
     tag = f"{name}-{binding.replace('=', '')}" if binding else name
 
     def start() -> list[EngineChild]:
-        p = run.engine(f"{tag}-prefill", p_kv, env={**p_bind, **(p_env or {})}, python=python,
-                       pre_import=pre_import)
-        try:
-            d = run.engine(f"{tag}-decode", d_kv, env={**d_bind, **(d_env or {})},
-                           python=python, pre_import=pre_import)
-        except BaseException:
-            p.close()
-            raise
-        return [p, d]
+        # side by side: a pinned binding puts P and D on cores of their own, so the pair is
+        # up in about the slower one's start (20-50 s each here), not in both one after the
+        # other; neither needs the other until the first request
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            started = [pool.submit(run.engine, f"{tag}-{role}", kv, env=env, python=python,
+                                   pre_import=pre_import)
+                       for role, kv, env in (("prefill", p_kv, {**p_bind, **(p_env or {})}),
+                                             ("decode", d_kv, {**d_bind, **(d_env or {})}))]
+        up = [f.result() for f in started if f.exception() is None]
+        failed = [exc for f in started if (exc := f.exception()) is not None]
+        if failed:
+            for eng in reversed(up):
+                eng.close()
+            raise failed[0]
+        return up
 
     p, d = run.kept(key, start, pause_others=True)
     try:
