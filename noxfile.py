@@ -369,12 +369,14 @@ BENCH_ARGS: dict[str, tuple[str, ...]] = {
               "pool/ours-mooncake,pool/vllm-mooncake-store,offload/ours"),
     # 9 alternating rounds of our P/D pull pair, vLLM's MooncakeConnector pair and its
     # NixlConnector pair (from the environment with nixl, when it builds) at concurrency 4,
-    # 16 prompts a run (each round's median of 16 requests); single runs of the targets the
-    # rounds do not measure, and of our pull pair (the plain instance's counterpart). At
-    # concurrency 4 and 8 with 32 prompts and singles of every pair it took 42 minutes with
-    # two pairs in the rounds, more than a third of the whole set's 2 hours
+    # 16 prompts a run (each round's median of 16 requests); single runs of the plain
+    # instance and of our layerwise pair, which the rounds do not measure. Not here (28
+    # minutes with them at 79f19bd, 6 of them theirs): the single run of our pull pair,
+    # the rounds' own configuration again, and the 2 P + 2 D target (its 4 engines took over
+    # 2 minutes to start; on 2 cores its TTFT measures the cores they share): run them with
+    # `bench client --only pd-pull,pd-pull-2p2d`
     "client": ("--rounds", "9", "--concurrency", "4", "--num-prompts", "16", "--only",
-               "plain,pd-pull,pd-layerwise,pd-pull-2p2d"),
+               "plain,pd-layerwise"),
     # the quick model on all 200 requests, 9 rounds (the report's rule): fewer share too
     # little of the trace to tell the policies apart (on the first 120 every policy hit the
     # same blocks); our three policies (the goal rows read them) and vLLM's router's kv_aware

