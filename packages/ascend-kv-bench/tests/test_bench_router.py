@@ -190,3 +190,47 @@ def test_vllm_router_is_started_with_each_ps_events(tmp_path: Path,
     assert cmd[cmd.index("--decode") + 1] == engines[2].url
     assert [cmd[i + 1] for i, a in enumerate(cmd) if a == "--pd-kv-events"] == [
         "http://127.0.0.1:1=tcp://127.0.0.1:11", "http://127.0.0.1:2=tcp://127.0.0.1:21"]
+
+
+def test_send_all_streams_every_prompt_on_kept_connections() -> None:
+    """The driver's requests: every prompt's TTFT, a failure counted (not raised), and each
+    sending thread's requests on one kept-alive connection (not one per request)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    peers: list[tuple[str, int]] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *_a: object) -> None:
+            pass
+
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            peers.append(self.client_address)
+            if body["prompt"] == [0]:
+                out, code = b'{"error": "bad prompt"}', 500
+            else:
+                assert body["stream"] is True and body["max_tokens"] == 2
+                chunk = json.dumps({"choices": [{"text": "x"}]})
+                out, code = f"data: {chunk}\n\ndata: {chunk}\n\ndata: [DONE]\n\n".encode(), 200
+            self.send_response(code)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        prompts = [[1, 2, 3]] * 11 + [[0]]
+        ttfts, errors = br.send_all(base, "m", prompts, output_len=2, concurrency=2)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert len(ttfts) == 11 and all(0 < t < 10 for t in ttfts)
+    assert len(errors) == 1 and "HTTP 500" in errors[0]
+    assert len(peers) == 12 and len(set(peers)) <= 2  # one connection per sending thread
