@@ -149,25 +149,19 @@ def ttft_summary(ttfts: Sequence[float]) -> dict[str, Any]:
 
 
 # ====================================================================== client
-def stream_ttft(base: str, model: str, prompt: list[int], output_len: int,
-                timeout: float = 300.0, client: Any = None) -> float:
-    """One streamed completion through ``base``; seconds until its first token arrived.
-
-    Args:
-        client: the ``httpx.Client`` to send it with (its connections reused); ``None``: a
-            client of its own for this request.
+def stream_ttft(client: Any, base: str, model: str, prompt: list[int], output_len: int,
+                timeout: float = 300.0) -> float:
+    """One streamed completion through ``base`` with ``client`` (an ``httpx.Client``, its
+    connection reused); seconds until its first token arrived.
 
     Raises:
         RuntimeError: not 200, an error event, or no token.
     """
-    import httpx
-
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
             "ignore_eos": True, "stream": True}
     start = time.perf_counter()
     first = None
-    send = client.stream if client is not None else httpx.stream
-    with send("POST", base + "/v1/completions", json=body, timeout=timeout) as r:
+    with client.stream("POST", base + "/v1/completions", json=body, timeout=timeout) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {r.read()[:300]!r}")
         for line in r.iter_lines():
@@ -205,7 +199,7 @@ def send_all(base: str, model: str, prompts: Sequence[list[int]], output_len: in
             with lock:
                 clients.append(client)
         try:
-            ttfts.append(stream_ttft(base, model, p, output_len, client=client))
+            ttfts.append(stream_ttft(client, base, model, p, output_len))
         except Exception as exc:  # a failed request is counted, never fatal
             errors.append(str(exc)[-300:])
 

@@ -20,6 +20,7 @@ import statistics
 import tempfile
 import zlib
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -195,8 +196,6 @@ class Run:
     def close_live(self) -> None:
         """Stop every kept engine (the family's rounds are done), side by side: each waits
         for vLLM's shutdown, seconds an engine one after the other (a family keeps 8)."""
-        from concurrent.futures import ThreadPoolExecutor
-
         engines = [eng for key in list(self.live) for eng in reversed(self.live.pop(key))]
         with ThreadPoolExecutor(max_workers=max(1, len(engines))) as pool:
             list(pool.map(lambda eng: eng.close(), engines))
