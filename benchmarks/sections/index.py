@@ -87,8 +87,17 @@ def section_index(d: dict[str, Any], images: Images) -> str:
             f"sizes in turns, at {', '.join(str(n) for n in d.get('sizes') or [])} blocks "
             f"tracked; memory: {d.get('memory', '–')}. The per-instance `PrefixIndex` "
             f"{bounded}. The shared pool's `PoolIndex`, bound "
-            f"{pool.get('bound', '–')} blocks, was stored {pool.get('stored_per_round', '–')} "
-            f"blocks a round.\n")
+            f"{pool.get('bound', '–')} blocks, {_pool_feed(pool)}.\n")
+
+
+def _pool_feed(pool: Mapping[str, Any]) -> str:
+    """What the pool index was stored: a fresh index twice its bound every round (runs
+    before 2026-12-07), or one index, twice its bound and then more each round."""
+    if "stored_more_per_round" in pool:
+        return (f"was stored {pool.get('stored_first_round', '–')} blocks in the first round "
+                f"and {pool.get('stored_more_per_round', '–')} more in each later round, "
+                f"into the same index")
+    return f"was stored {pool.get('stored_per_round', '–')} blocks a round, afresh"
 
 
 def section_samples(entry: Mapping[str, Any]) -> str:
@@ -129,25 +138,30 @@ def section_samples(entry: Mapping[str, Any]) -> str:
         newest = [v for r in (pool.get("newest_matched") or {}).get("rounds") or [] for v in r]
         rss = medians_by_round(pool["rss_added"]) if "rss_added" in pool else []
         past = pool.get("store_past_bound")
+        more = num(tags.get("stored_more"))
         prow = {"bound": tags.get("bound"), "stored": tags.get("stored"),
                 "held": int(max(held_after)) if held_after else None,
                 "newest": int(min(newest)) if newest else None,
-                "mem": rss[0] / 2**20 if rss else None,
+                "mem": max(rss) / 2**20 if rss else None,
                 "rate": median_cell(rates(past), 1e-3) if past else "–"}
-        out += ["\nThe shared pool index stored twice its bound, each round afresh (the "
-                "most it held after; the fewest blocks of the newest 64-block prompt it "
-                "still matched):\n\n",
+        how = ("twice its bound in the first round, then "
+               f"{int(more)} blocks more a round into the same index" if more is not None
+               else "twice its bound, each round afresh")
+        out += [f"\nThe shared pool index stored {how} (the most it held after a round; the "
+                "fewest blocks of the newest 64-block prompt it still matched; the most "
+                "resident memory it had added):\n\n",
                 md_table([prow], ["bound", "stored", "held", "newest", "mem", "rate"],
-                         ["bound", "stored a round", "held after (most)",
+                         ["bound", "stored (first round)", "held after (most)",
                           "newest prompt matched", "RSS MiB", "stored past the bound "
                           "k blocks/s"])]
     return "".join(out)
 
 
 def pool_bounded(entry: Mapping[str, Any]) -> Measured | None:
-    """The most the pool index held after each round stored twice its bound; met when
-    every round held at most the bound, the bound was the proxy's (``POOL_MAX_BLOCKS`` as
-    the run read it) and twice as many were stored (a count: its interval is itself)."""
+    """The most the pool index held after each round (the first stored twice its bound);
+    met when every round held at most the bound, the bound was the proxy's
+    (``POOL_MAX_BLOCKS`` as the run read it) and at least twice as many were stored (a
+    count: its interval is itself)."""
     s = pool_series(entry).get("held")
     if s is None:
         return None

@@ -57,12 +57,19 @@ def test_instance_index_keeps_its_size_and_is_unbounded() -> None:
 
 
 def test_the_pool_index_holds_at_most_its_bound_and_forgets_the_oldest() -> None:
-    out = index_child.pool_round({**SPEC, "bound": 100, "stored": 200}, 0)
+    rounds = index_child.PoolRounds({**SPEC, "bound": 100, "stored": 200, "more": 24})
+    out = rounds.round(0)
     assert out["held"] == 100 and out["evicted"] == 100 and out["stored"] == 200
     assert out["newest_matched"] == 64 and out["oldest_matched"] == 0
     assert out["instance_index_held"] == 0  # the pool's events feed the pool's index only
     # each batch that started past the bound was timed (it evicted as many as it stored)
     assert len(out["store_past_bound_s"]) == len(range(104, 200, 8))
+    # a later round stores `more` past the bound into the same index: still bounded, the
+    # newest prompt (blocks 160..223) matched whole, every batch of the round timed
+    out = rounds.round(1)
+    assert out["stored"] == 224 and out["held"] == 100 and out["evicted"] == 124
+    assert out["newest_matched"] == 64 and out["oldest_matched"] == 0
+    assert len(out["store_past_bound_s"]) == 3
 
 
 def _args(tmp_path: Path, *argv: str) -> argparse.Namespace:
@@ -85,6 +92,8 @@ def test_a_small_run_writes_its_json_and_a_ledger_entry(tmp_path: Path,
     assert doc["pool_default_bound"] == POOL_MAX_BLOCKS
     assert [r["held"] for r in doc["rows"]] == [[2000, 2000], [4000, 4000]]
     assert doc["pool"]["held"] == [256, 256] and doc["pool"]["held_at_most_bound"] is True
+    # the first round stored twice the bound, the second an eighth of it more
+    assert doc["pool"]["stored"] == [512, 544] and doc["pool"]["stored_more_per_round"] == 32
     (entry_path,) = (ledger / "index").glob("*.json.gz")
     entry = json.loads(gzip.decompress(entry_path.read_bytes()))
     assert set(entry["source"]["packages"]) == {"ascend-kv-p2p"}

@@ -210,38 +210,50 @@ class InstanceIndex:
         return out
 
 
-def pool_round(spec: dict[str, Any], r: int) -> dict[str, Any]:
-    """A fresh :class:`PoolIndex` of bound ``bound`` fed ``stored`` blocks (its pool's
-    events, ``medium`` ``cpu``): what it holds after, the time of each batch stored past the
-    bound (each evicts), and whether the newest prompt is still matched whole and the
-    oldest forgotten (the bound forgets the oldest stored first)."""
-    from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.prefix_index import (
-        POOL_MEDIUM,
-        PoolIndex,
-        PrefixIndex,
-    )
+class PoolRounds:
+    """One :class:`PoolIndex` of bound ``bound`` measured by rounds: the first round stores
+    ``stored`` blocks (twice the bound: every batch past the bound evicts), each later round
+    ``more`` blocks past the bound into the same index (a long-running pool's steady state,
+    in seconds instead of a fresh index's twice-the-bound a round). Each round reports what
+    the index holds after, the time of each batch it stored past the bound, whether the
+    newest prompt is still matched whole and the oldest forgotten (the bound forgets the
+    oldest stored first), and the resident set the index has added since it was made."""
 
-    bound, stored = int(spec["bound"]), int(spec["stored"])
-    feed = Feed(spec["block_size"], spec["blocks_per_batch"], spec["blocks_per_event"],
-                POOL_MEDIUM)
-    before = rss_bytes()
-    pool = PoolIndex("bench-pool", spec["block_size"], max_blocks=bound)
-    stream = _stream(PrefixIndex(spec["block_size"]), pool)
-    past: list[float] = []
-    hi = 0
-    while hi < stored:
-        n = min(feed.blocks_per_batch, stored - hi)
-        dt = _timed(stream, feed.stored(hi, n))
-        if hi >= bound:
-            past.append(dt)
-        hi += n
-    _check(stream)
-    newest = pool.matched([block_key(i) for i in range(stored - PROMPT_BLOCKS, stored)])
-    oldest = pool.matched([block_key(i) for i in range(PROMPT_BLOCKS)])
-    return {"round": r, "bound": bound, "stored": pool.stored, "held": len(pool),
-            "evicted": pool.evicted, "newest_matched": newest, "oldest_matched": oldest,
-            "store_past_bound_s": past, "rss_added": rss_bytes() - before,
-            "instance_index_held": len(stream.index)}
+    def __init__(self, spec: dict[str, Any]) -> None:
+        from vllm_ascend.distributed.kv_transfer.kv_p2p.proxy.prefix_index import (
+            POOL_MEDIUM,
+            PoolIndex,
+            PrefixIndex,
+        )
+
+        self.bound, self.first = int(spec["bound"]), int(spec["stored"])
+        self.more = int(spec["more"])
+        self.feed = Feed(spec["block_size"], spec["blocks_per_batch"],
+                         spec["blocks_per_event"], POOL_MEDIUM)
+        self.before = rss_bytes()
+        self.pool = PoolIndex("bench-pool", spec["block_size"], max_blocks=self.bound)
+        self.stream = _stream(PrefixIndex(spec["block_size"]), self.pool)
+        #: blocks 0 .. hi - 1 were stored, in order
+        self.hi = 0
+
+    def round(self, r: int) -> dict[str, Any]:
+        """Store the round's blocks (the first round's ``stored``, then ``more``)."""
+        target = self.first if self.hi == 0 else self.hi + self.more
+        past: list[float] = []
+        while self.hi < target:
+            n = min(self.feed.blocks_per_batch, target - self.hi)
+            dt = _timed(self.stream, self.feed.stored(self.hi, n))
+            if self.hi >= self.bound:
+                past.append(dt)
+            self.hi += n
+        _check(self.stream)
+        pool = self.pool
+        newest = pool.matched([block_key(i) for i in range(self.hi - PROMPT_BLOCKS, self.hi)])
+        oldest = pool.matched([block_key(i) for i in range(PROMPT_BLOCKS)])
+        return {"round": r, "bound": self.bound, "stored": pool.stored, "held": len(pool),
+                "evicted": pool.evicted, "newest_matched": newest, "oldest_matched": oldest,
+                "store_past_bound_s": past, "rss_added": rss_bytes() - self.before,
+                "instance_index_held": len(self.stream.index)}
 
 
 def _warm_pool(spec: dict[str, Any]) -> None:
@@ -261,21 +273,24 @@ def _warm_pool(spec: dict[str, Any]) -> None:
 
 def _serve(spec: dict[str, Any]) -> int:
     """Answer the parent's requests until it says ``exit``."""
-    index = InstanceIndex(spec) if spec["kind"] == "instance" else None
-    if index is None:
+    index: InstanceIndex | PoolRounds
+    if spec["kind"] == "instance":
+        index = InstanceIndex(spec)
+    else:
         _warm_pool(spec)
+        index = PoolRounds(spec)
 
     def say(doc: dict[str, Any]) -> None:
         sys.stdout.write(json.dumps(doc) + "\n")
         sys.stdout.flush()
 
-    say({"ready": True, **(index.fill() if index is not None else {})})
+    say({"ready": True, **(index.fill() if isinstance(index, InstanceIndex) else {})})
     for line in sys.stdin:
         req = json.loads(line)
         if req.get("op") == "exit":
             break
         r = int(req["round"])
-        say(index.round(r) if index is not None else pool_round(spec, r))
+        say(index.round(r))
     return 0
 
 
