@@ -9,6 +9,9 @@ from typing import Any
 
 from ._common import fmt, md_table, num, verdict
 
+#: How the text names a family of ``bench serve``.
+_FAMILY_NAMES = {"pd": "P/D", "pool": "pool", "offload": "offload", "peer": "peers"}
+
 logger = logging.getLogger(__name__)
 
 
@@ -33,9 +36,18 @@ def rounds_note(d: dict[str, Any]) -> str:
     binds = cfg.get("pd_binding_env") or {}
     bind_text = ", ".join(f"`{b}` (P `VLLM_CPU_OMP_THREADS_BIND={e.get('prefill')}`, D "
                           f"`{e.get('decode')}`)" for b, e in binds.items())
-    return (f"**{rounds} rounds**, alternating: the engines of a family (P/D, pool, offload) "
-            "start once and stay up; each round measures the engine without a connector (the "
-            "recompute of that round) and then every scenario of the family once, in turns, "
+    groups = cfg.get("round_groups")
+    if groups:  # runs from 2026-12-07 on: P/D's rounds, then the other families' together
+        names = "; ".join(" and ".join(_FAMILY_NAMES.get(f, f) for f in g) for g in groups)
+        grouped = (f"the scenarios are measured in sets of rounds ({names}): the engines of a "
+                   "set start once and stay up; each round measures the engine without a "
+                   "connector (the recompute of that round) and then every scenario of the "
+                   "set once")
+    else:
+        grouped = ("the engines of a family (P/D, pool, offload) start once and stay up; each "
+                   "round measures the engine without a connector (the recompute of that "
+                   "round) and then every scenario of the family once")
+    return (f"**{rounds} rounds**, alternating: {grouped}, in turns, "
             "in reverse order every other round; pool and offload get fresh prompts every "
             f"round (a cold request must miss), {cfg.get('repeats')} sample(s) of each hit a "
             f"round. P/D prompts of {cfg.get('pd_lengths')} tokens under the bindings "

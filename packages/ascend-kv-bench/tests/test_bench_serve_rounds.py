@@ -75,10 +75,14 @@ def test_bindings_pin_each_engine_to_its_own_core(monkeypatch: pytest.MonkeyPatc
 
 def test_families_keep_run_order_and_leave_the_baseline_out() -> None:
     sc = [Scenario("baseline", "baseline", "-", "-", ""),
+          Scenario("offload/d", "offload", "ours", "D", ""),
           Scenario("pool/a", "pool", "ours", "A", ""), Scenario("pd/b", "pd", "ours", "B", ""),
           Scenario("x/c", "x", "ours", "C", "")]
+    # P/D alone; every family measured against the same baseline flow in one set of rounds
     assert [(f, [s.name for s in m]) for f, m in families(sc)] == [
-        ("pd", ["pd/b"]), ("pool", ["pool/a"]), ("x", ["x/c"])]
+        ("pd", ["pd/b"]), ("pool + offload + x", ["pool/a", "offload/d", "x/c"])]
+    assert [f for f, _ in families(sc[:2])] == ["offload"]
+    assert [f for f, _ in families(sc[3:4])] == ["pd"]
 
 
 def test_aggregate_takes_medians_over_rounds_and_checks_tokens_per_round() -> None:

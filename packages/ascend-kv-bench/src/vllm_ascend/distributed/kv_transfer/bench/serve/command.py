@@ -18,8 +18,8 @@ the connector's storage after ``reset_prefix_cache()`` (vLLM's cache only).
 
 Prompt lengths are ``k*block``, ``k*block + 1`` (a length ``ExampleConnector``
 never hits) and ``k*block + block/2``; P/D prompts are ``--pd-tokens`` long
-(2,048 and 8,192). The scenarios of a family are measured in ``--rounds``
-alternating rounds with their engines kept up (:mod:`.rounds`), P/D under
+(2,048 and 8,192). The scenarios are measured in ``--rounds`` alternating rounds
+with their engines kept up (:mod:`.rounds`: P/D's, then the others' together), P/D under
 each ``--pd-bindings`` thread binding. Writes ``<out>/serve.json`` with every
 measurement, the per-round series with the overheads over the floor, and the
 ratios with their intervals (:mod:`.report`, :mod:`.compare`:
@@ -50,7 +50,7 @@ from .builtin import NOT_ON_CPU, builtin_scenarios
 from .compare import interval_comparisons, ledger_series, round_series
 from .needs import PEERS_DIR, PEERS_ENV, peers_path
 from .report import summarize, table_rows
-from .rounds import run_rounds
+from .rounds import families, run_rounds
 from .scenarios import Run, engine_malloc_env, make_model, prompt_lengths
 from .spec import (
     BENCH_MODEL,
@@ -193,6 +193,8 @@ def run(args: argparse.Namespace) -> int:
                    "block_size": cfg.block_size, "lengths": cfg.lengths,
                    "kv_bytes_per_token": cfg.kv_bytes_per_token,
                    "repeats": cfg.repeats, "rounds": cfg.rounds,
+                   # the families measured in one set of rounds, each group's in turns
+                   "round_groups": [fam.split(" + ") for fam, _ in families(chosen)],
                    "pd_lengths": cfg.pd_lengths, "pd_bindings": list(cfg.pd_bindings),
                    "pd_binding_env": {b: dict(zip(("prefill", "decode"),
                                                   PD_BINDINGS.get(b, (b[5:], b[5:])),
@@ -244,7 +246,8 @@ def add_parser(subparsers: Any) -> None:
                    help="samples of each hit / recompute within a round (median; default 2, "
                         "quick 1)")
     p.add_argument("--rounds", type=int, default=None,
-                   help="alternating rounds: the scenarios of a family measured in turns, "
+                   help="alternating rounds: P/D's scenarios measured in turns, then the "
+                        "others' (pool, offload), "
                         "engines kept up (default 5, quick 2)")
     p.add_argument("--pd-tokens", default=None,
                    help="comma-separated prompt lengths of the P/D scenarios (default "

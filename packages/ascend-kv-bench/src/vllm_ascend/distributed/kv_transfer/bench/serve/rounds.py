@@ -1,11 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """Repeated alternating rounds of ``bench serve``.
 
-The scenarios of one family (``pd``, ``pool``, ``offload``, ...) are measured
-together: their engines start once and stay up, and each round measures the
-engine without a connector (the recompute and floor of that round's prompts) and
-then every scenario of the family once, in turns (reversed every other round, so
-neither side always goes first). While one P/D pair (or the engine without a connector)
+The P/D scenarios are measured together, and so are the others (``pool``,
+``offload``, ...: :func:`families`): their engines start once and stay up, and each
+round measures the engine without a connector (the recompute and floor of that round's
+prompts) and then every scenario of the group once, in turns (reversed every other round,
+so neither side always goes first). While one P/D pair (or the engine without a connector)
 is measured, the other kept P/D engines are paused (SIGSTOP). P/D families run once per
 thread binding (:data:`~.spec.PD_BINDINGS`); each scenario is then reported once per
 binding, as ``<name>[<binding>]``. The rounds of a scenario are kept beside
@@ -59,14 +59,24 @@ def _call(sc: Scenario, run: Run) -> tuple[dict[str, Any] | None, dict[str, Any]
 
 
 def families(chosen: Sequence[Scenario]) -> list[tuple[str, list[Scenario]]]:
-    """The chosen scenarios but the baseline, by family, in run order."""
+    """The chosen scenarios but the baseline, by the rounds that measure them, in run
+    order: the P/D family alone (its reference is the P/D prompts' on the engine without a
+    connector, once per binding), then every other family together (``pool + offload``):
+    each of those is measured against the same measurement of the engine without a
+    connector (its :func:`cache_flow` of the round's prompts), so one a round serves them
+    all, alternating with all their scenarios."""
     order = list(FAMILY_ORDER) + sorted({sc.family for sc in chosen} - set(FAMILY_ORDER))
-    out = []
+    pd: list[Scenario] = []
+    cache: list[Scenario] = []
+    names: list[str] = []
     for fam in order:
         members = [sc for sc in chosen if sc.family == fam and sc.name != "baseline"]
-        if members:
-            out.append((fam, members))
-    return out
+        if members and fam == "pd":
+            pd = members
+        elif members:
+            cache += members
+            names.append(fam)
+    return ([("pd", pd)] if pd else []) + ([(" + ".join(names), cache)] if cache else [])
 
 
 def _cache_reference(base: dict[str, Any]) -> dict[str, Any]:
