@@ -10,12 +10,15 @@ tests before it do, and the test asserts on what it wrote.
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import json
 import shutil
 import sys
 import tempfile
 from pathlib import Path
+
+import pytest
 
 from ascend_kv_testing.procs import start_in_background
 from vllm_ascend.distributed.kv_transfer.bench import p2p as bench
@@ -64,3 +67,15 @@ def test_quick_run_reports_the_connector_and_every_claim_mode() -> None:
     assert doc["keyed"] is True and "alternating with the others" in doc["description"]
     assert "its own pair's raw read" in doc["description"]
     assert "claims_first" in proc.stdout
+
+
+def test_sizes_option_takes_distinct_block_counts_and_refuses_bad_ones(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    bench.add_parser(parser.add_subparsers(dest="bench"))
+    assert parser.parse_args(["p2p", "--sizes", "64,1,16,16"]).sizes == [1, 16, 64]
+    assert parser.parse_args(["p2p"]).sizes is None  # the run's default: 1, 16, 128
+    for bad in ("0,16", "one", ","):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["p2p", "--sizes", bad])
+        assert "--sizes" in capsys.readouterr().err

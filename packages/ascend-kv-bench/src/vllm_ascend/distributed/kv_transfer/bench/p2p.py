@@ -501,7 +501,7 @@ def run(args: argparse.Namespace) -> int:
         write_results,
     )
 
-    sizes = [1, 16] if args.quick else [1, 16, 128]
+    sizes = args.sizes or ([1, 16] if args.quick else [1, 16, 128])
     rounds = 3 if args.quick else args.rounds
     pairs = 2 if args.quick else args.pairs
     cpus = usable_cpus()
@@ -558,6 +558,18 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sizes_arg(text: str) -> list[int]:
+    """``--sizes``: distinct block counts of at least 1, in increasing order."""
+    try:
+        sizes = sorted({int(v) for v in text.split(",") if v.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of block counts: "
+                                         f"{text!r}") from None
+    if not sizes or sizes[0] < 1:
+        raise argparse.ArgumentTypeError(f"block counts must be at least 1: {text!r}")
+    return sizes
+
+
 def add_parser(subparsers: Any) -> None:
     """Register ``vllm-ascend-kv bench p2p``."""
     from .benchutil import add_common_args
@@ -571,6 +583,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--layers", type=int, default=LAYERS,
                    help="KV cache layers of both workers (each a byte range of every block "
                         "read; real models have 32-80; default: %(default)s)")
+    p.add_argument("--sizes", type=_sizes_arg, default=None,
+                   help="blocks a load, comma-separated (default 1,16,128; --quick 1,16)")
     p.add_argument("--auth", action="store_true",
                    help="a second pair with a deployment key, its loads alternating with the "
                         "others (keyed_* in each result)")
