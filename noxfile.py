@@ -402,7 +402,7 @@ BENCH_MORE: tuple[tuple[str, ...], ...] = (
     # the proxy's prefix indexes at 10^5-10^7 blocks tracked, the pool index stored twice
     # its bound (minutes; the 10^7 child holds a few GiB)
     ("index",),
-    # a sliding-window model with the hybrid KV cache manager on and off (4 minutes)
+    # a sliding-window model with the hybrid KV cache manager on and off (about 7 minutes)
     ("hybrid",),
     # routing quality on every trace, each router at its best policy (about 8 minutes)
     ("fleet", "--instances", "64", "--rates", "100", "--rounds", "9", "--duration", "3",
