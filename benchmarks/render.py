@@ -172,22 +172,24 @@ def evaluate_goals(entries: Sequence[Mapping[str, Any]], head: Mapping[str, str 
     return [judge(g, entries, head) for g in specs]
 
 
-def value_cell(m: Any) -> str:
-    """``0.93 (95%: 0.91–0.95), 16 blocks``."""
+def value_cell(m: Any, *, where: bool = True) -> str:
+    """``0.93 (95%: 0.91–0.95), 16 blocks`` (without ``, 16 blocks`` where ``where`` is
+    false)."""
     if m is None:
         return "–"
+    at = f", {m.where}" if m.where and where else ""
     if m.rounds < 2:  # one round has no interval
-        return f"{fmt(m.value)}{m.unit} (1 round: no interval)" + (f", {m.where}" if m.where
-                                                                   else "")
-    out = f"{fmt(m.value)}{m.unit} ({fmt(m.low)}–{fmt(m.high)}{m.unit})"
-    return out + (f", {m.where}" if m.where else "")
+        return f"{fmt(m.value)}{m.unit} (1 round: no interval)" + at
+    return f"{fmt(m.value)}{m.unit} ({fmt(m.low)}–{fmt(m.high)}{m.unit})" + at
 
 
-def run_cell(entry: Mapping[str, Any] | None, stale: bool = False) -> str:
-    """``2026-12-06 13:45, 1a2b3c4`` (the run's end and commit), ``stale`` where it is."""
+def run_cell(entry: Mapping[str, Any] | None, stale: bool = False, *,
+             time: bool = True) -> str:
+    """``2026-12-06 13:45, 1a2b3c4`` (the run's end and commit; the day alone without
+    ``time``), ``stale`` where it is."""
     if entry is None:
         return "–"
-    when = str(entry.get("ended") or "?").replace("T", " ")[:16]
+    when = str(entry.get("ended") or "?").replace("T", " ")[:16 if time else 10]
     src = entry.get("source") or {}
     commit = str(src.get("commit") or "no commit")[:7] + ("+dirty" if src.get("dirty") else "")
     return f"[{when}, `{commit}`](#{_anchor(entry)})" + (" (stale)" if stale else "")
@@ -197,16 +199,35 @@ def _anchor(entry: Mapping[str, Any]) -> str:
     return "run-" + str(entry.get("id", "")).replace("/", "-").lower()
 
 
+#: The most characters of a goal's ``short`` words (the table on top keeps a line a row).
+SHORT_MAX = 48
+
+
 def goal_table(rows: Sequence[Row]) -> str:
-    """The table on top of the page."""
+    """The table on top of the page: a line a goal (its ``short`` words, the value with its
+    interval, the peer, the verdict, the run's day and commit); :func:`goals_in_full`
+    follows it."""
     cells = []
-    for r in rows:
+    for i, r in enumerate(rows, 1):
         v = verdict(r.met) + (f" ({r.why})" if r.why else "")
-        cells.append({"goal": r.spec.goal, "value": value_cell(r.measured) if r.measured
+        cells.append({"n": i, "goal": r.spec.short or r.spec.goal,
+                      "value": value_cell(r.measured, where=False) if r.measured
                       else ("no run recorded" if r.entry is None else "–"),
-                      "peer": r.spec.peer, "verdict": v, "run": run_cell(r.entry, r.stale)})
-    return md_table(cells, ["goal", "value", "peer", "verdict", "run"],
-                    ["goal", "value (95% interval)", "against", "verdict", "run"])
+                      "peer": r.spec.peer, "verdict": v,
+                      "run": run_cell(r.entry, r.stale, time=False)})
+    return md_table(cells, ["n", "goal", "value", "peer", "verdict", "run"],
+                    ["#", "goal", "value (95% interval)", "against", "verdict", "run"])
+
+
+def goals_in_full(rows: Sequence[Row]) -> str:
+    """Each goal of the table in full, by its number, with where its value was read (the
+    size, prompt length, binding or trace nearest to failing)."""
+    out = ["The goals in full, by their number in the table, and where each value was "
+           "read:\n\n"]
+    for i, r in enumerate(rows, 1):
+        where = r.measured.where if r.measured is not None and r.measured.where else ""
+        out.append(f"{i}. {r.spec.goal}" + (f" — {where}" if where else "") + ".\n")
+    return "".join(out) + "\n"
 
 
 #: The time the whole set may take on the 2-core machine (issue 54: "a working day").
@@ -471,7 +492,7 @@ def render(entries: Sequence[Mapping[str, Any]], head: Mapping[str, str | None],
              "them: [benchmarks-notes.md](benchmarks-notes.md).\n\n",
              RULE.format(rounds=MIN_ROUNDS), "\n\n",
              f"## Goals\n\n{met} of {len(rows)} met.\n\n", goal_table(rows), "\n",
-             set_time(rows, entries, benchmark_names(sections))]
+             goals_in_full(rows), set_time(rows, entries, benchmark_names(sections))]
     plots = [(title, plot(fn, f)) for title, fn, f in (
         ("Throughput against block size", plot_throughput, "bench-throughput-vs-block.png"),
         ("Ratio to memcpy against block size", plot_ratios, "bench-ratio-vs-memcpy.png"),

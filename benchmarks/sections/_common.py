@@ -117,6 +117,8 @@ class GoalSpec:
             the row reads the latest run of its section with these options, whatever its
             result.
         rank: place in the table (lower first).
+        short: the goal in a few words, as the table on top of the page prints it (one
+            line a row: the table fits a screen); ``goal`` is printed in full below it.
     """
 
     goal: str
@@ -125,6 +127,7 @@ class GoalSpec:
     measure: Callable[[Mapping[str, Any]], Measured | None] | None = None
     config: Mapping[str, Any] = field(default_factory=dict)  # value, or Callable[[Any], bool]
     rank: float = 100.0
+    short: str = ""
 
 
 def medians_by_round(s: Mapping[str, Any]) -> list[float]:

@@ -307,13 +307,17 @@ def samples_client(entry: Mapping[str, Any]) -> str:
 GOALS = (
     GoalSpec("TPOT on the same decode engine: vLLM MooncakeConnector's / ours >= 0.97, lower "
              "bound >= 0.95 (non-inferiority)", "client", "vLLM MooncakeConnector pair",
-             tpot_same_decode, rank=70),
+             tpot_same_decode, rank=70,
+             short="TPOT: vLLM Mooncake pair / ours >= 0.97"),
     GoalSpec("TTFT under vLLM's client: our P/D pull pair ahead of vLLM MooncakeConnector's",
-             "client", "vLLM MooncakeConnector pair", ttft_ahead_of(MOONCAKE), rank=71),
+             "client", "vLLM MooncakeConnector pair", ttft_ahead_of(MOONCAKE), rank=71,
+             short="client TTFT ahead of vLLM Mooncake's"),
     GoalSpec("TTFT under vLLM's client: our P/D pull pair ahead of NixlConnector's", "client",
-             "NixlConnector pair", ttft_ahead_of(NIXL), rank=72),
+             "NixlConnector pair", ttft_ahead_of(NIXL), rank=72,
+             short="client TTFT ahead of Nixl's"),
     GoalSpec("vLLM's own client: 0 failed requests, every P/D request's KV moved", "client",
-             "(absolute)", no_failure_kv_moved, rank=73),
+             "(absolute)", no_failure_kv_moved, rank=73,
+             short="client: 0 failed, all KV moved"),
 )
 
 

@@ -144,10 +144,12 @@ def growth_bounded(entry: Mapping[str, Any]) -> Measured | None:
 GOALS = (
     GoalSpec("control plane: per-step scheduler cost <= vLLM NixlConnector's at every role "
              "and count in flight (1k to 16k)", "control", "vLLM NixlConnector (scheduler half)",
-             step_vs_nixl, rank=73),
+             step_vs_nixl, rank=73,
+             short="control step <= Nixl's (1k-16k in flight)"),
     GoalSpec(f"control plane: nothing O(all held) per step: a step at 16x the requests in "
              f"flight costs <= {fmt(num(GROWTH_MAX))}x", "control",
-             "ours at the fewest in flight", growth_bounded, rank=74),
+             "ours at the fewest in flight", growth_bounded, rank=74,
+             short=f"control step at 16x in flight <= {fmt(num(GROWTH_MAX))}x"),
 )
 
 SECTION = Section("The connectors' control plane at fleet size (`bench control`)", "issue 53",

@@ -417,21 +417,25 @@ GOALS = (
              {"traces": _listed(lambda xs: set(ALL_TRACES) <= set(xs)),
               "routers": _listed(lambda xs: any(x.startswith(OURS + ":") for x in xs)
                                 and any(x.startswith(PEER + ":") for x in xs)),
-              "churn": lambda c: c != "only"}, rank=70),
+              "churn": lambda c: c != "only"}, rank=70,
+             short="fleet routing quality >= vllm-router's"),
     GoalSpec(f"fleet: our proxy's router-added p99 <= {P99_MS:g} ms at {P99_RATE:,.0f} "
              f"requests/s with {P99_INSTANCES} instances", "fleet", "(absolute)", router_p99,
              {"instances": _listed(lambda xs: str(P99_INSTANCES) in xs),
-              "rates": _listed(lambda xs: any(float(x) == P99_RATE for x in xs)), "churn": lambda c: c != "only"}, rank=71),
+              "rates": _listed(lambda xs: any(float(x) == P99_RATE for x in xs)), "churn": lambda c: c != "only"}, rank=71,
+             short=f"fleet router p99 <= {P99_MS:g} ms ({P99_INSTANCES}, {P99_RATE:,.0f}/s)"),
     GoalSpec("fleet under churn (10% of P added, drained, killed mid-run): no request lost "
              "through our proxy", "fleet", "(absolute)", no_request_lost,
-             {"churn": lambda c: c in ("also", "only")}, rank=72),
+             {"churn": lambda c: c in ("also", "only")}, rank=72,
+             short="fleet churn: no request lost"),
     GoalSpec("fleet: one process of our proxy sustains at least vllm-router's request rate "
              "before its router-added p99 doubles", "fleet",
              "vllm-router (its best policy)", sustains_vllm_routers_rate,
              {"rates": _listed(lambda xs: len(xs) >= 3),
               "routers": _listed(lambda xs: any(x.startswith(OURS + ":") for x in xs)
                                 and any(x.startswith(PEER + ":") for x in xs)),
-              "churn": lambda c: c != "only"}, rank=73),
+              "churn": lambda c: c != "only"}, rank=73,
+             short="fleet: sustains vllm-router's rate"),
 )
 
 

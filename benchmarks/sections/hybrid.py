@@ -85,7 +85,8 @@ def section_hybrid(d: dict[str, Any], images: Images) -> str:
 
 GOALS = (GoalSpec("sliding-window model, hybrid KV cache manager on: KV bytes D reads fall to "
                   "what the window keeps (2,048 and 8,192 tokens)", "hybrid",
-                  "the same model with the manager off", bytes_as_the_window_keeps, rank=60),)
+                  "the same model with the manager off", bytes_as_the_window_keeps, rank=60,
+                  short="sliding window: D reads what it keeps"),)
 
 
 SECTION = Section("Hybrid models: a sliding window with and without vLLM's hybrid KV cache "

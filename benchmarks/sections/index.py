@@ -192,10 +192,12 @@ def lookup_growth(entry: Mapping[str, Any]) -> Measured | None:
 GOALS = (
     GoalSpec("prefix index: the shared pool index holds at most its bound (the proxy's "
              "POOL_MAX_BLOCKS, 2^20 blocks) after twice as many were stored", "index",
-             "(absolute)", pool_bounded, rank=75),
+             "(absolute)", pool_bounded, rank=75,
+             short="pool index holds at most its bound"),
     GoalSpec(f"prefix index: a routing lookup (64-block prompt) at 10^7 blocks tracked costs "
              f"<= {fmt(LOOKUP_GROWTH_MAX)}x the one at 10^5", "index",
-             "ours at 10^5 blocks tracked", lookup_growth, rank=76),
+             "ours at 10^5 blocks tracked", lookup_growth, rank=76,
+             short=f"index lookup at 10^7 <= {fmt(LOOKUP_GROWTH_MAX)}x at 10^5"),
 )
 
 SECTION = Section("The proxy's prefix indexes against the blocks tracked (`bench index`)",

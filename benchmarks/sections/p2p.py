@@ -157,12 +157,15 @@ RAW = "raw Mooncake read, same bytes"
 GOALS = tuple(
     goal for layers, rank in ((8, 10), (64, 11)) for goal in (
         GoalSpec(f"pull fixed cost per load at 1 block, {layers} layers <= "
-                 f"{FIXED_COST_US:g} µs", "p2p", RAW, fixed_cost, {"layers": layers}, rank),
+                 f"{FIXED_COST_US:g} µs", "p2p", RAW, fixed_cost, {"layers": layers}, rank,
+                 f"pull fixed cost, {layers} layers <= {FIXED_COST_US:g} µs"),
         GoalSpec(f"pull connector / raw >= 0.9 from {FROM_BLOCKS} blocks, {layers} layers",
-                 "p2p", RAW, connector_over_raw, {"layers": layers}, rank + 0.5))
+                 "p2p", RAW, connector_over_raw, {"layers": layers}, rank + 0.5,
+                 f"pull / raw >= 0.9 from {FROM_BLOCKS} blocks, {layers} layers"))
 ) + (GoalSpec("a deployment key keeps the pull's speed: plain / keyed >= 0.9 at every size "
               "(8 layers, `--auth`)", "p2p", "the pull without a key", keyed_speed,
-              {"layers": 8, "auth": True}, 12),)
+              {"layers": 8, "auth": True}, 12,
+              "pull with a key >= 0.9 of without"),)
 
 
 SECTION = Section("P/D pull connector vs raw engine (`bench p2p`)", "issues 4, 54", 30,

@@ -163,11 +163,13 @@ def samples_pool(entry: Mapping[str, Any]) -> str:
 GOAL_RATIO, LOOKUP_KEYS_S = 0.9, 100_000.0
 GOALS = (
     GoalSpec(f"pool put/get through the backend >= {GOAL_RATIO} of raw Store calls", "pool",
-             "raw Mooncake Store put/get", store_over_raw, rank=30),
+             "raw Mooncake Store put/get", store_over_raw, rank=30,
+             short=f"pool backend >= {GOAL_RATIO} of raw Store calls"),
     GoalSpec(f"embedded `local` backend put/get >= {GOAL_RATIO} of a plain copy", "pool",
-             "a plain copy of the same bytes", local_over_copy, rank=31),
+             "a plain copy of the same bytes", local_over_copy, rank=31,
+             short=f"`local` put/get >= {GOAL_RATIO} of a copy"),
     GoalSpec("pool lookups >= 100k keys/s batched", "pool", "(absolute)", lookup_rate,
-             rank=50),
+             rank=50, short="pool lookups >= 100k keys/s"),
 )
 
 

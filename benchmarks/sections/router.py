@@ -252,9 +252,11 @@ def _paired(ours: list[float | None], peer: list[float | None]) -> str:
 HIT_OF_BEST = 0.95
 GOALS = (
     GoalSpec(f"kv_aware with 2 P: P's prefix hit rate >= {HIT_OF_BEST} of the best achievable",
-             "router", "the best achievable hit rate", kv_aware_hit_rate, rank=78),
+             "router", "the best achievable hit rate", kv_aware_hit_rate, rank=78,
+             short=f"kv_aware hit rate >= {HIT_OF_BEST} of best"),
     GoalSpec("kv_aware: TTFT mean and p99 below round_robin's and least_loaded's", "router",
-             "round_robin, least_loaded", kv_aware_ttft, rank=78.5),
+             "round_robin, least_loaded", kv_aware_ttft, rank=78.5,
+             short="kv_aware TTFT below the others'"),
 )
 
 

@@ -171,7 +171,8 @@ def samples_trace(entry: Mapping[str, Any]) -> str:
 GOALS = (GoalSpec(f"pool eviction at half capacity >= {GOAL_VS_UNBOUNDED} of an unbounded pool, "
                   "every trace, real held-out traces included (default policy)", "trace",
                   "an unbounded pool", default_vs_unbounded, {"quick": lambda q: not q},
-                  rank=65),)
+                  rank=65,
+                  short=f"eviction >= {GOAL_VS_UNBOUNDED} of unbounded, every trace"),)
 
 
 def plot_trace(res: dict[str, dict[str, Any]], path: Path, draw: bool = True

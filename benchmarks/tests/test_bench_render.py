@@ -373,8 +373,14 @@ def test_the_page_is_the_same_from_the_same_ledger_and_check_fails_on_a_differen
     page = first.decode()
     assert page.index("The rule of every goal row") < page.index("## Goals") \
         < page.index("## Plots") < page.index("## KV block kernels")
-    assert "| goal | value (95% interval) | against | verdict | run |" in page
-    assert "1 of " in page and "| 1 (1–1), gather, 64 KiB |" in page
+    assert "| # | goal | value (95% interval) | against | verdict | run |" in page
+    # the table's row: the goal's short words, the value and interval; the goal in full
+    # below it, with where the value was read
+    assert "1 of " in page and "| gather/scatter >= 0.8 of memcpy | 1 (1–1) |" in page
+    assert ". KV block gather/scatter (one layer and all layers) >= 0.8 of memcpy from 64 KiB " \
+           "blocks — gather, 64 KiB.\n" in page
+    assert page.index("| gather/scatter") < page.index("The goals in full") \
+        < page.index("**What these runs took.**")
     assert "bound to CPUs [0, 1]; load average [0.1, 0.2, 0.3] at the start" in page
 
 
@@ -436,3 +442,12 @@ def test_the_page_says_what_its_runs_took_against_the_sets_budget(tmp_path: Path
     assert render.set_time([], [], names) == ""
     page = render.render(entries, HEAD, tmp_path / "docs", draw=False)
     assert text in page
+
+
+def test_every_goal_has_a_few_words_for_the_table_on_top() -> None:
+    """The table on top fits a screen: a line a goal, its short words, one to a goal."""
+    goals = [g for s in render.load_sections().values() for g in s.goals]
+    assert len(goals) >= 40
+    too_long = [g.short for g in goals if not g.short or len(g.short) > render.SHORT_MAX]
+    assert too_long == []
+    assert len({g.short for g in goals}) == len(goals)
