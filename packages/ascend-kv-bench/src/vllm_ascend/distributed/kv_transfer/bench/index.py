@@ -224,7 +224,6 @@ def run(args: argparse.Namespace) -> int:
         "held_at_most_bound": all(p["held"] <= bound for p in pool),
         "newest_prompt_matched": [p["newest_matched"] for p in pool],
         "oldest_prompt_matched": [p["oldest_matched"] for p in pool],
-        "rss_added_first_round": pool[0]["rss_added"] if pool else None,
         "rss_added": [p["rss_added"] for p in pool],
         "store_past_bound_blocks_per_s": statistics.median(
             [_median_rate(bpb, p["store_past_bound_s"]) or 0.0 for p in pool])}

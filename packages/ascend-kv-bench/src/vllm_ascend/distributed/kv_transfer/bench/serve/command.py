@@ -194,7 +194,8 @@ def run(args: argparse.Namespace) -> int:
                    "kv_bytes_per_token": cfg.kv_bytes_per_token,
                    "repeats": cfg.repeats, "rounds": cfg.rounds,
                    # the families measured in one set of rounds, each group's in turns
-                   "round_groups": [fam.split(" + ") for fam, _ in families(chosen)],
+                   "round_groups": [list(dict.fromkeys(sc.family for sc in members))
+                                    for _, members in families(chosen)],
                    "pd_lengths": cfg.pd_lengths, "pd_bindings": list(cfg.pd_bindings),
                    "pd_binding_env": {b: dict(zip(("prefill", "decode"),
                                                   PD_BINDINGS.get(b, (b[5:], b[5:])),
