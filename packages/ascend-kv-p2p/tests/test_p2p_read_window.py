@@ -396,7 +396,7 @@ def test_the_scheduler_checks_the_tag_once_and_sends_its_verdict(
     checked: list[str] = []
     real = pull_window.tag_ok
     monkeypatch.setattr(pull_window, "tag_ok",
-                        lambda r: checked.append(r.request_id) or real(r))
+                        lambda r, *a: checked.append(r.request_id) or real(r, *a))
     try:
         fresh, _t = hold(pd, "v1", [2, 3])
         forged = dataclasses.replace(fresh, request_id="v2", block_ids=[4, 5])

@@ -33,6 +33,7 @@ API server) give back unchanged.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import ipaddress
@@ -47,8 +48,9 @@ from vllm_ascend.distributed.kv_transfer.core import auth
 from .errors import KVParamsError
 from .rank_hosts import MULTI_NODES_KEY
 
-__all__ = ["EXPIRES_KEY", "MAC_KEY", "PURPOSE", "SOCKET", "VLLM_ADDED_KEYS", "ParamsRefused",
-           "canonical", "host_allowed", "hosts_named", "sign", "verify"]
+__all__ = ["EXPIRES_KEY", "FROM_ENV", "MAC_KEY", "PURPOSE", "SOCKET", "VLLM_ADDED_KEYS",
+           "ParamsRefused", "canonical", "host_allowed", "hosts_named", "purpose_keys",
+           "resolve", "sign", "verify"]
 
 #: The params key of the MAC.
 MAC_KEY = "kv_params_mac"
@@ -83,6 +85,11 @@ class ParamsRefused(KVParamsError):
         self.reason = reason
 
 
+#: The canonical form's encoder (``json.dumps`` with these options builds one a call).
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=True,
+                              allow_nan=False)
+
+
 def canonical(params: Mapping[str, Any]) -> bytes:
     """The bytes the MAC covers: every key but :data:`MAC_KEY` and :data:`VLLM_ADDED_KEYS`,
     as sorted-key JSON.
@@ -91,9 +98,8 @@ def canonical(params: Mapping[str, Any]) -> bytes:
         ParamsRefused: a value JSON cannot hold (NaN, a non-string key, an object).
     """
     try:
-        text = json.dumps({k: v for k, v in params.items()
-                           if k != MAC_KEY and k not in VLLM_ADDED_KEYS}, sort_keys=True,
-                          separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+        text = _CANONICAL.encode({k: v for k, v in params.items()
+                                  if k != MAC_KEY and k not in VLLM_ADDED_KEYS})
     except (TypeError, ValueError) as exc:
         raise ParamsRefused(f"kv_transfer_params cannot be serialized canonically: {exc}",
                             reason="bad_mac") from exc
@@ -101,7 +107,9 @@ def canonical(params: Mapping[str, Any]) -> bytes:
 
 
 def _mac(key: bytes, params: Mapping[str, Any]) -> str:
-    return hmac.new(key, canonical(params), hashlib.sha256).hexdigest()
+    mac = _keyed(key).copy()
+    mac.update(canonical(params))
+    return mac.hexdigest()
 
 
 class _FromEnv:
@@ -113,8 +121,24 @@ class _FromEnv:
 FROM_ENV: Any = _FromEnv()
 
 
-def _resolve(authn: auth.Authenticator | None) -> auth.Authenticator | None:
+def resolve(authn: auth.Authenticator | None) -> auth.Authenticator | None:
+    """``authn`` itself, or for :data:`FROM_ENV` the process's authenticator (``None``
+    without a key): a caller that MACs or checks many params resolves it once."""
     return auth.from_env() if isinstance(authn, _FromEnv) else authn
+
+
+@functools.lru_cache(maxsize=32)
+def purpose_keys(authn: auth.Authenticator, purpose: str) -> tuple[bytes, ...]:
+    """``authn``'s keys of ``purpose`` (:meth:`.auth.Authenticator.purpose_keys`), derived
+    once per authenticator, not per params (its keys never change: a new key is a new
+    authenticator)."""
+    return authn.purpose_keys(purpose)
+
+
+@functools.lru_cache(maxsize=16)
+def _keyed(key: bytes) -> hmac.HMAC:
+    """An HMAC-SHA256 under ``key`` with nothing fed yet (each MAC copies it)."""
+    return hmac.new(key, digestmod=hashlib.sha256)
 
 
 def sign(params: dict[str, Any], *, ttl_s: float,
@@ -130,12 +154,12 @@ def sign(params: dict[str, Any], *, ttl_s: float,
             longer).
         authn: the authenticator (default: the process's, :func:`.auth.from_env`).
     """
-    a = _resolve(authn)
+    a = resolve(authn)
     if a is None:
         return params
     params.pop(MAC_KEY, None)
     params[EXPIRES_KEY] = round(time.time() + ttl_s, 3)
-    params[MAC_KEY] = _mac(a.purpose_keys(PURPOSE)[0], params)
+    params[MAC_KEY] = _mac(purpose_keys(a, PURPOSE)[0], params)
     return params
 
 
@@ -214,14 +238,14 @@ def verify(params: Any, *, allowed_hosts: Iterable[str] | None = None,
     """
     if not isinstance(params, Mapping):
         return  # not params at all: the parser says what is wrong with them
-    a = _resolve(authn)
+    a = resolve(authn)
     if a is not None:
         mac = params.get(MAC_KEY)
         if not isinstance(mac, str) or not mac:
             raise _refuse(f"they carry no {MAC_KEY!r}, and this instance has a deployment "
                           "key: params are used only as a P (or the layerwise proxy) of this "
                           "deployment issued them, MACed with the key", "unsigned")
-        if not any(hmac.compare_digest(_mac(k, params), mac) for k in a.purpose_keys(PURPOSE)):
+        if not any(hmac.compare_digest(_mac(k, params), mac) for k in purpose_keys(a, PURPOSE)):
             raise _refuse("their MAC matches none of the deployment keys: they were changed "
                           "on the way (another request's params, a forged host) or issued "
                           "by an instance with another key", "bad_mac")

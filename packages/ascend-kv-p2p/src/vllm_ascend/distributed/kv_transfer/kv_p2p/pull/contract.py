@@ -88,6 +88,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import hashlib
 import hmac
 import logging
@@ -107,6 +108,7 @@ from vllm_ascend.distributed.kv_transfer.core.errors import ConfigError
 
 from ..params import RemotePrefill
 from ..protocol import AgentMeta
+from ..signed_params import FROM_ENV, purpose_keys, resolve
 
 __all__ = [
     # the records of each step
@@ -317,55 +319,68 @@ AHEAD_MARGIN_S = 0.1
 TAG_PURPOSE = "p2p-read-window"
 
 
+@functools.lru_cache(maxsize=16)
+def _keyed(key: bytes) -> hmac.HMAC:
+    """An HMAC-SHA256 under ``key`` with nothing fed yet: each tag copies it (the key's pads
+    are hashed once, not a request)."""
+    return hmac.new(key, digestmod=hashlib.sha256)
+
+
 def _tag(key: bytes, instance: str, request_id: str, block_ids: Sequence[int],
          held_at: float, hold_s: float, token: str) -> str:
     text = "|".join([instance, request_id, ",".join(map(str, block_ids)), repr(float(held_at)),
                      repr(float(hold_s)), token])
-    return hmac.new(key, text.encode(), hashlib.sha256).hexdigest()
+    mac = _keyed(key).copy()
+    mac.update(text.encode())
+    return mac.hexdigest()
 
 
 def window_tag(*, instance: str, request_id: str, block_ids: Sequence[int], held_at: float,
-               hold_s: float, token: str) -> str:
+               hold_s: float, token: str, authn: auth.Authenticator | None = FROM_ENV) -> str:
     """P's tag over what D reads unclaimed: a request id, its block ids, the window and the
     capability token. Without a claim P cannot check them, so D checks this instead: params
     changed on the way (another request's id or blocks, a stale token) do not match and are
     claimed (and refused) as before. Keyed with the deployment key when there is one (a
     proxy without it cannot forge a tag); without one a plain checksum, as good as the
-    unkeyed claim's checks (which anyone who reaches the side channel gets past)."""
-    a = auth.from_env()
-    key = a.purpose_keys(TAG_PURPOSE)[0] if a is not None else b""
+    unkeyed claim's checks (which anyone who reaches the side channel gets past).
+    ``authn``: the authenticator (default: the process's, :func:`.auth.from_env`)."""
+    a = resolve(authn)
+    key = purpose_keys(a, TAG_PURPOSE)[0] if a is not None else b""
     return _tag(key, instance, request_id, block_ids, held_at, hold_s, token)
 
 
 def stamp(*, instance: str, request_id: str, block_ids: Sequence[int], token: str,
-          hold_s: float) -> dict[str, Any]:
+          hold_s: float, authn: auth.Authenticator | None = FROM_ENV) -> dict[str, Any]:
     """The ``kv_transfer_params`` keys of P's read window for a request P holds from now
-    (none when the window is off or the engine start is not known)."""
+    (none when the window is off or the engine start is not known); ``authn`` as in
+    :func:`window_tag`."""
     if not instance or hold_s <= 0:
         return {}
     held_at = time.time()
     return {"remote_instance": instance, "remote_held_at": held_at, "remote_hold_s": hold_s,
             "remote_window_tag": window_tag(instance=instance, request_id=request_id,
                                             block_ids=block_ids, held_at=held_at,
-                                            hold_s=hold_s, token=token)}
+                                            hold_s=hold_s, token=token, authn=authn)}
 
 
-def tag_ok(remote: RemotePrefill) -> bool:
-    """Whether ``remote``'s window tag is P's for exactly these params."""
+def tag_ok(remote: RemotePrefill, authn: auth.Authenticator | None = FROM_ENV) -> bool:
+    """Whether ``remote``'s window tag is P's for exactly these params (``authn`` as in
+    :func:`window_tag`)."""
     if not remote.window_tag:
         return False
-    a = auth.from_env()
-    keys = a.purpose_keys(TAG_PURPOSE) if a is not None else (b"",)
+    a = resolve(authn)
+    keys = purpose_keys(a, TAG_PURPOSE) if a is not None else (b"",)
     return any(hmac.compare_digest(remote.window_tag, _tag(
         k, remote.instance, remote.request_id, remote.block_ids, remote.held_at, remote.hold_s,
         remote.token)) for k in keys)
 
 
-def window_end(remote: RemotePrefill) -> float:
+def window_end(remote: RemotePrefill, authn: auth.Authenticator | None = FROM_ENV) -> float:
     """D's ``time.time()`` by which a read of ``remote``'s blocks must end to be trusted
     without a claim; ``-inf`` when P made no such promise, or the params are not the ones
-    P tagged."""
-    if remote.hold_s <= 0 or remote.held_at <= 0 or not remote.instance or not tag_ok(remote):
+    P tagged (``authn`` as in :func:`window_tag`)."""
+    if (remote.hold_s <= 0 or remote.held_at <= 0 or not remote.instance
+            or not tag_ok(remote, authn)):
         return -math.inf
     return remote.held_at + remote.hold_s - CLOCK_SKEW_S
 

@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+from vllm_ascend.distributed.kv_transfer.core import auth
 from vllm_ascend.distributed.kv_transfer.core.auth import capability_token
 from vllm_ascend.distributed.kv_transfer.core.channel import RpcClient, tcp_endpoint
 from vllm_ascend.distributed.kv_transfer.core.errors import (
@@ -106,6 +107,13 @@ class PullScheduler(SchedulerBase):
         self.claims = _claim_ahead(vllm_config, cfg, engine_id) if self.is_consumer else None
         #: this engine start, in the params of the requests P holds (their read window)
         self.instance = engine_instance(vllm_config, engine_id)
+        #: the process's deployment key (``None``: none), read once as the side channels
+        #: read it when they start: it MACs and checks every request's params and tag
+        self.authn = auth.from_env()
+        from vllm.v1.request import RequestStatus
+
+        #: the one status of a request P holds for D (vLLM's, looked up once)
+        self._length_capped = RequestStatus.FINISHED_LENGTH_CAPPED
 
     @property
     def rank_hosts(self) -> dict[int, str]:
@@ -143,7 +151,8 @@ class PullScheduler(SchedulerBase):
     def _parse(self, request: Request) -> RemotePrefill | KVParamsError:
         try:
             # a key holder's params only, or an allowed host: before anything is dialed
-            verify_params(request.kv_transfer_params, allowed_hosts=self.cfg.allowed_peer_hosts)
+            verify_params(request.kv_transfer_params, allowed_hosts=self.cfg.allowed_peer_hosts,
+                          authn=self.authn)
             return parse_remote_prefill(request.kv_transfer_params,
                                         prompt_len=len(request.prompt_token_ids or ()),
                                         block_size=self.block_size)
@@ -155,7 +164,7 @@ class PullScheduler(SchedulerBase):
         the first time only, however often vLLM asks."""
         until = self._until.get(request_id)
         if until is None:
-            until = self._until[request_id] = window_end(parsed)
+            until = self._until[request_id] = window_end(parsed, self.authn)
         return until
 
     # ------------------------------------------------------------ vLLM hooks
@@ -258,7 +267,8 @@ class PullScheduler(SchedulerBase):
         # the window's verdict goes with the request: the worker does not check P's tag again
         self._to_pull[rid] = RecvMeta(
             rid, local, parsed, remote_block_ids=remote_ids, claimed_ahead=ahead,
-            early_claims=answers, window_until=window_end(parsed) if until is None else until)
+            early_claims=answers,
+            window_until=window_end(parsed, self.authn) if until is None else until)
 
     def _pair_groups(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int,
                      parsed: RemotePrefill | KVParamsError
@@ -312,8 +322,6 @@ class PullScheduler(SchedulerBase):
     def request_finished(self, request: Request, block_ids: list[int], *,
                          groups: Sequence[list[int]] | None = None
                          ) -> tuple[bool, dict[str, Any] | None]:
-        from vllm.v1.request import RequestStatus
-
         rid = request.request_id
         parsed = self._parsed.pop(rid, None)
         self._until.pop(rid, None)
@@ -332,7 +340,7 @@ class PullScheduler(SchedulerBase):
             return False, None
         if not (self.is_producer and wants_remote_decode(params)):
             return False, None
-        if request.status != RequestStatus.FINISHED_LENGTH_CAPPED:
+        if request.status != self._length_capped:
             return False, None
         prompt_len = request.num_prompt_tokens
         runs: list[tuple[int, int]] = []
@@ -346,7 +354,7 @@ class PullScheduler(SchedulerBase):
         # P's workers hold the blocks at least cfg.hold_window_s from their next step (after
         # this moment): D trusts a read within that window of the stamp (pull.contract)
         window = stamp(instance=self.instance, request_id=rid, block_ids=held, token=token,
-                       hold_s=self.cfg.hold_window_s)
+                       hold_s=self.cfg.hold_window_s, authn=self.authn)
         self._to_hold[rid] = SendMeta(rid, held, token, in_order=bool(runs))
         out = request.output_token_ids
         return True, sign_params(params_for_decode(
@@ -354,7 +362,7 @@ class PullScheduler(SchedulerBase):
             request_id=rid, tp_size=self.tp_size,
             last_token_id=int(out[-1]) if len(out) else None, num_prompt_blocks=len(held),
             claim_token=token, rank_hosts=self.rank_hosts, window=window, block_groups=runs),
-            ttl_s=self.cfg.max_hold_s)
+            ttl_s=self.cfg.max_hold_s, authn=self.authn)
 
     def shutdown(self) -> None:
         if self.renewer is not None:
