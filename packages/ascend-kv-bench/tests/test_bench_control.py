@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -130,3 +131,44 @@ def test_quick_run_writes_results(tmp_path: Path) -> None:
     assert [(r["role"], r["in_flight"]) for r in doc["rows"]] == [("P", 8), ("D", 8),
                                                                   ("D-claimed", 8)]
     assert doc["holder"][0]["held"] == 8 and doc["driven"] == "connector objects"
+    # each hook's per-round time, and each part of a request's params, with and without a key
+    assert set(doc["parts_us"]) == {f"{side}/{part} ({mode})" for mode in control.KEY_MODES
+                                    for side, names in control.PARTS.items() for part in names}
+
+
+def test_a_hooks_rounds_add_up_to_its_total(model: Path) -> None:
+    m = control.measure_count(model, "P", 6, k=2, rounds=2, steps=3, prompt_tokens=64,
+                              block_size=16)
+    for side in control.CONNECTORS:
+        for hook in control.HOOKS:
+            per_round = m[side]["hook_rounds"][hook]
+            assert len(per_round) == 2
+            # µs a step over each round's 3 steps = the hook's ns over the rounds
+            assert sum(per_round) * 3 * 1e3 == pytest.approx(m[side]["hooks"][hook])
+        assert m[side]["hook_rounds"]["request_finished"][0] > 0
+
+
+def test_the_parts_of_a_requests_params_are_timed_with_and_without_a_key(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_ascend.distributed.kv_transfer.core import auth
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.signed_params import MAC_KEY, sign
+
+    monkeypatch.delenv(auth.ENV_KEY, raising=False)
+    monkeypatch.delenv(auth.ENV_KEY_FILE, raising=False)
+    signed_while: list[bool] = []
+    real_sign = sign
+
+    def spy(params: dict[str, Any], **kw: Any) -> dict[str, Any]:
+        out = real_sign(params, **kw)
+        signed_while.append(MAC_KEY in out)
+        return out
+
+    monkeypatch.setattr("vllm_ascend.distributed.kv_transfer.kv_p2p.signed_params.sign", spy)
+    parts = control.measure_parts(rounds=2, calls=5, prompt_tokens=64, block_size=16)
+    assert set(parts) == {(mode, side, part) for mode in control.KEY_MODES
+                          for side, names in control.PARTS.items() for part in names}
+    assert all(len(v) == 2 and all(x > 0 for x in v) for v in parts.values())
+    # the keyed turns really MACed the params (and the unkeyed ones did not)
+    assert True in signed_while and False in signed_while
+    # the process's environment is as before
+    assert auth.ENV_KEY not in os.environ

@@ -47,6 +47,14 @@ through its side-channel handler (no socket): claims, ``Done`` messages (each re
 request, which is then held again under a new id) and lease sweeps (``collect_finished``,
 vLLM's ``get_finished`` step) per second.
 
+A request's params, part by part (:func:`.control_parts.measure_parts`): what P's
+``request_finished`` does for each request it holds for D (the capability token, the read
+window's tag, the params, their MAC) and what D's scheduler
+checks of them (the MAC, the parse, the read window's tag), each timed apart with the
+functions the schedulers call, without a deployment key and with one, in the same kind of
+alternating rounds. Each hook's time is also recorded per round (µs a step), so a step's
+time can be split by hook.
+
 Writes ``<out>/control.json`` and a ledger entry; never fails on a number.
 """
 
@@ -67,6 +75,14 @@ from pathlib import Path
 from typing import Any
 
 from .benchutil import add_common_args, format_table, write_results
+from .control_parts import (
+    KEY_MODES,
+    PART_CALLS,
+    PARTS,
+    QUICK_PART_CALLS,
+    measure_holder,
+    measure_parts,
+)
 from .ledger import series
 from .stats import compare, verdict
 
@@ -328,6 +344,7 @@ def measure_count(model: Path, role: str, n: int, *, k: int, rounds: int, steps:
     for s in sides.values():
         s.fill()
     out: dict[str, Any] = {side: {"steps": [], "hooks": dict.fromkeys(HOOKS, 0),
+                                  "hook_rounds": {h: [] for h in HOOKS},
                                   "full_collections": 0} for side in sides}
     current: list[str] = []
 
@@ -343,14 +360,19 @@ def measure_count(model: Path, role: str, n: int, *, k: int, rounds: int, steps:
                 for _ in range(2):  # warm after the other side's round
                     sides[side].step()
                 per_round: list[float] = []
+                round_ns = dict.fromkeys(HOOKS, 0)
                 current[:] = [side]
                 for _ in range(steps):
                     t = sides[side].step()
                     per_round.append(sum(t.ns.values()) / 1e3)
                     for hook, ns in t.ns.items():
-                        out[side]["hooks"][hook] += ns
+                        round_ns[hook] += ns
                 current.clear()
                 out[side]["steps"].append(per_round)
+                for hook, ns in round_ns.items():
+                    out[side]["hooks"][hook] += ns
+                    # the hook's mean µs a step over the round
+                    out[side]["hook_rounds"][hook].append(ns / 1e3 / steps)
     finally:
         gc.callbacks.remove(count)
         gc.unfreeze()
@@ -402,73 +424,6 @@ def growth(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     return out
 
 
-# ---------------------------------------------------------------------- P's holder
-def measure_holder(n: int, *, batch: int, rounds: int, prompt_blocks: int) -> dict[str, Any]:
-    """P's :class:`LeaseHolder` with ``n`` held: per round, claims, Dones and lease sweeps
-    per second (each over ``batch`` requests, the held count kept at ``n``)."""
-    from vllm_ascend.distributed.kv_transfer.core.metrics import MetricsRecorder
-    from vllm_ascend.distributed.kv_transfer.kv_p2p.config import MooncakeP2PConfig
-    from vllm_ascend.distributed.kv_transfer.kv_p2p.p2p_metrics import P2P_METRICS
-    from vllm_ascend.distributed.kv_transfer.kv_p2p.protocol import Claim, Done
-    from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.contract import SendMeta
-    from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.holder import LeaseHolder
-
-    cfg = MooncakeP2PConfig.from_dict({"lease_ttl_s": 600.0, "max_hold_s": 1200.0,
-                                       "read_window_s": 0.0}, source="bench control")
-    shared: Any = types.SimpleNamespace(cfg=cfg, recorder=MetricsRecorder(P2P_METRICS))
-    holder = LeaseHolder(shared)
-    ids = itertools.count()
-    live: deque[tuple[str, str]] = deque()
-
-    def hold(count: int) -> None:
-        metas = []
-        for _ in range(count):
-            rid, token = f"held-{next(ids)}", f"tok-{len(live)}"
-            metas.append(SendMeta(rid, list(range(prompt_blocks)), token))
-            live.append((rid, token))
-        holder.hold(metas)
-
-    hold(n)
-    holder.collect_finished()
-    rates: dict[str, list[float]] = {"claims_per_s": [], "dones_per_s": [],
-                                     "sweeps_per_s": [], "idle_sweeps_per_s": [],
-                                     "holds_per_s": []}
-    half = list(range(prompt_blocks // 2, prompt_blocks))
-    for _ in range(rounds):
-        t_claim = t_done = t_sweep = t_hold = 0.0
-        count = 0
-        while count < 16 * batch:
-            victims = [live.popleft() for _ in range(batch)]
-            t0 = time.perf_counter()
-            for rid, token in victims:
-                claimed = holder.handle(Claim(request_id=rid, block_ids=half, reader="d",
-                                            num_readers=1, token=token))
-            t1 = time.perf_counter()
-            for rid, token in victims:
-                released = holder.handle(Done(request_id=rid, reader="d", token=token))
-            t2 = time.perf_counter()
-            freed = holder.collect_finished()
-            t3 = time.perf_counter()
-            hold(batch)
-            t4 = time.perf_counter()
-            assert len(freed) == batch, (claimed, released, len(freed))
-            t_claim, t_done = t_claim + t1 - t0, t_done + t2 - t1
-            t_sweep, t_hold = t_sweep + t3 - t2, t_hold + t4 - t3
-            count += batch
-        rates["claims_per_s"].append(count / t_claim)
-        rates["dones_per_s"].append(count / t_done)
-        rates["sweeps_per_s"].append(count / batch / t_sweep)
-        rates["holds_per_s"].append(count / t_hold)
-        # sweeps with nothing due, the table full (vLLM's get_finished of a quiet step)
-        t0 = time.perf_counter()
-        for _ in range(200):
-            holder.collect_finished()
-        rates["idle_sweeps_per_s"].append(200 / (time.perf_counter() - t0))
-    assert len(holder.held) == n
-    return {"held": n, "batch": batch, "rounds": rates,
-            **{k: statistics.median(v) for k, v in rates.items()}}
-
-
 # ---------------------------------------------------------------------- CLI
 def run(args: argparse.Namespace) -> int:
     """Run the section; print and write the results."""
@@ -491,17 +446,27 @@ def run(args: argparse.Namespace) -> int:
     holder = [measure_holder(n, batch=args.changed, rounds=rounds,
                              prompt_blocks=-(-args.prompt_tokens // args.block_size))
               for n in (args.holder_counts or counts)]
+    parts = measure_parts(rounds=rounds, calls=QUICK_PART_CALLS if args.quick else PART_CALLS,
+                          prompt_tokens=args.prompt_tokens, block_size=args.block_size)
     payload = {"changed_per_step": args.changed, "rounds": rounds, "steps_per_round": steps,
                "prompt_tokens": args.prompt_tokens, "block_size": args.block_size,
                "counts": list(counts), "connectors": CONNECTORS, "driven": "connector objects",
                "rows": rows, "growth": growth(rows), "holder": holder,
+               "parts_us": {f"{side}/{part} ({mode})": statistics.median(v)
+                            for (mode, side, part), v in parts.items()},
                "goal_met": all(r["at_most_peer"] for r in rows) if rows else None}
     samples = [series({"role": role, "in_flight": n, "connector": side, "metric": "step"},
                       m[side]["steps"], unit="us")
                for (role, n), m in measured.items() for side in CONNECTORS]
+    samples += [series({"role": role, "in_flight": n, "connector": side, "metric": "hook",
+                        "hook": hook}, [[x] for x in m[side]["hook_rounds"][hook]], unit="us")
+                for (role, n), m in measured.items() for side in CONNECTORS for hook in HOOKS]
     samples += [series({"held": h["held"], "metric": metric}, [[x] for x in h["rounds"][metric]],
                        unit="1/s")
                 for h in holder for metric in h["rounds"]]
+    samples += [series({"metric": "part", "side": side, "part": part, "key": mode},
+                       [[x] for x in v], unit="us")
+                for (mode, side, part), v in parts.items()]
     path = write_results("control", payload, args.out, args=args, samples=samples)
 
     def interval(c: dict[str, Any]) -> str:
@@ -517,6 +482,10 @@ def run(args: argparse.Namespace) -> int:
         "held": h["held"], "claims/s": h["claims_per_s"], "Dones/s": h["dones_per_s"],
         "sweeps/s": h["sweeps_per_s"], "idle sweeps/s": h["idle_sweeps_per_s"],
         "holds/s": h["holds_per_s"]} for h in holder]))
+    print(format_table([{"part": f"{side}: {part}",
+                         **{mode: statistics.median(parts[(mode, side, part)])
+                            for mode in KEY_MODES}}
+                        for side, names in PARTS.items() for part in names]))
     print(f"results: {path}")
     return 0
 
