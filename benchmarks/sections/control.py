@@ -39,6 +39,9 @@ GROWTH_MAX = 2.0
 HOLDER_METRICS = ("claims_per_s", "dones_per_s", "sweeps_per_s", "idle_sweeps_per_s",
                   "holds_per_s")
 StepKey = tuple[str, int, str]  # role, in flight, connector
+#: The hooks a step calls, as ``bench control`` reports them.
+HOOKS = ("on_new_request", "get_num_new_matched_tokens", "update_state_after_alloc",
+         "build_connector_meta", "update_connector_output", "request_finished")
 
 
 def steps(entry: Mapping[str, Any]) -> dict[StepKey, list[float]]:
@@ -60,6 +63,90 @@ def holder_rates(entry: Mapping[str, Any]) -> dict[tuple[int, str], list[float]]
         if tags.get("metric") in HOLDER_METRICS:
             out[(int(tags.get("held") or 0), str(tags["metric"]))] = medians_by_round(s)
     return out
+
+
+def hook_times(entry: Mapping[str, Any]) -> dict[tuple[str, int, str, str], list[float]]:
+    """Each (role, in flight, connector, hook)'s per-round mean µs a step (runs that
+    recorded it)."""
+    out: dict[tuple[str, int, str, str], list[float]] = {}
+    for s in entry.get("samples") or []:
+        tags = s.get("tags") or {}
+        if tags.get("metric") == "hook":
+            out[(str(tags.get("role")), int(tags.get("in_flight") or 0),
+                 str(tags.get("connector")), str(tags.get("hook")))] = medians_by_round(s)
+    return out
+
+
+def part_times(entry: Mapping[str, Any]) -> dict[tuple[str, str, str], list[float]]:
+    """Each (side, part, key mode)'s per-round µs a call of one request's params (runs
+    that recorded them), in the run's order."""
+    out: dict[tuple[str, str, str], list[float]] = {}
+    for s in entry.get("samples") or []:
+        tags = s.get("tags") or {}
+        if tags.get("metric") == "part":
+            out[(str(tags.get("side")), str(tags.get("part")), str(tags.get("key")))] = (
+                medians_by_round(s))
+    return out
+
+
+def _hook_tables(entry: Mapping[str, Any]) -> list[str]:
+    """Per role, at the most requests in flight: each hook's µs a step, ours and the peer's,
+    and, on P, each side's ``request_finished`` a request."""
+    hooks = hook_times(entry)
+    if not hooks:
+        return []
+    changed = num((entry.get("result") or {}).get("changed_per_step"))
+    rows = []
+    for role in sorted({k[0] for k in hooks}):
+        n = max(k[1] for k in hooks if k[0] == role)
+        for hook in HOOKS:
+            ours, peer = hooks.get((role, n, "ours", hook)), hooks.get((role, n, "peer", hook))
+            rows.append({"role": role, "n": n, "hook": f"`{hook}`",
+                         "ours": median_cell(ours) if ours else "–",
+                         "peer": median_cell(peer) if peer else "–"})
+    out = ["\nWhere a step's time goes, at the most requests in flight: each hook's time "
+           "a step (µs, the mean of a round's steps; median of the rounds [95% interval]):"
+           "\n\n", md_table(rows, ["role", "n", "hook", "ours", "peer"],
+                            ["role", "in flight", "hook", "ours µs", "peer µs"])]
+    p_counts = sorted({k[1] for k in hooks if k[0] == "P"})
+    if changed and p_counts:
+        n = p_counts[-1]
+        each = {side: hooks.get(("P", n, side, "request_finished")) for side in ("ours", "peer")}
+        if all(each.values()):
+            cells = {side: median_cell([v / changed for v in vals or []])
+                     for side, vals in each.items()}
+            out.append(f"\nP's `request_finished` a request (its time a step over the "
+                       f"{fmt(int(changed))} requests that finish in it, {n} in flight): ours "
+                       f"{cells['ours']} µs, the peer's {cells['peer']} µs.\n")
+    return out
+
+
+def _part_tables(entry: Mapping[str, Any]) -> list[str]:
+    """One request's params, part by part, without a key and with one; each side's parts
+    summed round by round."""
+    parts = part_times(entry)
+    if not parts:
+        return []
+    modes = list(dict.fromkeys(k[2] for k in parts))
+    sides = list(dict.fromkeys(k[0] for k in parts))
+    rows = []
+    for side in sides:
+        names = list(dict.fromkeys(k[1] for k in parts if k[0] == side))
+        for name in names:
+            rows.append({"part": f"{side}: {name}",
+                         **{m: median_cell(parts[(side, name, m)])
+                            if (side, name, m) in parts else "–" for m in modes}})
+        total: dict[str, str] = {}
+        for m in modes:
+            series = [parts[(side, name, m)] for name in names if (side, name, m) in parts]
+            if series and len({len(x) for x in series}) == 1:
+                total[m] = median_cell([sum(r) for r in zip(*series, strict=True)])
+        rows.append({"part": f"{side}: all of them (summed a round)", **total})
+    return ["\nOne request's params, part by part (µs a call, the mean of a round's calls; "
+            "median of the rounds [95% interval]), with the functions the schedulers call: "
+            "on P, what `request_finished` adds for a request it holds for D; on D, what its "
+            "scheduler checks of the params once a request:\n\n",
+            md_table(rows, ["part", *modes], ["part", *modes])]
 
 
 def section_control(d: dict[str, Any], images: Images) -> str:
@@ -114,6 +201,8 @@ def section_samples(entry: Mapping[str, Any]) -> str:
                 md_table(hrows, ["held", *HOLDER_METRICS],
                          ["held", "claims k/s", "Dones k/s", "sweeps k/s",
                           "idle sweeps k/s", "holds k/s"])]
+    out += _hook_tables(entry)
+    out += _part_tables(entry)
     return "".join(out)
 
 

@@ -341,6 +341,34 @@ def test_control_rows_judge_every_role_and_count_and_the_growth(tmp_path: Path) 
     assert "| 1024 | 200 [" in body
 
 
+def test_control_splits_a_step_by_hook_and_a_requests_params_by_part() -> None:
+    control = importlib.import_module("bench_sections.control")
+    samples = []
+    for n in (1024, 16384):
+        for conn, finish in (("ours", 320.0), ("peer", 64.0)):
+            for hook in control.HOOKS:
+                us = finish * (n // 1024) if hook == "request_finished" else 5.0
+                samples.append(ledger.series({"role": "P", "in_flight": n, "connector": conn,
+                                              "metric": "hook", "hook": hook},
+                                             _wobble(us, noise=0.0)))
+    for mode, mac in (("no key", 0.5), ("key", 30.0)):
+        for side, part, us in (("P", "read window tag", 10.0), ("P", "params MAC", mac),
+                               ("D", "params parse", 12.0)):
+            samples.append(ledger.series({"metric": "part", "side": side, "part": part,
+                                          "key": mode}, _wobble(us, noise=0.0)))
+    body = control.section_samples(_entry("control", samples, {"changed_per_step": 16}))
+    # at the most in flight only (16384): ours 320*16 µs a step, the peer's 64*16
+    assert "| P | 16384 | `request_finished` | 5.12e+03 [5.12e+03–5.12e+03] | 1.02e+03 [" in body
+    assert "| P | 1024 |" not in body.split("Where a step's time goes")[1]
+    # a request: the step's time over the 16 that finished in it
+    assert "ours 320 [320–320] µs, the peer's 64 [64–64] µs" in body
+    assert "| part | no key | key |" in body
+    assert "| P: params MAC | 0.5 [0.5–0.5] | 30 [30–30] |" in body
+    # each side's parts summed round by round
+    assert "| P: all of them (summed a round) | 10.5 [10.5–10.5] | 40 [40–40] |" in body
+    assert "| D: all of them (summed a round) | 12 [12–12] | 12 [12–12] |" in body
+
+
 INDEX_POOL = ("prefix index: the shared pool index holds at most its bound (the proxy's "
               "POOL_MAX_BLOCKS, 2^20 blocks) after twice as many were stored")
 INDEX_LOOKUP = ("prefix index: a routing lookup (64-block prompt) at 10^7 blocks tracked costs "
