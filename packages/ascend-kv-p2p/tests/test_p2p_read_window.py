@@ -414,6 +414,23 @@ def test_the_scheduler_checks_the_tag_once_and_sends_its_verdict(
         sched.shutdown()
 
 
+def test_the_tag_is_a_plain_hmac_sha256_of_its_fields() -> None:
+    """The tag's keyed state is made once a key and copied: the bytes are HMAC-SHA256's over
+    the fields joined with '|' (an older P's tag checks, and P's tag checks on D)."""
+    import hashlib
+    import hmac
+
+    from vllm_ascend.distributed.kv_transfer.core.auth import Authenticator
+    from vllm_ascend.distributed.kv_transfer.kv_p2p.pull.contract import TAG_PURPOSE
+
+    for a in (None, Authenticator([b"read-window-deployment-key-0123456789"])):
+        key = a.purpose_keys(TAG_PURPOSE)[0] if a is not None else b""
+        tag = window_tag(instance="P/1", request_id="r9", block_ids=[3, 1, 4], held_at=1.5e9,
+                         hold_s=2.0, token="tok", authn=a)
+        text = "|".join(["P/1", "r9", "3,1,4", repr(1.5e9), repr(2.0), "tok"])
+        assert tag == hmac.new(key, text.encode(), hashlib.sha256).hexdigest()
+
+
 # ------------------------------------------------------------ params and config
 
 

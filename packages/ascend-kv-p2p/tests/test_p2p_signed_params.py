@@ -88,6 +88,27 @@ def test_the_mac_covers_every_key_and_survives_json() -> None:
         verify({**extra, "remote_group_block_ids": [[1, 2], [4]]}, authn=A)
 
 
+def test_the_mac_is_a_plain_hmac_sha256_of_the_canonical_form() -> None:
+    """The MAC's keyed state is made once a key and copied (and the purpose keys derived once
+    an authenticator): the bytes are HMAC-SHA256's over the canonical JSON, as documented
+    (another implementation, or an older P, computes the same)."""
+    import hashlib
+    import hmac
+
+    params = sign(p_params(), ttl_s=60.0, authn=A)
+    key = A.purpose_keys(signed_params.PURPOSE)[0]
+    expected = hmac.new(key, signed_params.canonical(params), hashlib.sha256).hexdigest()
+    assert params[MAC_KEY] == expected
+    assert json.loads(signed_params.canonical(params)) == {
+        k: v for k, v in params.items() if k != MAC_KEY}
+    assert signed_params.canonical(params) == json.dumps(
+        {k: v for k, v in params.items() if k != MAC_KEY}, sort_keys=True,
+        separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+    # another key, another MAC (the cached states are per key)
+    other = Authenticator([b"another-deployment-key-0123456789abcdef"])
+    assert sign(p_params(), ttl_s=60.0, authn=other)[MAC_KEY] != expected
+
+
 def test_unsigned_and_expired_params_are_refused_under_a_key() -> None:
     before = (refused("unsigned"), refused("expired"))
     with pytest.raises(ParamsRefused, match="unsigned"):
@@ -216,6 +237,23 @@ def test_p_signs_and_d_refuses_changed_params_before_it_claims(model_dir: Path,
     assert free_blocks(d) == start - 3  # only "good" holds blocks: the refused ones are free
     d.finish_requests("good", _aborted())
     p.finish_requests("p1", _aborted())
+
+
+def test_the_scheduler_keeps_the_key_it_was_built_with(model_dir: Path, keyed: None,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """P's scheduler looks the deployment key up once, when it is built (as the side
+    channels do when they start), not a request: params it issues later are MACed with it."""
+    p = make_scheduler(model_dir, "kv_producer")
+    monkeypatch.delenv(auth.ENV_KEY)
+    monkeypatch.setattr(auth, "_cached", None)
+    assert auth.from_env() is None
+    req = request("p2", 70, {"do_remote_decode": True, "do_remote_prefill": False},
+                  max_tokens=1)
+    p.add_request(req)
+    _out, eo = step(p, sampled={"p2": 42})
+    issued = finished(eo)["p2"].kv_transfer_params
+    verify(issued, authn=A)  # MACed with the key of when it was built
+    p.finish_requests("p2", _aborted())
 
 
 def _aborted() -> Any:
