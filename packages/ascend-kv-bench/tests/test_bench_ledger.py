@@ -106,6 +106,22 @@ def test_sources_and_staleness(checkout: Path) -> None:
     assert ledger.is_stale(_entry(None), head)
 
 
+def test_the_rendered_report_is_not_dirt(checkout: Path) -> None:
+    """``nox -s bench`` renders the report after each invocation: a next invocation in the
+    same checkout is not recorded dirty for it, for any other tracked change it is."""
+    (checkout / "docs" / "img").mkdir(parents=True)
+    (checkout / "docs" / "benchmarks.md").write_text("# page\n")
+    (checkout / "docs" / "img" / "bench-serve.png").write_bytes(b"png")
+    (checkout / "README.md").write_text("readme\n")
+    _git(checkout, "-c", "user.email=t@t", "-c", "user.name=t", "add", "-A")
+    _git(checkout, "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "docs")
+    (checkout / "docs" / "benchmarks.md").write_text("# rendered again\n")
+    (checkout / "docs" / "img" / "bench-serve.png").write_bytes(b"png again")
+    assert _entry(checkout)["source"]["dirty"] is False
+    (checkout / "README.md").write_text("edited\n")
+    assert _entry(checkout)["source"]["dirty"] is True
+
+
 def test_a_source_edited_while_the_run_went_on_leaves_it_stale(checkout: Path) -> None:
     """The run measured the sources it started with: a measured package edited before it
     ended is recorded as changed, with no tree, and its entry is stale at any HEAD."""

@@ -317,14 +317,22 @@ def _git(root: Path, *args: str, env: Mapping[str, str] | None = None) -> str | 
     return done.stdout.strip() if done.returncode == 0 else None
 
 
+#: What rendering the report writes in a checkout (``benchmarks/render.py``): not a change
+#: of what is measured, so not dirt (``nox -s bench`` renders after each invocation, and the
+#: next one in the same checkout would be recorded dirty).
+RENDERED = ("docs/benchmarks.md", "docs/img/bench-*")
+
+
 def source_state(root: Path | None, packages: Sequence[str]) -> dict[str, Any]:
-    """The commit, whether the tree is dirty, and each package's ``src/`` tree hash as on
-    disk (uncommitted and untracked files included, ignored ones not): a throwaway index
-    is filled from HEAD and the working tree, the repository's own index is left alone."""
+    """The commit, whether the tree is dirty (tracked files changed, the rendered report
+    aside: :data:`RENDERED`), and each package's ``src/`` tree hash as on disk (uncommitted
+    and untracked files included, ignored ones not): a throwaway index is filled from HEAD
+    and the working tree, the repository's own index is left alone."""
     if root is None or _git(root, "rev-parse", "HEAD") is None:
         return {"commit": None, "dirty": None, "packages": {}}
     commit = _git(root, "rev-parse", "HEAD")
-    dirty = bool(_git(root, "status", "--porcelain", "--untracked-files=no"))
+    dirty = bool(_git(root, "status", "--porcelain", "--untracked-files=no", "--", ".",
+                      *(f":(exclude){p}" for p in RENDERED)))
     paths = [f"packages/{p}/src" for p in packages if (root / "packages" / p / "src").is_dir()]
     trees: dict[str, str | None] = {}
     with tempfile.TemporaryDirectory() as tmp:
