@@ -11,6 +11,7 @@ none ever fails on a number.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -229,3 +230,22 @@ class Steps:
         """A line of progress inside the current step."""
         print(f"{self.name} {time.monotonic() - self.start:7.1f}s  {text}", file=sys.stderr,
               flush=True)
+
+
+@contextlib.contextmanager
+def environ(values: dict[str, str | None]) -> Iterator[None]:
+    """The environment with ``values`` set (``None``: unset) meanwhile."""
+    saved = {k: os.environ.get(k) for k in values}
+    try:
+        for k, v in values.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -16,6 +16,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from .benchutil import environ
+
 # ---------------------------------------------------------------------- a request's params
 #: What P's ``request_finished`` does for each request it holds for D (beside the hook's own
 #: bookkeeping), and what D's scheduler checks of the params it gets, each timed apart.
@@ -94,8 +96,7 @@ def measure_parts(*, rounds: int, calls: int, prompt_tokens: int, block_size: in
         }
 
     out: dict[tuple[str, str, str], list[float]] = {}
-    saved = {k: os.environ.pop(k, None) for k in (auth.ENV_KEY, auth.ENV_KEY_FILE)}
-    try:
+    with environ({auth.ENV_KEY: None, auth.ENV_KEY_FILE: None}):
         fns = {mode: parts_of(mode) for mode in KEY_MODES}
         for r in range(rounds):
             modes = KEY_MODES if r % 2 == 0 else KEY_MODES[::-1]
@@ -109,12 +110,6 @@ def measure_parts(*, rounds: int, calls: int, prompt_tokens: int, block_size: in
                         fn()
                     us = (time.perf_counter_ns() - t0) / 1e3 / calls
                     out.setdefault((mode, side, part), []).append(us)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     return out
 
 

@@ -54,11 +54,12 @@ import os
 import queue
 import statistics
 import time
-from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
 from vllm_ascend.distributed.kv_transfer.core.local_reads import LOCAL_READS_ENV
+
+from .benchutil import environ
 
 #: KV cache shape of the benchmark: CPU layout, 128 KiB per layer and block, 8 layers unless
 #: ``--layers`` says otherwise (real models have 32-80: each layer is a byte range of a block).
@@ -246,25 +247,6 @@ def _spread(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-@contextlib.contextmanager
-def _environ(values: dict[str, str | None]) -> Iterator[None]:
-    """The environment with ``values`` set (``None``: unset) meanwhile."""
-    saved = {k: os.environ.get(k) for k in values}
-    try:
-        for k, v in values.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def _deployment_key(key: str | None) -> contextlib.AbstractContextManager[None]:
     """The environment's deployment key set to ``key`` (``None``: no key) meanwhile.
 
@@ -273,7 +255,7 @@ def _deployment_key(key: str | None) -> contextlib.AbstractContextManager[None]:
     pair's loads run inside this with its own key."""
     from vllm_ascend.distributed.kv_transfer.core import auth
 
-    return _environ({auth.ENV_KEY_FILE: None, auth.ENV_KEY: key})
+    return environ({auth.ENV_KEY_FILE: None, auth.ENV_KEY: key})
 
 
 class _Pair:
@@ -508,7 +490,7 @@ def run(args: argparse.Namespace) -> int:
     # the connector is measured over the transport of the raw read it is compared with: P
     # (spawned, with this environment) advertises no same-host reads, D makes none
     samples: list[dict[str, Any]] = []
-    with _environ({LOCAL_READS_ENV: "0"}):
+    with environ({LOCAL_READS_ENV: "0"}):
         rows = _measure(sizes, rounds, pairs, keyed=args.auth, layers=args.layers,
                         samples=samples)
     cols = ["blocks", "bytes", "raw_GBps", "connector_GBps", "ratio", "ratio_min", "ratio_max",
